@@ -1,0 +1,1 @@
+"""UniRL: distributed reinforcement learning for generative models."""

@@ -1,0 +1,39 @@
+"""The `StageAlgorithm` contract: one loss bound to one track."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from unirl.types.rollout_resp import RolloutTrack
+
+
+class StageAlgorithm(ABC):
+    """A loss over one track's samples.
+
+    Lifecycle per rollout, driven by `TrainStack.train_track` on each rank:
+      1. `prepare_segment(stage, micro_batch)` once per micro-batch, before any
+         update: freeze pi_old (returns the micro-batch with old log-probs set).
+      2. for each of `num_updates_per_batch` updates and each micro-batch:
+         `compute_loss_and_backward(stage, micro_batch, ctx)` replays the
+         stage under the current weights, computes the loss, calls backward
+         (scaled by `ctx["loss_scale"]`) and returns float metrics.
+
+    Class attributes:
+        supports_multi_update: may run several optimizer updates per rollout.
+        requires_ema_rollout: rollouts must come from EMA weights.
+        requires_sde_logprobs: needs per-step log-probs (sampling.eta > 0).
+    """
+
+    supports_multi_update: ClassVar[bool] = False
+    requires_ema_rollout: ClassVar[bool] = False
+    requires_sde_logprobs: ClassVar[bool] = False
+
+    def prepare_segment(self, stage: Any, track: RolloutTrack) -> RolloutTrack:
+        return track
+
+    @abstractmethod
+    def compute_loss_and_backward(
+        self, stage: Any, track: RolloutTrack, ctx: dict[str, Any]
+    ) -> dict[str, float]:
+        """Loss on one micro-batch; calls backward; returns float metrics."""

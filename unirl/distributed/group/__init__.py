@@ -1,0 +1,23 @@
+"""Worker groups on Ray: device pools, placements, rank info and dispatch modes."""
+
+from unirl.distributed.group.device_pool import DevicePool, Placement, placement
+from unirl.distributed.group.dispatch import DISPATCH_SPECS, Dispatch, DispatchSpec, dispatch, dispatch_mode
+from unirl.distributed.group.rank import RankInfo
+from unirl.distributed.group.remote import Worker, WorkerError, WorkerGroup, free_port, remote
+
+__all__ = [
+    "DISPATCH_SPECS",
+    "DevicePool",
+    "Dispatch",
+    "DispatchSpec",
+    "Placement",
+    "RankInfo",
+    "Worker",
+    "WorkerError",
+    "WorkerGroup",
+    "dispatch",
+    "dispatch_mode",
+    "free_port",
+    "placement",
+    "remote",
+]

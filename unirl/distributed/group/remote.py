@@ -1,0 +1,251 @@
+"""Worker base class and the driver-side handle of a group of Ray worker actors."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+from ray.actor import ActorHandle
+
+from unirl.distributed.group.device_pool import Placement
+from unirl.distributed.group.dispatch import DISPATCH_SPECS, Dispatch, dispatch_mode
+from unirl.distributed.group.rank import RankInfo
+
+# A device is shared by up to this many colocated worker groups by default.
+MAX_COLOCATED = 10
+
+
+class WorkerError(RuntimeError):
+    """A worker of a group raised or died during a call.
+
+    The message names the worker class, the rank and the method; the Ray
+    error (``RayTaskError``/``RayActorError``) is chained as ``__cause__``.
+    """
+
+    def __init__(self, worker_cls: str, rank: int, method: str, cause: BaseException) -> None:
+        self.worker_cls = worker_cls
+        self.rank = rank
+        self.method = method
+        detail = str(getattr(cause, "cause", None) or cause).strip().splitlines()
+        reason = detail[-1] if detail else type(cause).__name__
+        super().__init__(f"{worker_cls}.{method} failed on rank {rank}: {type(cause).__name__}: {reason}")
+
+
+class Worker:
+    """Base class of worker-group members (run as Ray actors).
+
+    ``__init__`` stores `rank_info`, calls ``torch.set_num_threads(num_threads)``
+    (class attribute, default 1; override in a subclass) and exports
+    ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and
+    ``LOCAL_RANK`` so ``torch.distributed.init_process_group(backend)`` works
+    with the default ``env://`` init. It does NOT create a process group:
+    subclasses decide whether and which backend (and must destroy it).
+    Extra ``*args``/``**kwargs`` are accepted and ignored so subclasses can
+    forward their own arguments.
+    """
+
+    num_threads: int = 1
+
+    def __init__(self, rank_info: RankInfo, *args: Any, **kwargs: Any) -> None:
+        self.rank_info = rank_info
+        torch.set_num_threads(self.num_threads)
+        os.environ["MASTER_ADDR"] = rank_info.master_addr
+        if rank_info.master_port:
+            os.environ["MASTER_PORT"] = str(rank_info.master_port)
+        os.environ["RANK"] = str(rank_info.rank)
+        os.environ["WORLD_SIZE"] = str(rank_info.world_size)
+        os.environ["LOCAL_RANK"] = str(rank_info.local_rank)
+
+
+class WorkerGroup:
+    """Driver-side handle of `world_size` worker actors; build it with `remote(...)`.
+
+    ``group.method(*args, **kwargs)`` calls ``method`` of the worker class on
+    the ranks chosen by its dispatch tag (see `Dispatch`) and BLOCKS until
+    every called rank has returned; all ranks are submitted before waiting, so
+    collectives inside the method cannot deadlock on the driver. If a rank
+    raises or its actor dies, `WorkerError` is raised at once (other ranks may
+    still be running or stuck in a collective: shut the group down). Calls are
+    not thread-safe. Private names (leading ``_``) are not callable remotely.
+    """
+
+    def __init__(self, worker_cls: type, actors: list[ActorHandle], rank_infos: list[RankInfo]) -> None:
+        if len(actors) != len(rank_infos):
+            raise ValueError("one RankInfo per actor is required")
+        self._worker_cls = worker_cls
+        self._actors = list(actors)
+        self._rank_infos = list(rank_infos)
+        self._closed = False
+
+    @property
+    def worker_cls(self) -> type:
+        """The (undecorated) worker class."""
+        return self._worker_cls
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return len(self._actors)
+
+    @property
+    def rank_infos(self) -> list[RankInfo]:
+        """RankInfo of every rank, in rank order."""
+        return list(self._rank_infos)
+
+    @property
+    def actors(self) -> list[ActorHandle]:
+        """Ray actor handle of every rank, in rank order."""
+        return list(self._actors)
+
+    def call(self, method: str, *args: Any, mode: Dispatch | None = None, **kwargs: Any) -> Any:
+        """Call worker method `method` with dispatch `mode` (default: the method's tag) and block."""
+        if self._closed:
+            raise RuntimeError(f"{self._worker_cls.__name__} group has been shut down")
+        fn = getattr(self._worker_cls, method, None)
+        if method.startswith("_") or not callable(fn):
+            raise AttributeError(f"{self._worker_cls.__name__} has no public method {method!r}")
+        spec = DISPATCH_SPECS[mode if mode is not None else dispatch_mode(fn)]
+        calls = spec.scatter(self.world_size, args, kwargs)
+        pending: dict[ray.ObjectRef, int] = {}
+        for rank, call in enumerate(calls):
+            if call is None:
+                continue
+            rank_args, rank_kwargs = call
+            try:
+                ref = getattr(self._actors[rank], method).remote(*rank_args, **rank_kwargs)
+            except ray.exceptions.RayError as err:
+                raise WorkerError(self._worker_cls.__name__, rank, method, err) from err
+            pending[ref] = rank
+        results = self._wait(pending, method)
+        return spec.gather([results[r] for r in sorted(results)])
+
+    def _wait(self, pending: dict[ray.ObjectRef, int], method: str) -> dict[int, Any]:
+        """Results by rank; raises WorkerError on the first failing rank."""
+        results: dict[int, Any] = {}
+        refs = list(pending)
+        while refs:
+            ready, refs = ray.wait(refs, num_returns=1)
+            for ref in ready:
+                rank = pending[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayError as err:
+                    raise WorkerError(self._worker_cls.__name__, rank, method, err) from err
+        return results
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        fn = getattr(self._worker_cls, name, None)
+        if not callable(fn):
+            raise AttributeError(f"{self._worker_cls.__name__} has no public method {name!r}")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self.call(name, *args, **kwargs)
+
+        call.__name__ = name
+        call.__doc__ = fn.__doc__
+        return call
+
+    def shutdown(self) -> None:
+        """Kill every actor of the group. Idempotent; later calls raise RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        for actor in self._actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already dead or Ray gone: nothing left to kill
+                pass
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self._worker_cls.__name__}, world_size={self.world_size})"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (of the driver's machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _local_and_node_ranks(node_ids: list[str]) -> tuple[list[int], list[int]]:
+    nodes: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    local, node = [], []
+    for nid in node_ids:
+        node.append(nodes.setdefault(nid, len(nodes)))
+        local.append(seen.get(nid, 0))
+        seen[nid] = local[-1] + 1
+    return local, node
+
+
+def remote(
+    cls: type,
+    placement: Placement,
+    *args: Any,
+    num_cpus_per_worker: float | None = None,
+    num_gpus_per_worker: float | None = None,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> WorkerGroup:
+    """Start ``placement.world_size`` actors of ``cls`` and return their `WorkerGroup`.
+
+    Rank i runs on bundle ``placement.bundle_indices[i]`` and is constructed as
+    ``cls(rank_info_i, *args, **kwargs)``. Each actor reserves
+    ``num_cpus_per_worker`` CPUs of its bundle (default: the bundle's CPUs /
+    MAX_COLOCATED) and, on GPU pools, ``num_gpus_per_worker`` of its GPU
+    (default 1 / MAX_COLOCATED), so up to MAX_COLOCATED groups can share a
+    placement by default. `env` is exported in every actor (Ray runtime_env).
+    The rendezvous endpoint is 127.0.0.1 and a port free on the driver
+    (single node). Blocks until every actor is constructed; a failing
+    constructor raises `WorkerError` (method ``__init__``) after killing the
+    group.
+    """
+    pool = placement.pool
+    if num_cpus_per_worker is None:
+        num_cpus_per_worker = pool.cpus_per_device / MAX_COLOCATED
+    if not 0 <= num_cpus_per_worker <= pool.cpus_per_device:
+        raise ValueError(f"num_cpus_per_worker={num_cpus_per_worker} must be in [0, {pool.cpus_per_device}]")
+    if pool.is_gpu:
+        num_gpus = 1.0 / MAX_COLOCATED if num_gpus_per_worker is None else num_gpus_per_worker
+    else:
+        num_gpus = 0.0
+    world_size = placement.world_size
+    node_ids = pool.bundle_node_ids()
+    local_ranks, node_ranks = _local_and_node_ranks([node_ids[b] for b in placement.bundle_indices])
+    port = free_port()
+    rank_infos = [
+        RankInfo(
+            rank=r,
+            world_size=world_size,
+            dp_rank=r,
+            dp_size=world_size,
+            local_rank=local_ranks[r],
+            node_rank=node_ranks[r],
+            master_addr="127.0.0.1",
+            master_port=port,
+        )
+        for r in range(world_size)
+    ]
+    options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus}
+    if env:
+        options["runtime_env"] = {"env_vars": {str(k): str(v) for k, v in env.items()}}
+    actor_cls = ray.remote(cls)
+    actors = [
+        actor_cls.options(scheduling_strategy=pool.scheduling_strategy(bundle), **options).remote(
+            rank_infos[r], *args, **kwargs
+        )
+        for r, bundle in enumerate(placement.bundle_indices)
+    ]
+    group = WorkerGroup(cls, actors, rank_infos)
+    try:
+        group._wait({actor.__ray_ready__.remote(): r for r, actor in enumerate(actors)}, "__init__")
+    except WorkerError:
+        group.shutdown()
+        raise
+    return group

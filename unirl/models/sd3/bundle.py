@@ -1,0 +1,225 @@
+"""The SD3 model bundle: diffusers / transformers components of one SD3 model.
+
+Two ways to build one, same code path afterwards:
+- `SD3ModelConfig(pretrained_path=<dir>)`: a real SD3 / SD3.5 directory
+  (diffusers layout: transformer/, vae/, text_encoder{,_2,_3}/, tokenizer{,_2,_3}/).
+- `SD3ModelConfig(tiny=TinySD3Config(...))`: a tiny random model built from
+  configs, tokenizers built in code (no files, no hub). `pixel_space=True`
+  drops the VAE: the transformer denoises RGB pixels in [-1, 1] directly,
+  so image rewards respond to the policy (a random tiny VAE decodes to
+  nearly the same image whatever the latent).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TinySD3Config:
+    """A tiny SD3-architecture model for CPU runs and tests.
+
+    `resolution` is the image size in pixels. In pixel space the transformer
+    sees [B, 3, resolution, resolution]; otherwise a tiny AutoencoderKL with
+    a 2x downsample gives 4-channel latents. `clip_max_length` is the CLIP
+    token budget (SD3 uses 77; a smaller one makes tiny runs faster).
+    """
+
+    resolution: int = 32
+    pixel_space: bool = True
+    patch_size: int = 2
+    num_layers: int = 2
+    attention_head_dim: int = 32
+    num_attention_heads: int = 4
+    clip_hidden_size: int = 32
+    t5_hidden_size: int = 64
+    text_layers: int = 2
+    clip_max_length: int = 77
+    seed: int = 0
+
+
+@dataclass
+class SD3ModelConfig:
+    """Which SD3 model to build (exactly one of `pretrained_path` / `tiny`).
+
+    Attributes:
+        pretrained_path: local diffusers directory of a real SD3 / SD3.5 model.
+        tiny: tiny-model config used when `pretrained_path` is null.
+        dtype: parameter dtype of the frozen components ("float32",
+            "bfloat16", "float16"); the trainable transformer stays fp32
+            master weights unless the backend casts it.
+    """
+
+    pretrained_path: str | None = None
+    tiny: TinySD3Config | None = field(default_factory=TinySD3Config)
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiny, dict):
+            self.tiny = TinySD3Config(**self.tiny)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.pretrained_path is None and self.tiny is None:
+            raise ValueError("model: set model.pretrained_path to an SD3 directory or give model.tiny")
+
+    def build(self) -> SD3Bundle:
+        if self.pretrained_path:
+            return SD3Bundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
+        return SD3Bundle.tiny(self.tiny)
+
+
+def _tiny_tokenizers(clip_max_length: int, t5_max_length: int):
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+        vocab[ch + "</w>"] = len(vocab)
+    clip = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=clip_max_length)
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [(c, -1.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789\u2581.,'-"]
+    t5 = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=t5_max_length)
+    return clip, t5
+
+
+class SD3Bundle:
+    """The modules of one SD3 model plus the diffusers pipeline that owns them.
+
+    Attributes:
+        pipeline: a `StableDiffusion3Pipeline` (vae may be None in pixel space);
+            its `encode_prompt` is the prompt encoder of record.
+        transformer: the `SD3Transformer2DModel` (the trainable module).
+        vae: `AutoencoderKL` or None (pixel space).
+        latent_channels, vae_scale_factor, patch_size: geometry of the latent grid.
+    """
+
+    def __init__(self, pipeline: StableDiffusion3Pipeline) -> None:
+        self.pipeline = pipeline
+        self.transformer: SD3Transformer2DModel = pipeline.transformer
+        self.vae: AutoencoderKL | None = pipeline.vae
+        self.latent_channels = self.transformer.config.in_channels
+        self.patch_size = self.transformer.config.patch_size
+        self.vae_scale_factor = (
+            2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
+        )
+        for module in self.frozen_modules():
+            module.requires_grad_(False)
+            module.eval()
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        p = self.pipeline
+        return [m for m in (p.text_encoder, p.text_encoder_2, p.text_encoder_3, p.vae) if m is not None]
+
+    @property
+    def pixel_space(self) -> bool:
+        return self.vae is None
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Number of image tokens the transformer sees at this resolution."""
+        cell = self.vae_scale_factor * self.patch_size
+        return (height // cell) * (width // cell)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        cell = self.vae_scale_factor * self.patch_size
+        if height % cell or width % cell:
+            raise ValueError(
+                f"sampling.height/width ({height}x{width}) must be multiples of {cell} "
+                f"(vae scale {self.vae_scale_factor} x patch {self.patch_size})"
+            )
+        return self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> SD3Bundle:
+        """Load a local diffusers SD3 directory; a missing vae/ means pixel space."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
+        extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=dtype, **extra)
+        pipe.transformer.to(torch.float32)
+        return cls(pipe)
+
+    @classmethod
+    def tiny(cls, cfg: TinySD3Config) -> SD3Bundle:
+        """A randomly initialized tiny SD3, deterministic in `cfg.seed`."""
+        from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+        torch.manual_seed(cfg.seed)
+        clip_tok, t5_tok = _tiny_tokenizers(cfg.clip_max_length, t5_max_length=77)
+        clip_cfg = CLIPTextConfig(
+            vocab_size=len(clip_tok.get_vocab()),
+            hidden_size=cfg.clip_hidden_size,
+            intermediate_size=2 * cfg.clip_hidden_size,
+            num_hidden_layers=cfg.text_layers,
+            num_attention_heads=2,
+            projection_dim=cfg.clip_hidden_size,
+            max_position_embeddings=cfg.clip_max_length,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+        t5_cfg = T5Config(
+            vocab_size=len(t5_tok.get_vocab()),
+            d_model=cfg.t5_hidden_size,
+            d_ff=2 * cfg.t5_hidden_size,
+            d_kv=16,
+            num_layers=cfg.text_layers,
+            num_heads=4,
+            decoder_start_token_id=0,
+        )
+        vae = None
+        in_channels = 3
+        if not cfg.pixel_space:
+            vae = AutoencoderKL(
+                in_channels=3,
+                out_channels=3,
+                down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+                up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+                block_out_channels=(16, 32),
+                latent_channels=4,
+                norm_num_groups=8,
+                shift_factor=0.0,
+                scaling_factor=1.0,
+            )
+            in_channels = 4
+        grid = cfg.resolution // (1 if vae is None else 2) // cfg.patch_size
+        transformer = SD3Transformer2DModel(
+            sample_size=cfg.resolution // (1 if vae is None else 2),
+            patch_size=cfg.patch_size,
+            in_channels=in_channels,
+            out_channels=in_channels,
+            num_layers=cfg.num_layers,
+            attention_head_dim=cfg.attention_head_dim,
+            num_attention_heads=cfg.num_attention_heads,
+            joint_attention_dim=cfg.t5_hidden_size,
+            caption_projection_dim=cfg.attention_head_dim * cfg.num_attention_heads,
+            pooled_projection_dim=2 * cfg.clip_hidden_size,
+            pos_embed_max_size=grid,
+        )
+        pipe = StableDiffusion3Pipeline(
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=vae,
+            text_encoder=CLIPTextModelWithProjection(clip_cfg),
+            tokenizer=clip_tok,
+            text_encoder_2=CLIPTextModelWithProjection(clip_cfg),
+            tokenizer_2=clip_tok,
+            text_encoder_3=T5EncoderModel(t5_cfg),
+            tokenizer_3=t5_tok,
+        )
+        return cls(pipe)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the whole bundle in the diffusers layout (`from_pretrained` reads it back)."""
+        self.pipeline.save_pretrained(path)

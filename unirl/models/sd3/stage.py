@@ -1,0 +1,189 @@
+"""The SD3 diffusion stage: encode prompts, diffuse (rollout), replay (train), decode.
+
+`diffuse` and `replay` share one velocity function and one step strategy, so
+the log-prob a rollout records and the one replay recomputes come from the
+same arithmetic. Shapes: B samples, latents [B, C, h, w], K SDE steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from unirl.models.sd3.bundle import SD3Bundle
+from unirl.sde.strategies import FlowSDEStrategy
+from unirl.types.rollout_req import RolloutReq
+from unirl.types.segments import LatentSegment
+
+COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
+NEG_KEYS = ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
+
+
+class SD3Stage:
+    """Sampling and replay of an SD3 model.
+
+    Args:
+        bundle: the model bundle.
+        replay_steps_per_forward: SDE steps replayed in one transformer
+            forward (their latents stacked along the batch); larger is faster
+            on big batches of small images, smaller bounds memory.
+        detach_uncond: stop gradients through the unconditional CFG branch
+            in replay (flow_grpo's training setting).
+
+    `module` is the denoiser actually called; the train backend replaces it
+    with its wrapped (LoRA / FSDP) module so rollout and replay use the
+    trained weights directly.
+    """
+
+    def __init__(
+        self, bundle: SD3Bundle, replay_steps_per_forward: int = 1, detach_uncond: bool = True
+    ) -> None:
+        if replay_steps_per_forward < 1:
+            raise ValueError(f"stage.replay_steps_per_forward must be >= 1, got {replay_steps_per_forward}")
+        self.bundle = bundle
+        self.module: torch.nn.Module = bundle.transformer
+        self.replay_steps_per_forward = replay_steps_per_forward
+        self.detach_uncond = detach_uncond
+
+    # ---- conditions -------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict:
+        """Per-sample condition tensors: prompt embeds [B, L, D] and pooled [B, P]
+        (plus the negative "" ones when guidance_scale > 1). Unique prompts are
+        encoded once."""
+        unique = list(dict.fromkeys(prompts))
+        do_cfg = guidance_scale > 1.0
+        pe, npe, pp, npp = self.bundle.pipeline.encode_prompt(
+            prompt=unique,
+            prompt_2=None,
+            prompt_3=None,
+            device=torch.device("cpu"),
+            do_classifier_free_guidance=do_cfg,
+            max_sequence_length=max_sequence_length,
+        )
+        idx = torch.tensor([unique.index(p) for p in prompts])
+        cond = {"prompt_embeds": pe[idx].float(), "pooled_prompt_embeds": pp[idx].float()}
+        if do_cfg:
+            cond["negative_prompt_embeds"] = npe[idx].float()
+            cond["negative_pooled_prompt_embeds"] = npp[idx].float()
+        return cond
+
+    # ---- the denoiser -----------------------------------------------------------------------
+    def velocity(
+        self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance_scale: float
+    ) -> torch.Tensor:
+        """[B, C, h, w] guided velocity at per-row noise levels `sigma` [B].
+
+        With guidance the cond and uncond halves run in one forward; the
+        uncond half is detached when `detach_uncond` and grad is enabled.
+        """
+        timestep = sigma.to(torch.float32) * 1000.0
+        if guidance_scale <= 1.0:
+            return self._forward(x, timestep, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+        out = self._forward(
+            torch.cat([x, x]),
+            torch.cat([timestep, timestep]),
+            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
+            torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]),
+        )
+        v_uncond, v_cond = out.chunk(2)
+        if self.detach_uncond:
+            v_uncond = v_uncond.detach()
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+    def _forward(
+        self, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = next(self.module.parameters()).dtype
+        out = self.module(
+            hidden_states=x.to(dtype),
+            timestep=t,
+            encoder_hidden_states=embeds.to(dtype),
+            pooled_projections=pooled.to(dtype),
+            return_dict=False,
+        )[0]
+        return out.to(torch.float32)
+
+    # ---- rollout ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def diffuse(self, req: RolloutReq, cond: dict, traj_dtype: torch.dtype = torch.float32) -> LatentSegment:
+        """Sample `len(req)` trajectories with the request's pinned sigmas.
+
+        Noise comes from one generator per sample seeded by `req.seeds`, so a
+        sample is the same whichever batch or rank it is generated in. Stores
+        the latents at every position replay needs and the log-prob of every
+        SDE step.
+        """
+        sp = req.sampling
+        sigmas = req.sigmas
+        strategy = FlowSDEStrategy(sp.eta)
+        shape = self.bundle.latent_shape(sp.height, sp.width)
+        gens = [torch.Generator().manual_seed(s) for s in req.seeds]
+        x = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(traj_dtype)
+        sde = set(req.sde_indices)
+        positions = sorted({p for i in sde for p in (i, i + 1)} | {sp.num_steps})
+        stored, log_probs = {}, []
+        for i in range(sp.num_steps):
+            if i in positions:
+                stored[i] = x
+            v = self.velocity(x, sigmas[i].expand(len(req)), cond, sp.guidance_scale)
+            noise = torch.stack([torch.randn(shape, generator=g) for g in gens]) if i in sde else None
+            out = strategy.step(x, v, sigmas, i, sde=i in sde, noise=noise)
+            if out.log_prob is not None:
+                log_probs.append(out.log_prob)
+            x = out.next_sample
+        stored[sp.num_steps] = x
+        return LatentSegment(
+            latents=torch.stack([stored[p] for p in positions], dim=1),
+            positions=positions,
+            sigmas=sigmas,
+            sde_indices=sorted(sde),
+            log_probs=torch.stack(log_probs, dim=1) if log_probs else torch.zeros(len(req), 0),
+            eta=sp.eta,
+            guidance_scale=sp.guidance_scale,
+        )
+
+    # ---- replay -----------------------------------------------------------------------------
+    def replay(
+        self, segment: LatentSegment, cond: dict, steps: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Recompute SDE steps `steps` (step indices, each in segment.sde_indices)
+        under the current weights, with autograd if enabled, using the
+        segment's pinned sigmas, eta and guidance scale.
+
+        The steps are stacked along the batch into one forward. Returns
+        (log_probs [B, k] fp32, means [B, k, C, h, w] fp32, std_dev_t [k] fp32).
+        """
+        strategy = FlowSDEStrategy(segment.eta)
+        b = len(segment)
+        x = torch.cat([segment.at(i) for i in steps])
+        sig = torch.cat([segment.sigmas[i].expand(b) for i in steps])
+        rep = {k: v.repeat(len(steps), *([1] * (v.dim() - 1))) for k, v in cond.items()}
+        v_all = self.velocity(x, sig, rep, segment.guidance_scale)
+        lps, means, stds = [], [], []
+        for j, i in enumerate(steps):
+            sl = slice(j * b, (j + 1) * b)
+            out = strategy.step(x[sl], v_all[sl], segment.sigmas, i, sde=True, next_sample=segment.at(i + 1))
+            lps.append(out.log_prob)
+            means.append(out.mean)
+            stds.append(out.std_dev_t)
+        return torch.stack(lps, dim=1), torch.stack(means, dim=1), torch.stack(stds)
+
+    def replay_chunks(self, steps: list[int]) -> Iterator[list[int]]:
+        """`steps` in chunks of `replay_steps_per_forward`."""
+        n = self.replay_steps_per_forward
+        for k in range(0, len(steps), n):
+            yield steps[k : k + n]
+
+    # ---- media ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] uint8 RGB from final latents (pixel space: x in [-1, 1])."""
+        vae = self.bundle.vae
+        if vae is None:
+            img = latents.float()
+        else:
+            scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+            img = vae.decode(scaled, return_dict=False)[0].float()
+        return ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)

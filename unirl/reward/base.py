@@ -1,0 +1,91 @@
+"""Reward backends: turn a `RewardRequest` into unweighted per-component scores.
+
+A backend owns the scorers and the weight of each component; it does not
+combine them. `RewardService` validates the scores, applies the weights and
+attaches the result to a track.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+
+import torch
+
+from unirl.types.reward import RewardRequest, RewardResponse
+
+Scorer = Callable[[RewardRequest], torch.Tensor]
+"""A weight-free scorer: `scorer(req) -> [B]` float tensor, one score per image (NaN marks a failure)."""
+
+
+class RewardBackend(ABC):
+    """Scores media per component.
+
+    Contract:
+        `score(req)` returns a `RewardResponse` whose `components` holds, for
+        every name in `weights`, a [B] fp32 tensor of unweighted scores in
+        request order. A failed sample is NaN; it is not dropped.
+        `weights` maps each component name to the weight the service applies
+        to it when summing the total reward.
+    """
+
+    @property
+    @abstractmethod
+    def weights(self) -> dict[str, float]:
+        """Component name -> weight of that component in the total reward."""
+
+    @abstractmethod
+    def score(self, req: RewardRequest) -> RewardResponse:
+        """Unweighted [B] fp32 scores of `req.images`, one tensor per component."""
+
+
+class LocalRewardBackend(RewardBackend):
+    """Runs weight-free scorers in-process.
+
+    Args:
+        components: component name -> scorer (`scorer(req) -> [B]` float
+            tensor). Must not be empty.
+        weights: component name -> weight; components not listed weigh 1.0.
+            A key naming no component is an error.
+
+    `score` calls every scorer in order and returns all components as [B]
+    fp32 CPU tensors. Non-finite scores pass through unchanged (the service
+    decides what to do with them). A scorer that raises propagates its
+    exception with the component name prefixed to the message; a scorer
+    whose output is not a [B] tensor raises ValueError naming the component.
+    """
+
+    def __init__(self, components: Mapping[str, Scorer], weights: Mapping[str, float] | None = None) -> None:
+        if not components:
+            raise ValueError("LocalRewardBackend needs at least one component, got none")
+        for name, scorer in components.items():
+            if not callable(scorer):
+                raise ValueError(f"reward component {name!r} is not callable: got {type(scorer).__name__}")
+        weights = dict(weights or {})
+        unknown = sorted(set(weights) - set(components))
+        if unknown:
+            raise ValueError(
+                f"reward weights name unknown component(s) {unknown}; known components: {sorted(components)}"
+            )
+        self.components: dict[str, Scorer] = dict(components)
+        self._weights: dict[str, float] = {name: float(weights.get(name, 1.0)) for name in self.components}
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return dict(self._weights)
+
+    def score(self, req: RewardRequest) -> RewardResponse:
+        batch = req.images.shape[0]
+        scores: dict[str, torch.Tensor] = {}
+        for name, scorer in self.components.items():
+            try:
+                out = scorer(req)
+            except Exception as e:
+                # Keep the exception type so callers can still catch it; only the message gains the name.
+                e.args = (f"reward component {name!r} failed: {e.args[0] if e.args else ''}", *e.args[1:])
+                raise
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch,):
+                got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"reward component {name!r} must return a [B={batch}] tensor, got {got}")
+            scores[name] = out.detach().to(device="cpu", dtype=torch.float32)
+        return RewardResponse(components=scores)

@@ -1,0 +1,93 @@
+"""`RewardService`: score a track, validate the scores, attach weighted rewards."""
+
+from __future__ import annotations
+
+import torch
+
+from unirl.reward.base import RewardBackend
+from unirl.types.reward import RewardRequest
+from unirl.types.rollout_resp import RolloutTrack
+
+
+class RewardError(RuntimeError):
+    """A backend returned scores the step cannot train on (missing, misshapen or non-finite)."""
+
+
+class RewardService:
+    """Scores tracks with a `RewardBackend` and attaches the rewards.
+
+    Args:
+        backend: produces the unweighted components and their weights.
+    """
+
+    def __init__(self, backend: RewardBackend) -> None:
+        self.backend = backend
+
+    def score_and_attach(self, track: RolloutTrack) -> dict[str, float]:
+        """Score `track.media` and set `track.rewards` and `track.reward_components`.
+
+        The response must hold exactly the components named in
+        `backend.weights`, each [B] and finite; anything else raises
+        `RewardError` and leaves the track untouched (the step stops rather
+        than train on a bad reward). The total reward is
+        sum_c weight_c * component_c in fp32.
+
+        Returns:
+            `reward/mean`, `reward/std` (population) of the total, and
+            `reward/<name>/mean`, `reward/<name>/std` per unweighted component.
+        """
+        if track.media is None:
+            raise ValueError(f"track {track.name!r} has no media to score: decode images before scoring")
+        if len(track) == 0:
+            raise ValueError(f"track {track.name!r} has no samples to score")
+        req = RewardRequest(
+            sample_ids=list(track.sample_ids),
+            prompts=list(track.prompts),
+            images=track.media,
+            metadata=list(track.metadata),
+        )
+        returned = self.backend.score(req).components
+        weights = self.backend.weights
+        batch = len(track)
+
+        for name in weights:
+            if name not in returned:
+                raise RewardError(
+                    f"reward backend returned no component {name!r} for track {track.name!r}; "
+                    f"returned: {sorted(returned)}"
+                )
+        extra = sorted(set(returned) - set(weights))
+        if extra:
+            raise RewardError(
+                f"reward backend returned component(s) {extra} that have no weight; "
+                f"weighted components: {sorted(weights)}"
+            )
+
+        components: dict[str, torch.Tensor] = {}
+        for name in weights:
+            scores = returned[name]
+            if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (batch,):
+                got = list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+                raise RewardError(f"reward component {name!r} must be [B={batch}], got {got}")
+            scores = scores.detach().to(torch.float32)
+            bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+            if bad:
+                i = bad[0]
+                raise RewardError(
+                    f"reward component {name!r} is {scores[i].item()} for sample {track.sample_ids[i]!r} "
+                    f"(track {track.name!r}, {len(bad)} non-finite value(s) in this component); "
+                    "the step is stopped: fix the scorer or the sample"
+                )
+            components[name] = scores
+
+        total = torch.zeros(batch, dtype=torch.float32, device=next(iter(components.values())).device)
+        for name, weight in weights.items():
+            total += weight * components[name]
+
+        track.rewards = total
+        track.reward_components = components
+        metrics = {"reward/mean": total.mean().item(), "reward/std": total.std(unbiased=False).item()}
+        for name, scores in components.items():
+            metrics[f"reward/{name}/mean"] = scores.mean().item()
+            metrics[f"reward/{name}/std"] = scores.std(unbiased=False).item()
+        return metrics

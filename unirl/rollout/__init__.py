@@ -1,0 +1,1 @@
+"""Rollout engines: adapt a backend's samples into `RolloutResp` tracks."""

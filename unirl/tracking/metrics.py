@@ -1,0 +1,51 @@
+"""Metric sinks: one JSON object per step in `metrics.jsonl`, and sample image grids."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+class JsonlWriter:
+    """Appends one JSON object per `write` to `path` (flushed each line).
+
+    Non-finite floats are written as null so every line stays valid JSON.
+    """
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        self._f = open(path, "a")
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self._f.write(json.dumps(clean, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def save_image_grid(
+    images: torch.Tensor, path: str, captions: list[str], rewards: list[float], ncols: int | None = None
+) -> None:
+    """Save [B, 3, H, W] uint8 images as one PNG grid at `path`, and their
+    prompts and rewards beside it as `<path stem>.json`."""
+    b, _, h, w = images.shape
+    ncols = ncols or min(b, 8)
+    nrows = math.ceil(b / ncols)
+    grid = np.zeros((nrows * h, ncols * w, 3), dtype=np.uint8)
+    arr = images.permute(0, 2, 3, 1).numpy()
+    for i in range(b):
+        r, c = divmod(i, ncols)
+        grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = arr[i]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    Image.fromarray(grid).save(path)
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump([{"prompt": p, "reward": r} for p, r in zip(captions, rewards, strict=True)], f, indent=1)

@@ -1,0 +1,102 @@
+"""`DiffusionWorker`: one rank holding the model, the train stack and the trainside engine.
+
+Constructed from the resolved recipe (a plain dict), so a worker builds
+exactly what the recipe names and nothing from the driver's process leaks in.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+
+from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
+from unirl.train.backend import TrainBackend
+from unirl.train.stack import TrainStack
+from unirl.types.rollout_req import RolloutReq
+from unirl.types.rollout_resp import RolloutTrack
+
+
+def quiet_library_logs() -> None:
+    """Keep diffusers / transformers to errors: their per-call notices (truncated
+    prompts, shard writing) would drown the run's own output."""
+    import diffusers
+    import transformers
+
+    diffusers.logging.set_verbosity_error()
+    diffusers.logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def build(node: Any, **kwargs: Any) -> Any:
+    """Instantiate a `_target_` node with plain containers; None stays None."""
+    return None if node is None else instantiate(node, _convert_="all", **kwargs)
+
+
+class DiffusionWorker(Worker):
+    """A train + rollout rank of a diffusion run (colocated, trainside sampling).
+
+    Args:
+        rank_info: this rank.
+        cfg: the resolved recipe as a plain dict.
+        total_optimizer_steps: optimizer steps of the run (LR schedule length).
+        base_model_dir: if set, rank 0 writes the untrained bundle there before
+            LoRA is injected (a tiny model's checkpoint then has a base to load onto).
+    """
+
+    def __init__(
+        self,
+        rank_info: RankInfo,
+        cfg: dict[str, Any],
+        total_optimizer_steps: int,
+        base_model_dir: str | None = None,
+    ) -> None:
+        super().__init__(rank_info)
+        quiet_library_logs()
+        threads = cfg.get("threads_per_worker") or max(1, (os.cpu_count() or 1) // cfg["num_devices"])
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg["seed"])
+        self.model_cfg = build(cfg["model"])
+        self.bundle = self.model_cfg.build()
+        if base_model_dir and rank_info.rank == 0:
+            self.bundle.save_pretrained(base_model_dir)
+        self.stage = build(cfg["stage"], bundle=self.bundle)
+        train = cfg["train"]
+        self.backend = TrainBackend(
+            self.stage.module, build(train.get("lora")), build(train["optim"]), total_optimizer_steps
+        )
+        self.stage.module = self.backend.module
+        self.algorithm = build(cfg["algorithm"])
+        if getattr(getattr(self.algorithm, "config", None), "beta", 0) > 0:
+            self.backend.keep_reference()
+        self.stack = TrainStack(self.stage, self.backend, self.algorithm, build(train["stack"]))
+        self.engine = build(cfg["rollout"], stage=self.stage)
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def model_info(self) -> dict[str, Any]:
+        """Geometry the driver needs to pin sigma schedules, plus sizes for the log."""
+        return {
+            "pixel_space": self.bundle.pixel_space,
+            "vae_scale_factor": self.bundle.vae_scale_factor,
+            "patch_size": self.bundle.patch_size,
+            "num_trainable": self.backend.num_trainable,
+            "num_params": sum(p.numel() for p in self.backend.module.parameters()),
+        }
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def rollout(self, req: RolloutReq) -> RolloutTrack:
+        """Generate this rank's shard of the request; gathered in order by the driver."""
+        return self.engine.generate(req).track(self.engine.track_name)
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def train(self, track: RolloutTrack, progress: float) -> dict[str, float]:
+        """Train on this rank's shard of the scored track; returns this rank's metrics."""
+        return self.stack.train_track(track, progress)
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def save_weights(self, path: str, base_model: str) -> None:
+        """Write the trained weights (LoRA file or full transformer) loadable by diffusers."""
+        self.backend.save_weights(path, base_model)

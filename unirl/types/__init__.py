@@ -1,0 +1,21 @@
+"""The typed boundary between rollout and training: pure data, no nn.Module, no Ray."""
+
+from unirl.types.reward import RewardRequest, RewardResponse
+from unirl.types.rollout_req import PromptExample, RolloutReq
+from unirl.types.rollout_resp import AdvantageConfig, RolloutResp, RolloutTrack, compute_advantages
+from unirl.types.sampling import DiffusionSamplingParams
+from unirl.types.segments import LatentSegment, TextSegment
+
+__all__ = [
+    "AdvantageConfig",
+    "DiffusionSamplingParams",
+    "LatentSegment",
+    "PromptExample",
+    "RewardRequest",
+    "RewardResponse",
+    "RolloutReq",
+    "RolloutResp",
+    "RolloutTrack",
+    "TextSegment",
+    "compute_advantages",
+]

@@ -1,0 +1,100 @@
+"""`RolloutReq`: what the trainer asks a rollout engine to generate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unirl.types.batch import concat, select, split
+from unirl.types.sampling import DiffusionSamplingParams
+
+
+@dataclass
+class PromptExample:
+    """One prompt row from a data source."""
+
+    prompt: str
+    prompt_id: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutReq:
+    """A batch of samples to generate: `len(prompts)` prompts x `samples_per_prompt`.
+
+    Sample order is group-major: the `samples_per_prompt` siblings of a prompt
+    are contiguous and share a `group_id`.
+
+    Attributes:
+        sample_ids, group_ids, prompts, metadata: per sample.
+        seeds: per-sample noise seeds, fixed by the global sample index so a
+            sample's noise does not depend on how the batch is split.
+        sampling: the sampling params.
+        sigmas: [T+1] fp32 sigma schedule, pinned (single source of truth).
+        rollout_id: index of this rollout; seeds the SDE-step choice.
+        sde_indices: SDE step indices resolved for this rollout.
+    """
+
+    sample_ids: list[str]
+    group_ids: list[str]
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    seeds: list[int]
+    sampling: DiffusionSamplingParams
+    sigmas: torch.Tensor
+    rollout_id: int
+    sde_indices: list[int]
+
+    PER_SAMPLE = ("sample_ids", "group_ids", "prompts", "metadata", "seeds")
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @classmethod
+    def from_prompts(
+        cls,
+        examples: list[PromptExample],
+        sampling: DiffusionSamplingParams,
+        sigmas: torch.Tensor,
+        rollout_id: int,
+    ) -> RolloutReq:
+        """Expand each prompt into a group of `sampling.samples_per_prompt` samples."""
+        if sigmas.dtype != torch.float32 or sigmas.numel() != sampling.num_steps + 1:
+            raise ValueError(
+                f"sigmas must be fp32 with num_steps+1={sampling.num_steps + 1} entries, "
+                f"got {sigmas.dtype} with {sigmas.numel()}"
+            )
+        k = sampling.samples_per_prompt
+        sample_ids, group_ids, prompts, metadata, seeds = [], [], [], [], []
+        for g, ex in enumerate(examples):
+            gid = f"r{rollout_id}/g{g}:{ex.prompt_id}"
+            for s in range(k):
+                sample_ids.append(f"{gid}::sample:{s}")
+                group_ids.append(gid)
+                prompts.append(ex.prompt)
+                metadata.append(dict(ex.metadata))
+                seeds.append(hash((sampling.seed, rollout_id, g * k + s)) & 0x7FFF_FFFF)
+        return cls(
+            sample_ids=sample_ids,
+            group_ids=group_ids,
+            prompts=prompts,
+            metadata=metadata,
+            seeds=seeds,
+            sampling=sampling,
+            sigmas=sigmas,
+            rollout_id=rollout_id,
+            sde_indices=sampling.resolve_sde_indices(rollout_id),
+        )
+
+    def select(self, idx: list[int]) -> RolloutReq:
+        return select(self, idx)
+
+    def split(self, parts: int) -> list[RolloutReq]:
+        """`parts` contiguous equal shards by sample (data-parallel scatter)."""
+        return split(self, parts)
+
+    @staticmethod
+    def concat(parts: list[RolloutReq]) -> RolloutReq:
+        return concat(parts)

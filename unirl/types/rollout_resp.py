@@ -1,0 +1,170 @@
+"""`RolloutResp` and `RolloutTrack`: what a rollout produced, per stage.
+
+Reward -> advantage shaping lives here (`RolloutTrack.compute_advantages`), so
+every algorithm and every trainer share one implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unirl.types.batch import concat, select, split
+from unirl.types.segments import LatentSegment, TextSegment
+
+ADVANTAGE_SCOPES = ("group", "global")
+
+
+@dataclass
+class AdvantageConfig:
+    """How rewards become advantages.
+
+    Attributes:
+        scope: "group" z-scores within each group of siblings; "global" over
+            the whole batch.
+        global_std: with scope "group", divide by the batch std instead of
+            the group std (flow_grpo's `global_std`).
+        eps: added to the std.
+        clip: clip advantages to [-clip, clip]; None disables.
+    """
+
+    scope: str = "group"
+    global_std: bool = False
+    eps: float = 1e-4
+    clip: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in ADVANTAGE_SCOPES:
+            raise ValueError(f"advantage.scope must be one of {ADVANTAGE_SCOPES}, got {self.scope!r}")
+        if self.clip is not None and self.clip <= 0:
+            raise ValueError(f"advantage.clip must be > 0 or null, got {self.clip}")
+
+
+def group_layout(group_ids: list[str]) -> tuple[int, int]:
+    """(num_groups, group_size) of contiguous, uniform groups; raise otherwise."""
+    if not group_ids:
+        raise ValueError("cannot compute advantages of an empty batch")
+    runs: list[tuple[str, int]] = []
+    for gid in group_ids:
+        if runs and runs[-1][0] == gid:
+            runs[-1] = (gid, runs[-1][1] + 1)
+        else:
+            runs.append((gid, 1))
+    seen = [g for g, _ in runs]
+    if len(set(seen)) != len(seen):
+        dup = next(g for g in seen if seen.count(g) > 1)
+        raise ValueError(
+            f"group {dup!r} is not contiguous: siblings of a prompt must be adjacent in the batch "
+            "(build requests with RolloutReq.from_prompts and keep sample order)"
+        )
+    sizes = {n for _, n in runs}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"groups must all have the same size, got sizes {sorted(sizes)} for {len(runs)} groups"
+        )
+    return len(runs), sizes.pop()
+
+
+def compute_advantages(rewards: torch.Tensor, group_ids: list[str], cfg: AdvantageConfig) -> torch.Tensor:
+    """[B] fp32 advantages from [B] rewards.
+
+    group scope: A = (r - mean_g) / (std_g + eps), std_g the population std of
+    the group (or of the batch with `global_std`). global scope: A = (r -
+    mean) / (std + eps) over the batch. Then optional clipping.
+    """
+    r = rewards.to(torch.float32)
+    if cfg.scope == "global":
+        adv = (r - r.mean()) / (r.std(unbiased=False) + cfg.eps)
+    else:
+        num_groups, size = group_layout(group_ids)
+        g = r.view(num_groups, size)
+        std = r.std(unbiased=False) if cfg.global_std else g.std(dim=1, unbiased=False, keepdim=True)
+        adv = ((g - g.mean(dim=1, keepdim=True)) / (std + cfg.eps)).reshape(-1)
+    if cfg.clip is not None:
+        adv = adv.clamp(-cfg.clip, cfg.clip)
+    return adv
+
+
+@dataclass
+class RolloutTrack:
+    """One generation stage's output for a batch of samples.
+
+    Attributes:
+        name: track name ("diffusion", "ar", ...).
+        sample_ids, group_ids, prompts, metadata: per sample, in request order.
+        segment: the trajectory (`LatentSegment` or `TextSegment`).
+        conditions: per-sample condition tensors replay needs (e.g. prompt
+            embeddings), each [B, ...].
+        media: [B, 3, H, W] uint8 images (or None for text stages).
+        rewards: [B] fp32 once scored.
+        reward_components: name -> [B] fp32 unweighted component scores.
+        advantages: [B] fp32 once computed.
+        parent_ids: per-sample ids of the samples this one was derived from
+            (composed rollouts); None for a root stage.
+        rollout_id: the rollout that produced the track.
+    """
+
+    name: str
+    sample_ids: list[str]
+    group_ids: list[str]
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    segment: LatentSegment | TextSegment
+    conditions: dict[str, torch.Tensor] = field(default_factory=dict)
+    media: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    advantages: torch.Tensor | None = None
+    parent_ids: list[str] | None = None
+    rollout_id: int = 0
+
+    PER_SAMPLE = (
+        "sample_ids",
+        "group_ids",
+        "prompts",
+        "metadata",
+        "segment",
+        "conditions",
+        "media",
+        "rewards",
+        "reward_components",
+        "advantages",
+        "parent_ids",
+    )
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def select(self, idx: list[int]) -> RolloutTrack:
+        return select(self, idx)
+
+    def split(self, parts: int) -> list[RolloutTrack]:
+        """`parts` contiguous equal shards by sample (data-parallel scatter)."""
+        return split(self, parts)
+
+    @staticmethod
+    def concat(parts: list[RolloutTrack]) -> RolloutTrack:
+        """Reassemble shards in order (data-parallel gather)."""
+        return concat(parts)
+
+    def compute_advantages(self, cfg: AdvantageConfig) -> torch.Tensor:
+        """Set and return `advantages` from `rewards` (see `compute_advantages`)."""
+        if self.rewards is None:
+            raise ValueError(f"track {self.name!r} has no rewards: score it before computing advantages")
+        self.advantages = compute_advantages(self.rewards, self.group_ids, cfg)
+        return self.advantages
+
+
+@dataclass
+class RolloutResp:
+    """The result of one rollout: one track per generation stage."""
+
+    tracks: dict[str, RolloutTrack]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def track(self, name: str) -> RolloutTrack:
+        if name not in self.tracks:
+            raise KeyError(f"rollout has no track {name!r}; tracks: {sorted(self.tracks)}")
+        return self.tracks[name]

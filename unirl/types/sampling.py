@@ -1,0 +1,127 @@
+"""Sampling parameters of a diffusion stage and the choice of SDE steps.
+
+`DiffusionSamplingParams` travels on every `RolloutReq`. It is pure data: the
+sigma schedule itself is computed by `unirl.sde.schedules` and pinned onto the
+request, so every engine and the train-side replay read the same fp32 sigmas.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+SDE_SCHEDULERS = ("all", "fixed", "random")
+
+
+@dataclass
+class DiffusionSamplingParams:
+    """How one diffusion rollout samples.
+
+    Attributes:
+        num_steps: denoising steps T; the sigma schedule has T+1 entries.
+        samples_per_prompt: group size; siblings of a prompt share a group id.
+        height, width: output size in pixels.
+        guidance_scale: classifier-free guidance; 1.0 disables the uncond branch.
+        eta: SDE noise level on SDE steps; eta=0 makes every step an Euler step.
+        shift: static sigma shift (SD3 uses 3.0). Ignored when `dynamic_shift`.
+        dynamic_shift: compute the shift from the image sequence length (mu), as
+            SD3.5 at high resolution and FLUX do.
+        base_seq_len, max_seq_len, base_shift, max_shift: the (seq_len, mu)
+            line of the dynamic shift.
+        max_sequence_length: T5 token budget of the prompt encoder.
+        sde_scheduler: which steps are SDE steps (stochastic, with a log-prob):
+            "all", "fixed" (the list `sde_steps`), or "random" (`sde_num_steps`
+            steps drawn within the fraction window `sde_window`, seeded by the
+            rollout id so replay and every rank agree).
+        sde_steps: step indices for "fixed".
+        sde_num_steps: k for "random".
+        sde_window: (lo, hi) fractions of T that bound the "random" draw.
+        seed: base seed; rollout noise derives from (seed, rollout_id, sample).
+    """
+
+    num_steps: int = 10
+    samples_per_prompt: int = 4
+    height: int = 32
+    width: int = 32
+    guidance_scale: float = 4.5
+    eta: float = 0.7
+    shift: float = 3.0
+    dynamic_shift: bool = False
+    base_seq_len: int = 256
+    max_seq_len: int = 4096
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    max_sequence_length: int = 77
+    sde_scheduler: str = "all"
+    sde_steps: list[int] = field(default_factory=list)
+    sde_num_steps: int = 1
+    sde_window: tuple[float, float] = (0.0, 0.99)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.sde_window = tuple(self.sde_window)
+        self.sde_steps = list(self.sde_steps)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending `sampling.*` key."""
+        if self.num_steps < 1:
+            raise ValueError(f"sampling.num_steps must be >= 1, got {self.num_steps}")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"sampling.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.eta < 0:
+            raise ValueError(f"sampling.eta must be >= 0, got {self.eta}")
+        if self.guidance_scale < 1.0:
+            raise ValueError(
+                f"sampling.guidance_scale must be >= 1.0 (1.0 disables CFG), got {self.guidance_scale}"
+            )
+        if self.sde_scheduler not in SDE_SCHEDULERS:
+            raise ValueError(
+                f"sampling.sde_scheduler must be one of {SDE_SCHEDULERS}, got {self.sde_scheduler!r}"
+            )
+        if self.sde_scheduler == "fixed":
+            bad = [i for i in self.sde_steps if not 0 <= i < self.num_steps]
+            if not self.sde_steps or bad:
+                raise ValueError(
+                    f"sampling.sde_steps must be a non-empty list of step indices in [0, {self.num_steps}) "
+                    f"for sde_scheduler=fixed, got {self.sde_steps}"
+                )
+        if self.sde_scheduler == "random":
+            lo, hi = self.window_bounds()
+            if not 1 <= self.sde_num_steps <= hi - lo:
+                raise ValueError(
+                    f"sampling.sde_num_steps={self.sde_num_steps} must be in [1, {hi - lo}]: the window "
+                    f"sampling.sde_window={list(self.sde_window)} covers steps [{lo}, {hi}) of {self.num_steps}"
+                )
+
+    def window_bounds(self) -> tuple[int, int]:
+        """Step range [lo, hi) covered by `sde_window` fractions of `num_steps`."""
+        lo_f, hi_f = self.sde_window
+        if not 0.0 <= lo_f < hi_f <= 1.0:
+            raise ValueError(
+                f"sampling.sde_window must satisfy 0 <= lo < hi <= 1, got {list(self.sde_window)}"
+            )
+        lo = int(lo_f * self.num_steps)
+        hi = max(lo + 1, int(hi_f * self.num_steps))
+        return lo, hi
+
+    def resolve_sde_indices(self, rollout_id: int) -> list[int]:
+        """Sorted step indices that run as SDE steps for this rollout.
+
+        Deterministic in (`sde_scheduler`, `seed`, `rollout_id`), so the
+        rollout, every data-parallel rank and the train-side replay agree.
+        With eta=0 there are no SDE steps at all.
+        """
+        if self.eta == 0:
+            return []
+        if self.sde_scheduler == "all":
+            return list(range(self.num_steps))
+        if self.sde_scheduler == "fixed":
+            return sorted(set(self.sde_steps))
+        lo, hi = self.window_bounds()
+        rng = random.Random(self.seed * 1_000_003 + rollout_id)
+        return sorted(rng.sample(range(lo, hi), self.sde_num_steps))
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.guidance_scale > 1.0
