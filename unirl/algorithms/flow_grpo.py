@@ -129,19 +129,21 @@ class FlowGRPO(StageAlgorithm):
         rmin, rmax = math.inf, -math.inf
         for steps in stage.replay_chunks(seg.sde_indices):
             cols = [seg.sde_indices.index(i) for i in steps]
+            if cfg.beta > 0:
+                # Before the policy forward: a full fine-tune's reference swaps weights in place.
+                with torch.no_grad(), ctx["reference"]():
+                    _, ref_means, _ = stage.replay(seg, track.conditions, steps)
             new_logp, means, std_dev_t = stage.replay(seg, track.conditions, steps)
             old_logp = seg.log_probs[:, cols]
             per_elem, ratio = clipped_policy_loss(new_logp, old_logp, track.advantages, clip)
             policy = per_elem.mean()
             loss = policy
             if cfg.beta > 0:
-                with torch.no_grad(), ctx["reference"]():
-                    _, ref_means, _ = stage.replay(seg, track.conditions, steps)
                 kl = ((means - ref_means) ** 2).mean(dim=(2, 3, 4)) / (2 * std_dev_t**2)
                 loss = loss + cfg.beta * kl.mean()
                 sums["kl"] += float(kl.detach().mean()) * len(steps)
             (loss * ctx["loss_scale"] * len(steps) / k_total).backward()
-            loss, policy = loss.detach(), policy.detach()
+            loss, policy, new_logp, ratio = loss.detach(), policy.detach(), new_logp.detach(), ratio.detach()
             w = len(steps)
             sums["loss"] += float(loss) * w
             sums["policy_loss"] += float(policy) * w

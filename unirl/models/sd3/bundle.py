@@ -223,3 +223,27 @@ class SD3Bundle:
     def save_pretrained(self, path: str) -> None:
         """Write the whole bundle in the diffusers layout (`from_pretrained` reads it back)."""
         self.pipeline.save_pretrained(path)
+
+
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> SD3Bundle:
+    """Load a bundle with the trained weights of a UniRL checkpoint directory.
+
+    Reads `unirl_checkpoint.json` (written by the train backend), loads its
+    `base_model` directory, then applies the weights: the LoRA file through
+    diffusers' `load_lora_weights`, or a full `transformer/` directory.
+    """
+    import json
+
+    meta_path = os.path.join(path, "unirl_checkpoint.json")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    bundle = SD3Bundle.from_pretrained(meta["base_model"], dtype=dtype)
+    if meta["kind"] == "lora":
+        bundle.pipeline.load_lora_weights(path)
+    else:
+        transformer = SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer"))
+        bundle.pipeline.transformer = transformer
+        bundle.transformer = transformer
+    return bundle

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny SD3 components built from configs (offline, CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+
+
+def tiny_model_config(**overrides):
+    from unirl.models.sd3 import SD3ModelConfig, TinySD3Config
+
+    tiny = dict(resolution=16, patch_size=4, num_layers=1, clip_max_length=8, seed=0)
+    tiny.update(overrides)
+    return SD3ModelConfig(tiny=TinySD3Config(**tiny))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_and_threads():
+    from unirl.trainer.diffusion_worker import quiet_library_logs
+
+    quiet_library_logs()
+    torch.set_num_threads(2)
+
+
+@pytest.fixture
+def tiny_bundle():
+    return tiny_model_config().build()
