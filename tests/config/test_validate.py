@@ -51,7 +51,11 @@ def test_micro_batch_must_divide_per_rank_batch():
 
 def test_multi_update_with_algorithm_that_forbids_it():
     msg = problems_of(
-        ["algorithm._target_=unirl.algorithms.base.StageAlgorithm", "~algorithm.config", "train.stack.num_updates_per_batch=2"]
+        [
+            "algorithm._target_=unirl.algorithms.base.StageAlgorithm",
+            "~algorithm.config",
+            "train.stack.num_updates_per_batch=2",
+        ]
     )
     assert "train.stack.num_updates_per_batch=2" in msg and "StageAlgorithm" in msg
 

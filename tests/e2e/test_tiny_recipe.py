@@ -79,7 +79,9 @@ def test_checkpoint_loads_back_into_the_pipeline(run_dir):
     assert meta["kind"] == "lora" and meta["optimizer_steps"] == 3
     saved = load_file(str(ckpt / "pytorch_lora_weights.safetensors"))
     lora_b = [k for k in saved if "lora_B" in k]
-    assert lora_b and any(saved[k].abs().sum() > 0 for k in lora_b), "LoRA B must have moved from its zero init"
+    assert lora_b and any(saved[k].abs().sum() > 0 for k in lora_b), (
+        "LoRA B must have moved from its zero init"
+    )
 
     trained = load_checkpoint(str(ckpt))
     base = SD3Bundle.from_pretrained(meta["base_model"])

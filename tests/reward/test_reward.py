@@ -40,6 +40,8 @@ def make_track(media: torch.Tensor | None, batch: int = 2) -> RolloutTrack:
         sigmas=torch.tensor([1.0, 0.0], dtype=torch.float32),
         sde_indices=[0],
         log_probs=torch.zeros(batch, 1),
+        eta=0.7,
+        guidance_scale=1.0,
     )
     return RolloutTrack(
         name="diffusion",

@@ -31,7 +31,10 @@ def reference(
     s = sig[1] if sigma == 1.0 else sigma
     std_dev_t = math.sqrt(sigma / (1 - s)) * eta
     x64, v64 = x.to(torch.float64), v.to(torch.float64)
-    mean = x64 * (1 + std_dev_t**2 / (2 * sigma) * dt) + v64 * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    mean = (
+        x64 * (1 + std_dev_t**2 / (2 * sigma) * dt)
+        + v64 * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    )
     return mean, std_dev_t * math.sqrt(-dt), std_dev_t
 
 
@@ -40,7 +43,9 @@ def ref_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: float) -> torch.
     return lp.mean(dim=tuple(range(1, lp.dim())))
 
 
-def inputs(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(
+    seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(SHAPE, generator=g).to(dtype)
     v = torch.randn(SHAPE, generator=g).to(dtype)
@@ -64,7 +69,9 @@ def test_step_matches_closed_form(i: int, eta: float) -> None:
     assert float(out.std_dev_t) == pytest.approx(std_dev_t, rel=1e-6)
     torch.testing.assert_close(out.mean.double(), mean, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out.next_sample.double(), mean + std * noise.double(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out.log_prob.double(), ref_log_prob(out.next_sample, mean, std), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(
+        out.log_prob.double(), ref_log_prob(out.next_sample, mean, std), rtol=1e-6, atol=1e-5
+    )
     # a rollout sample is drawn from N(mean, std^2): its log-prob is about -log(std) - log(sqrt(2 pi)) - 1/2
     expected = -math.log(std) - 0.5 * math.log(2 * math.pi) - 0.5
     assert out.log_prob.double().sub(expected).abs().max() < 0.15
@@ -182,15 +189,9 @@ def test_negative_eta_rejected() -> None:
         FlowSDEStrategy(-0.1)
 
 
-GLP_1D_BUG = (
-    "unirl/sde/strategies.py:43 gaussian_log_prob: for a [B] input, lp.mean(dim=()) reduces over ALL "
-    "dims (torch treats an empty dim tuple as 'all'), returning a scalar instead of the [B] log-probs"
-)
-
-
 @pytest.mark.parametrize(
     "shape",
-    [(4, 7), (2, 3, 5, 5), pytest.param((5,), marks=pytest.mark.xfail(strict=True, reason=GLP_1D_BUG))],
+    [(4, 7), (2, 3, 5, 5), (5,)],
 )
 @pytest.mark.parametrize("per_element_std", [False, True])
 def test_gaussian_log_prob_matches_normal(shape: tuple[int, ...], per_element_std: bool) -> None:

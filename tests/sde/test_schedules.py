@@ -34,7 +34,9 @@ def check(actual: torch.Tensor, expected: list[float]) -> None:
     assert all(x > y for x, y in zip(got, got[1:], strict=False)), f"not strictly decreasing: {got}"
 
 
-@pytest.mark.parametrize(("num_steps", "shift"), [(10, 3.0), (40, 3.0), (1, 3.0), (7, 5.0), (10, 1.0), (10, 0.5)])
+@pytest.mark.parametrize(
+    ("num_steps", "shift"), [(10, 3.0), (40, 3.0), (1, 3.0), (7, 5.0), (10, 1.0), (10, 0.5)]
+)
 def test_static_shift_closed_form(num_steps: int, shift: float) -> None:
     check(static_shift_sigmas(num_steps, shift), static_ref(num_steps, shift))
 
@@ -62,7 +64,9 @@ def test_dynamic_shift_mu_line() -> None:
     # linear: mu(1024) by hand
     assert dynamic_shift_mu(1024) == pytest.approx(0.5 + 0.65 * (1024 - 256) / 3840, abs=1e-12)
     # custom line
-    assert dynamic_shift_mu(10, base_seq_len=0, max_seq_len=100, base_shift=1.0, max_shift=2.0) == pytest.approx(1.1)
+    assert dynamic_shift_mu(
+        10, base_seq_len=0, max_seq_len=100, base_shift=1.0, max_shift=2.0
+    ) == pytest.approx(1.1)
 
 
 @pytest.mark.parametrize(("num_steps", "mu"), [(10, 0.5), (28, 1.15), (10, 0.0), (5, 2.0), (1, 0.8)])
@@ -73,7 +77,9 @@ def test_dynamic_shift_closed_form(num_steps: int, mu: float) -> None:
 def test_dynamic_equals_static_with_shift_exp_mu() -> None:
     """e^mu / (e^mu + 1/t - 1) = s t / (1 + (s-1) t) with s = e^mu: the two forms agree."""
     mu = 0.9
-    assert torch.allclose(dynamic_shift_sigmas(12, mu), static_shift_sigmas(12, math.exp(mu)), atol=1e-6, rtol=0)
+    assert torch.allclose(
+        dynamic_shift_sigmas(12, mu), static_shift_sigmas(12, math.exp(mu)), atol=1e-6, rtol=0
+    )
 
 
 def test_sigmas_for_static() -> None:

@@ -85,7 +85,9 @@ def test_global_scope() -> None:
     adv = compute_advantages(torch.tensor(REWARDS), GROUPS, AdvantageConfig(scope="global"))
     close(adv, expected)
     # global scope ignores the grouping, so any group layout is accepted
-    adv2 = compute_advantages(torch.tensor(REWARDS), ["x", "y", "x", "z", "y", "x"], AdvantageConfig(scope="global"))
+    adv2 = compute_advantages(
+        torch.tensor(REWARDS), ["x", "y", "x", "z", "y", "x"], AdvantageConfig(scope="global")
+    )
     assert torch.equal(adv, adv2)
 
 

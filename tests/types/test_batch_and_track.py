@@ -193,15 +193,9 @@ def test_uneven_split_raises_naming_sizes(parts: int) -> None:
         make_track().split(parts)
 
 
-CONCAT_NONE_BUG = (
-    "unirl/types/batch.py _concat: the None-vs-set check only runs when the FIRST part is None; "
-    "when a later part is None it falls through to torch.cat / list / dict handling and raises TypeError"
-)
-
-
 @pytest.mark.parametrize(
     "none_part",
-    [0, pytest.param(1, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=CONCAT_NONE_BUG))],
+    [0, 1],
 )
 @pytest.mark.parametrize("field", ["rewards", "parent_ids", "conditions"])
 def test_concat_rejects_field_set_in_only_some_parts(none_part: int, field: str) -> None:

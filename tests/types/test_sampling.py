@@ -59,13 +59,6 @@ def test_window_bounds_never_empty() -> None:
     assert p.resolve_sde_indices(0) == [9]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "unirl/types/sampling.py window_bounds: int(lo_f * num_steps) truncates float products, "
-        "int(0.29 * 100) = int(28.999999999999996) = 28, so the window starts one step early"
-    ),
-)
 def test_window_bounds_exact_fractions() -> None:
     p = params(num_steps=100, sde_scheduler="random", sde_window=(0.29, 0.57))
     assert p.window_bounds() == (29, 57)

@@ -40,6 +40,8 @@ class StepOutput:
 def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """[B] fp32: log N(sample; mean, std^2) averaged over non-batch dims."""
     lp = -((sample - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    if lp.dim() == 1:  # mean(dim=()) would average over the batch too
+        return lp
     return lp.mean(dim=tuple(range(1, lp.dim())))
 
 

@@ -34,10 +34,11 @@ def _index(value: Any, idx: list[int]) -> Any:
 
 def _concat(values: list[Any]) -> Any:
     first = values[0]
-    if first is None:
-        if any(v is not None for v in values):
-            raise ValueError("cannot concatenate a field that is set in some parts and None in others")
+    nones = sum(v is None for v in values)
+    if nones == len(values):
         return None
+    if nones:
+        raise ValueError("cannot concatenate a field that is set in some parts and None in others")
     if isinstance(first, torch.Tensor):
         return torch.cat(values, dim=0)
     if isinstance(first, list):

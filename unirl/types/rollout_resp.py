@@ -74,6 +74,10 @@ def compute_advantages(rewards: torch.Tensor, group_ids: list[str], cfg: Advanta
     the group (or of the batch with `global_std`). global scope: A = (r -
     mean) / (std + eps) over the batch. Then optional clipping.
     """
+    if rewards.dim() != 1 or rewards.numel() != len(group_ids):
+        raise ValueError(
+            f"rewards must be [B] with B = len(group_ids) = {len(group_ids)}, got {list(rewards.shape)}"
+        )
     r = rewards.to(torch.float32)
     if cfg.scope == "global":
         adv = (r - r.mean()) / (r.std(unbiased=False) + cfg.eps)

@@ -7,6 +7,7 @@ request, so every engine and the train-side replay read the same fp32 sigmas.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -101,8 +102,9 @@ class DiffusionSamplingParams:
             raise ValueError(
                 f"sampling.sde_window must satisfy 0 <= lo < hi <= 1, got {list(self.sde_window)}"
             )
-        lo = int(lo_f * self.num_steps)
-        hi = max(lo + 1, int(hi_f * self.num_steps))
+        # floor with a tolerance: 0.29 * 100 is 28.999999999999996 in floats
+        lo = math.floor(lo_f * self.num_steps + 1e-9)
+        hi = max(lo + 1, math.floor(hi_f * self.num_steps + 1e-9))
         return lo, hi
 
     def resolve_sde_indices(self, rollout_id: int) -> list[int]:

@@ -1,0 +1,176 @@
+"""Dependencies point one way (docs: DESIGN.md "Where things live").
+
+types <- sde <- models <- (rollout, reward, algorithms) <- train <- distributed <- trainer <- entry points.
+`data`, `tracking` and `config` are leaf utilities. Every module under unirl/ is parsed with `ast`; nothing
+is imported, so the check is fast and cannot be fooled by import side effects.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "unirl"
+
+CORE = ["types", "sde", "models"]
+MIDDLE = ["rollout", "reward", "algorithms"]
+UTILS = {"data", "tracking", "config"}
+ENTRY = "<entry>"  # unirl/train_*.py
+
+ALLOWED: dict[str, set[str]] = {
+    "types": {"types"},
+    "sde": {"types", "sde"},
+    "models": {"types", "sde", "models"},
+    # the middle layer may use the core but not each other, nor the utilities
+    **{m: {*CORE, m} for m in MIDDLE},
+    "train": {*CORE, *MIDDLE, "train", *UTILS},
+    "distributed": {*CORE, *MIDDLE, "train", "distributed", *UTILS},
+    "trainer": {*CORE, *MIDDLE, "train", "distributed", "trainer", *UTILS},
+    "data": {"types", "data"},
+    "tracking": {"tracking"},
+    "config": {*CORE, *MIDDLE, "train", "distributed", "trainer", *UTILS},
+    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "trainer", *UTILS, ENTRY},
+    "": set(),  # unirl/__init__.py stays import-free
+}
+# third-party packages the pure layers must not pull in
+FORBIDDEN_EXTERNAL: dict[str, set[str]] = {
+    "types": {"ray", "hydra", "omegaconf", "diffusers", "transformers"},
+    "sde": {"ray", "hydra", "omegaconf", "diffusers", "transformers"},
+}
+
+
+def layer_of(module: str) -> str:
+    """'unirl.sde.strategies' -> 'sde'; 'unirl.train_diffusion' -> ENTRY; 'unirl' -> ''."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return ""
+    top = parts[1]
+    return ENTRY if top.startswith("train_") else top
+
+
+def module_name(path: Path) -> tuple[str, bool]:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    is_pkg = parts[-1] == "__init__"
+    if is_pkg:
+        parts = parts[:-1]
+    return ".".join(parts), is_pkg
+
+
+def imported_modules(module: str, is_pkg: bool, source: str) -> list[tuple[str, int]]:
+    """(imported module, line) pairs for every import anywhere in the file, incl. function bodies."""
+    out: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against the current package
+                base = module.split(".") if is_pkg else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((target, node.lineno))
+            # `from unirl import sde` imports the package unirl.sde
+            if target == "unirl":
+                out += [(f"unirl.{alias.name}", node.lineno) for alias in node.names]
+    return out
+
+
+def violations(module: str, is_pkg: bool, source: str) -> list[str]:
+    src = layer_of(module)
+    bad: list[str] = []
+    if src not in ALLOWED:
+        return [f"{module}: no layer rule for package unirl.{src} (add it to ALLOWED)"]
+    for target, line in imported_modules(module, is_pkg, source):
+        top = target.split(".")[0]
+        if top in FORBIDDEN_EXTERNAL.get(src, set()):
+            bad.append(f"{module}:{line} -> {target} (third-party {top!r} in a pure layer)")
+        if top != "unirl" or target == "unirl":
+            continue
+        dst = layer_of(target)
+        if dst not in ALLOWED:
+            bad.append(f"{module}:{line} -> {target} (no layer rule for unirl.{dst})")
+        elif dst not in ALLOWED[src]:
+            bad.append(f"{module}:{line} -> {target} ({src or 'unirl'} may not import {dst})")
+    return bad
+
+
+def all_modules() -> list[tuple[str, bool, str]]:
+    return [(*module_name(p), p.read_text(encoding="utf-8")) for p in sorted(PKG.rglob("*.py"))]
+
+
+def test_parser_sees_the_package() -> None:
+    mods = {m for m, _, _ in all_modules()}
+    assert {"unirl", "unirl.types", "unirl.types.batch", "unirl.sde.strategies"} <= mods
+    layers = {layer_of(m) for m in mods}
+    assert {"types", "sde", "models", "trainer", ENTRY} <= layers
+    edges = {
+        (layer_of(m), layer_of(t))
+        for m, pkg, src in all_modules()
+        for t, _ in imported_modules(m, pkg, src)
+        if t.startswith("unirl.")
+    }
+    # the checker must observe real edges, or the direction test would pass vacuously
+    assert ("sde", "types") in edges and ("models", "sde") in edges
+
+
+def test_layer_order() -> None:
+    bad = [v for m, pkg, src in all_modules() for v in violations(m, pkg, src)]
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "is_pkg", "source", "expected"),
+    [
+        ("unirl.types.batch", False, "from unirl.sde import x\n", "types may not import sde"),
+        ("unirl.types", True, "def f():\n    import unirl.models.sd3.stage\n", "types may not import models"),
+        ("unirl.sde.strategies", False, "from unirl import trainer\n", "sde may not import trainer"),
+        ("unirl.models.sd3.stage", False, "from ...rollout import base\n", "models may not import rollout"),
+        (
+            "unirl.reward.service",
+            False,
+            "from unirl.algorithms.base import A\n",
+            "reward may not import algorithms",
+        ),
+        ("unirl.rollout.base", False, "from unirl.data import x\n", "rollout may not import data"),
+        ("unirl.data.datasets", False, "import unirl.sde\n", "data may not import sde"),
+        ("unirl.tracking.metrics", False, "from unirl.types import x\n", "tracking may not import types"),
+        ("unirl.models.sd3", True, "from unirl.config import x\n", "models may not import config"),
+        (
+            "unirl.trainer.diffusion",
+            False,
+            "from unirl.train_diffusion import main\n",
+            "may not import <entry>",
+        ),
+        ("unirl.sde.schedules", False, "import ray\n", "third-party 'ray'"),
+        ("unirl.sde.schedules", False, "from unirl.newpkg import x\n", "no layer rule for unirl.newpkg"),
+    ],
+)
+def test_checker_flags_violations(module: str, is_pkg: bool, source: str, expected: str) -> None:
+    bad = violations(module, is_pkg, source)
+    assert any(expected in v for v in bad), bad
+
+
+@pytest.mark.parametrize(
+    ("module", "is_pkg", "source"),
+    [
+        ("unirl.sde.strategies", False, "from unirl.types.sampling import x\nimport torch\n"),
+        ("unirl.models.sd3.stage", False, "from ..base import x\nfrom unirl.sde import y\n"),
+        ("unirl.trainer.diffusion", False, "from unirl.tracking import m\nfrom unirl.distributed import g\n"),
+        ("unirl.train_diffusion", False, "from unirl.config import v\nfrom unirl.trainer import t\n"),
+        ("unirl.config.validate", False, "from unirl.trainer import t\n"),
+    ],
+)
+def test_checker_accepts_allowed_edges(module: str, is_pkg: bool, source: str) -> None:
+    assert violations(module, is_pkg, source) == []
+
+
+def test_relative_import_resolution() -> None:
+    got = imported_modules("unirl.models.sd3.stage", False, "from . import bundle\nfrom ..base import X\n")
+    assert [t for t, _ in got] == ["unirl.models.sd3", "unirl.models.base"]
+    got = imported_modules("unirl.models.sd3", True, "from .bundle import B\n")
+    assert [t for t, _ in got] == ["unirl.models.sd3.bundle"]
