@@ -475,28 +475,56 @@ def build_report(
     return lines
 
 
+def _block(side: str, rnd: int, load0: float, t0: float) -> dict[str, Any]:
+    """Wall time and 1-min load average around one measured block (contention shows here)."""
+    return {
+        "side": side,
+        "round": rnd,
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "loadavg_1m_start": round(load0, 2),
+        "loadavg_1m_end": round(os.getloadavg()[0], 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="measured steps per side (plus 1 warm-up step)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="JSONL file to append the report lines to")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate framework and bare blocks this many times (medians pool all rounds)",
+    )
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error("--steps must be >= 1")
+    if args.steps < 1 or args.rounds < 1:
+        ap.error("--steps and --rounds must be >= 1")
     total = args.steps + 1
 
-    with tempfile.TemporaryDirectory(prefix="unirl_bench_") as tmp:
-        cfg = compose_recipe(total, tmp)
-        threads = worker_threads(cfg)
-        t_fw = time.perf_counter()
-        fw_rows, fw_mem = run_framework(cfg)
-        fw_wall = time.perf_counter() - t_fw
-    t_bare = time.perf_counter()
-    bare_rows, bare_mem = run_bare(cfg, total, threads)
-    bare_wall = time.perf_counter() - t_bare
+    fw_rows: list[dict[str, Any]] = []
+    bare_rows: list[dict[str, Any]] = []
+    mem: dict[str, Any] = {}
+    loadavg: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="unirl_bench_") as tmp:
+            cfg = compose_recipe(total, tmp)
+            threads = worker_threads(cfg)
+            load0, t0 = os.getloadavg()[0], time.perf_counter()
+            rows, fw_mem = run_framework(cfg)
+            loadavg.append(_block("framework", rnd, load0, t0))
+            fw_rows += rows[1:]
+        load0, t0 = os.getloadavg()[0], time.perf_counter()
+        rows, bare_mem = run_bare(cfg, total, threads)
+        loadavg.append(_block("bare", rnd, load0, t0))
+        bare_rows += rows[1:]
+        for key, val in {**fw_mem, **bare_mem}.items():
+            prev = mem.get(key)
+            mem[key] = max(prev, val) if isinstance(val, float) and isinstance(prev, float) else val
 
     sp = cfg.sampling
     common = {
         "steps": args.steps,
+        "rounds": args.rounds,
         "warmup_steps": 1,
         "torch": torch.__version__,
         "threads": threads,
@@ -507,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": RECIPE,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    mem = {**fw_mem, **bare_mem, "framework_wall_s": round(fw_wall, 2), "bare_wall_s": round(bare_wall, 2)}
-    lines = build_report(fw_rows[1:], bare_rows[1:], mem, common)
+    mem["blocks"] = loadavg
+    lines = build_report(fw_rows, bare_rows, mem, common)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "a") as f:
         for line in lines:

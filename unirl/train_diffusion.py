@@ -22,9 +22,13 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    from unirl.trainer.diffusion import DiffusionTrainer
+    from unirl.trainer.diffusion import DiffusionTrainer, TrainingError
 
-    DiffusionTrainer(cfg).run()
+    try:
+        DiffusionTrainer(cfg).run()
+    except TrainingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,43 @@ def _build(node: Any, key: str, problems: list[str]) -> Any:
         return None
 
 
+def _check_distributed(cfg: DictConfig, problems: list[str]) -> None:
+    """World size vs sharding, FSDP block names vs the model, checkpoint and resume keys."""
+    from unirl.train.fsdp import unmatched_block_classes
+    from unirl.trainer.checkpoints import resolve_resume_path
+
+    fsdp = cfg.train.get("fsdp")
+    if cfg.num_devices > 1 and fsdp is None:
+        problems.append(
+            f"num_devices={cfg.num_devices} needs train.fsdp (FSDP2 sharding settings); see the tiny recipe"
+        )
+    if fsdp is not None and hasattr(get_class(cfg.model._target_), "denoiser_on_meta"):
+        model_cfg = _build(cfg.model, "model", problems)
+        fsdp_cfg = _build(fsdp, "train.fsdp", problems)
+        if model_cfg is not None and fsdp_cfg is not None:
+            try:
+                denoiser = model_cfg.denoiser_on_meta()
+            except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
+                problems.append(f"model: cannot read the denoiser config ({type(exc).__name__}: {exc})")
+            else:
+                missing = unmatched_block_classes(denoiser, fsdp_cfg.block_classes)
+                if missing:
+                    present = sorted(
+                        {type(m).__name__ for m in denoiser.modules() if "Block" in type(m).__name__}
+                    )
+                    problems.append(
+                        f"train.fsdp.block_classes {missing} match no module of {type(denoiser).__name__} "
+                        f"(block classes present: {present}); sharding would silently not happen"
+                    )
+    every = (cfg.get("checkpoint") or {}).get("every_n_steps", 0)
+    if every is not None and (not isinstance(every, int) or every < 0):
+        problems.append(f"checkpoint.every_n_steps must be an integer >= 0 (0 disables), got {every!r}")
+    try:
+        resolve_resume_path(cfg)
+    except (ValueError, OSError, KeyError) as exc:
+        problems.append(str(exc))
+
+
 def validate_diffusion_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every problem of a diffusion recipe."""
     problems: list[str] = []
@@ -134,6 +171,7 @@ def validate_diffusion_config(cfg: DictConfig) -> None:
             f"train.stack.num_updates_per_batch={stack.num_updates_per_batch}: {algorithm_cls.__name__} does not "
             "support several updates per rollout; set it to 1"
         )
+    _check_distributed(cfg, problems)
     if sampling is not None and getattr(algorithm_cls, "requires_sde_logprobs", False) and sampling.eta == 0:
         problems.append(
             f"sampling.eta=0 gives no SDE steps, but {algorithm_cls.__name__} needs step log-probs; set sampling.eta > 0"

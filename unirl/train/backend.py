@@ -1,21 +1,27 @@
-"""The train backend: owns the trainable module, LoRA injection, optimizer, LR schedule.
+"""The train backend: owns the trainable module, LoRA, FSDP2, optimizer, schedule and EMA.
 
-One backend per trainable module. It injects LoRA (peft, through diffusers'
-adapter API) or trains all weights, builds AdamW and the LR schedule, clips
-gradients, and skips the optimizer step when the gradient norm is not finite.
+One backend per trainable module, one per rank. It injects LoRA (peft, through
+diffusers' adapter API) or trains all weights, shards the module with FSDP2
+when the run has several ranks, builds AdamW and the LR schedule, clips
+gradients across shards, and skips the optimizer step when the gradient norm
+is not finite. Methods marked *collective* must run on every rank at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from unirl.train.ema import EMA, EMAConfig
+from unirl.train.fsdp import FSDPConfig, shard_module, swapped_weights
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -72,28 +78,59 @@ def lr_factor(schedule: str, step: int, total_steps: int, warmup_steps: int) -> 
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a plain tensor or a DTensor (collective for DTensors)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _unwrapped_name(name: str) -> str:
+    """Parameter name without activation-checkpoint wrapper segments."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 class TrainBackend:
-    """Owns the trainable module and its optimizer state.
+    """Owns the trainable module and its optimizer state on one rank.
 
     Args:
-        module: the denoiser to train (modified in place: LoRA is injected).
+        module: the denoiser to train (modified in place: LoRA is injected,
+            then it is sharded when the default process group has > 1 rank and
+            `fsdp` is given).
         lora: LoRA config, or None for a full fine-tune.
         optim: optimizer config.
-        total_steps: number of optimizer steps of the run (for LR schedules).
+        total_steps: optimizer steps of the run (for LR schedules).
+        fsdp: FSDP2 config; required when the world size is > 1.
+        ema: EMA config, or None.
+        keep_reference: keep the reference policy available (`reference()`):
+            free with LoRA (adapters disabled); a full fine-tune keeps a copy
+            of the initial (sharded) weights.
     """
 
     def __init__(
-        self, module: torch.nn.Module, lora: LoRAConfig | None, optim: OptimConfig, total_steps: int
+        self,
+        module: torch.nn.Module,
+        lora: LoRAConfig | None,
+        optim: OptimConfig,
+        total_steps: int,
+        fsdp: FSDPConfig | None = None,
+        ema: EMAConfig | None = None,
+        keep_reference: bool = False,
     ) -> None:
         self.module = module
         self.lora = lora
         self.optim_cfg = optim
-        self._reference: torch.nn.Module | None = None
         if lora is not None:
             self._inject_lora(lora)
         else:
             module.requires_grad_(True)
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            if fsdp is None:
+                raise ValueError(f"{world} data-parallel ranks need train.fsdp (FSDP2 sharding settings)")
+            device_type = "cuda" if next(module.parameters()).is_cuda else "cpu"
+            shard_module(module, fsdp, device_type)
+        self.sharded = world > 1
+        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
         if not self.params:
             raise ValueError(
                 "the train backend found no trainable parameters (check train.lora.target_modules)"
@@ -104,6 +141,10 @@ class TrainBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(optim.lr_schedule, s, total_steps, optim.warmup_steps)
         )
+        self.ema = EMA(self.named_params, ema) if ema is not None else None
+        self._reference: list[torch.Tensor] | None = None
+        if keep_reference and lora is None:
+            self._reference = [p.detach().clone() for p in self.params]
         self.optimizer_steps = 0
         self.skipped_steps = 0
 
@@ -135,7 +176,7 @@ class TrainBackend:
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """Run the module as the reference policy: LoRA disabled, or (full
-        fine-tune) the weights as they were at construction."""
+        fine-tune) the initial weights swapped in and restored after."""
         if self.lora is not None:
             self.module.disable_adapters()
             try:
@@ -144,51 +185,122 @@ class TrainBackend:
                 self.module.enable_adapters()
             return
         if self._reference is None:
-            raise RuntimeError("a full fine-tune keeps no reference weights; call keep_reference() at setup")
-        live = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        self.module.load_state_dict(self._reference.state_dict())
-        try:
+            raise RuntimeError(
+                "this backend keeps no reference weights: construct it with keep_reference=True"
+            )
+        with swapped_weights(self.params, self._reference, self.module):
             yield
-        finally:
-            self.module.load_state_dict(live)
 
-    def keep_reference(self) -> None:
-        """Full fine-tune only: keep a frozen copy of the current weights as the reference."""
-        if self.lora is None and self._reference is None:
-            self._reference = copy.deepcopy(self.module).requires_grad_(False)
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Run the module with its EMA weights (sampling, eval); restored after."""
+        if self.ema is None:
+            raise RuntimeError("no EMA configured: set train.ema in the recipe")
+        with self.ema.swap(fsdp_module=self.module):
+            yield
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> dict[str, float]:
-        """Clip, then step (or skip on a non-finite grad norm). Returns metrics."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm)
+        """Clip (global norm across shards), then step, or skip on a non-finite
+        norm. Updates the EMA when it follows optimizer steps. Collective when sharded."""
+        norm = float(_full(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm)))
         lr = self.scheduler.get_last_lr()[0]
-        finite = bool(torch.isfinite(norm))
+        finite = math.isfinite(norm)
         if finite:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer_steps += 1
+            if self.ema is not None and self.ema.config.update_on == "optimizer_step":
+                self.ema.update()
         else:
             self.skipped_steps += 1
         self.zero_grad()
-        return {"train/grad_norm": float(norm), "train/lr": lr, "train/skipped_step": float(not finite)}
+        return {"train/grad_norm": norm, "train/lr": lr, "train/skipped_step": float(not finite)}
 
-    def save_weights(self, path: str, base_model: str | None) -> None:
-        """Write loadable weights: a diffusers LoRA file (`pytorch_lora_weights.safetensors`)
-        or a full `transformer/` directory, plus `unirl_checkpoint.json` naming the base."""
-        os.makedirs(path, exist_ok=True)
+    def end_of_rollout(self) -> None:
+        """Hook after a rollout's training: updates the EMA when it follows rollouts."""
+        if self.ema is not None and self.ema.config.update_on == "rollout":
+            self.ema.update()
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded train state for `torch.distributed.checkpoint` (trainable params
+        only, optimizer, scheduler, EMA, counters). Collective when sharded."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(
+            self.module, self.optimizer, options=StateDictOptions(ignore_frozen_params=True)
+        )
+        state = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "counters": {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps},
+        }
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        if self._reference is not None:
+            state["reference"] = {n: r for (n, _), r in zip(self.named_params, self._reference, strict=True)}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `state_dict` (after `torch.distributed.checkpoint.load` filled it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps = int(state["counters"]["optimizer_steps"])
+        self.skipped_steps = int(state["counters"]["skipped_steps"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        if self._reference is not None:
+            with torch.no_grad():
+                for (n, _), r in zip(self.named_params, self._reference, strict=True):
+                    r.copy_(state["reference"][n])
+
+    def full_trainable_state(self) -> dict[str, torch.Tensor]:
+        """Consolidated (unsharded, CPU) trainable weights by their unwrapped
+        names (as the bare module names them). Collective when sharded."""
+        return {_unwrapped_name(n): _full(p.detach()).cpu() for n, p in self.named_params}
+
+    def save_weights(self, path: str, base_model: str | None, write: bool = True) -> None:
+        """Export weights that diffusers / peft load directly: a LoRA file
+        (`pytorch_lora_weights.safetensors`) or a full `transformer/` directory,
+        plus `unirl_checkpoint.json` naming the base model. Collective when
+        sharded (every rank gathers; only ranks with `write` write)."""
         if self.lora is not None:
             from diffusers import StableDiffusion3Pipeline
             from peft.utils import get_peft_model_state_dict
 
-            StableDiffusion3Pipeline.save_lora_weights(
-                path, transformer_lora_layers=get_peft_model_state_dict(self.module)
-            )
+            state = get_peft_model_state_dict(self.module, state_dict=self.full_trainable_state())
             kind = "lora"
         else:
-            self.module.save_pretrained(os.path.join(path, "transformer"))
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(
+                self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            state = {_unwrapped_name(k): v for k, v in full.items()}
             kind = "full"
+        if not write:
+            return
+        os.makedirs(path, exist_ok=True)
+        if kind == "lora":
+            StableDiffusion3Pipeline.save_lora_weights(path, transformer_lora_layers=state)
+        else:
+            # A fresh unsharded copy of the module's own (diffusers) class writes the standard layout.
+            cls = next(c for c in type(self.module).__mro__ if not c.__name__.startswith("FSDP"))
+            fresh = cls.from_config(self.module.config)
+            fresh.load_state_dict(state)
+            fresh.save_pretrained(os.path.join(path, "transformer"))
         with open(os.path.join(path, "unirl_checkpoint.json"), "w") as f:
             json.dump(
                 {"kind": kind, "base_model": base_model, "optimizer_steps": self.optimizer_steps}, f, indent=2

@@ -1,36 +1,52 @@
 """`DiffusionTrainer`: the driver of a diffusion RL run (single controller on Ray).
 
 Per step: prompts -> rollout (workers) -> reward (driver) -> advantages
-(driver) -> train (workers). The driver holds ids, media for scoring, rewards
-and advantages; the trainer owns placement, worker construction and phase order.
+(driver) -> train (workers) -> [checkpoint]. The driver holds ids, media for
+scoring, rewards and advantages; the trainer owns placement, worker
+construction, phase order, checkpoints and resume.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
 
-import ray
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from unirl.distributed.group import DevicePool, placement, remote
+from unirl.distributed.group import DevicePool, WorkerError, placement, remote
+from unirl.distributed.group.cluster import init_ray
 from unirl.sde.schedules import sigmas_for
 from unirl.tracking.metrics import JsonlWriter, save_image_grid
 from unirl.train.stack import reduce_metrics
+from unirl.trainer.checkpoints import (
+    checkpoint_dir,
+    mark_complete,
+    read_driver_state,
+    resolve_resume_path,
+    write_driver_state,
+)
 from unirl.trainer.diffusion_worker import DiffusionWorker, build
 from unirl.types.rollout_req import RolloutReq
 
 
+class TrainingError(RuntimeError):
+    """A run stopped: names the step, the failing worker and the last checkpoint."""
+
+
 class DiffusionTrainer:
-    """Runs `cfg.num_steps` steps of the recipe `cfg` (already validated).
+    """Runs the recipe `cfg` (already validated) up to `cfg.num_steps`.
 
     Writes into `cfg.output_dir`: `config.yaml` (resolved), `metrics.jsonl`
     (one row per step), `samples/step_XXXX.png` (+ .json prompts and
     rewards) every `logging.save_images_every` steps and at the last step,
-    `base_model/` for a tiny model, and `checkpoints/final/` (weights that
-    `unirl.models.sd3.load_checkpoint` loads back).
+    `base_model/` for a tiny model, `checkpoints/step_XXXXXX/` every
+    `checkpoint.every_n_steps` steps, and `checkpoints/final/` (weights that
+    `unirl.models.sd3.load_checkpoint` loads back). With `resume_from` (a
+    checkpoint directory or `latest`) it continues from that step and the run
+    is identical to one that never stopped.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -41,51 +57,88 @@ class DiffusionTrainer:
         self.reward = build(cfg.reward)
         self.advantage = build(cfg.advantage)
         self.num_steps = int(cfg.num_steps)
+        ckpt = cfg.get("checkpoint") or {}
+        self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
+        self.tiny = not cfg.model.get("pretrained_path")
+        self.base_model = (
+            os.path.abspath(os.path.join(self.out, "base_model"))
+            if self.tiny
+            else str(cfg.model.pretrained_path)
+        )
+        self.last_checkpoint: str | None = None
 
     def run(self) -> list[dict[str, Any]]:
-        """Run the loop; returns the metric rows it wrote."""
+        """Run the loop; returns the metric rows written by this invocation."""
         os.makedirs(self.out, exist_ok=True)
         with open(os.path.join(self.out, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
-        started_ray = not ray.is_initialized()
-        if started_ray:
-            ray.init(
-                num_cpus=max(2 * int(self.cfg.num_devices), os.cpu_count() or 1),
-                include_dashboard=False,
-                log_to_driver=True,
-                _node_ip_address="127.0.0.1",
-            )
+        resume = resolve_resume_path(self.cfg)
+        started_ray = init_ray(num_cpus=max(2 * int(self.cfg.num_devices), os.cpu_count() or 1))
         pool = DevicePool(int(self.cfg.num_devices))
         group = None
         try:
             plain = OmegaConf.to_container(self.cfg, resolve=True)
             plain.pop("hydra", None)
-            tiny = not self.cfg.model.get("pretrained_path")
-            base_model = (
-                os.path.abspath(os.path.join(self.out, "base_model"))
-                if tiny
-                else self.cfg.model.pretrained_path
-            )
-            stack_cfg = self.cfg.train.stack
             group = remote(
                 DiffusionWorker,
                 placement(pool),
                 plain,
-                self.num_steps * int(stack_cfg.num_updates_per_batch),
-                base_model if tiny else None,
+                self.num_steps * int(self.cfg.train.stack.num_updates_per_batch),
+                self.base_model if self.tiny and resume is None else None,
             )
-            rows = self._loop(group)
-            group.save_weights(os.path.join(self.out, "checkpoints", "final"), base_model)
+            start = 0
+            if resume is not None:
+                start = self._restore(group, resume)
+            rows = self._loop(group, start)
+            self._call(
+                group, "save_weights", start, os.path.join(self.out, "checkpoints", "final"), self.base_model
+            )
             return rows
         finally:
             if group is not None:
+                try:
+                    group.teardown()
+                except WorkerError:
+                    pass  # a dead worker has no process group left to tear down
                 group.shutdown()
             pool.shutdown()
             if started_ray:
+                import ray
+
                 ray.shutdown()
 
-    def _loop(self, group) -> list[dict[str, Any]]:
-        info = group.model_info()
+    def _call(self, group, method: str, step: int, *args: Any) -> Any:
+        """Call a worker-group method; a worker failure becomes a `TrainingError` naming the step."""
+        try:
+            return getattr(group, method)(*args)
+        except WorkerError as exc:
+            last = self.last_checkpoint or "none written"
+            raise TrainingError(
+                f"run stopped at step {step + 1} during '{method}': {exc}. Last complete checkpoint: {last}"
+            ) from exc
+
+    def _restore(self, group, path: str) -> int:
+        state = read_driver_state(path)
+        self._call(group, "load_checkpoint", state["step"], path)
+        self.data_source.load_state_dict(state["data_source"])
+        self.last_checkpoint = path
+        metrics = os.path.join(self.out, "metrics.jsonl")
+        if os.path.exists(metrics):  # drop rows a stopped run wrote after its last checkpoint
+            with open(metrics) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= state["step"]]
+            with open(metrics, "w") as f:
+                f.writelines(kept)
+        return int(state["step"])
+
+    def _save_checkpoint(self, group, step: int) -> None:
+        path = checkpoint_dir(self.out, step)
+        self._call(group, "save_checkpoint", step - 1, path, self.base_model)
+        write_driver_state(path, step, self.data_source.state_dict(), self.cfg)
+        mark_complete(path)
+        self.last_checkpoint = path
+
+    def _loop(self, group, start: int) -> list[dict[str, Any]]:
+        info = self._call(group, "model_info", start)
         sp = self.sampling
         cell = info["vae_scale_factor"] * info["patch_size"]
         sigmas = sigmas_for(sp, (sp.height // cell) * (sp.width // cell))
@@ -93,19 +146,25 @@ class DiffusionTrainer:
         every = int(log_cfg.get("save_images_every", 10))
         writer = JsonlWriter(os.path.join(self.out, "metrics.jsonl"))
         rows = []
-        bar = tqdm(range(self.num_steps), desc="train", disable=not log_cfg.get("progress", True))
+        bar = tqdm(
+            range(start, self.num_steps),
+            initial=start,
+            total=self.num_steps,
+            desc="train",
+            disable=not log_cfg.get("progress", True),
+        )
         try:
             for step in bar:
                 t0 = time.perf_counter()
                 examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
                 req = RolloutReq.from_prompts(examples, sp, sigmas, rollout_id=step)
-                track = group.rollout(req)
+                track = self._call(group, "rollout", step, req)
                 t1 = time.perf_counter()
                 row: dict[str, Any] = {"step": step + 1}
                 row.update(self.reward.score_and_attach(track))
                 track.compute_advantages(self.advantage)
                 t2 = time.perf_counter()
-                row.update(reduce_metrics(group.train(track, step / self.num_steps)))
+                row.update(reduce_metrics(self._call(group, "train", step, track, step / self.num_steps)))
                 t3 = time.perf_counter()
                 row.update(
                     {
@@ -125,6 +184,8 @@ class DiffusionTrainer:
                         track.prompts,
                         track.rewards.tolist(),
                     )
+                if self.every_n and (step + 1) % self.every_n == 0:
+                    self._save_checkpoint(group, step + 1)
         finally:
             writer.close()
         return rows

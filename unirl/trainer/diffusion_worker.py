@@ -1,7 +1,10 @@
-"""`DiffusionWorker`: one rank holding the model, the train stack and the trainside engine.
+"""`DiffusionWorker`: one data-parallel rank holding the model, the train stack and the trainside engine.
 
 Constructed from the resolved recipe (a plain dict), so a worker builds
 exactly what the recipe names and nothing from the driver's process leaks in.
+With several ranks the worker joins a process group (NCCL on GPUs, gloo on
+CPU) and the backend shards the denoiser with FSDP2; every method that touches
+the sharded module is called on all ranks at once by the driver.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.train.backend import TrainBackend
+from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.stack import TrainStack
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutTrack
@@ -59,19 +64,25 @@ class DiffusionWorker(Worker):
         threads = cfg.get("threads_per_worker") or max(1, (os.cpu_count() or 1) // cfg["num_devices"])
         torch.set_num_threads(threads)
         torch.manual_seed(cfg["seed"])
+        if rank_info.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         self.model_cfg = build(cfg["model"])
         self.bundle = self.model_cfg.build()
         if base_model_dir and rank_info.rank == 0:
             self.bundle.save_pretrained(base_model_dir)
         self.stage = build(cfg["stage"], bundle=self.bundle)
+        self.algorithm = build(cfg["algorithm"])
         train = cfg["train"]
         self.backend = TrainBackend(
-            self.stage.module, build(train.get("lora")), build(train["optim"]), total_optimizer_steps
+            self.stage.module,
+            build(train.get("lora")),
+            build(train["optim"]),
+            total_optimizer_steps,
+            fsdp=build(train.get("fsdp")),
+            ema=build(train.get("ema")),
+            keep_reference=getattr(getattr(self.algorithm, "config", None), "beta", 0) > 0,
         )
         self.stage.module = self.backend.module
-        self.algorithm = build(cfg["algorithm"])
-        if getattr(getattr(self.algorithm, "config", None), "beta", 0) > 0:
-            self.backend.keep_reference()
         self.stack = TrainStack(self.stage, self.backend, self.algorithm, build(train["stack"]))
         self.engine = build(cfg["rollout"], stage=self.stage)
 
@@ -83,20 +94,48 @@ class DiffusionWorker(Worker):
             "vae_scale_factor": self.bundle.vae_scale_factor,
             "patch_size": self.bundle.patch_size,
             "num_trainable": self.backend.num_trainable,
-            "num_params": sum(p.numel() for p in self.backend.module.parameters()),
         }
 
     @dispatch(Dispatch.DP_SCATTER)
     def rollout(self, req: RolloutReq) -> RolloutTrack:
-        """Generate this rank's shard of the request; gathered in order by the driver."""
+        """Generate this rank's shard of the request (from EMA weights when the
+        algorithm asks for it); gathered in order by the driver."""
+        if self.algorithm.requires_ema_rollout:
+            with self.backend.ema_weights():
+                return self.engine.generate(req).track(self.engine.track_name)
         return self.engine.generate(req).track(self.engine.track_name)
 
     @dispatch(Dispatch.DP_SCATTER)
     def train(self, track: RolloutTrack, progress: float) -> dict[str, float]:
         """Train on this rank's shard of the scored track; returns this rank's metrics."""
-        return self.stack.train_track(track, progress)
+        metrics = self.stack.train_track(track, progress)
+        self.backend.end_of_rollout()
+        return metrics
 
-    @dispatch(Dispatch.RANK_ZERO)
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def save_checkpoint(self, path: str, base_model: str) -> None:
+        """Write the sharded train state and the exported weights under `path`."""
+        os.makedirs(path, exist_ok=True)
+        save_train_state(path, self.backend, self.rank_info.rank)
+        self.backend.save_weights(os.path.join(path, "weights"), base_model, write=self.rank_info.rank == 0)
+
+    @dispatch(Dispatch.BROADCAST)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the train state written by `save_checkpoint` (all ranks at once)."""
+        load_train_state(path, self.backend, self.rank_info.rank)
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def save_weights(self, path: str, base_model: str) -> None:
-        """Write the trained weights (LoRA file or full transformer) loadable by diffusers."""
-        self.backend.save_weights(path, base_model)
+        """Export the trained weights (LoRA file or full transformer) loadable by diffusers."""
+        self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Consolidated trainable weights (for parity and resume checks)."""
+        return self.backend.full_trainable_state()
+
+    @dispatch(Dispatch.BROADCAST)
+    def teardown(self) -> None:
+        """Leave the process group before the actor is killed (avoids gloo aborts at exit)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -73,6 +73,15 @@ class SD3ModelConfig:
         if self.pretrained_path is None and self.tiny is None:
             raise ValueError("model: set model.pretrained_path to an SD3 directory or give model.tiny")
 
+    def denoiser_on_meta(self) -> torch.nn.Module:
+        """The denoiser's module tree on the meta device (no weights read): for
+        validators that check names against the model before any work starts."""
+        with torch.device("meta"):
+            if self.pretrained_path:
+                config = SD3Transformer2DModel.load_config(os.path.join(self.pretrained_path, "transformer"))
+                return SD3Transformer2DModel.from_config(config)
+            return SD3Bundle.tiny_transformer(self.tiny)
+
     def build(self) -> SD3Bundle:
         if self.pretrained_path:
             return SD3Bundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
@@ -179,7 +188,6 @@ class SD3Bundle:
             decoder_start_token_id=0,
         )
         vae = None
-        in_channels = 3
         if not cfg.pixel_space:
             vae = AutoencoderKL(
                 in_channels=3,
@@ -192,21 +200,7 @@ class SD3Bundle:
                 shift_factor=0.0,
                 scaling_factor=1.0,
             )
-            in_channels = 4
-        grid = cfg.resolution // (1 if vae is None else 2) // cfg.patch_size
-        transformer = SD3Transformer2DModel(
-            sample_size=cfg.resolution // (1 if vae is None else 2),
-            patch_size=cfg.patch_size,
-            in_channels=in_channels,
-            out_channels=in_channels,
-            num_layers=cfg.num_layers,
-            attention_head_dim=cfg.attention_head_dim,
-            num_attention_heads=cfg.num_attention_heads,
-            joint_attention_dim=cfg.t5_hidden_size,
-            caption_projection_dim=cfg.attention_head_dim * cfg.num_attention_heads,
-            pooled_projection_dim=2 * cfg.clip_hidden_size,
-            pos_embed_max_size=grid,
-        )
+        transformer = cls.tiny_transformer(cfg)
         pipe = StableDiffusion3Pipeline(
             transformer=transformer,
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
@@ -219,6 +213,25 @@ class SD3Bundle:
             tokenizer_3=t5_tok,
         )
         return cls(pipe)
+
+    @staticmethod
+    def tiny_transformer(cfg: TinySD3Config) -> SD3Transformer2DModel:
+        """The tiny denoiser alone (3 pixel channels, or 4 latent channels under the tiny VAE)."""
+        down = 1 if cfg.pixel_space else 2
+        channels = 3 if cfg.pixel_space else 4
+        return SD3Transformer2DModel(
+            sample_size=cfg.resolution // down,
+            patch_size=cfg.patch_size,
+            in_channels=channels,
+            out_channels=channels,
+            num_layers=cfg.num_layers,
+            attention_head_dim=cfg.attention_head_dim,
+            num_attention_heads=cfg.num_attention_heads,
+            joint_attention_dim=cfg.t5_hidden_size,
+            caption_projection_dim=cfg.attention_head_dim * cfg.num_attention_heads,
+            pooled_projection_dim=2 * cfg.clip_hidden_size,
+            pos_embed_max_size=cfg.resolution // down // cfg.patch_size,
+        )
 
     def save_pretrained(self, path: str) -> None:
         """Write the whole bundle in the diffusers layout (`from_pretrained` reads it back)."""

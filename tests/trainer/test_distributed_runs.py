@@ -1,0 +1,191 @@
+"""Multi-worker training on real Ray: exact resume, 1-vs-2-worker parity, worker failure.
+
+Runs a shrunken tiny recipe in-process through `DiffusionTrainer` on one shared
+local Ray instance (the worker failure test runs the entry point in a subprocess).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import ray
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from tests.conftest import EXAMPLES, REPO
+from unirl.config.validate import ConfigError, validate_diffusion_config
+from unirl.trainer.diffusion import DiffusionTrainer
+
+pytestmark = pytest.mark.ray
+
+SMALL = [
+    "prompts_per_rollout=2",
+    "sampling.samples_per_prompt=4",
+    "sampling.num_steps=4",
+    "sampling.sde_num_steps=2",
+    "sampling.height=16",
+    "sampling.width=16",
+    "sampling.max_sequence_length=8",
+    "model.tiny.resolution=16",
+    "model.tiny.num_layers=2",
+    "model.tiny.clip_max_length=8",
+    "train.stack.micro_batch_size=2",
+    "logging.progress=false",
+    "logging.save_images_every=0",
+]
+
+
+def small_recipe(out, *overrides: str):
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        cfg = compose("diffusion/tiny_sd3_flowgrpo", overrides=[*SMALL, f"output_dir={out}", *overrides])
+    validate_diffusion_config(cfg)
+    return cfg
+
+
+def run(out, *overrides: str) -> list[dict]:
+    DiffusionTrainer(small_recipe(out, *overrides)).run()
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time/")}
+
+
+def final_weights(out) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(out, "checkpoints", "final", "pytorch_lora_weights.safetensors"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_resume_continues_identically(tmp_path, devices):
+    full = run(tmp_path / "full", "num_steps=6", f"num_devices={devices}")
+    part = tmp_path / "part"
+    run(part, "num_steps=3", "checkpoint.every_n_steps=3", f"num_devices={devices}")
+    resumed = run(part, "num_steps=6", "resume_from=latest", f"num_devices={devices}")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [untimed(r) for r in resumed[3:]] == [untimed(r) for r in full[3:]]
+    a, b = final_weights(tmp_path / "full"), final_weights(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_one_and_two_workers_agree(tmp_path):
+    one = run(tmp_path / "one", "num_steps=2", "num_devices=1")
+    two = run(tmp_path / "two", "num_steps=2", "num_devices=2")
+    for r1, r2 in zip(one, two, strict=True):
+        assert r1["reward/mean"] == pytest.approx(r2["reward/mean"], abs=1e-6)
+        assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-6)
+        assert r1["train/grad_norm"] == pytest.approx(r2["train/grad_norm"], rel=1e-4)
+    a, b = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_resume_validation_errors(tmp_path):
+    with pytest.raises(ConfigError, match="resume_from=latest: no complete checkpoint"):
+        small_recipe(tmp_path / "empty", "resume_from=latest")
+    with pytest.raises(ConfigError, match="does not exist"):
+        small_recipe(tmp_path, f"resume_from={tmp_path / 'nope'}")
+    out = tmp_path / "ck"
+    run(out, "num_steps=1", "checkpoint.every_n_steps=1")
+    with pytest.raises(ConfigError, match="does not match the recipe"):
+        small_recipe(out, "resume_from=latest", "model.tiny.num_layers=1")
+    with pytest.raises(ConfigError, match="num_devices"):
+        small_recipe(out, "resume_from=latest", "num_devices=2")
+
+
+def ray_pids() -> set[int]:
+    found = set()
+    for p in psutil.process_iter(["pid", "cmdline", "name"]):
+        text = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
+        if "ray::" in text or "raylet" in text or "gcs_server" in text:
+            found.add(p.info["pid"])
+    return found
+
+
+def test_worker_death_stops_the_run_cleanly(tmp_path):
+    before = ray_pids()
+    out = tmp_path / "dies"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "unirl.train_diffusion",
+            "--config-name=diffusion/tiny_sd3_flowgrpo",
+            *SMALL,
+            "num_steps=200",
+            "checkpoint.every_n_steps=1",
+            f"output_dir={out}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "step_000002" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, "run did not reach its second checkpoint"
+        time.sleep(0.5)
+    victims = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "DiffusionWorker" in " ".join(p.cmdline())
+    ]
+    victims = victims or [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "ray::DiffusionWorker" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert victims, "no DiffusionWorker process found"
+    for p in victims:
+        os.kill(p.pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "DiffusionWorker" in stderr and "rank 0" in stderr and "run stopped at step" in stderr
+    assert "Last complete checkpoint" in stderr and "step_00000" in stderr
+    # the last checkpoint's exported weights load back
+    from unirl.models.sd3 import load_checkpoint
+    from unirl.trainer.checkpoints import latest_checkpoint
+
+    last = latest_checkpoint(str(out))
+    assert last is not None
+    load_checkpoint(os.path.join(last, "weights"))
+    # no Ray process of that run is left behind
+    deadline = time.time() + 30
+    while (leftover := ray_pids() - before - {os.getpid()}) and time.time() < deadline:
+        time.sleep(0.5)
+    ours = {p for p in leftover if psutil.pid_exists(p)} - ray_pids_of_this_session()
+    assert not ours, f"processes left behind: {ours}"
+
+
+def ray_pids_of_this_session() -> set[int]:
+    """Processes of the test session's own Ray instance (started by the fixture)."""
+    node = ray._private.worker.global_worker.node
+    session = os.path.basename(node.get_session_dir_path())
+    own = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if session in " ".join(p.info["cmdline"] or []):
+            own.add(p.info["pid"])
+            own.update(c.pid for c in psutil.Process(p.info["pid"]).children(recursive=True))
+    own.update(c.pid for c in psutil.Process(os.getpid()).children(recursive=True))
+    return own

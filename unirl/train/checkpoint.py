@@ -1,0 +1,62 @@
+"""Per-rank train state on disk: `torch.distributed.checkpoint` for tensors, a small file per rank for the rest.
+
+Layout of one checkpoint directory (the driver adds `driver_state.json`,
+`weights/` and the `COMPLETE` marker):
+    train/          DCP shards: trainable params, optimizer, EMA, reference
+    rank{r}.pt      LR scheduler, counters, RNG states of rank r
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+
+from unirl.train.backend import TrainBackend
+
+_TENSOR_KEYS = ("model", "optim", "ema", "reference")
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def save_train_state(path: str, backend: TrainBackend, rank: int) -> None:
+    """Write this rank's part of the train state under `path`. Collective when sharded."""
+    state = backend.state_dict()
+    dcp.save({k: state[k] for k in _TENSOR_KEYS if k in state}, checkpoint_id=os.path.join(path, "train"))
+    extra = {"scheduler": state["scheduler"], "counters": state["counters"], "rng": _rng_state()}
+    torch.save(extra, os.path.join(path, f"rank{rank}.pt"))
+
+
+def load_train_state(path: str, backend: TrainBackend, rank: int) -> None:
+    """Restore what `save_train_state` wrote, in place. Collective when sharded.
+
+    Raises FileNotFoundError naming the missing file when the checkpoint was
+    written by a run with fewer ranks or is incomplete.
+    """
+    extra_path = os.path.join(path, f"rank{rank}.pt")
+    if not os.path.isfile(extra_path):
+        raise FileNotFoundError(
+            f"checkpoint {path} has no {os.path.basename(extra_path)}: it was written with a different "
+            "num_devices or is incomplete"
+        )
+    state = backend.state_dict()
+    tensors = {k: state[k] for k in _TENSOR_KEYS if k in state}
+    dcp.load(tensors, checkpoint_id=os.path.join(path, "train"))
+    extra = torch.load(extra_path, weights_only=False)
+    state.update(tensors)
+    state["scheduler"] = extra["scheduler"]
+    state["counters"] = extra["counters"]
+    backend.load_state_dict(state)
+    _set_rng_state(extra["rng"])

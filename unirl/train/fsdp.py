@@ -1,0 +1,124 @@
+"""FSDP2 wrapping of a denoiser: `fully_shard` per transformer block, then the root.
+
+NCCL on GPUs, gloo on CPU (the worker creates the process group). Blocks are
+found by class name, from the recipe; a name that matches nothing is an error
+(training silently unsharded is a known trap elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class FSDPConfig:
+    """How the trainable module is sharded over the data-parallel ranks.
+
+    Attributes:
+        block_classes: class names of the blocks to shard one by one (SD3:
+            `JointTransformerBlock`); the root is sharded last.
+        param_dtype: compute dtype of the all-gathered parameters.
+        reduce_dtype: dtype of the gradient reduce-scatter.
+        reshard_after_forward: free gathered parameters after each forward
+            (less memory, one more all-gather in backward).
+        activation_checkpointing: recompute each block's activations in backward.
+    """
+
+    block_classes: list[str] = field(default_factory=lambda: ["JointTransformerBlock"])
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(self, key) not in _DTYPES:
+                raise ValueError(
+                    f"train.fsdp.{key} must be one of {sorted(_DTYPES)}, got {getattr(self, key)!r}"
+                )
+        if not self.block_classes:
+            raise ValueError("train.fsdp.block_classes must name at least one block class")
+
+
+def unmatched_block_classes(module: torch.nn.Module, block_classes: list[str]) -> list[str]:
+    """Names in `block_classes` that are the class of no submodule of `module`."""
+    present = {type(m).__name__ for m in module.modules()}
+    return [name for name in block_classes if name not in present]
+
+
+def shard_module(module: torch.nn.Module, cfg: FSDPConfig, device_type: str) -> torch.nn.Module:
+    """Apply activation checkpointing (optional) and FSDP2 to `module` in place; returns it.
+
+    Requires an initialized default process group; the mesh spans all its ranks.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    missing = unmatched_block_classes(module, cfg.block_classes)
+    if missing:
+        present = sorted({type(m).__name__ for m in module.modules() if "Block" in type(m).__name__})
+        raise ValueError(
+            f"train.fsdp.block_classes {missing} match no module of {type(module).__name__}; "
+            f"block classes present: {present}"
+        )
+    names = set(cfg.block_classes)
+    blocks = [m for m in module.modules() if type(m).__name__ in names]
+    if cfg.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointWrapper,
+            apply_activation_checkpointing,
+        )
+
+        apply_activation_checkpointing(module, check_fn=lambda m: type(m).__name__ in names)
+        blocks = [m for m in module.modules() if isinstance(m, CheckpointWrapper)]
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(
+        param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype]
+    )
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    return module
+
+
+def reshard_all(module: torch.nn.Module | None) -> None:
+    """Reshard every FSDP module in `module` (no-op for None or an unsharded module).
+
+    FSDP2 keeps the root's all-gathered weights after a forward without backward
+    (a no_grad rollout) and the next forward reuses them, so writes to the
+    sharded parameters go unseen until every FSDP module is resharded.
+    """
+    if module is None:
+        return
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+@contextlib.contextmanager
+def swapped_weights(
+    params: list[torch.Tensor], values: list[torch.Tensor], module: torch.nn.Module | None = None
+) -> Iterator[None]:
+    """Run the body with `values` copied into `params` (cast to their dtype); the
+    live values come back bit-exactly on exit, also when the body raises.
+    `module`: the FSDP root to reshard on entry and exit (see `reshard_all`)."""
+    with torch.no_grad():
+        reshard_all(module)
+        live = [p.detach().clone() for p in params]
+        for p, v in zip(params, values, strict=True):
+            p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            reshard_all(module)
+            for p, v in zip(params, live, strict=True):
+                p.copy_(v)

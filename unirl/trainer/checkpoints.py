@@ -1,0 +1,91 @@
+"""Checkpoint directories of a run: naming, the driver's state, completeness, and `resume_from`.
+
+`<output_dir>/checkpoints/step_000012/` holds the workers' train state (see
+`unirl.train.checkpoint`), `weights/` (exported, diffusers-loadable),
+`driver_state.json` (step, data-source position, the recipe's model and
+geometry) and, written last, `COMPLETE`. Only complete checkpoints resume.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+COMPLETE = "COMPLETE"
+
+
+def checkpoint_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
+
+
+def mark_complete(path: str) -> None:
+    with open(os.path.join(path, COMPLETE), "w") as f:
+        f.write("ok\n")
+
+
+def _identity(cfg: DictConfig) -> dict[str, Any]:
+    """What a checkpoint must agree on with the recipe that resumes it."""
+    return {
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "num_devices": int(cfg.num_devices),
+        "lora": OmegaConf.to_container(cfg.train.get("lora"), resolve=True)
+        if cfg.train.get("lora")
+        else None,
+    }
+
+
+def write_driver_state(path: str, step: int, data_source_state: dict[str, Any], cfg: DictConfig) -> None:
+    with open(os.path.join(path, "driver_state.json"), "w") as f:
+        json.dump({"step": step, "data_source": data_source_state, "identity": _identity(cfg)}, f, indent=2)
+
+
+def read_driver_state(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "driver_state.json")) as f:
+        return json.load(f)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The complete checkpoint with the highest step under `output_dir`, or None."""
+    done = [
+        p
+        for p in glob.glob(os.path.join(output_dir, "checkpoints", "step_*"))
+        if os.path.exists(os.path.join(p, COMPLETE))
+    ]
+    return max(done, key=lambda p: int(os.path.basename(p).split("_")[1])) if done else None
+
+
+def resolve_resume_path(cfg: DictConfig) -> str | None:
+    """The checkpoint directory `resume_from` names, checked against the recipe.
+
+    `resume_from: null` -> None; `latest` -> the newest complete checkpoint in
+    `output_dir`; otherwise a checkpoint directory. Raises ValueError naming
+    `resume_from` when the path is missing or incomplete, or when the
+    checkpoint's model, LoRA or num_devices differ from the recipe's.
+    """
+    spec = cfg.get("resume_from")
+    if spec is None:
+        return None
+    if spec == "latest":
+        path = latest_checkpoint(str(cfg.output_dir))
+        if path is None:
+            raise ValueError(
+                f"resume_from=latest: no complete checkpoint under {os.path.join(str(cfg.output_dir), 'checkpoints')}; "
+                "run with checkpoint.every_n_steps > 0 first, or set resume_from=null"
+            )
+    else:
+        path = str(spec)
+        if not os.path.isdir(path):
+            raise ValueError(f"resume_from={path!r} does not exist; give a checkpoint directory or 'latest'")
+        if not os.path.exists(os.path.join(path, COMPLETE)):
+            raise ValueError(f"resume_from={path!r} is not a complete checkpoint (no {COMPLETE} marker)")
+    saved = read_driver_state(path)["identity"]
+    current = _identity(cfg)
+    diff = [k for k in current if saved.get(k) != current[k]]
+    if diff:
+        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs recipe {current[k]!r}" for k in diff)
+        raise ValueError(f"resume_from={path!r} does not match the recipe ({details})")
+    return path
