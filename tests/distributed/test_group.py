@@ -103,7 +103,7 @@ class EchoWorker(Worker):
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[DevicePool]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     p = DevicePool(2, cpus_per_device=1.0, use_gpu=False, timeout_s=30)
     yield p
     p.shutdown()

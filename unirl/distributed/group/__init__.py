@@ -1,9 +1,10 @@
 """Worker groups on Ray: device pools, placements, rank info and dispatch modes."""
 
+from unirl.distributed.group.cluster import init_ray
 from unirl.distributed.group.device_pool import DevicePool, Placement, placement
 from unirl.distributed.group.dispatch import DISPATCH_SPECS, Dispatch, DispatchSpec, dispatch, dispatch_mode
 from unirl.distributed.group.rank import RankInfo
-from unirl.distributed.group.remote import Worker, WorkerError, WorkerGroup, free_port, remote
+from unirl.distributed.group.remote import Worker, WorkerError, WorkerGroup, free_port, remote, rendezvous
 
 __all__ = [
     "DISPATCH_SPECS",
@@ -18,6 +19,8 @@ __all__ = [
     "dispatch",
     "dispatch_mode",
     "free_port",
+    "init_ray",
     "placement",
     "remote",
+    "rendezvous",
 ]

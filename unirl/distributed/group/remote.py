@@ -11,12 +11,14 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from unirl.distributed.group.device_pool import Placement
+from unirl.distributed.group.device_pool import Placement, node_ip
 from unirl.distributed.group.dispatch import DISPATCH_SPECS, Dispatch, dispatch_mode
 from unirl.distributed.group.rank import RankInfo
 
 # A device is shared by up to this many colocated worker groups by default.
 MAX_COLOCATED = 10
+# How long the driver waits for the port probe on rank 0's node.
+PORT_PROBE_TIMEOUT_S = 60.0
 
 
 class WorkerError(RuntimeError):
@@ -167,10 +169,67 @@ class WorkerGroup:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (of the driver's machine)."""
+    """A TCP port free on `host` right now (of the machine this runs on)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _port_probe_fn() -> Callable[[str], tuple[int, str]]:
+    """A fresh probe ``host -> (port free on host, Ray node id it ran on)``.
+
+    Built as a closure so Ray ships it by value: the probe's worker process
+    does not import unirl (nor torch).
+    """
+
+    def probe(host: str) -> tuple[int, str]:
+        import socket
+
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        return port, ray.get_runtime_context().get_node_id()
+
+    return probe
+
+
+def rendezvous(placement: Placement) -> tuple[str, int]:
+    """torch.distributed rendezvous endpoint ``(master_addr, master_port)`` of a group on `placement`.
+
+    If every bundle of the placement is on the driver's Ray node: 127.0.0.1
+    and a port free on the driver (single-node behaviour). Otherwise the IP of
+    the node hosting rank 0's bundle (``NodeManagerAddress`` in Ray's node
+    table) and a port found free on that node by a zero-CPU Ray task pinned to
+    rank 0's bundle. Like any free-port probe the port may be taken again
+    before rank 0 binds it (a small race).
+
+    Raises:
+        RuntimeError: if the probe fails, times out (PORT_PROBE_TIMEOUT_S) or
+            lands on another node than rank 0's bundle.
+    """
+    pool = placement.pool
+    node_ids = pool.bundle_node_ids()
+    group_nodes = [node_ids[b] for b in placement.bundle_indices]
+    if all(n == ray.get_runtime_context().get_node_id() for n in group_nodes):
+        return "127.0.0.1", free_port()
+    rank0_node = group_nodes[0]
+    addr = node_ip(rank0_node)
+    task = ray.remote(_port_probe_fn()).options(
+        num_cpus=0, scheduling_strategy=pool.scheduling_strategy(placement.bundle_indices[0])
+    )
+    try:
+        port, probed_node = ray.get(task.remote(addr), timeout=PORT_PROBE_TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError) as err:
+        raise RuntimeError(
+            f"could not find a free port on rank 0's node {addr} ({rank0_node}): {err}"
+        ) from err
+    if probed_node != rank0_node:
+        raise RuntimeError(
+            f"port probe for rank 0 ran on node {probed_node}, not on rank 0's node {rank0_node} ({addr})"
+        )
+    return addr, int(port)
 
 
 def _local_and_node_ranks(node_ids: list[str]) -> tuple[list[int], list[int]]:
@@ -201,8 +260,9 @@ def remote(
     MAX_COLOCATED) and, on GPU pools, ``num_gpus_per_worker`` of its GPU
     (default 1 / MAX_COLOCATED), so up to MAX_COLOCATED groups can share a
     placement by default. `env` is exported in every actor (Ray runtime_env).
-    The rendezvous endpoint is 127.0.0.1 and a port free on the driver
-    (single node). Blocks until every actor is constructed; a failing
+    The rendezvous endpoint is `rendezvous(placement)`: 127.0.0.1 and a port
+    free on the driver when every rank is on the driver's node, else rank 0's
+    node IP and a port free there. Blocks until every actor is constructed; a failing
     constructor raises `WorkerError` (method ``__init__``) after killing the
     group.
     """
@@ -218,7 +278,7 @@ def remote(
     world_size = placement.world_size
     node_ids = pool.bundle_node_ids()
     local_ranks, node_ranks = _local_and_node_ranks([node_ids[b] for b in placement.bundle_indices])
-    port = free_port()
+    master_addr, port = rendezvous(placement)
     rank_infos = [
         RankInfo(
             rank=r,
@@ -227,7 +287,7 @@ def remote(
             dp_size=world_size,
             local_rank=local_ranks[r],
             node_rank=node_ranks[r],
-            master_addr="127.0.0.1",
+            master_addr=master_addr,
             master_port=port,
         )
         for r in range(world_size)
