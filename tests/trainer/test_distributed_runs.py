@@ -56,7 +56,8 @@ def run(out, *overrides: str) -> list[dict]:
 
 
 def untimed(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time/")}
+    """A row without its measurements of the machine (wall-clock times, process memory)."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "memory/"))}
 
 
 def final_weights(out) -> dict[str, torch.Tensor]:

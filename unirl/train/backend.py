@@ -199,6 +199,25 @@ class TrainBackend:
         with self.ema.swap(fsdp_module=self.module):
             yield
 
+    def move_optimizer_state(self, device: str | torch.device) -> None:
+        """Move optimizer state tensors (Adam moments) to `device`, e.g. to "cpu"
+        around a rollout and back to the parameters' device before training. A
+        no-op when they are already there (always so on CPU-only runs)."""
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def optimizer_offloaded(self) -> Iterator[None]:
+        """Optimizer state on the CPU for the body (rollout), back on the parameters' device after."""
+        device = self.params[0].device
+        self.move_optimizer_state("cpu")
+        try:
+            yield
+        finally:
+            self.move_optimizer_state(device)
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 

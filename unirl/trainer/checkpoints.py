@@ -38,9 +38,14 @@ def _identity(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def write_driver_state(path: str, step: int, data_source_state: dict[str, Any], cfg: DictConfig) -> None:
+def write_driver_state(
+    path: str, step: int, data_source_state: dict[str, Any], cfg: DictConfig, save_s: float | None = None
+) -> None:
+    """`driver_state.json`: step, data-source position, the recipe identity, and
+    `save_s`, the seconds the workers took to write their state."""
+    state = {"step": step, "data_source": data_source_state, "identity": _identity(cfg), "save_s": save_s}
     with open(os.path.join(path, "driver_state.json"), "w") as f:
-        json.dump({"step": step, "data_source": data_source_state, "identity": _identity(cfg)}, f, indent=2)
+        json.dump(state, f, indent=2)
 
 
 def read_driver_state(path: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ construction, phase order, checkpoints and resume.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -66,6 +67,7 @@ class DiffusionTrainer:
             else str(cfg.model.pretrained_path)
         )
         self.last_checkpoint: str | None = None
+        self.restore_s: float | None = None
 
     def run(self) -> list[dict[str, Any]]:
         """Run the loop; returns the metric rows written by this invocation."""
@@ -86,9 +88,22 @@ class DiffusionTrainer:
                 self.num_steps * int(self.cfg.train.stack.num_updates_per_batch),
                 self.base_model if self.tiny and resume is None else None,
             )
+            with open(os.path.join(self.out, "placement.json"), "w") as f:
+                json.dump(
+                    {
+                        "num_devices": pool.num_devices,
+                        "num_nodes": pool.num_nodes,
+                        "bundle_node_ids": pool.bundle_node_ids(),
+                        "ranks": [dataclasses.asdict(r) for r in group.rank_infos],
+                    },
+                    f,
+                    indent=2,
+                )
             start = 0
             if resume is not None:
+                t0 = time.perf_counter()
                 start = self._restore(group, resume)
+                self.restore_s = time.perf_counter() - t0
             rows = self._loop(group, start)
             self._call(
                 group, "save_weights", start, os.path.join(self.out, "checkpoints", "final"), self.base_model
@@ -132,8 +147,11 @@ class DiffusionTrainer:
 
     def _save_checkpoint(self, group, step: int) -> None:
         path = checkpoint_dir(self.out, step)
+        t0 = time.perf_counter()
         self._call(group, "save_checkpoint", step - 1, path, self.base_model)
-        write_driver_state(path, step, self.data_source.state_dict(), self.cfg)
+        write_driver_state(
+            path, step, self.data_source.state_dict(), self.cfg, save_s=time.perf_counter() - t0
+        )
         mark_complete(path)
         self.last_checkpoint = path
 
@@ -166,6 +184,7 @@ class DiffusionTrainer:
                 t2 = time.perf_counter()
                 row.update(reduce_metrics(self._call(group, "train", step, track, step / self.num_steps)))
                 t3 = time.perf_counter()
+                row["memory/worker_peak_rss_mb"] = max(self._call(group, "peak_rss_mb", step))
                 row.update(
                     {
                         "time/rollout_s": t1 - t0,
@@ -174,8 +193,12 @@ class DiffusionTrainer:
                         "time/step_s": t3 - t0,
                     }
                 )
+                if self.restore_s is not None and step == start:
+                    row["time/restore_s"] = self.restore_s
                 writer.write(row)
                 rows.append(row)
+                if self.every_n and (step + 1) % self.every_n == 0:
+                    self._save_checkpoint(group, step + 1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.4f}", loss=f"{row['loss']:.2e}")
                 if every > 0 and ((step + 1) % every == 0 or step + 1 == self.num_steps):
                     save_image_grid(
@@ -184,8 +207,6 @@ class DiffusionTrainer:
                         track.prompts,
                         track.rewards.tolist(),
                     )
-                if self.every_n and (step + 1) % self.every_n == 0:
-                    self._save_checkpoint(group, step + 1)
         finally:
             writer.close()
         return rows

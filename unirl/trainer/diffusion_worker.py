@@ -9,7 +9,9 @@ the sharded module is called on all ranks at once by the driver.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 from typing import Any
 
 import torch
@@ -83,6 +85,7 @@ class DiffusionWorker(Worker):
             keep_reference=getattr(getattr(self.algorithm, "config", None), "beta", 0) > 0,
         )
         self.stage.module = self.backend.module
+        self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
         self.stack = TrainStack(self.stage, self.backend, self.algorithm, build(train["stack"]))
         self.engine = build(cfg["rollout"], stage=self.stage)
 
@@ -100,10 +103,12 @@ class DiffusionWorker(Worker):
     def rollout(self, req: RolloutReq) -> RolloutTrack:
         """Generate this rank's shard of the request (from EMA weights when the
         algorithm asks for it); gathered in order by the driver."""
-        if self.algorithm.requires_ema_rollout:
-            with self.backend.ema_weights():
-                return self.engine.generate(req).track(self.engine.track_name)
-        return self.engine.generate(req).track(self.engine.track_name)
+        with contextlib.ExitStack() as stack:
+            if self.offload_optimizer:
+                stack.enter_context(self.backend.optimizer_offloaded())
+            if self.algorithm.requires_ema_rollout:
+                stack.enter_context(self.backend.ema_weights())
+            return self.engine.generate(req).track(self.engine.track_name)
 
     @dispatch(Dispatch.DP_SCATTER)
     def train(self, track: RolloutTrack, progress: float) -> dict[str, float]:
@@ -133,6 +138,11 @@ class DiffusionWorker(Worker):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Consolidated trainable weights (for parity and resume checks)."""
         return self.backend.full_trainable_state()
+
+    @dispatch(Dispatch.BROADCAST)
+    def peak_rss_mb(self) -> float:
+        """Peak resident memory of this worker process so far, in MiB."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     @dispatch(Dispatch.BROADCAST)
     def teardown(self) -> None:
