@@ -54,7 +54,8 @@ def iter_targets(node: Any, path: str = "") -> list[tuple[str, str]]:
     return found
 
 
-def _check_targets(cfg: DictConfig, problems: list[str]) -> None:
+def check_targets(cfg: DictConfig, problems: list[str]) -> None:
+    """Append a problem for every `_target_` that does not import."""
     for path, target in iter_targets(cfg):
         try:
             get_object(target)
@@ -123,7 +124,7 @@ def validate_diffusion_config(cfg: DictConfig) -> None:
     for key in ("num_devices", "num_steps", "prompts_per_rollout"):
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             problems.append(f"{key}: must be an integer >= 1, got {cfg[key]!r}")
-    _check_targets(cfg, problems)
+    check_targets(cfg, problems)
     if problems:
         raise ConfigError(problems)
 

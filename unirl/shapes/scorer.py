@@ -1,0 +1,368 @@
+"""GenEval in miniature: a weight-free detector and scene checker for the shapes world.
+
+`detect` segments an image by palette colour and classifies each connected
+component's shape from two bounding-box statistics; `score_scene` checks the
+detections against a `SceneSpec`; `GenEvalMini` turns that into a reward
+component and an evaluation summary. Pure numpy (torch only at the reward
+boundary); no weights, no scipy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from unirl.shapes.world import BACKGROUND, CATEGORIES, PALETTE, SceneSpec, parse_prompt
+from unirl.types.reward import RewardRequest
+
+_COLORS: tuple[str, ...] = tuple(PALETTE)
+_REFS = np.array([*PALETTE.values(), BACKGROUND], dtype=np.float32)  # [C+1, 3], background last
+_BG = len(_COLORS)
+
+# Shape features of clean renders at 10-14 px: fill = area / bbox area is 1.0 for squares,
+# 0.78-0.81 for circles and 0.57-0.60 for triangles; top/bottom = pixels in the upper half of
+# the bbox / pixels in the lower half is ~1.0 for squares and circles and 0.36-0.43 for
+# upright triangles. Thresholds sit midway.
+_TRIANGLE_TOP_BOTTOM = 0.7
+_SQUARE_FILL = 0.9
+_MAX_MATCHED_DETECTIONS = 8  # the optimal assignment considers the largest 8 components
+
+
+@dataclass(frozen=True)
+class Detection:
+    """One detected object.
+
+    Attributes:
+        color: palette colour name.
+        shape: "circle", "square" or "triangle".
+        cx, cy: centre of mass in pixels (x to the right, y down; pixel centres at i + 0.5).
+        area: pixel count of the component.
+        bbox: (x0, y0, x1, y1), x1/y1 exclusive.
+    """
+
+    color: str
+    shape: str
+    cx: float
+    cy: float
+    area: int
+    bbox: tuple[int, int, int, int]
+
+
+def _to_hwc_uint8(image: np.ndarray | torch.Tensor) -> np.ndarray:
+    arr = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
+    if arr.dtype != np.uint8 or arr.ndim != 3:
+        raise ValueError(f"expected a uint8 [H, W, 3] or [3, H, W] image, got {arr.dtype} {list(arr.shape)}")
+    if arr.shape[-1] != 3 and arr.shape[0] == 3:
+        arr = arr.transpose(1, 2, 0)
+    if arr.shape[-1] != 3:
+        raise ValueError(f"expected a uint8 [H, W, 3] or [3, H, W] image, got {list(arr.shape)}")
+    return arr
+
+
+def classify_pixels(image: np.ndarray, max_distance: float = 100.0) -> np.ndarray:
+    """int [H, W] map: index into `PALETTE` order, or len(PALETTE) for background / unknown.
+
+    Each pixel takes the nearest of the palette colours and the background by
+    RGB distance; a palette pixel farther than `max_distance` from its colour
+    (an edge blend or noise) counts as background.
+    """
+    img = _to_hwc_uint8(image).astype(np.float32)
+    dist = np.linalg.norm(img[:, :, None, :] - _REFS[None, None], axis=-1)  # [H, W, C+1]
+    cls = dist.argmin(axis=-1)
+    too_far = np.take_along_axis(dist, cls[..., None], axis=-1)[..., 0] > max_distance
+    cls[too_far & (cls != _BG)] = _BG
+    return cls
+
+
+def connected_components(cls: np.ndarray, background: int) -> np.ndarray:
+    """int [H, W] component labels (8-connectivity, same class), -1 on background.
+
+    Labels are the smallest flat pixel index of the component (min-label
+    propagation until stable; at most a few dozen numpy sweeps at 32x32).
+    """
+    h, w = cls.shape
+    fg = cls != background
+    big = h * w
+    lab = np.where(fg, np.arange(big).reshape(h, w), big)
+    pad_cls = np.pad(cls, 1, constant_values=background)
+    same = [
+        (pad_cls[1 + dy : 1 + dy + h, 1 + dx : 1 + dx + w] == cls) & fg
+        for dy in (-1, 0, 1)
+        for dx in (-1, 0, 1)
+        if dy or dx
+    ]
+    shifts = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if dy or dx]
+    while True:
+        pad = np.pad(lab, 1, constant_values=big)
+        new = lab.copy()
+        for (dy, dx), ok in zip(shifts, same, strict=True):
+            nb = pad[1 + dy : 1 + dy + h, 1 + dx : 1 + dx + w]
+            new = np.where(ok, np.minimum(new, nb), new)
+        if np.array_equal(new, lab):
+            break
+        lab = new
+    return np.where(fg, lab, -1)
+
+
+def classify_shape(mask: np.ndarray) -> str:
+    """'square', 'circle' or 'triangle' for a bool [h, w] mask cropped to its bbox.
+
+    Rows are filled between their leftmost and rightmost pixel first, so holes
+    from noise do not lower the fill ratio. Triangle if the upper half of the
+    bbox holds < 0.7x the pixels of the lower half; else square if the fill
+    ratio (area / bbox area) is >= 0.9; else circle.
+    """
+    h, w = mask.shape
+    rows = mask.any(axis=1)
+    span = np.zeros(h, dtype=np.float64)
+    idx = np.arange(w)
+    for r in np.nonzero(rows)[0]:
+        xs = idx[mask[r]]
+        span[r] = xs[-1] - xs[0] + 1
+    top, bottom = span[: h // 2].sum(), span[(h + 1) // 2 :].sum()
+    if bottom > 0 and top / bottom < _TRIANGLE_TOP_BOTTOM:
+        return "triangle"
+    return "square" if span.sum() / (h * w) >= _SQUARE_FILL else "circle"
+
+
+def detect(
+    image: np.ndarray | torch.Tensor, min_area: int | None = None, max_distance: float = 100.0
+) -> list[Detection]:
+    """Objects in an image, largest first.
+
+    Args:
+        image: uint8 [H, W, 3] (or [3, H, W]) RGB.
+        min_area: components smaller than this many pixels are noise and
+            dropped; default 12 at 32x32, scaled with H * W.
+        max_distance: see `classify_pixels`.
+
+    A component's bbox is trimmed of edge rows/columns holding < 20% of its
+    widest row/column (stray pixels touching the shape), then its shape is
+    classified by `classify_shape`.
+    """
+    img = _to_hwc_uint8(image)
+    h, w = img.shape[:2]
+    if min_area is None:
+        min_area = max(4, round(12 * h * w / 1024))
+    cls = classify_pixels(img, max_distance)
+    lab = connected_components(cls, _BG)
+    ids, counts = np.unique(lab[lab >= 0], return_counts=True)
+    out: list[Detection] = []
+    for comp, area in zip(ids.tolist(), counts.tolist(), strict=True):
+        if area < min_area:
+            continue
+        ys, xs = np.nonzero(lab == comp)
+        y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
+        mask = lab[y0:y1, x0:x1] == comp
+        mask = _trim(mask)
+        out.append(
+            Detection(
+                color=_COLORS[int(cls.flat[comp])],
+                shape=classify_shape(mask),
+                cx=float(xs.mean() + 0.5),
+                cy=float(ys.mean() + 0.5),
+                area=int(area),
+                bbox=(int(x0), int(y0), int(x1), int(y1)),
+            )
+        )
+    out.sort(key=lambda d: -d.area)
+    return out
+
+
+def _trim(mask: np.ndarray, frac: float = 0.2) -> np.ndarray:
+    """Drop edge rows/columns of a bool mask whose count is < frac x the max (stray attached pixels).
+
+    At most one row/column per side, so a triangle apex (1-2 px rows) loses at most one row.
+    """
+    for axis in (0, 1):
+        counts = mask.sum(axis=1 - axis)
+        if len(counts) < 4:
+            continue
+        thr = frac * counts.max()
+        lo = 1 if counts[0] < thr else 0
+        hi = len(counts) - 1 if counts[-1] < thr else len(counts)
+        mask = mask[lo:hi] if axis == 0 else mask[:, lo:hi]
+    return mask
+
+
+# ---------------------------------------------------------------- checking
+
+
+def relation_holds(a: Detection, b: Detection, relation: str) -> bool:
+    """Centre of `a` is `relation` of the centre of `b`: displaced the right way, and more along
+    the relation axis than across it ("left of": b.cx - a.cx > |b.cy - a.cy|)."""
+    dx, dy = a.cx - b.cx, a.cy - b.cy
+    along, cross = {"left of": (-dx, dy), "right of": (dx, dy), "above": (-dy, dx), "below": (dy, dx)}[
+        relation
+    ]
+    return along > 0 and along > abs(cross)
+
+
+def _match_score(want: Any, det: Detection | None) -> float:
+    if det is None:
+        return 0.0
+    return 0.5 * (det.color == want.color) + 0.5 * (det.shape == want.shape)
+
+
+def _assign(wanted: list, dets: list[Detection]) -> list[Detection | None]:
+    """Injective assignment of detections to wanted objects maximising the sum of match scores
+    (ties: more exact matches, then larger detections, which come first in `dets`)."""
+    cands: list[Detection | None] = [*dets[:_MAX_MATCHED_DETECTIONS], *([None] * len(wanted))]
+    best: tuple[float, int, int] | None = None
+    best_pick: list[Detection | None] = [None] * len(wanted)
+    for perm in itertools.permutations(range(len(cands)), len(wanted)):
+        pick = [cands[i] for i in perm]
+        scores = [_match_score(w, d) for w, d in zip(wanted, pick, strict=True)]
+        key = (sum(scores), sum(s == 1.0 for s in scores), -sum(perm))
+        if best is None or key > best:
+            best, best_pick = key, pick
+    return best_pick
+
+
+def score_scene(spec: SceneSpec, detections: list[Detection]) -> dict[str, Any]:
+    """Check detections against a scene.
+
+    The wanted objects are `spec.rendered_objects()` (k of them: 1, 2 or the
+    count); detections are assigned to them one-to-one, maximising the sum of
+    per-object match scores (0.5 right colour + 0.5 right shape).
+
+    Returns:
+        strict: 1.0 iff every wanted object has an exact match, there are no
+            other detections, and (position) the relation holds between the
+            matched pair; else 0.0.
+        dense: in [0, 1], mean of the terms: mean match score over the k
+            objects; count closeness max(0, 1 - |n - k| / k) with n the number
+            of detections (penalises missing and extra objects); for position
+            also 1.0 if the relation holds between the two assigned
+            detections (0.0 if either is missing).
+        color, shape: bool, every wanted object's assigned detection has the
+            right colour / shape.
+        count (counting only): bool, exactly k detections of the wanted colour and shape.
+        position (position only): bool, both objects exactly matched and the relation holds.
+        n_detections, n_extra: ints.
+    """
+    wanted = spec.rendered_objects()
+    k = len(wanted)
+    pick = _assign(wanted, detections)
+    scores = [_match_score(w, d) for w, d in zip(wanted, pick, strict=True)]
+    n = len(detections)
+    n_extra = n - sum(d is not None for d in pick)
+    exact = all(s == 1.0 for s in scores)
+    terms = [float(np.mean(scores)), max(0.0, 1.0 - abs(n - k) / k)]
+    out: dict[str, Any] = {
+        "color": all(d is not None and d.color == w.color for w, d in zip(wanted, pick, strict=True)),
+        "shape": all(d is not None and d.shape == w.shape for w, d in zip(wanted, pick, strict=True)),
+        "n_detections": n,
+        "n_extra": n_extra,
+    }
+    strict = exact and n_extra == 0
+    if spec.category == "counting":
+        target = wanted[0]
+        out["count"] = sum(d.color == target.color and d.shape == target.shape for d in detections) == k
+    if spec.category == "position":
+        assert spec.relation is not None
+        a, b = pick
+        rel = a is not None and b is not None and relation_holds(a, b, spec.relation)
+        terms.append(float(rel))
+        out["position"] = bool(exact and rel)
+        strict = strict and rel
+    out["strict"] = float(strict)
+    out["dense"] = float(np.mean(terms))
+    return out
+
+
+# ---------------------------------------------------------------- reward and evaluation
+
+
+def _images_hwc(images: np.ndarray | torch.Tensor) -> np.ndarray:
+    arr = images.detach().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
+    if arr.dtype != np.uint8 or arr.ndim != 4 or 3 not in (arr.shape[1], arr.shape[-1]):
+        raise ValueError(
+            f"images must be uint8 [B, 3, H, W] or [B, H, W, 3], got {arr.dtype} {list(arr.shape)}"
+        )
+    return arr if arr.shape[-1] == 3 else arr.transpose(0, 2, 3, 1)
+
+
+class GenEvalMini:
+    """Scorer: GenEval in miniature for the shapes world, weight-free.
+
+    Args:
+        mode: "dense" (partial credit in [0, 1]) or "strict" (0/1), see `score_scene`.
+        min_area: see `detect` (None: 12 px at 32x32, scaled).
+        max_distance: see `classify_pixels`.
+
+    `__call__(req)` parses each prompt with `parse_prompt` (a prompt outside
+    the grammar raises ValueError naming it and its sample id) and returns [B]
+    fp32 scores in [0, 1], in request order.
+    """
+
+    def __init__(self, mode: str = "dense", min_area: int | None = None, max_distance: float = 100.0) -> None:
+        if mode not in ("dense", "strict"):
+            raise ValueError(f"GenEvalMini mode must be 'dense' or 'strict', got {mode!r}")
+        if min_area is not None and min_area < 1:
+            raise ValueError(f"GenEvalMini min_area must be >= 1, got {min_area}")
+        if not max_distance > 0:
+            raise ValueError(f"GenEvalMini max_distance must be > 0, got {max_distance}")
+        self.mode = mode
+        self.min_area = min_area
+        self.max_distance = max_distance
+
+    def score_all(self, images: np.ndarray | torch.Tensor, prompts: Sequence[str]) -> list[dict[str, Any]]:
+        """`score_scene` results for each image ([B, 3, H, W] or [B, H, W, 3] uint8) and prompt."""
+        arr = _images_hwc(images)
+        if len(prompts) != arr.shape[0]:
+            raise ValueError(f"got {arr.shape[0]} images but {len(prompts)} prompts")
+        specs = [parse_prompt(p) for p in prompts]
+        return [
+            score_scene(spec, detect(img, self.min_area, self.max_distance))
+            for spec, img in zip(specs, arr, strict=True)
+        ]
+
+    def __call__(self, req: RewardRequest) -> torch.Tensor:
+        """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8) against `req.prompts`."""
+        for sid, p in zip(req.sample_ids, req.prompts, strict=True):
+            try:
+                parse_prompt(p)
+            except ValueError as e:
+                raise ValueError(f"sample {sid!r}: {e}") from e
+        results = self.score_all(req.images, req.prompts)
+        return torch.tensor([r[self.mode] for r in results], dtype=torch.float32)
+
+    def evaluate(self, images: np.ndarray | torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:
+        """Accuracy summary: see module function `evaluate`."""
+        return summarize(self.score_all(images, prompts), [parse_prompt(p).category for p in prompts])
+
+
+def summarize(results: Sequence[dict[str, Any]], categories: Sequence[str]) -> dict[str, float]:
+    """Means of `score_scene` results: accuracy_strict, dense, accuracy/<category> (categories
+    present) and per-aspect color, shape, count (counting prompts), position (position prompts)."""
+    if not results:
+        raise ValueError("summarize needs at least one result")
+    out = {
+        "accuracy_strict": float(np.mean([r["strict"] for r in results])),
+        "dense": float(np.mean([r["dense"] for r in results])),
+    }
+    for cat in CATEGORIES:
+        vals = [r["strict"] for r, c in zip(results, categories, strict=True) if c == cat]
+        if vals:
+            out[f"accuracy/{cat}"] = float(np.mean(vals))
+    for aspect in ("color", "shape", "count", "position"):
+        vals = [float(r[aspect]) for r in results if aspect in r]
+        if vals:
+            out[aspect] = float(np.mean(vals))
+    return out
+
+
+def evaluate(images: np.ndarray | torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:
+    """Score images ([B, 3, H, W] or [B, H, W, 3] uint8) against prompts with default settings.
+
+    Returns accuracy_strict (mean strict), dense (mean dense), accuracy/<category>
+    (strict, per category present), and per-aspect accuracies color, shape (all
+    prompts), count (counting prompts), position (position prompts).
+    """
+    return GenEvalMini().evaluate(images, prompts)
