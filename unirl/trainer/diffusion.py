@@ -86,7 +86,7 @@ class DiffusionTrainer:
                 placement(pool),
                 plain,
                 self.num_steps * int(self.cfg.train.stack.num_updates_per_batch),
-                self.base_model if self.tiny and resume is None else None,
+                self.base_model if self.tiny else None,
             )
             with open(os.path.join(self.out, "placement.json"), "w") as f:
                 json.dump(
