@@ -30,6 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {*CORE, *MIDDLE, "train", "distributed", *UTILS},
     "trainer": {*CORE, *MIDDLE, "train", "distributed", "trainer", *UTILS},
     "data": {"types", "data"},
+    # the shapes world (dataset, renderer, scorer) is a leaf over the typed boundary
+    "shapes": {"types", "shapes"},
     "tracking": {"tracking"},
     "config": {*CORE, *MIDDLE, "train", "distributed", "trainer", *UTILS},
     ENTRY: {*CORE, *MIDDLE, "train", "distributed", "trainer", *UTILS, ENTRY},

@@ -7,8 +7,8 @@ prompts) -> dict[str, float]` turns them into accuracies.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -19,7 +19,11 @@ from unirl.sde.schedules import sigmas_for
 from unirl.types.rollout_req import PromptExample, RolloutReq
 from unirl.types.sampling import DiffusionSamplingParams
 
-Evaluate = Callable[[torch.Tensor, list[str]], dict[str, float]]
+
+class Scorer(Protocol):
+    """Anything with `evaluate(images uint8 [B, 3, H, W], prompts) -> dict[str, float]`."""
+
+    def evaluate(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]: ...
 
 
 @dataclass
@@ -56,26 +60,27 @@ class BundleEvaluator:
     """`evaluator(bundle) -> dict`: sample the eval prompts deterministically, then score.
 
     Args:
-        examples: held-out prompts (e.g. `ShapesDataset("eval").examples`).
+        examples: held-out prompts, or a dataset holding them in `.examples`
+            (e.g. `ShapesDataset("eval")`).
         sampling: base sampling params (resolution, shift, token budget).
-        evaluate: the scorer's `evaluate(images, prompts)`.
+        scorer: scores images against prompts (e.g. `unirl.shapes.GenEvalMini`).
         eval_sampling: steps, guidance and seeds of evaluation.
     """
 
     def __init__(
         self,
-        examples: list[PromptExample],
+        examples: list[PromptExample] | object,
         sampling: DiffusionSamplingParams,
-        evaluate: Evaluate,
+        scorer: Scorer,
         eval_sampling: EvalSampling | None = None,
     ) -> None:
-        self.examples = examples
+        self.examples: list[PromptExample] = list(getattr(examples, "examples", examples))
         self.sampling = sampling
-        self.evaluate = evaluate
+        self.scorer = scorer
         self.eval_sampling = eval_sampling or EvalSampling()
 
     @torch.no_grad()
     def __call__(self, bundle: SD3Bundle) -> dict[str, float]:
         stage = SD3Stage(bundle)
         images, prompts = sample_eval_images(stage, self.examples, self.sampling, self.eval_sampling)
-        return self.evaluate(images, prompts)
+        return self.scorer.evaluate(images, prompts)

@@ -34,8 +34,9 @@ class TinySD3Config:
     sees [B, 3, resolution, resolution]; otherwise a tiny AutoencoderKL with
     a 2x downsample gives 4-channel latents. `clip_max_length` is the CLIP
     token budget (SD3 uses 77; a smaller one makes tiny runs faster).
-    `words` become whole-word pieces of the tiny T5 tokenizer (otherwise it is
-    character-level), which a small text encoder learns far more easily.
+    `words` become whole-word tokens of the tiny CLIP (BPE merges) and T5
+    (unigram pieces) tokenizers, which are otherwise character-level: a small
+    text encoder learns words far more easily, and prompts get much shorter.
     """
 
     resolution: int = 32
@@ -91,6 +92,34 @@ class SD3ModelConfig:
         return SD3Bundle.tiny(self.tiny)
 
 
+def _bpe(pieces: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Byte-pair encoding of one word: repeatedly merge the adjacent pair of lowest rank."""
+    while len(pieces) > 1:
+        pairs = [(ranks.get((a, b), len(ranks)), i) for i, (a, b) in enumerate(zip(pieces, pieces[1:]))]
+        rank, i = min(pairs)
+        if rank == len(ranks):
+            break
+        pieces = pieces[:i] + [pieces[i] + pieces[i + 1]] + pieces[i + 2 :]
+    return pieces
+
+
+def _whole_word_merges(words: list[str]) -> list[tuple[str, str]]:
+    """CLIP-style BPE merges under which every word in `words` is one token.
+
+    Each word gets merges appended (lowest priority) until BPE with all merges
+    so far yields it whole; merges added later never fire on earlier words,
+    because BPE only reaches a lower-priority merge when no higher one applies.
+    """
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    for word in dict.fromkeys(words):
+        while len(pieces := _bpe([*word[:-1], word[-1] + "</w>"], ranks)) > 1:
+            pair = (pieces[0], pieces[1])
+            ranks[pair] = len(merges)
+            merges.append(pair)
+    return merges
+
+
 def _tiny_tokenizers(clip_max_length: int, t5_max_length: int, words: list[str] = ()):
     from tokenizers import pre_tokenizers
     from transformers import CLIPTokenizer, T5TokenizerFast
@@ -99,7 +128,10 @@ def _tiny_tokenizers(clip_max_length: int, t5_max_length: int, words: list[str] 
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
         vocab[ch + "</w>"] = len(vocab)
-    clip = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=clip_max_length)
+    merges = _whole_word_merges(words)
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    clip = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=clip_max_length)
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
     pieces += [(c, -1.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789\u2581.,'-"]
     pieces += [("\u2581" + w, -0.5) for w in dict.fromkeys(words)]
