@@ -95,7 +95,10 @@ class SD3ModelConfig:
 def _bpe(pieces: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     """Byte-pair encoding of one word: repeatedly merge the adjacent pair of lowest rank."""
     while len(pieces) > 1:
-        pairs = [(ranks.get((a, b), len(ranks)), i) for i, (a, b) in enumerate(zip(pieces, pieces[1:]))]
+        pairs = [
+            (ranks.get((a, b), len(ranks)), i)
+            for i, (a, b) in enumerate(zip(pieces, pieces[1:], strict=False))
+        ]
         rank, i = min(pairs)
         if rank == len(ranks):
             break
