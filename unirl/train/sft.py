@@ -150,6 +150,12 @@ class FlowMatchingSFT:
         drop = torch.rand(len(prompts), generator=self.gen) < cfg.cond_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         x0 = images_to_model(images)
+        size = self.bundle.transformer.config.sample_size
+        if tuple(x0.shape[-2:]) != (size, size):
+            raise ValueError(
+                f"the data gives {tuple(x0.shape[-2:])} images but the model is built for {size}x{size} "
+                "(match model.tiny.resolution to the data)"
+            )
         eps = torch.randn(x0.shape, generator=self.gen)
         sigma = sample_sigmas(len(prompts), cfg, self.gen)
         s = sigma.view(-1, 1, 1, 1)

@@ -1,0 +1,113 @@
+"""Supervised flow matching: loss math, noise levels, exact resume, export, evaluation determinism."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import tiny_model_config
+from unirl.models.sd3 import SD3Bundle
+from unirl.models.sd3.bundle import _tiny_tokenizers
+from unirl.shapes import GenEvalMini, ShapesDataset
+from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig, flow_matching_loss, sample_sigmas
+from unirl.trainer.evaluation import BundleEvaluator, EvalSampling
+from unirl.types import DiffusionSamplingParams
+
+WORDS = ["a", "red", "circle", "circles", "three", "triangles", "left", "of", "and", "above"]
+
+
+def test_flow_matching_loss_against_hand_computation():
+    x0 = torch.tensor([[1.0, -1.0]])
+    eps = torch.tensor([[0.5, 0.5]])
+    pred = torch.tensor([[0.0, 1.0]])
+    # target v = eps - x0 = [-0.5, 1.5]; errors [0.5, -0.5]; mean square 0.25
+    assert float(flow_matching_loss(pred, x0, eps)) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("mode", ["logit_normal", "uniform"])
+def test_sigmas_lie_in_open_unit_interval_and_shift(mode):
+    gen = torch.Generator().manual_seed(0)
+    s = sample_sigmas(4000, FlowMatchingSFTConfig(sigma_sampling=mode), gen)
+    assert s.min() > 0 and s.max() < 1 and abs(float(s.mean()) - 0.5) < 0.03
+    shifted = sample_sigmas(
+        4000, FlowMatchingSFTConfig(sigma_sampling=mode, shift=3.0), torch.Generator().manual_seed(0)
+    )
+    t = s  # same draws: sigma = 3t / (1 + 2t)
+    torch.testing.assert_close(shifted, 3 * t / (1 + 2 * t))
+
+
+def test_whole_word_tokenizers():
+    clip, t5 = _tiny_tokenizers(12, 77, WORDS)
+    text = "a red circle left of three triangles"
+    assert clip.convert_ids_to_tokens(clip(text)["input_ids"])[1:-1] == [w + "</w>" for w in text.split()]
+    assert t5.convert_ids_to_tokens(t5(text)["input_ids"])[:-1] == ["\u2581" + w for w in text.split()]
+    # unknown words still tokenize, by characters
+    assert len(clip("purple")["input_ids"]) > 3
+
+
+def make_sft(tmp_path, steps: int) -> FlowMatchingSFT:
+    bundle = tiny_model_config(resolution=32, words=WORDS).build()
+    cfg = FlowMatchingSFTConfig(
+        num_steps=steps, batch_size=4, lr=1e-3, warmup_steps=1, checkpoint_every=2, log_every=1, eval_every=0
+    )
+    return FlowMatchingSFT(bundle, ShapesDataset("train"), cfg, str(tmp_path))
+
+
+def weights(sft: FlowMatchingSFT) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in sft.params]
+
+
+def test_resumed_run_matches_uninterrupted_run(tmp_path):
+    full = make_sft(tmp_path / "full", 4)
+    full.run()
+    part = make_sft(tmp_path / "part", 4)
+    part.run(max_seconds=0.0)  # stops after its first step, state saved
+    assert part.step == 1
+    resumed = make_sft(tmp_path / "part", 4)
+    resumed.run()
+    assert resumed.step == 4
+    assert all(torch.equal(a, b) for a, b in zip(weights(full), weights(resumed), strict=True))
+    rows = [json.loads(line) for line in open(tmp_path / "full" / "sft_log.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_image_size_mismatch_is_named(tmp_path):
+    bundle = tiny_model_config(words=WORDS).build()
+    sft = FlowMatchingSFT(bundle, ShapesDataset("train"), FlowMatchingSFTConfig(batch_size=2), str(tmp_path))
+    with pytest.raises(ValueError, match="model.tiny.resolution"):
+        sft.train_step()
+
+
+def test_loss_decreases_on_the_shapes_world(tmp_path):
+    sft = make_sft(tmp_path, 16)
+    rows = sft.run()
+    first, last = np.mean([r["loss"] for r in rows[:5]]), np.mean([r["loss"] for r in rows[-5:]])
+    assert last < first
+
+
+def test_export_loads_back_bit_equal_in_fp16(tmp_path):
+    sft = make_sft(tmp_path, 1)
+    sft.run()
+    sft.export(str(tmp_path / "export"))
+    loaded = SD3Bundle.from_pretrained(str(tmp_path / "export"))
+    for p, q in zip(sft.bundle.transformer.parameters(), loaded.transformer.parameters(), strict=True):
+        assert torch.equal(p.detach().half().float(), q.detach())
+    assert next(sft.bundle.transformer.parameters()).dtype == torch.float32
+
+
+def test_evaluation_is_deterministic(tmp_path):
+    bundle = tiny_model_config(words=WORDS).build()
+    sampling = DiffusionSamplingParams(
+        height=16, width=16, max_sequence_length=8, eta=0.0, guidance_scale=1.0
+    )
+    evaluator = BundleEvaluator(
+        ShapesDataset("eval"),
+        sampling,
+        GenEvalMini(mode="strict"),
+        EvalSampling(num_steps=2, samples_per_prompt=1),
+    )
+    a, b = evaluator(bundle), evaluator(bundle)
+    assert a == b and "accuracy_strict" in a and 0.0 <= a["dense"] <= 1.0
