@@ -18,7 +18,8 @@ PKG = ROOT / "unirl"
 CORE = ["types", "sde", "models"]
 MIDDLE = ["rollout", "reward", "algorithms"]
 UTILS = {"data", "tracking", "config"}
-ENTRY = "<entry>"  # unirl/train_*.py
+ENTRY = "<entry>"  # unirl/train_*.py and unirl/evaluate.py
+ENTRY_MODULES = ("evaluate",)
 
 ALLOWED: dict[str, set[str]] = {
     "types": {"types"},
@@ -50,7 +51,7 @@ def layer_of(module: str) -> str:
     if len(parts) == 1:
         return ""
     top = parts[1]
-    return ENTRY if top.startswith("train_") else top
+    return ENTRY if top.startswith("train_") or top in ENTRY_MODULES else top
 
 
 def module_name(path: Path) -> tuple[str, bool]:

@@ -147,19 +147,11 @@ def test_worker_death_stops_the_run_cleanly(tmp_path):
     while not (out / "checkpoints" / "step_000002" / "COMPLETE").exists():
         assert proc.poll() is None and time.time() < deadline, "run did not reach its second checkpoint"
         time.sleep(0.5)
-    victims = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if "DiffusionWorker" in " ".join(p.cmdline())
-    ]
-    victims = victims or [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "ray::DiffusionWorker" in " ".join(p.info["cmdline"] or [])
-    ]
-    assert victims, "no DiffusionWorker process found"
-    for p in victims:
-        os.kill(p.pid, signal.SIGKILL)
+    # kill exactly this run's rank-0 worker (recorded by the trainer), never another run's
+    placed = json.loads((out / "placement.json").read_text())
+    victim = next(w for w in placed["workers"] if w["rank"] == 0)
+    assert "DiffusionWorker" in " ".join(psutil.Process(victim["pid"]).cmdline())
+    os.kill(victim["pid"], signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
     assert "DiffusionWorker" in stderr and "rank 0" in stderr and "run stopped at step" in stderr

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from unirl.distributed.group import DevicePool, WorkerError, placement, remote
 from unirl.distributed.group.cluster import init_ray
 from unirl.sde.schedules import sigmas_for
+from unirl.tracking.gallery import write_gallery
 from unirl.tracking.metrics import JsonlWriter, save_image_grid
 from unirl.train.stack import reduce_metrics
 from unirl.trainer.checkpoints import (
@@ -30,6 +31,7 @@ from unirl.trainer.checkpoints import (
     write_driver_state,
 )
 from unirl.trainer.diffusion_worker import DiffusionWorker, build
+from unirl.trainer.evaluation import eval_request
 from unirl.types.rollout_req import RolloutReq
 
 
@@ -41,8 +43,10 @@ class DiffusionTrainer:
     """Runs the recipe `cfg` (already validated) up to `cfg.num_steps`.
 
     Writes into `cfg.output_dir`: `config.yaml` (resolved), `metrics.jsonl`
-    (one row per step), `samples/step_XXXX.png` (+ .json prompts and
+    (one row per step; with `eval`, a step-0 row and `eval/...` keys every
+    `eval.every_n_steps` steps and at the end), `samples/step_XXXX.png` (+ .json prompts and
     rewards) every `logging.save_images_every` steps and at the last step,
+    `gallery.html` (self-contained: sample grids, prompts, reward and accuracy curves),
     `base_model/` for a tiny model, `checkpoints/step_XXXXXX/` every
     `checkpoint.every_n_steps` steps, and `checkpoints/final/` (weights that
     `unirl.models.sd3.load_checkpoint` loads back). With `resume_from` (a
@@ -68,6 +72,14 @@ class DiffusionTrainer:
         )
         self.last_checkpoint: str | None = None
         self.restore_s: float | None = None
+        ev = cfg.get("eval")
+        self.eval_every = int(ev.get("every_n_steps", 0) or 0) if ev else 0
+        if ev:
+            examples = build(ev.examples)
+            self.eval_examples = list(getattr(examples, "examples", examples))
+            self.eval_scorer = build(ev.scorer)
+            self.eval_sampling = build(ev.sampling)
+            self.eval_use_ema = bool(ev.get("use_ema", False))
 
     def run(self) -> list[dict[str, Any]]:
         """Run the loop; returns the metric rows written by this invocation."""
@@ -95,6 +107,7 @@ class DiffusionTrainer:
                         "num_nodes": pool.num_nodes,
                         "bundle_node_ids": pool.bundle_node_ids(),
                         "ranks": [dataclasses.asdict(r) for r in group.rank_infos],
+                        "workers": self._call(group, "process_info", 0),
                     },
                     f,
                     indent=2,
@@ -155,15 +168,29 @@ class DiffusionTrainer:
         mark_complete(path)
         self.last_checkpoint = path
 
+    def _evaluate(self, group, step: int, image_seq_len: int) -> dict[str, float]:
+        """`eval/...` accuracies on the held-out prompts (deterministic sampling on the workers)."""
+        req = eval_request(self.eval_examples, self.sampling, self.eval_sampling, image_seq_len)
+        n, world = len(req), int(self.cfg.num_devices)
+        if n % world:  # pad with copies of the last sample so every rank gets the same count
+            req = req.select(list(range(n)) + [n - 1] * (world - n % world))
+        media = self._call(group, "sample_media", step, req, self.eval_use_ema)[:n]
+        return {f"eval/{k}": v for k, v in self.eval_scorer.evaluate(media, req.prompts[:n]).items()}
+
     def _loop(self, group, start: int) -> list[dict[str, Any]]:
         info = self._call(group, "model_info", start)
         sp = self.sampling
         cell = info["vae_scale_factor"] * info["patch_size"]
-        sigmas = sigmas_for(sp, (sp.height // cell) * (sp.width // cell))
+        seq_len = (sp.height // cell) * (sp.width // cell)
+        sigmas = sigmas_for(sp, seq_len)
         log_cfg = self.cfg.get("logging") or {}
         every = int(log_cfg.get("save_images_every", 10))
         writer = JsonlWriter(os.path.join(self.out, "metrics.jsonl"))
         rows = []
+        if self.eval_every and start == 0:
+            row0 = {"step": 0, **self._evaluate(group, 0, seq_len)}
+            writer.write(row0)
+            rows.append(row0)
         bar = tqdm(
             range(start, self.num_steps),
             initial=start,
@@ -193,6 +220,8 @@ class DiffusionTrainer:
                         "time/step_s": t3 - t0,
                     }
                 )
+                if self.eval_every and ((step + 1) % self.eval_every == 0 or step + 1 == self.num_steps):
+                    row.update(self._evaluate(group, step, seq_len))
                 if self.restore_s is not None and step == start:
                     row["time/restore_s"] = self.restore_s
                 writer.write(row)
@@ -207,6 +236,7 @@ class DiffusionTrainer:
                         track.prompts,
                         track.rewards.tolist(),
                     )
+                    write_gallery(self.out)
         finally:
             writer.close()
         return rows

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import socket
 from typing import Any
 
 import torch
@@ -111,6 +112,13 @@ class DiffusionWorker(Worker):
             return self.engine.generate(req).track(self.engine.track_name)
 
     @dispatch(Dispatch.DP_SCATTER)
+    def sample_media(self, req: RolloutReq, use_ema: bool = False) -> torch.Tensor:
+        """[n, 3, H, W] uint8 images for this rank's shard (evaluation), from the
+        EMA weights when `use_ema` (restored after)."""
+        with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
+            return self.engine.generate(req).track(self.engine.track_name).media
+
+    @dispatch(Dispatch.DP_SCATTER)
     def train(self, track: RolloutTrack, progress: float) -> dict[str, float]:
         """Train on this rank's shard of the scored track; returns this rank's metrics."""
         metrics = self.stack.train_track(track, progress)
@@ -138,6 +146,11 @@ class DiffusionWorker(Worker):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Consolidated trainable weights (for parity and resume checks)."""
         return self.backend.full_trainable_state()
+
+    @dispatch(Dispatch.BROADCAST)
+    def process_info(self) -> dict[str, Any]:
+        """Host and process id of this worker (recorded in the run's placement.json)."""
+        return {"rank": self.rank_info.rank, "hostname": socket.gethostname(), "pid": os.getpid()}
 
     @dispatch(Dispatch.BROADCAST)
     def peak_rss_mb(self) -> float:

@@ -38,10 +38,11 @@ class EvalSampling:
     forward_batch_size: int | None = 64
 
 
-def sample_eval_images(
-    stage: SD3Stage, examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling
-) -> tuple[torch.Tensor, list[str]]:
-    """([N, 3, H, W] uint8 images, prompts) for every example x samples_per_prompt, deterministic."""
+def eval_request(
+    examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling, image_seq_len: int
+) -> RolloutReq:
+    """The deterministic evaluation request: every example x `samples_per_prompt`,
+    Euler sampling (eta 0) with the evaluation steps, guidance and seeds."""
     sp = replace(
         base,
         num_steps=cfg.num_steps,
@@ -50,8 +51,14 @@ def sample_eval_images(
         eta=0.0,
         seed=cfg.seed,
     )
-    sigmas = sigmas_for(sp, stage.bundle.image_seq_len(sp.height, sp.width))
-    req = RolloutReq.from_prompts(examples, sp, sigmas, rollout_id=0)
+    return RolloutReq.from_prompts(examples, sp, sigmas_for(sp, image_seq_len), rollout_id=0)
+
+
+def sample_eval_images(
+    stage: SD3Stage, examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling
+) -> tuple[torch.Tensor, list[str]]:
+    """([N, 3, H, W] uint8 images, prompts) for every example x samples_per_prompt, deterministic."""
+    req = eval_request(examples, base, cfg, stage.bundle.image_seq_len(base.height, base.width))
     track = TrainsideEngine(stage, cfg.forward_batch_size).generate(req).track("diffusion")
     return track.media, track.prompts
 

@@ -1,0 +1,246 @@
+"""`write_gallery`: a self-contained HTML page from metrics.jsonl and the saved sample grids."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from unirl.tracking.gallery import write_gallery
+from unirl.tracking.metrics import JsonlWriter, save_image_grid
+
+XSS = "<script>alert(1)</script>"
+VOID = {"meta", "img", "br", "hr", "input", "link", "source", "wbr", "col", "area", "base", "embed", "track"}
+# SVG leaves written self-closing (<line/>), which html.parser reports through handle_startendtag
+SVG_LEAVES = {"rect", "line", "circle", "polygon"}
+
+
+class _Doc(HTMLParser):
+    """Collects tags/attributes and checks that non-void elements are closed in order."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+        self.imgs: list[dict[str, str | None]] = []
+        self.polylines: list[dict[str, str | None]] = []
+        self.ids: set[str] = set()
+        self.script_tags = 0
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])
+        if tag == "img":
+            self.imgs.append(a)
+        if tag == "polyline":
+            self.polylines.append(a)
+        if tag == "script":
+            self.script_tags += 1
+        if tag not in VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag not in VOID and tag not in SVG_LEAVES:
+            self.errors.append(f"unexpected self-closing <{tag}/>")
+
+    def handle_endtag(self, tag: str) -> None:
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1] if self.stack else 'nothing'}")
+            return
+        self.stack.pop()
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def parse(path: str) -> tuple[str, _Doc]:
+    src = Path(path).read_text(encoding="utf-8")
+    doc = _Doc()
+    doc.feed(src)
+    doc.close()
+    assert doc.errors == [] and doc.stack == [], (doc.errors, doc.stack)
+    return src, doc
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+REWARD_ROWS = [
+    {"step": 1, "reward/mean": 0.10, "reward/std": 0.05, "loss": 0.3},
+    {"step": 2, "reward/mean": 0.20, "reward/std": 0.04, "loss": 0.2},
+    {"step": 3, "reward/mean": 0.25, "reward/std": float("nan"), "loss": 0.2},
+    {
+        "step": 4,
+        "reward/mean": 0.40,
+        "reward/std": 0.06,
+        "eval/accuracy_strict": 0.5,
+        "eval/accuracy/color": 0.7,
+    },
+    {"step": 5, "reward/mean": 0.55, "reward/std": 0.05, "loss": float("inf")},
+]
+
+
+def make_run(
+    root: Path,
+    *,
+    with_eval: bool = True,
+    with_samples: bool = True,
+    name: str = "run-a",
+) -> tuple[Path, dict[int, Path]]:
+    """A fake run dir: metrics.jsonl (+ step-0 eval row) and two 32x32-tile grids at steps 2 and 5."""
+    run = root / name
+    w = JsonlWriter(str(run / "metrics.jsonl"))
+    if with_eval:
+        w.write(
+            {"step": 0, "eval/accuracy_strict": 0.25, "eval/accuracy/color": 0.5, "eval/accuracy/count": 0.0}
+        )
+    for row in REWARD_ROWS:
+        row = dict(row)
+        if not with_eval:
+            row = {k: v for k, v in row.items() if not k.startswith("eval/")}
+        w.write(row)
+    w.close()
+    grids: dict[int, Path] = {}
+    if with_samples:
+        g = torch.Generator().manual_seed(0)
+        for step, b in ((2, 4), (5, 10)):
+            imgs = torch.randint(0, 256, (b, 3, 32, 32), generator=g, dtype=torch.uint8)
+            prompts = [f"a red circle #{i}" for i in range(b)]
+            prompts[1] = XSS
+            rewards = [i / 7 for i in range(b)]
+            path = run / "samples" / f"step_{step:04d}.png"
+            save_image_grid(imgs, str(path), prompts, rewards)
+            grids[step] = path
+    return run, grids
+
+
+def test_gallery_is_self_contained_and_matches_files(tmp_path: Path) -> None:
+    run, grids = make_run(tmp_path)
+    out = write_gallery(str(run))
+    assert out == str(run / "gallery.html") and os.path.isfile(out)
+    src, doc = parse(out)
+
+    for ref in ("http://", "https://", 'src="/', 'src="samples', "file:"):
+        assert ref not in src
+    assert doc.script_tags == 0
+
+    # one <img> per grid, newest first, each embedding exactly the file's pixels
+    assert len(doc.imgs) == len(grids)
+    assert [int(a["data-step"] or -1) for a in doc.imgs] == [5, 2]
+    for a in doc.imgs:
+        uri = a["src"] or ""
+        prefix = "data:image/png;base64,"
+        assert uri.startswith(prefix)
+        embedded = png_pixels(base64.b64decode(uri[len(prefix) :]))
+        on_disk = png_pixels(grids[int(a["data-step"] or -1)].read_bytes())
+        assert embedded.shape == on_disk.shape and np.array_equal(embedded, on_disk)
+    assert "image-rendering: pixelated" in src
+
+    # prompts are escaped: the literal tag never appears, its escaped form does (once per grid)
+    assert XSS not in src
+    assert src.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 2
+    text = "".join(doc.text)
+    assert XSS in text  # ...and it reads back as the original prompt
+
+    # rewards to 3 decimals in the grid's row-major order (grid 5 has 10 tiles -> 8 cols, 2 rows)
+    section = src[src.index('id="step-5"') : src.index('id="step-2"')]
+    cells = [
+        f'<td class="num">{i}</td><td class="num">{i // 8},{i % 8}</td><td class="num">{i / 7:.3f}</td>'
+        for i in range(10)
+    ]
+    positions = [section.index(c) for c in cells]
+    assert positions == sorted(positions)
+
+    # reward chart: one point per row with reward/mean; eval chart: one polyline per eval/accuracy* key
+    assert "reward-chart" in doc.ids and "eval-chart" in doc.ids
+    by_key = {a["data-key"]: (a["points"] or "").split() for a in doc.polylines}
+    assert len(by_key["reward/mean"]) == sum("reward/mean" in r for r in REWARD_ROWS)
+    assert set(by_key) == {
+        "reward/mean",
+        "eval/accuracy_strict",
+        "eval/accuracy/color",
+        "eval/accuracy/count",
+    }
+    assert len(by_key["eval/accuracy_strict"]) == 2 and len(by_key["eval/accuracy/count"]) == 1
+    assert 'class="band"' in src  # ±std band
+
+    # header: name, step count, first-5 vs last-5, last eval accuracy
+    assert "<h1>run-a</h1>" in src
+    assert "training steps logged5" in text  # header cell text runs together without tags
+    mean5 = sum(r["reward/mean"] for r in REWARD_ROWS) / 5  # 5 rows: first 5 == last 5
+    assert f"{mean5:.3f} → {mean5:.3f}" in text
+    assert "last eval/accuracy_strict" in text and "0.500 (step 4)" in text
+
+
+def test_gallery_rewrite_is_idempotent_and_title(tmp_path: Path) -> None:
+    run, _ = make_run(tmp_path)
+    first = Path(write_gallery(str(run))).read_text(encoding="utf-8")
+    second = Path(write_gallery(str(run))).read_text(encoding="utf-8")
+    assert first == second
+    assert sorted(p.name for p in run.iterdir()) == ["gallery.html", "metrics.jsonl", "samples"]
+    src, _ = parse(write_gallery(str(run), title="<b>my</b> run"))
+    assert "<h1>&lt;b&gt;my&lt;/b&gt; run</h1>" in src
+
+
+def test_gallery_without_eval_keys_omits_eval_chart(tmp_path: Path) -> None:
+    run, _ = make_run(tmp_path, with_eval=False)
+    src, doc = parse(write_gallery(str(run)))
+    assert "eval-chart" not in doc.ids and "eval-chart-missing" in doc.ids
+    assert "eval chart omitted" in src
+    assert [a["data-key"] for a in doc.polylines] == ["reward/mean"]
+
+
+def test_gallery_without_samples_dir(tmp_path: Path) -> None:
+    run, _ = make_run(tmp_path, with_samples=False)
+    src, doc = parse(write_gallery(str(run)))
+    assert doc.imgs == [] and "samples-missing" in doc.ids
+    assert "No samples directory" in src
+    assert "reward-chart" in doc.ids
+
+
+def test_gallery_png_without_json(tmp_path: Path) -> None:
+    run, grids = make_run(tmp_path)
+    os.remove(grids[2].with_suffix(".json"))
+    src, doc = parse(write_gallery(str(run)))
+    assert len(doc.imgs) == 2
+    section = src[src.index('id="step-2"') :]
+    assert 'class="prompts"' not in section and "No captions file" in section
+    assert 'class="prompts"' in src[src.index('id="step-5"') : src.index('id="step-2"')]
+
+
+@pytest.mark.parametrize("content", [None, "", "\n{not json\n"])
+def test_gallery_empty_or_missing_metrics(tmp_path: Path, content: str | None) -> None:
+    run = tmp_path / "empty"
+    run.mkdir()
+    if content is not None:
+        (run / "metrics.jsonl").write_text(content)
+    src, doc = parse(write_gallery(str(run)))
+    assert {"reward-chart-missing", "eval-chart-missing", "samples-missing", "metrics-note"} <= doc.ids
+    assert doc.polylines == [] and doc.imgs == []
+    assert "<h1>empty</h1>" in src
+
+
+def test_eval_only_step_zero_row_is_skipped_for_reward(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    run.mkdir()
+    rows = [
+        {"step": 0, "eval/accuracy": 0.1},
+        {"step": 1, "reward/mean": None},
+        {"step": 2, "reward/mean": 1.5},
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    _, doc = parse(write_gallery(str(run)))
+    by_key = {a["data-key"]: (a["points"] or "").split() for a in doc.polylines}
+    assert len(by_key["reward/mean"]) == 1 and len(by_key["eval/accuracy"]) == 1
