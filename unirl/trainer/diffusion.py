@@ -118,9 +118,8 @@ class DiffusionTrainer:
                 start = self._restore(group, resume)
                 self.restore_s = time.perf_counter() - t0
             rows = self._loop(group, start)
-            self._call(
-                group, "save_weights", start, os.path.join(self.out, "checkpoints", "final"), self.base_model
-            )
+            final = os.path.join(self.out, "checkpoints", "final")
+            self._call(group, "save_weights", self.num_steps - 1, final, self.base_model)
             return rows
         finally:
             if group is not None:
