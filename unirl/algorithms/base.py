@@ -29,6 +29,11 @@ class StageAlgorithm(ABC):
     requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = False
 
+    @property
+    def needs_reference_policy(self) -> bool:
+        """Whether the loss evaluates the reference policy (the backend then keeps it)."""
+        return False
+
     def prepare_segment(self, stage: Any, track: RolloutTrack) -> RolloutTrack:
         return track
 

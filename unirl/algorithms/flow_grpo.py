@@ -91,6 +91,10 @@ class FlowGRPO(StageAlgorithm):
     def __init__(self, config: FlowGRPOConfig | None = None) -> None:
         self.config = config or FlowGRPOConfig()
 
+    @property
+    def needs_reference_policy(self) -> bool:
+        return self.config.beta > 0
+
     @torch.no_grad()
     def prepare_segment(self, stage: Any, track: RolloutTrack) -> RolloutTrack:
         seg = track.segment

@@ -37,7 +37,8 @@ class ListDataSource:
     """Batches over a fixed list of prompts, epoch by epoch.
 
     Each epoch visits the prompts in a fresh order: a permutation from
-    `random.Random(seed + epoch)` when `shuffle`, file order otherwise. A batch
+    `random.Random(seed * 1_000_003 + epoch)` when `shuffle` (so seed s, epoch e+1 never
+    repeats seed s+1, epoch e), file order otherwise. A batch
     never spans two epochs: when fewer than `n` prompts remain, they are dropped
     and the next epoch starts. The position is `(epoch, position)`, saved by
     `state_dict` so a resumed run draws the identical sequence of batches.
@@ -68,7 +69,7 @@ class ListDataSource:
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.examples)))
         if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(order)
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
     def next_batch(self, n: int) -> list[PromptExample]:

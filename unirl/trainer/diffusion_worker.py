@@ -83,7 +83,7 @@ class DiffusionWorker(Worker):
             total_optimizer_steps,
             fsdp=build(train.get("fsdp")),
             ema=build(train.get("ema")),
-            keep_reference=getattr(getattr(self.algorithm, "config", None), "beta", 0) > 0,
+            keep_reference=self.algorithm.needs_reference_policy,
         )
         self.stage.module = self.backend.module
         self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
