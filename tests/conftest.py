@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,20 @@ from tests.ray_loopback import _ray_on_loopback  # noqa: E402,F401  (session-wid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
+
+
+def run_module(
+    module: str, *args: str, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` from the repository root, offline, output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
 
 
 def tiny_model_config(**overrides):

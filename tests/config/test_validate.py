@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.conftest import EXAMPLES, REPO
+from tests.conftest import EXAMPLES, run_module
 from unirl.config.validate import ConfigError, validate_diffusion_config
 
 RECIPES = ["diffusion/tiny_sd3_flowgrpo", "diffusion/sd3_flowgrpo"]
@@ -87,14 +85,7 @@ def test_missing_top_level_key():
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "unirl.train_diffusion", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
+    return run_module("unirl.train_diffusion", *args, timeout=120, env=env)
 
 
 def test_cli_rejects_bad_recipe_with_exit_code_and_message(tmp_path):

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import run_module
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -17,21 +14,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("shapes_smoke")
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "unirl.train_diffusion",
-            "--config-name=diffusion/shapes_flowgrpo_smoke",
-            "logging.progress=false",
-            "logging.save_images_every=2",
-            f"output_dir={out}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    res = run_module(
+        "unirl.train_diffusion",
+        "--config-name=diffusion/shapes_flowgrpo_smoke",
+        "logging.progress=false",
+        "logging.save_images_every=2",
+        f"output_dir={out}",
     )
     assert res.returncode == 0, res.stderr[-4000:]
     return out
@@ -59,14 +47,7 @@ def test_gallery_is_written_and_self_contained(run_dir):
 
 
 def test_evaluate_command_matches_the_run_at_step_0(run_dir):
-    res = subprocess.run(
-        [sys.executable, "-m", "unirl.evaluate", "--recipe", "diffusion/shapes_flowgrpo_smoke"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    res = run_module("unirl.evaluate", "--recipe", "diffusion/shapes_flowgrpo_smoke", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     scores = json.loads(res.stdout)
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
@@ -77,37 +58,17 @@ def test_evaluate_command_matches_the_run_at_step_0(run_dir):
 
 
 def test_evaluate_command_loads_a_checkpoint(run_dir):
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "unirl.evaluate",
-            "--recipe",
-            "diffusion/shapes_flowgrpo_smoke",
-            "--checkpoint",
-            str(run_dir / "checkpoints" / "final"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    res = run_module(
+        "unirl.evaluate",
+        "--recipe",
+        "diffusion/shapes_flowgrpo_smoke",
+        "--checkpoint",
+        str(run_dir / "checkpoints" / "final"),
         timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "eval/accuracy_strict" in json.loads(res.stdout)
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "unirl.evaluate",
-            "--recipe",
-            "diffusion/shapes_flowgrpo_smoke",
-            "--checkpoint",
-            "/nope",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    bad = run_module(
+        "unirl.evaluate", "--recipe", "diffusion/shapes_flowgrpo_smoke", "--checkpoint", "/nope", timeout=120
     )
     assert bad.returncode == 2 and "unirl_checkpoint.json" in bad.stderr

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_module
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -31,22 +31,13 @@ REQUIRED_KEYS = {
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_run")
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "unirl.train_diffusion",
-            "--config-name=diffusion/tiny_sd3_flowgrpo",
-            "num_steps=3",
-            "logging.save_images_every=2",
-            "logging.progress=false",
-            f"output_dir={out}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    res = run_module(
+        "unirl.train_diffusion",
+        "--config-name=diffusion/tiny_sd3_flowgrpo",
+        "num_steps=3",
+        "logging.save_images_every=2",
+        "logging.progress=false",
+        f"output_dir={out}",
     )
     assert res.returncode == 0, res.stderr[-4000:]
     return out
