@@ -176,10 +176,25 @@ def test_gloo_all_reduce(group: WorkerGroup) -> None:
     assert out == [[3.0, 6.0], [3.0, 6.0]]
 
 
+def _wait_until_dead(actor, timeout_s: float = 60.0) -> None:
+    """``ray.kill`` is asynchronous: a call made right after it can still run. Wait for the death."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the killed actor is still alive after 60 s")
+
+
 def test_killed_actor_raises_worker_error(pool: DevicePool) -> None:
     g = remote(EchoWorker, placement(pool), num_cpus_per_worker=0.25)
     try:
         ray.kill(g.actors[1])
+        _wait_until_dead(g.actors[1])
         with pytest.raises(WorkerError, match=r"EchoWorker\.plus failed on rank 1") as exc:
             g.plus(1)
         assert isinstance(exc.value.__cause__, ray.exceptions.RayActorError)
