@@ -12,6 +12,8 @@ from typing import Any
 from hydra.utils import get_class, get_object
 from omegaconf import DictConfig, ListConfig
 
+from unirl.dataplane import transport_problems
+
 REQUIRED_KEYS = (
     "num_devices",
     "num_steps",
@@ -27,6 +29,7 @@ REQUIRED_KEYS = (
     "algorithm",
     "train",
     "data_source",
+    "transport",
 )
 
 
@@ -125,6 +128,7 @@ def validate_diffusion_config(cfg: DictConfig) -> None:
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             problems.append(f"{key}: must be an integer >= 1, got {cfg[key]!r}")
     check_targets(cfg, problems)
+    problems.extend(transport_problems(cfg.transport))
     if problems:
         raise ConfigError(problems)
 

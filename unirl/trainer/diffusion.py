@@ -1,9 +1,12 @@
 """`DiffusionTrainer`: the driver of a diffusion RL run (single controller on Ray).
 
-Per step: prompts -> rollout (workers) -> reward (driver) -> advantages
-(driver) -> train (workers) -> [checkpoint]. The driver holds ids, media for
-scoring, rewards and advantages; the trainer owns placement, worker
-construction, phase order, checkpoints and resume.
+Per step: prompts -> rollout (workers put their tracks into the transport,
+the driver gets metas) -> reward (driver fetches only what scoring needs) ->
+advantages (driver) -> train (each worker fetches its shard by meta) ->
+[checkpoint]; the step's partition is cleared in a ``finally``. The driver
+holds metas, ids, media for scoring, rewards and advantages; the trainer owns
+placement, worker construction, the transport, phase order, checkpoints and
+resume.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from unirl.dataplane import get_batch, make_transport, merge_stats
 from unirl.distributed.group import DevicePool, WorkerError, placement, remote
 from unirl.distributed.group.cluster import init_ray
 from unirl.sde.schedules import sigmas_for
@@ -33,6 +37,9 @@ from unirl.trainer.checkpoints import (
 from unirl.trainer.diffusion_worker import DiffusionWorker, build
 from unirl.trainer.evaluation import eval_request
 from unirl.types.rollout_req import RolloutReq
+
+# what the driver fetches from a rollout's partition: scoring inputs and the gallery's captions
+REWARD_FIELDS = ["sample_ids", "group_ids", "prompts", "metadata", "media"]
 
 
 class TrainingError(RuntimeError):
@@ -72,6 +79,7 @@ class DiffusionTrainer:
         )
         self.last_checkpoint: str | None = None
         self.restore_s: float | None = None
+        self.transport = make_transport(cfg.transport)
         ev = cfg.get("eval")
         self.eval_every = int(ev.get("every_n_steps", 0) or 0) if ev else 0
         if ev:
@@ -91,6 +99,7 @@ class DiffusionTrainer:
         pool = DevicePool(int(self.cfg.num_devices))
         group = None
         try:
+            transport_info = self.transport.start()
             plain = OmegaConf.to_container(self.cfg, resolve=True)
             plain.pop("hydra", None)
             group = remote(
@@ -99,6 +108,7 @@ class DiffusionTrainer:
                 plain,
                 self.num_steps * int(self.cfg.train.stack.num_updates_per_batch),
                 self.base_model if self.tiny else None,
+                transport_info,
             )
             with open(os.path.join(self.out, "placement.json"), "w") as f:
                 json.dump(
@@ -128,6 +138,7 @@ class DiffusionTrainer:
                 except WorkerError:
                     pass  # a dead worker has no process group left to tear down
                 group.shutdown()
+            self.transport.close()
             pool.shutdown()
             if started_ray:
                 import ray
@@ -202,14 +213,27 @@ class DiffusionTrainer:
                 t0 = time.perf_counter()
                 examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
                 req = RolloutReq.from_prompts(examples, sp, sigmas, rollout_id=step)
-                track = self._call(group, "rollout", step, req)
-                t1 = time.perf_counter()
-                row: dict[str, Any] = {"step": step + 1}
-                row.update(self.reward.score_and_attach(track))
-                track.compute_advantages(self.advantage)
-                t2 = time.perf_counter()
-                row.update(reduce_metrics(self._call(group, "train", step, track, step / self.num_steps)))
-                t3 = time.perf_counter()
+                partition = f"step_{step}"
+                try:
+                    meta = self._call(group, "rollout", step, req, partition)
+                    t1 = time.perf_counter()
+                    row: dict[str, Any] = {"step": step + 1}
+                    track = get_batch(self.transport, meta, REWARD_FIELDS)
+                    row.update(self.reward.score_and_attach(track))
+                    track.compute_advantages(self.advantage)
+                    t2 = time.perf_counter()
+                    shard_meta = self.transport.claim(meta, "train")
+                    progress = step / self.num_steps
+                    metrics = self._call(
+                        group, "train", step, shard_meta, track.rewards, track.advantages, progress
+                    )
+                    row.update(reduce_metrics(metrics))
+                    t3 = time.perf_counter()
+                finally:  # a failed step leaks nothing: its partition goes either way
+                    self.transport.clear(partition)
+                    meta = shard_meta = None
+                stats = self._call(group, "dataplane_stats", step) + [self.transport.stats.drain()]
+                row.update(merge_stats(stats))
                 row["memory/worker_peak_rss_mb"] = max(self._call(group, "peak_rss_mb", step))
                 row.update(
                     {

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
+from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.stack import TrainStack
 from unirl.types.rollout_req import RolloutReq
-from unirl.types.rollout_resp import RolloutTrack
 
 
 def quiet_library_logs() -> None:
@@ -53,6 +53,7 @@ class DiffusionWorker(Worker):
         total_optimizer_steps: optimizer steps of the run (LR schedule length).
         base_model_dir: if set, rank 0 writes the untrained bundle there before
             LoRA is injected (a tiny model's checkpoint then has a base to load onto).
+        transport_info: what the driver's transport `start()` returned (to attach to it).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class DiffusionWorker(Worker):
         cfg: dict[str, Any],
         total_optimizer_steps: int,
         base_model_dir: str | None = None,
+        transport_info: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(rank_info)
         quiet_library_logs()
@@ -89,6 +91,8 @@ class DiffusionWorker(Worker):
         self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
         self.stack = TrainStack(self.stage, self.backend, self.algorithm, build(train["stack"]))
         self.engine = build(cfg["rollout"], stage=self.stage)
+        self.transport = make_transport(cfg["transport"])
+        self.transport.attach(transport_info or {})
 
     @dispatch(Dispatch.RANK_ZERO)
     def model_info(self) -> dict[str, Any]:
@@ -101,15 +105,17 @@ class DiffusionWorker(Worker):
         }
 
     @dispatch(Dispatch.DP_SCATTER)
-    def rollout(self, req: RolloutReq) -> RolloutTrack:
+    def rollout(self, req: RolloutReq, partition: str) -> BatchMeta:
         """Generate this rank's shard of the request (from EMA weights when the
-        algorithm asks for it); gathered in order by the driver."""
+        algorithm asks for it) and put the track into the transport under
+        `partition`; returns its meta (gathered in rank order by the driver)."""
         with contextlib.ExitStack() as stack:
             if self.offload_optimizer:
                 stack.enter_context(self.backend.optimizer_offloaded())
             if self.algorithm.requires_ema_rollout:
                 stack.enter_context(self.backend.ema_weights())
-            return self.engine.generate(req).track(self.engine.track_name)
+            track = self.engine.generate(req).track(self.engine.track_name)
+        return put_batch(self.transport, partition, track)
 
     @dispatch(Dispatch.DP_SCATTER)
     def sample_media(self, req: RolloutReq, use_ema: bool = False) -> torch.Tensor:
@@ -119,8 +125,13 @@ class DiffusionWorker(Worker):
             return self.engine.generate(req).track(self.engine.track_name).media
 
     @dispatch(Dispatch.DP_SCATTER)
-    def train(self, track: RolloutTrack, progress: float) -> dict[str, float]:
-        """Train on this rank's shard of the scored track; returns this rank's metrics."""
+    def train(
+        self, meta: BatchMeta, rewards: torch.Tensor, advantages: torch.Tensor, progress: float
+    ) -> dict[str, float]:
+        """Fetch this rank's shard of the track from the transport, attach the
+        driver's [b] rewards and advantages, and train; returns this rank's metrics."""
+        track = get_batch(self.transport, meta)
+        track.rewards, track.advantages = rewards, advantages
         metrics = self.stack.train_track(track, progress)
         self.backend.end_of_rollout()
         return metrics
@@ -158,7 +169,14 @@ class DiffusionWorker(Worker):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     @dispatch(Dispatch.BROADCAST)
+    def dataplane_stats(self) -> dict[str, float]:
+        """This worker's ``dataplane/...`` totals since the last call."""
+        return self.transport.stats.drain()
+
+    @dispatch(Dispatch.BROADCAST)
     def teardown(self) -> None:
-        """Leave the process group before the actor is killed (avoids gloo aborts at exit)."""
+        """Detach from the transport and leave the process group before the actor is
+        killed (avoids gloo aborts at exit)."""
+        self.transport.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,140 @@
+"""The codec: field kinds, decoding of every shape a backend may hand back, dataclass flatten/unflatten."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unirl.dataplane.codec import FieldSpec, decode_field, flatten, spec_of, to_padded, unflatten
+from unirl.types.rollout_resp import RolloutTrack
+from unirl.types.segments import LatentSegment
+
+
+def make_track(n: int = 4) -> RolloutTrack:
+    g = torch.Generator().manual_seed(0)
+    seg = LatentSegment(
+        latents=torch.randn(n, 3, 2, 4, 4, generator=g).to(torch.bfloat16),
+        positions=[1, 2, 5],
+        sigmas=torch.linspace(1, 0, 6),
+        sde_indices=[1],
+        log_probs=torch.randn(n, 1, generator=g),
+        eta=0.7,
+        guidance_scale=2.0,
+    )
+    return RolloutTrack(
+        name="diffusion",
+        sample_ids=[f"s{i}" for i in range(n)],
+        group_ids=[f"g{i // 2}" for i in range(n)],
+        prompts=[f"a red circle {i}" for i in range(n)],
+        metadata=[{"i": i, "tags": ["x"] * i} for i in range(n)],
+        segment=seg,
+        conditions={
+            "prompt_embeds": torch.randn(n, 5, 8, generator=g),
+            "pooled": torch.randn(n, 8, generator=g),
+        },
+        media=torch.randint(0, 255, (n, 3, 4, 4), dtype=torch.uint8, generator=g),
+        rollout_id=7,
+    )
+
+
+def test_spec_kinds() -> None:
+    assert spec_of("a", torch.zeros(3, 4, 5), 3) == FieldSpec("dense", "float32", (4, 5))
+    assert spec_of("b", torch.zeros(3, dtype=torch.long), 3) == FieldSpec("dense", "int64", ())
+    jag = [torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(1, 3)]
+    assert spec_of("c", jag, 3) == FieldSpec("jagged", "float32", (3,))
+    nested = torch.nested.nested_tensor(jag, layout=torch.jagged)
+    assert spec_of("c", nested, 3) == FieldSpec("jagged", "float32", (3,))
+    assert spec_of("d", ["x", "y", "z"], 3) == FieldSpec("object")
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (
+            torch.zeros(2, 4),
+            r"field 'f': tensor of shape \[2, 4\] is not per-sample \(expected first dim 3\)",
+        ),
+        (torch.tensor(1.0), "not per-sample"),
+        (["a", "b"], r"field 'f': 2 samples, expected 3"),
+        (
+            [torch.zeros(2), torch.zeros(2, 1), torch.zeros(1)],
+            r"sample 1 is float32\[2, 1\].*differ only in dim 0",
+        ),
+        ([torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.zeros(1)], "sample 1 is int64"),
+        ({"a": 1}, "unsupported type dict"),
+    ],
+)
+def test_bad_fields_name_the_field(value, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        spec_of("f", value, 3)
+
+
+def test_decode_dense_from_per_sample_forms() -> None:
+    x = torch.arange(24.0).reshape(3, 2, 4)
+    spec = FieldSpec("dense", "float32", (2, 4))
+    assert torch.equal(decode_field(x, spec, "x"), x)
+    assert torch.equal(decode_field(list(x.unbind()), spec, "x"), x)
+    assert torch.equal(
+        decode_field(torch.nested.nested_tensor(list(x.unbind()), layout=torch.jagged), spec, "x"), x
+    )
+    one_d = torch.arange(3)
+    got = decode_field([t.reshape(1) for t in one_d], FieldSpec("dense", "int64", ()), "n")
+    assert got.shape == (3,) and torch.equal(got, one_d)  # 1-D fields stay 1-D
+
+
+def test_decode_jagged_nested_padded_list() -> None:
+    parts = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
+    spec = FieldSpec("jagged", "int64", ())
+    nested = decode_field(parts, spec, "ids")
+    assert nested.is_nested and [t.tolist() for t in nested.unbind()] == [[1, 2, 3], [4], [5, 6]]
+    padded = decode_field(parts, spec, "ids", jagged="padded")
+    assert padded.tolist() == [[1, 2, 3], [4, 0, 0], [5, 6, 0]]
+    assert torch.equal(to_padded(nested, -1), torch.tensor([[1, 2, 3], [4, -1, -1], [5, 6, -1]]))
+    assert [t.tolist() for t in decode_field(parts, spec, "ids", jagged="list")] == [[1, 2, 3], [4], [5, 6]]
+    with pytest.raises(ValueError, match="jagged must be"):
+        decode_field(parts, spec, "ids", jagged="ragged")
+
+
+def test_decode_rejects_wrong_kind() -> None:
+    with pytest.raises(TypeError, match="field 'p'.*object field"):
+        decode_field(torch.zeros(2), FieldSpec("object"), "p")
+    with pytest.raises(TypeError, match="field 'x'.*dense field"):
+        decode_field("nope", FieldSpec("dense", "float32", ()), "x")
+
+
+def test_flatten_unflatten_round_trip() -> None:
+    track = make_track()
+    fields, skeleton = flatten(track)
+    assert sorted(fields) == sorted(
+        [
+            "sample_ids",
+            "group_ids",
+            "prompts",
+            "metadata",
+            "segment.latents",
+            "segment.log_probs",
+            "conditions.prompt_embeds",
+            "conditions.pooled",
+            "media",
+        ]
+    )
+    back = unflatten(skeleton, fields)
+    assert isinstance(back, RolloutTrack) and isinstance(back.segment, LatentSegment)
+    assert back.sample_ids == track.sample_ids and back.metadata == track.metadata
+    assert (
+        torch.equal(back.segment.latents, track.segment.latents)
+        and back.segment.latents.dtype == torch.bfloat16
+    )
+    assert back.segment.positions == [1, 2, 5] and back.segment.eta == 0.7 and back.rollout_id == 7
+    assert back.rewards is None and back.segment.means is None
+    assert list(back.conditions) == ["prompt_embeds", "pooled"]
+
+
+def test_unflatten_partial_view_and_missing_field() -> None:
+    fields, skeleton = flatten(make_track())
+    view = unflatten(
+        skeleton, {k: fields[k] for k in ("sample_ids", "group_ids", "prompts", "media")}, partial=True
+    )
+    assert view.segment is None and view.conditions == {} and len(view) == 4
+    with pytest.raises(KeyError, match="segment.latents"):
+        unflatten(skeleton, {k: v for k, v in fields.items() if k != "segment.latents"})

@@ -1,0 +1,70 @@
+"""The data plane: rollout outputs move worker-to-worker by handle (see README.md here)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from unirl.dataplane.codec import FieldSpec, to_padded
+from unirl.dataplane.transport import (
+    BatchMeta,
+    DataPlaneError,
+    DataPlaneStats,
+    Transport,
+    get_batch,
+    merge_stats,
+    put_batch,
+)
+
+# name -> (class path, the pip extra it needs or None)
+TRANSPORTS: dict[str, tuple[str, str | None]] = {
+    "inband": ("unirl.dataplane.backends.inband.InbandTransport", None),
+    "ray": ("unirl.dataplane.backends.ray_store.RayObjectStoreTransport", None),
+    "tq_simple": ("unirl.dataplane.backends.transfer_queue.TQSimpleTransport", "transferqueue"),
+    "tq_mooncake": ("unirl.dataplane.backends.transfer_queue.TQMooncakeTransport", "mooncake"),
+}
+
+
+def transport_problems(cfg: Any) -> list[str]:
+    """Problems with a `transport` recipe node (unknown name, missing optional extra), as messages."""
+    if cfg is None or "name" not in cfg:
+        return ["transport: missing; choose one with transport=<name> (" + ", ".join(TRANSPORTS) + ")"]
+    name = cfg["name"]
+    if name not in TRANSPORTS:
+        return [f"transport.name: unknown transport {name!r}; choose one of {sorted(TRANSPORTS)}"]
+    try:
+        _transport_class(name).check_available()
+    except ImportError as exc:
+        return [f"transport={name}: {exc}"]
+    return []
+
+
+def _transport_class(name: str) -> type[Transport]:
+    path, _ = TRANSPORTS[name]
+    module, _, cls = path.rpartition(".")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_transport(cfg: Any) -> Transport:
+    """The transport a recipe's `transport` node names ({name: ..., <options>})."""
+    options = {k: v for k, v in dict(cfg).items() if k != "name"}
+    problems = transport_problems(cfg)
+    if problems:
+        raise DataPlaneError("; ".join(problems))
+    return _transport_class(cfg["name"])(**options)
+
+
+__all__ = [
+    "TRANSPORTS",
+    "BatchMeta",
+    "DataPlaneError",
+    "DataPlaneStats",
+    "FieldSpec",
+    "Transport",
+    "get_batch",
+    "make_transport",
+    "merge_stats",
+    "put_batch",
+    "to_padded",
+    "transport_problems",
+]
