@@ -97,11 +97,11 @@ def spec_of(name: str, value: Any, batch_size: int) -> FieldSpec:
 
 
 def encode_field(value: Any, spec: FieldSpec) -> Any:
-    """Canonical wire value: dense -> contiguous tensor, jagged -> list of contiguous tensors, object -> list."""
+    """Canonical wire value: dense -> contiguous host tensor, jagged -> list of those, object -> list."""
     if spec.kind == "dense":
-        return value.contiguous()
+        return value.detach().cpu().contiguous()
     if spec.kind == "jagged":
-        return [t.contiguous() for t in as_jagged_list(value, "")]
+        return [t.detach().cpu().contiguous() for t in as_jagged_list(value, "")]
     return list(value)
 
 

@@ -96,8 +96,11 @@ class DataPlaneStats:
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
 
-    def record(self, op: str, seconds: float, num_bytes: int) -> None:
-        for key, v in ((f"{op}_s", seconds), (f"{op}_bytes", float(num_bytes)), (f"{op}_calls", 1.0)):
+    def record(self, op: str, seconds: float, num_bytes: int | None = None) -> None:
+        values = {f"{op}_s": seconds, f"{op}_calls": 1.0}
+        if num_bytes is not None:
+            values[f"{op}_bytes"] = float(num_bytes)
+        for key, v in values.items():
             self.totals[key] = self.totals.get(key, 0.0) + v
 
     def drain(self) -> dict[str, float]:
@@ -205,7 +208,7 @@ class Transport(ABC):
         t0 = time.perf_counter()
         self._clear(partition)
         self._claims.pop(partition, None)
-        self.stats.record("clear", time.perf_counter() - t0, 0)
+        self.stats.record("clear", time.perf_counter() - t0)
 
     @abstractmethod
     def _put(self, partition: str, sample_ids: list[str], wire: dict[str, Any]) -> Any: ...
