@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -100,3 +101,41 @@ def test_cli_cfg_job_resolve_works_offline(name):
     res = run_cli(f"--config-name={name}", "--cfg", "job", "--resolve", env={"PRETRAINED_MODEL": "/some/dir"})
     assert res.returncode == 0, res.stderr
     assert "num_devices:" in res.stdout and "_target_: unirl.algorithms.flow_grpo.FlowGRPO" in res.stdout
+
+
+@pytest.mark.parametrize("name", ["inband", "ray", "tq_simple", "tq_mooncake"])
+def test_every_transport_composes_and_validates(name):
+    cfg = recipe(overrides=[f"transport={name}"])
+    validate_diffusion_config(cfg)
+    assert cfg.transport.name == name
+
+
+def test_unknown_transport_name_lists_the_choices():
+    msg = problems_of(["transport.name=carrier_pigeon"])
+    assert "transport.name: unknown transport 'carrier_pigeon'" in msg and "tq_mooncake" in msg
+
+
+def test_missing_transport_extra_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transfer_queue", None)  # as if the extra were not installed
+    msg = problems_of(["transport=tq_simple"])
+    assert "transport=tq_simple" in msg and 'pip install -e ".[transferqueue]"' in msg
+
+
+def test_bad_transport_option_fails_before_ray():
+    from unirl.dataplane import DataPlaneError, make_transport
+
+    with pytest.raises(ValueError, match="num_storage_units must be >= 1"):
+        make_transport({"name": "tq_simple", "num_storage_units": 0})
+    with pytest.raises(ValueError, match="master_address and transport.metadata_server go together"):
+        make_transport({"name": "tq_mooncake", "master_address": "127.0.0.1:1"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_storage_units'"):
+        make_transport({"name": "ray", "num_storage_units": 1})
+    with pytest.raises(DataPlaneError, match="unknown transport"):
+        make_transport({"name": "nope"})
+
+
+def test_bad_transport_options_are_config_errors():
+    msg = problems_of(["transport=tq_simple", "transport.num_storage_units=0"])
+    assert "transport (tq_simple): transport.num_storage_units must be >= 1, got 0" in msg
+    msg = problems_of(["+transport.bogus=1"])
+    assert "transport (ray)" in msg and "bogus" in msg

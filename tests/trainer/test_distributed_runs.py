@@ -21,8 +21,9 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from tests.conftest import EXAMPLES, REPO
-from tests.dataplane.backends import BACKENDS
+from tests.dataplane.backends import BACKENDS, transport_cfg
 from unirl.config.validate import ConfigError, validate_diffusion_config
+from unirl.dataplane import make_transport
 from unirl.trainer.diffusion import DiffusionTrainer
 
 pytestmark = pytest.mark.ray
@@ -116,6 +117,31 @@ def test_every_transport_trains_identically(tmp_path):
         assert [untimed(r) for r in rows] == ref, name
         got = final_weights(tmp_path / name)
         assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in got), name
+
+
+def test_failed_step_leaks_nothing_and_spares_a_running_controller(tmp_path):
+    """A step that fails after the rollout still clears its partition, and a TransferQueue
+    controller the run found running (another user's) survives the run's shutdown."""
+    outer = make_transport(transport_cfg("tq_simple"))
+    outer.start()
+    try:
+        trainer = DiffusionTrainer(small_recipe(tmp_path, "num_steps=2", "transport=tq_simple"))
+
+        def reward_down(track):
+            assert len(outer.get(outer.put("probe", ["p"], {"x": torch.ones(1)}))["x"]) == 1
+            outer.clear("probe")
+            assert outer.stored_partitions() == ["step_0"]  # the rollout is in the store...
+            raise RuntimeError("reward server down")
+
+        trainer.reward.score_and_attach = reward_down
+        with pytest.raises(RuntimeError, match="reward server down"):
+            trainer.run()
+        assert outer.stored_partitions() == []  # ...and gone after the failed step
+        meta = outer.put("after", ["a"], {"x": torch.arange(3).view(1, 3)})  # the controller still serves
+        assert outer.get(meta)["x"].tolist() == [[0, 1, 2]]
+        outer.clear("after")
+    finally:
+        outer.close()
 
 
 def test_resume_validation_errors(tmp_path):

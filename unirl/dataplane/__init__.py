@@ -32,10 +32,15 @@ def transport_problems(cfg: Any) -> list[str]:
     name = cfg["name"]
     if name not in TRANSPORTS:
         return [f"transport.name: unknown transport {name!r}; choose one of {sorted(TRANSPORTS)}"]
+    cls = _transport_class(name)
     try:
-        _transport_class(name).check_available()
+        cls.check_available()
     except ImportError as exc:
         return [f"transport={name}: {exc}"]
+    try:  # constructors only check options; nothing starts before `start()`
+        cls(**{k: v for k, v in dict(cfg).items() if k != "name"})
+    except (TypeError, ValueError) as exc:
+        return [f"transport ({name}): {exc}"]
     return []
 
 
@@ -47,11 +52,11 @@ def _transport_class(name: str) -> type[Transport]:
 
 def make_transport(cfg: Any) -> Transport:
     """The transport a recipe's `transport` node names ({name: ..., <options>})."""
-    options = {k: v for k, v in dict(cfg).items() if k != "name"}
-    problems = transport_problems(cfg)
-    if problems:
-        raise DataPlaneError("; ".join(problems))
-    return _transport_class(cfg["name"])(**options)
+    if cfg is None or cfg.get("name") not in TRANSPORTS:
+        raise DataPlaneError("; ".join(transport_problems(cfg)))
+    cls = _transport_class(cfg["name"])
+    cls.check_available()
+    return cls(**{k: v for k, v in dict(cfg).items() if k != "name"})
 
 
 __all__ = [
