@@ -109,7 +109,9 @@ def test_one_and_two_workers_agree(tmp_path):
 
 def test_every_transport_trains_identically(tmp_path):
     """Same metrics (bytes moved included) and bit-equal final weights whichever transport moves the data."""
-    runs = {name: run(tmp_path / name, "num_steps=2", "num_devices=2", f"transport={name}") for name in BACKENDS}
+    runs = {
+        name: run(tmp_path / name, "num_steps=2", "num_devices=2", f"transport={name}") for name in BACKENDS
+    }
     ref = [untimed(r) for r in runs["inband"]]
     assert ref[0]["dataplane/put_bytes"] > 0 and ref[0]["dataplane/get_calls"] == 3  # driver + 2 ranks
     weights = final_weights(tmp_path / "inband")
