@@ -29,13 +29,15 @@ ALLOWED: dict[str, set[str]] = {
     **{m: {*CORE, m} for m in MIDDLE},
     "train": {*CORE, *MIDDLE, "train", *UTILS},
     "distributed": {*CORE, *MIDDLE, "train", "distributed", *UTILS},
-    "trainer": {*CORE, *MIDDLE, "train", "distributed", "trainer", *UTILS},
+    # the data plane moves batches of the typed boundary; drivers and workers use it
+    "dataplane": {"types", "dataplane"},
+    "trainer": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "trainer", *UTILS},
     "data": {"types", "data"},
     # the shapes world (dataset, renderer, scorer) is a leaf over the typed boundary
     "shapes": {"types", "shapes"},
     "tracking": {"tracking"},
-    "config": {*CORE, *MIDDLE, "train", "distributed", "trainer", *UTILS},
-    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "trainer", *UTILS, ENTRY},
+    "config": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "trainer", *UTILS},
+    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "trainer", *UTILS, ENTRY},
     "": set(),  # unirl/__init__.py stays import-free
 }
 # third-party packages the pure layers must not pull in
