@@ -49,6 +49,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from unirl.dataplane import TRANSPORTS, make_transport  # noqa: E402
+from unirl.trainer.diffusion import WORKER_ENV  # noqa: E402
 
 MiB = 1 << 20
 NUM_SAMPLES = 8
@@ -64,7 +65,7 @@ def transport_cfg(name: str, largest_mib: int) -> dict:
     return cfg
 
 
-@ray.remote(num_cpus=0.1)
+@ray.remote(num_cpus=0.1, runtime_env={"env_vars": WORKER_ENV})  # the environment trainer workers get
 class Peer:
     def __init__(self, cfg: dict, info: dict) -> None:
         torch.set_num_threads(1)
