@@ -198,7 +198,9 @@ def step_times(names: list[str], steps: int, emit) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 128, 512], help="payloads in MiB")
+    ap.add_argument(
+        "--sizes", type=int, nargs="*", default=[1, 16, 128, 512], help="payloads in MiB (none: skip)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6, help="tiny-recipe steps per transport (0: skip)")
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS))
@@ -215,40 +217,45 @@ def main() -> None:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        for size in args.sizes:
-            for threads in (1, torch.get_num_threads()):
-                emit({"kind": "throughput", "transport": "memcpy", "threads": threads, "payload_mib": size,
-                      "get_gbps": memcpy_gbps(size * MiB, args.repeats, threads)})  # fmt: skip
-        best = {}
-        for name in args.transports:
-            rows: list[dict] = []
-
-            def keep(row: dict, rows: list[dict] = rows) -> None:
-                rows.append(row)
-                emit(row)
-
-            throughput(name, args.sizes, args.repeats, keep)
-            best[name] = rows[-1]["get_gbps"]
-        largest = max(args.sizes)
-        # the consumer copies with 1 torch thread (a worker's share of 2 cores): compare like with like
-        ceiling = memcpy_gbps(largest * MiB, args.repeats, 1)
-        winner = max(best, key=best.get)
-        emit(
-            {
-                "kind": "summary",
-                "payload_mib": largest,
-                "best_transport": winner,
-                "best_get_gbps": best[winner],
-                "memcpy_1thread_gbps": ceiling,
-                "best_get_fraction_of_memcpy": best[winner] / ceiling,
-                "target_fraction": 0.5,
-            }
-        )
+        if args.sizes:
+            throughput_table(args, emit)
         if args.steps:
             step_times(["inband"] + [n for n in args.transports if n != "inband"], args.steps, emit)
     finally:
         ray.shutdown()
         out.close()
+
+
+def throughput_table(args: argparse.Namespace, emit) -> None:
+    for size in args.sizes:
+        for threads in (1, torch.get_num_threads()):
+            emit({"kind": "throughput", "transport": "memcpy", "threads": threads, "payload_mib": size,
+                  "get_gbps": memcpy_gbps(size * MiB, args.repeats, threads)})  # fmt: skip
+    best = {}
+    for name in args.transports:
+        rows: list[dict] = []
+
+        def keep(row: dict, rows: list[dict] = rows) -> None:
+            rows.append(row)
+            emit(row)
+
+        throughput(name, args.sizes, args.repeats, keep)
+        best[name] = rows[-1]["get_gbps"]
+    largest = max(args.sizes)
+    # the consumer copies with 1 torch thread (a worker's share of 2 cores): compare like with like
+    ceiling = memcpy_gbps(largest * MiB, args.repeats, 1)
+    winner = max(best, key=best.get)
+    emit(
+        {
+            "kind": "summary",
+            "payload_mib": largest,
+            "best_transport": winner,
+            "best_get_gbps": best[winner],
+            "memcpy_1thread_gbps": ceiling,
+            "best_get_fraction_of_memcpy": best[winner] / ceiling,
+            "target_fraction": 0.5,
+        }
+    )
 
 
 if __name__ == "__main__":
