@@ -29,8 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     **{m: {*CORE, m} for m in MIDDLE},
     "train": {*CORE, *MIDDLE, "train", *UTILS},
     "distributed": {*CORE, *MIDDLE, "train", "distributed", *UTILS},
-    # the data plane moves batches of the typed boundary; drivers and workers use it
-    "dataplane": {"types", "dataplane"},
+    # the data plane moves batches of the typed boundary (over Ray); drivers and workers use it
+    "dataplane": {"types", "distributed", "dataplane"},
     "trainer": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "trainer", *UTILS},
     "data": {"types", "data"},
     # the shapes world (dataset, renderer, scorer) is a leaf over the typed boundary

@@ -16,12 +16,13 @@ from unirl.dataplane.transport import (
     put_batch,
 )
 
-# name -> (class path, the pip extra it needs or None)
-TRANSPORTS: dict[str, tuple[str, str | None]] = {
-    "inband": ("unirl.dataplane.backends.inband.InbandTransport", None),
-    "ray": ("unirl.dataplane.backends.ray_store.RayObjectStoreTransport", None),
-    "tq_simple": ("unirl.dataplane.backends.transfer_queue.TQSimpleTransport", "transferqueue"),
-    "tq_mooncake": ("unirl.dataplane.backends.transfer_queue.TQMooncakeTransport", "mooncake"),
+# name -> class path (imported on use: the TransferQueue ones need optional extras, which their
+# `check_available` names)
+TRANSPORTS: dict[str, str] = {
+    "inband": "unirl.dataplane.backends.inband.InbandTransport",
+    "ray": "unirl.dataplane.backends.ray_store.RayObjectStoreTransport",
+    "tq_simple": "unirl.dataplane.backends.transfer_queue.TQSimpleTransport",
+    "tq_mooncake": "unirl.dataplane.backends.transfer_queue.TQMooncakeTransport",
 }
 
 
@@ -45,8 +46,7 @@ def transport_problems(cfg: Any) -> list[str]:
 
 
 def _transport_class(name: str) -> type[Transport]:
-    path, _ = TRANSPORTS[name]
-    module, _, cls = path.rpartition(".")
+    module, _, cls = TRANSPORTS[name].rpartition(".")
     return getattr(importlib.import_module(module), cls)
 
 

@@ -54,7 +54,7 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def as_jagged_list(value: Any, name: str) -> list[torch.Tensor] | None:
+def as_jagged_list(value: Any) -> list[torch.Tensor] | None:
     """The per-sample tensors of a jagged value (nested tensor or list of tensors), else None."""
     if isinstance(value, torch.Tensor) and value.is_nested:
         return list(value.unbind())
@@ -65,7 +65,7 @@ def as_jagged_list(value: Any, name: str) -> list[torch.Tensor] | None:
 
 def spec_of(name: str, value: Any, batch_size: int) -> FieldSpec:
     """The `FieldSpec` of per-sample `value`; raises ValueError naming `name` if it is not one."""
-    jag = as_jagged_list(value, name)
+    jag = as_jagged_list(value)
     if jag is not None:
         if len(jag) != batch_size:
             raise ValueError(f"field {name!r}: {len(jag)} samples, expected {batch_size}")
@@ -101,7 +101,7 @@ def encode_field(value: Any, spec: FieldSpec) -> Any:
     if spec.kind == "dense":
         return value.detach().cpu().contiguous()
     if spec.kind == "jagged":
-        return [t.detach().cpu().contiguous() for t in as_jagged_list(value, "")]
+        return [t.detach().cpu().contiguous() for t in as_jagged_list(value)]
     return list(value)
 
 
@@ -117,7 +117,7 @@ def decode_field(value: Any, spec: FieldSpec, name: str, jagged: str = "nested")
         if isinstance(value, (list, tuple)):
             return list(value)
         raise TypeError(f"field {name!r}: backend returned {type(value).__name__} for an object field")
-    parts = as_jagged_list(value, name)
+    parts = as_jagged_list(value)
     if spec.kind == "dense":
         t = torch.stack(parts) if parts is not None else value
         if not isinstance(t, torch.Tensor):
@@ -137,7 +137,7 @@ def decode_field(value: Any, spec: FieldSpec, name: str, jagged: str = "nested")
 
 def to_padded(value: Any, padding: float = 0.0) -> torch.Tensor:
     """[B, max_len, ...] padded tensor of a jagged field (nested tensor or list of tensors)."""
-    parts = as_jagged_list(value, "")
+    parts = as_jagged_list(value)
     if parts is None:
         raise TypeError(f"to_padded takes a nested tensor or a list of tensors, got {type(value).__name__}")
     return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=padding)

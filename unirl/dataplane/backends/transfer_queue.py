@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from unirl.dataplane.transport import BatchMeta, DataPlaneError, Transport
+from unirl.distributed.group.remote import free_port
 
 CONTROLLER_NAME, CONTROLLER_NAMESPACE = "TransferQueueController", "transfer_queue"
 
@@ -208,12 +209,6 @@ class TQSimpleTransport(_TQTransport):
         return {"num_data_storage_units": self.num_storage_units}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TQMooncakeTransport(_TQTransport):
     """TransferQueue on a Mooncake store over TCP (the production data path; here on loopback).
 
@@ -298,7 +293,7 @@ class TQMooncakeTransport(_TQTransport):
         exe = shutil.which("mooncake_master") or os.path.join(
             os.path.dirname(sys.executable), "mooncake_master"
         )
-        rpc, http, metrics = _free_port(), _free_port(), _free_port()
+        rpc, http, metrics = free_port(), free_port(), free_port()
         cmd = [
             exe,
             "-rpc_address=127.0.0.1",
