@@ -20,13 +20,16 @@ from unirl.shapes import (
     all_scenes,
     detect,
     evaluate,
-    held_out_objects,
+    held_out_counts,
+    held_out_pairs,
+    is_eval_scene,
     parse_prompt,
     relation_holds,
     render,
     scene_to_prompt,
     score_scene,
     split_scenes,
+    summarize,
 )
 from unirl.types.reward import RewardRequest
 
@@ -83,21 +86,34 @@ def test_parse_errors_name_the_prompt(prompt: str) -> None:
 @pytest.mark.parametrize("seed", [0, 3])
 def test_split_holds_out_combinations(seed: int) -> None:
     train, evals = split_scenes(seed)
-    held = held_out_objects(seed)
-    assert 40 <= len(evals) <= 80 and len(train) + len(evals) == len(SCENES)
+    assert (len(train), len(evals)) == (165, 51) and len(train) + len(evals) == len(SCENES)
     train_p = {scene_to_prompt(s) for s in train}
     eval_p = {scene_to_prompt(s) for s in evals}
     assert not train_p & eval_p and train_p | eval_p == {scene_to_prompt(s) for s in SCENES}
-    # the rule: a held-out object never appears in a multi-object training scene ...
-    for s in train:
-        assert s.category == "single" or not set(s.objects) & set(held)
-    # ... every eval scene is such a scene, and the held-out objects are still trained alone
-    for s in evals:
-        assert s.category != "single" and set(s.objects) & set(held)
-    assert {s.objects[0] for s in train if s.category == "single"} >= set(held)
+    pairs = [frozenset(p) for p in held_out_pairs(seed)]
+    counts = held_out_counts(seed)
+    assert len(set(pairs)) == 9 and len({o for o, _ in counts}) == 6
+    # the rule, recomputed: an eval scene is exactly a held-out pair's two_objects/position scene
+    # (either order) or a held-out (object, count); no training scene composes a held-out pair
+    for s in evals + train:
+        held = (
+            (s.objects[0], s.count) in counts
+            if s.category == "counting"
+            else s.category != "single" and frozenset(s.objects) in pairs
+        )
+        assert held == (s in evals), scene_to_prompt(s)
+    # every object is still trained alone, counted, and composed in >= 3 pairs
+    objs = {o for s in SCENES for o in s.objects}
+    for o in objs:
+        assert any(s.category == "single" and s.objects == [o] for s in train)
+        assert any(s.category == "counting" and s.objects == [o] for s in train)
+        assert (
+            len({frozenset(s.objects) for s in train if s.category == "two_objects" and o in s.objects}) >= 3
+        )
     assert {s.category for s in evals} == {"two_objects", "counting", "position"}
     assert split_scenes(seed) == (train, evals)
-    assert held_out_objects(0) == (ShapeSpec("yellow", "triangle"), ShapeSpec("blue", "circle"))
+    assert all(is_eval_scene(s, seed) for s in evals) and not any(is_eval_scene(s, seed) for s in train)
+    assert split_scenes(0) != split_scenes(3)
 
 
 def test_render_deterministic_and_in_palette() -> None:
@@ -179,6 +195,21 @@ def test_scorer_on_ground_truth(clean: tuple[np.ndarray, list[str], list[SceneSp
     assert {"color", "shape", "count", "position"} <= set(m)
     chw = evaluate(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), prompts)
     assert chw == m
+
+
+def test_summary_is_genevals_mean_over_categories() -> None:
+    results = [
+        {"strict": v, "dense": d} for v, d in [(1.0, 1.0), (0.0, 0.5), (0.0, 0.5), (0.0, 0.25), (1.0, 1.0)]
+    ]
+    cats = ["single", "position", "position", "position", "counting"]
+    m = summarize(results, cats)
+    # per category: single 1, position 0, counting 1 -> overall 2 / 3; per sample 2 / 5
+    assert m["accuracy/single"] == 1.0 and m["accuracy/position"] == 0.0 and m["accuracy/counting"] == 1.0
+    assert m["accuracy_strict"] == pytest.approx(2 / 3)
+    assert m["accuracy_strict_samples"] == pytest.approx(2 / 5)
+    assert m["dense"] == pytest.approx(3.25 / 5)
+    with pytest.raises(ValueError, match="2 results but 1 categories"):
+        summarize(results[:2], cats[:1])
 
 
 def test_scorer_tolerates_noise(clean: tuple[np.ndarray, list[str], list[SceneSpec]]) -> None:

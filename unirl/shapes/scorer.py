@@ -341,18 +341,33 @@ class GenEvalMini:
 
 
 def summarize(results: Sequence[dict[str, Any]], categories: Sequence[str]) -> dict[str, float]:
-    """Means of `score_scene` results: accuracy_strict, dense, accuracy/<category> (categories
-    present) and per-aspect color, shape, count (counting prompts), position (position prompts)."""
+    """Means of `score_scene` results.
+
+    Returns:
+        accuracy_strict: GenEval's overall score, the mean over the categories
+            present of their strict accuracy (so the many position prompts do
+            not stand for the whole).
+        accuracy_strict_samples: strict accuracy over all samples.
+        dense: mean dense score.
+        accuracy/<category>: strict accuracy of each category present.
+        color, shape (all prompts), count (counting prompts), position
+        (position prompts): per-aspect accuracies.
+    """
     if not results:
         raise ValueError("summarize needs at least one result")
-    out = {
-        "accuracy_strict": float(np.mean([r["strict"] for r in results])),
-        "dense": float(np.mean([r["dense"] for r in results])),
-    }
+    if len(results) != len(categories):
+        raise ValueError(f"got {len(results)} results but {len(categories)} categories")
+    per_cat = {}
     for cat in CATEGORIES:
         vals = [r["strict"] for r, c in zip(results, categories, strict=True) if c == cat]
         if vals:
-            out[f"accuracy/{cat}"] = float(np.mean(vals))
+            per_cat[f"accuracy/{cat}"] = float(np.mean(vals))
+    out = {
+        "accuracy_strict": float(np.mean(list(per_cat.values()))),
+        "accuracy_strict_samples": float(np.mean([r["strict"] for r in results])),
+        "dense": float(np.mean([r["dense"] for r in results])),
+        **per_cat,
+    }
     for aspect in ("color", "shape", "count", "position"):
         vals = [float(r[aspect]) for r in results if aspect in r]
         if vals:
@@ -361,10 +376,6 @@ def summarize(results: Sequence[dict[str, Any]], categories: Sequence[str]) -> d
 
 
 def evaluate(images: np.ndarray | torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:
-    """Score images ([B, 3, H, W] or [B, H, W, 3] uint8) against prompts with default settings.
-
-    Returns accuracy_strict (mean strict), dense (mean dense), accuracy/<category>
-    (strict, per category present), and per-aspect accuracies color, shape (all
-    prompts), count (counting prompts), position (position prompts).
-    """
+    """Score images ([B, 3, H, W] or [B, H, W, 3] uint8) against prompts with default settings;
+    the keys of `summarize`."""
     return GenEvalMini().evaluate(images, prompts)

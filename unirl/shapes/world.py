@@ -280,7 +280,7 @@ def all_scenes() -> list[SceneSpec]:
     the 36 pairs x 4 relations = 144. Total 216.
     """
     objs = _objects()
-    pairs = [(a, b) for a, b in itertools.combinations(objs, 2) if a.color != b.color and a.shape != b.shape]
+    pairs = object_pairs()
     scenes = [SceneSpec("single", [o]) for o in objs]
     scenes += [SceneSpec("two_objects", [a, b]) for a, b in pairs]
     scenes += [SceneSpec("counting", [o], count=n) for o in objs for n in COUNTING_COUNTS]
@@ -288,38 +288,83 @@ def all_scenes() -> list[SceneSpec]:
     return scenes
 
 
-def held_out_objects(seed: int = 0) -> tuple[ShapeSpec, ShapeSpec]:
-    """The two (colour, shape) objects that appear only alone in training.
+HELD_OUT_PAIRS = 9
+"""How many of the 36 object pairs `held_out_pairs` keeps out of training."""
+HELD_OUT_COUNTS = 6
+"""How many (object, count) combinations `held_out_counts` keeps out of training."""
+_MIN_TRAIN_PAIRS_PER_OBJECT = 3  # of the 6 pairs each object is in
 
-    Seed 0 holds out yellow triangle and blue circle; another seed draws two
-    objects differing in both colour and shape with `numpy.random.default_rng(seed)`.
-    """
-    if seed == 0:
-        return ShapeSpec("yellow", "triangle"), ShapeSpec("blue", "circle")
-    rng = np.random.default_rng(seed)
+
+def object_pairs() -> list[tuple[ShapeSpec, ShapeSpec]]:
+    """The 36 unordered pairs of objects differing in both colour and shape, in canonical order."""
     objs = _objects()
-    a = objs[int(rng.integers(len(objs)))]
-    rest = [o for o in objs if o.color != a.color and o.shape != a.shape]
-    return a, rest[int(rng.integers(len(rest)))]
+    return [(a, b) for a, b in itertools.combinations(objs, 2) if a.color != b.color and a.shape != b.shape]
+
+
+def held_out_pairs(seed: int = 0) -> list[tuple[ShapeSpec, ShapeSpec]]:
+    """The `HELD_OUT_PAIRS` object pairs whose two_objects and position scenes are eval-only.
+
+    Drawn with `numpy.random.default_rng(seed)` (a permutation of `object_pairs()`,
+    redrawn until every object still appears in >= 3 training pairs), returned
+    in canonical order.
+    """
+    pairs = object_pairs()
+    rng = np.random.default_rng(seed)
+    while True:
+        pick = sorted(rng.permutation(len(pairs))[:HELD_OUT_PAIRS].tolist())
+        held = [pairs[i] for i in pick]
+        train_uses = {o: 0 for o in _objects()}
+        for pair in pairs:
+            if pair not in held:
+                for o in pair:
+                    train_uses[o] += 1
+        if min(train_uses.values()) >= _MIN_TRAIN_PAIRS_PER_OBJECT:
+            return held
+
+
+def held_out_counts(seed: int = 0) -> list[tuple[ShapeSpec, int]]:
+    """The `HELD_OUT_COUNTS` (object, count) combinations that are eval-only.
+
+    `HELD_OUT_COUNTS` distinct objects drawn with `numpy.random.default_rng(seed + 1)`,
+    each with one count of `COUNTING_COUNTS`; the object's other count stays in
+    training. Returned in `_objects()` order.
+    """
+    objs = _objects()
+    rng = np.random.default_rng(seed + 1)
+    idx = sorted(rng.permutation(len(objs))[:HELD_OUT_COUNTS].tolist())
+    return [(objs[i], int(rng.choice(COUNTING_COUNTS))) for i in idx]
+
+
+def _is_eval(
+    spec: SceneSpec, pairs: list[tuple[ShapeSpec, ShapeSpec]], counts: list[tuple[ShapeSpec, int]]
+) -> bool:
+    if spec.category == "counting":
+        return (spec.objects[0], spec.count) in counts
+    if spec.category in ("two_objects", "position"):
+        a, b = spec.objects
+        return (a, b) in pairs or (b, a) in pairs
+    return False
 
 
 def is_eval_scene(spec: SceneSpec, seed: int = 0) -> bool:
-    """The split rule: a multi-object scene (two_objects, counting, position) containing a held-out object."""
-    held = held_out_objects(seed)
-    return spec.category != "single" and any(o in held for o in spec.objects)
+    """The split rule: a two_objects or position scene of a held-out pair (either order), or a
+    counting scene of a held-out (object, count); singles are always training scenes."""
+    return _is_eval(spec, held_out_pairs(seed), held_out_counts(seed))
 
 
 def split_scenes(seed: int = 0) -> tuple[list[SceneSpec], list[SceneSpec]]:
     """(train, eval) partition of `all_scenes()`, both in `all_scenes` order.
 
-    Eval holds every multi-object scene (two_objects, counting, position)
-    containing one of `held_out_objects(seed)`; train holds the rest,
-    including the held-out objects alone (single). With seed 0: 157 train,
-    59 eval (4 counting, 11 two_objects, 44 position).
+    Combinations, not objects, are held out (as GenEval-style RL training sets
+    do): eval holds the two_objects and position scenes of `held_out_pairs(seed)`
+    and the counting scenes of `held_out_counts(seed)`; every object is still
+    trained alone, in >= 3 pairs and counted. 165 train, 51 eval (9
+    two_objects, 6 counting, 36 position).
     """
+    pairs, counts = held_out_pairs(seed), held_out_counts(seed)
     train, evals = [], []
     for s in all_scenes():
-        (evals if is_eval_scene(s, seed) else train).append(s)
+        (evals if _is_eval(s, pairs, counts) else train).append(s)
     return train, evals
 
 

@@ -1,0 +1,58 @@
+"""Print markdown tables summarising a `train_sft` run's `sft_log.jsonl`.
+
+    python scripts/sft_log_summary.py RUN_DIR [--every 500]
+
+Loss table: the logged loss (mean over each logging window) and lr every
+`--every` steps. Eval table: every row with `eval/...` keys (the per-category
+held-out accuracies of `GenEvalMini`). This is how `checkpoints/*/TRAINING.md`
+tables are made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+EVAL_COLUMNS = [
+    ("strict", "eval/accuracy_strict"),
+    ("strict (samples)", "eval/accuracy_strict_samples"),
+    ("two_objects", "eval/accuracy/two_objects"),
+    ("counting", "eval/accuracy/counting"),
+    ("position", "eval/accuracy/position"),
+    ("colour", "eval/color"),
+    ("shape", "eval/shape"),
+    ("dense", "eval/dense"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--every", type=int, default=500, help="loss rows every this many steps")
+    args = parser.parse_args(argv)
+    path = os.path.join(args.run_dir, "sft_log.jsonl")
+    if not os.path.isfile(path):
+        print(f"error: {path} does not exist (is {args.run_dir} a train_sft output_dir?)", file=sys.stderr)
+        return 2
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    losses = [r for r in rows if "loss" in r and (r["step"] % args.every == 0 or r is rows[-1])]
+    print("| step | loss (logging window mean) | lr |\n|---:|---:|---:|")
+    for r in losses:
+        print(f"| {r['step']} | {r['loss']:.4f} | {r['lr']:.2e} |")
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    if evals:
+        cols = [(name, key) for name, key in EVAL_COLUMNS if any(key in r for r in evals)]
+        print("\n| step | " + " | ".join(name for name, _ in cols) + " |")
+        print("|---:|" + "---:|" * len(cols))
+        for r in evals:
+            step = f"{r['step']} (final)" if r.get("final") else str(r["step"])
+            cells = [f"{r[key]:.3f}" if key in r else "" for _, key in cols]
+            print(f"| {step} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
