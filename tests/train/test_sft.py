@@ -66,12 +66,17 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     part = make_sft(tmp_path / "part", 4)
     part.run(max_seconds=0.0)  # stops after its first step, state saved
     assert part.step == 1
+    with open(tmp_path / "part" / "sft_log.jsonl", "a") as f:  # logged, then stopped before a checkpoint
+        f.write(json.dumps({"step": 2, "loss": 9.0, "lr": 0.0, "step_s": 0.0}) + "\n")
     resumed = make_sft(tmp_path / "part", 4)
     resumed.run()
     assert resumed.step == 4
     assert all(torch.equal(a, b) for a, b in zip(weights(full), weights(resumed), strict=True))
     rows = [json.loads(line) for line in open(tmp_path / "full" / "sft_log.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    resumed_rows = [json.loads(line) for line in open(tmp_path / "part" / "sft_log.jsonl")]
+    assert [r["step"] for r in resumed_rows] == [1, 2, 3, 4]  # the stale step-2 row was dropped
+    assert [r["loss"] for r in resumed_rows] == [r["loss"] for r in rows]
 
 
 def test_image_size_mismatch_is_named(tmp_path):

@@ -209,7 +209,12 @@ class FlowMatchingSFT:
         os.replace(tmp, self.state_path)
 
     def load_state(self) -> bool:
-        """Resume from `sft_state.pt` if present; returns whether it did."""
+        """Resume from `sft_state.pt` if present; returns whether it did.
+
+        Rows of `sft_log.jsonl` past the saved step (logged after the last
+        checkpoint by a run that was then stopped), and a final-eval row, are
+        dropped: the resumed run logs them again.
+        """
         if not os.path.exists(self.state_path):
             return False
         state = torch.load(self.state_path, weights_only=False)
@@ -222,6 +227,15 @@ class FlowMatchingSFT:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.step = int(state["step"])
+        log_path = os.path.join(self.out, "sft_log.jsonl")
+        if os.path.exists(log_path):
+            with open(log_path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            keep = [r for r in rows if r["step"] <= self.step and not r.get("final")]
+            if len(keep) != len(rows):
+                with open(log_path + ".tmp", "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in keep)
+                os.replace(log_path + ".tmp", log_path)
         return True
 
     def _eval(self) -> dict[str, float]:
