@@ -3,7 +3,7 @@
 #
 # Usage: scripts/check_gallery_chromium.sh <run_dir> [out.png]
 #   out.png defaults to <run_dir>/gallery_screenshot.png
-#   PYTHON (default: /work/venv/bin/python if present, else python3) must have Pillow installed.
+#   PYTHON (default: the repository's .venv/bin/python if present, else python3) must have Pillow installed.
 # Exit status: 0 ok, 1 check failed, 2 usage / missing dependency.
 set -euo pipefail
 
@@ -17,7 +17,8 @@ out=${2:-"$run_dir/gallery_screenshot.png"}
 out=$(cd "$(dirname "$out")" && pwd)/$(basename "$out")
 
 if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x /work/venv/bin/python ]]; then PYTHON=/work/venv/bin/python; else PYTHON=python3; fi
+    venv_python="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python"
+    if [[ -x "$venv_python" ]]; then PYTHON=$venv_python; else PYTHON=python3; fi
 fi
 
 chromium_bin=""

@@ -6,6 +6,9 @@ import base64
 import io
 import json
 import os
+import shutil
+import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -244,3 +247,20 @@ def test_eval_only_step_zero_row_is_skipped_for_reward(tmp_path: Path) -> None:
     _, doc = parse(write_gallery(str(run)))
     by_key = {a["data-key"]: (a["points"] or "").split() for a in doc.polylines}
     assert len(by_key["reward/mean"]) == 1 and len(by_key["eval/accuracy"]) == 1
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless check needs Debian's chromium")
+def test_gallery_renders_in_headless_chromium(tmp_path: Path) -> None:
+    run, _ = make_run(tmp_path)
+    write_gallery(str(run))
+    script = Path(__file__).resolve().parents[2] / "scripts" / "check_gallery_chromium.sh"
+    shot = tmp_path / "shot.png"
+    env = {**os.environ, "PYTHON": sys.executable}
+    res = subprocess.run(["bash", str(script), str(run), str(shot)], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    pixels = png_pixels(shot.read_bytes())
+    assert pixels.shape == (2000, 1200, 3) and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 256
+    # the script's own check fails on a page that renders blank
+    (run / "gallery.html").write_text("<html><body></body></html>")
+    res = subprocess.run(["bash", str(script), str(run), str(shot)], capture_output=True, text=True, env=env)
+    assert res.returncode == 1, res.stdout + res.stderr
