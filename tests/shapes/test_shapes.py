@@ -24,10 +24,14 @@ from unirl.shapes import (
     held_out_pairs,
     is_eval_scene,
     parse_prompt,
+    SHAPES,
     relation_holds,
+    relation_margin,
     render,
     scene_to_prompt,
     score_scene,
+    shape_credit,
+    shape_fit,
     split_scenes,
     summarize,
 )
@@ -186,10 +190,41 @@ def test_relation_and_dense_formula_by_hand() -> None:
     assert (r["strict"], r["dense"], r["position"]) == (1.0, 1.0, True)
 
 
+def test_graded_credit_by_hand() -> None:
+    # shape_fit: IoU with each template in the mask's own box, computed here independently
+    mask = np.zeros((10, 10), dtype=bool)
+    mask[2:, :] = True  # a 8x10 block in a 10x10 box: square IoU 0.8
+    circle = np.add.outer((np.arange(10) + 0.5 - 5) ** 2, (np.arange(10) + 0.5 - 5) ** 2) <= 25
+    tri = np.abs(np.arange(10)[None, :] + 0.5 - 5) <= 5 * (np.arange(10)[:, None] + 0.5) / 10 + 0.5
+    ref = [(mask & t).sum() / (mask | t).sum() for t in (circle, np.ones((10, 10), bool), tri)]
+    assert shape_fit(mask) == pytest.approx(ref)
+    assert shape_fit(np.ones((12, 12), dtype=bool))[SHAPES.index("square")] == 1.0
+
+    def det(shape: str, fit: tuple[float, ...], cx: float = 5.0, cy: float = 5.0) -> Detection:
+        return Detection("red", shape, cx, cy, 100, (0, 0, 1, 1), fit)
+
+    fit = dict(zip(SHAPES, (0.70, 0.80, 0.55), strict=True))  # square by 0.10 over circle
+    d = det("square", tuple(fit.values()))
+    assert shape_credit("square", d) == pytest.approx(0.5 + 0.5 * (0.5 + 0.10 / 0.4))
+    assert shape_credit("circle", d) == pytest.approx(0.5 * (0.5 - 0.10 / 0.4))
+    assert shape_credit("triangle", d) == 0.0  # margin -0.25: below the ramp
+    assert shape_credit("square", det("square", ())) == 1.0  # no fit: the label alone
+
+    spec = parse_prompt("a red square left of a blue circle")
+    a = det("square", tuple(fit.values()), cx=5.0, cy=10.0)
+    b = Detection("blue", "circle", 9.0, 11.0, 100, (0, 0, 1, 1), (0.95, 0.75, 0.6))
+    r = score_scene(spec, [a, b])
+    # matches: 0.5 + 0.5 * credit; count 1; relation holds with margin 4 - 1 = 3 px of 6
+    match = (0.5 + 0.5 * shape_credit("square", a) + 0.5 + 0.5 * shape_credit("circle", b)) / 2
+    assert r["graded"] == pytest.approx((match + 1.0 + 0.5 + 0.5 * 3 / 6) / 3)
+    assert (r["strict"], r["dense"]) == (1.0, 1.0)
+    assert relation_margin(a, b, "left of") == pytest.approx(3.0)
+
+
 def test_scorer_on_ground_truth(clean: tuple[np.ndarray, list[str], list[SceneSpec]]) -> None:
     images, prompts, _ = clean
     m = evaluate(images, prompts)
-    assert m["accuracy_strict"] >= 0.97 and m["dense"] >= 0.99
+    assert m["accuracy_strict"] >= 0.97 and m["dense"] >= 0.99 and m["graded"] >= 0.99
     for cat in CATEGORIES:
         assert m[f"accuracy/{cat}"] >= 0.95
     assert {"color", "shape", "count", "position"} <= set(m)
@@ -199,7 +234,8 @@ def test_scorer_on_ground_truth(clean: tuple[np.ndarray, list[str], list[SceneSp
 
 def test_summary_is_genevals_mean_over_categories() -> None:
     results = [
-        {"strict": v, "dense": d} for v, d in [(1.0, 1.0), (0.0, 0.5), (0.0, 0.5), (0.0, 0.25), (1.0, 1.0)]
+        {"strict": v, "dense": d, "graded": d / 2}
+        for v, d in [(1.0, 1.0), (0.0, 0.5), (0.0, 0.5), (0.0, 0.25), (1.0, 1.0)]
     ]
     cats = ["single", "position", "position", "position", "counting"]
     m = summarize(results, cats)
@@ -207,7 +243,7 @@ def test_summary_is_genevals_mean_over_categories() -> None:
     assert m["accuracy/single"] == 1.0 and m["accuracy/position"] == 0.0 and m["accuracy/counting"] == 1.0
     assert m["accuracy_strict"] == pytest.approx(2 / 3)
     assert m["accuracy_strict_samples"] == pytest.approx(2 / 5)
-    assert m["dense"] == pytest.approx(3.25 / 5)
+    assert m["dense"] == pytest.approx(3.25 / 5) and m["graded"] == pytest.approx(3.25 / 10)
     with pytest.raises(ValueError, match="2 results but 1 categories"):
         summarize(results[:2], cats[:1])
 
@@ -270,11 +306,12 @@ def test_geneval_mini_reward_component() -> None:
         images=torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),
         metadata=[{} for _ in range(8)],
     )
-    for mode in ("dense", "strict"):
+    for mode in ("dense", "graded", "strict"):
         out = GenEvalMini(mode)(req)
         assert out.dtype == torch.float32 and out.shape == (8,)
         assert bool(((out >= 0) & (out <= 1)).all())
-        assert out[0].item() == 0.0 and bool((out[1:] == 1.0).all())
+        assert out[0].item() == 0.0
+        assert bool((out[1:] >= 0.98).all()) if mode == "graded" else bool((out[1:] == 1.0).all())
     with pytest.raises(ValueError, match="mode"):
         GenEvalMini("soft")
     bad = RewardRequest(sample_ids=["x0"], prompts=["a cat"], images=req.images[:1])

@@ -13,7 +13,10 @@ from unirl.shapes.scorer import (
     detect,
     evaluate,
     relation_holds,
+    relation_margin,
     score_scene,
+    shape_credit,
+    shape_fit,
     summarize,
 )
 from unirl.shapes.world import (
@@ -63,9 +66,12 @@ __all__ = [
     "parse_prompt",
     "prompt_id",
     "relation_holds",
+    "relation_margin",
     "render",
     "scene_to_prompt",
     "score_scene",
+    "shape_credit",
+    "shape_fit",
     "split_scenes",
     "summarize",
 ]

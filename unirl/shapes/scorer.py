@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from unirl.shapes.world import BACKGROUND, CATEGORIES, PALETTE, SceneSpec, parse_prompt
+from unirl.shapes.world import BACKGROUND, CATEGORIES, PALETTE, SHAPES, SceneSpec, parse_prompt, shape_mask
 from unirl.types.reward import RewardRequest
 
 _COLORS: tuple[str, ...] = tuple(PALETTE)
@@ -32,7 +32,8 @@ _BG = len(_COLORS)
 # triangles top/bottom <= 0.68; the thresholds sit in those gaps.
 _TRIANGLE_TOP_BOTTOM = 0.72
 _SQUARE_FILL = 0.88
-_MAX_MATCHED_DETECTIONS = 8  # the optimal assignment considers the largest 8 components
+_MAX_MATCHED_DETECTIONS = 8
+_RELATION_FULL_MARGIN = 6.0  # px of along - |cross| for full graded relation credit (renders: >= 6)  # the optimal assignment considers the largest 8 components
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Detection:
         cx, cy: centre of mass in pixels (x to the right, y down; pixel centres at i + 0.5).
         area: pixel count of the component.
         bbox: (x0, y0, x1, y1), x1/y1 exclusive.
+        fit: IoU of the trimmed component with each shape of `SHAPES` (in that order) drawn in
+            its trimmed bbox; () when unknown (hand-made detections), and graded credit then
+            falls back to the shape label.
     """
 
     color: str
@@ -53,6 +57,7 @@ class Detection:
     cy: float
     area: int
     bbox: tuple[int, int, int, int]
+    fit: tuple[float, ...] = ()
 
 
 def _to_hwc_uint8(image: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -132,6 +137,20 @@ def classify_shape(mask: np.ndarray) -> str:
     return "square" if span.sum() / (h * w) >= _SQUARE_FILL else "circle"
 
 
+def shape_fit(mask: np.ndarray) -> tuple[float, ...]:
+    """IoU of a bool [h, w] bbox-cropped mask with each shape of `SHAPES` drawn in the same box.
+
+    Clean renders fit their own shape with IoU 0.85-1.0 (triangles lose their apex row to
+    `_trim`) and the others with <= 0.81.
+    """
+    h, w = mask.shape
+    fits = []
+    for shape in SHAPES:
+        t = shape_mask(shape, h, w)
+        fits.append(float((mask & t).sum() / max(int((mask | t).sum()), 1)))
+    return tuple(fits)
+
+
 def detect(
     image: np.ndarray | torch.Tensor, min_area: int | None = None, max_distance: float = 100.0
 ) -> list[Detection]:
@@ -170,6 +189,7 @@ def detect(
                 cy=float(ys.mean() + 0.5),
                 area=int(area),
                 bbox=(int(x0), int(y0), int(x1), int(y1)),
+                fit=shape_fit(mask),
             )
         )
     out.sort(key=lambda d: -d.area)
@@ -198,11 +218,39 @@ def _trim(mask: np.ndarray, frac: float = 0.2) -> np.ndarray:
 def relation_holds(a: Detection, b: Detection, relation: str) -> bool:
     """Centre of `a` is `relation` of the centre of `b`: displaced the right way, and more along
     the relation axis than across it ("left of": b.cx - a.cx > |b.cy - a.cy|)."""
+    return relation_margin(a, b, relation) > 0
+
+
+def relation_margin(a: Detection, b: Detection, relation: str) -> float:
+    """Pixels by which `a` is `relation` of `b` beyond the diagonal: along - |cross|
+    (> 0 with along > 0 iff `relation_holds`)."""
     dx, dy = a.cx - b.cx, a.cy - b.cy
     along, cross = {"left of": (-dx, dy), "right of": (dx, dy), "above": (-dy, dx), "below": (dy, dx)}[
         relation
     ]
-    return along > 0 and along > abs(cross)
+    return along - abs(cross)
+
+
+def shape_credit(want: str, det: Detection) -> float:
+    """Graded shape credit in [0, 1]: half for the right label, half for the fit margin.
+
+    The margin is the IoU with the wanted shape's template minus the best IoU with another
+    shape's; it maps linearly from -0.2 (0) to +0.2 (1), so credit moves with every pixel
+    that makes the component more or less like the wanted shape (clean renders: margin
+    >= 0.2). Without `det.fit` the credit is the label's 0/1.
+    """
+    right = float(det.shape == want)
+    if not det.fit:
+        return right
+    i = SHAPES.index(want)
+    margin = det.fit[i] - max(f for j, f in enumerate(det.fit) if j != i)
+    return 0.5 * right + 0.5 * float(np.clip(0.5 + margin / 0.4, 0.0, 1.0))
+
+
+def _graded_match(want: Any, det: Detection | None) -> float:
+    if det is None:
+        return 0.0
+    return 0.5 * (det.color == want.color) + 0.5 * shape_credit(want.shape, det)
 
 
 def _match_score(want: Any, det: Detection | None) -> float:
@@ -242,6 +290,12 @@ def score_scene(spec: SceneSpec, detections: list[Detection]) -> dict[str, Any]:
             of detections (penalises missing and extra objects); for position
             also 1.0 if the relation holds between the two assigned
             detections (0.0 if either is missing).
+        graded: dense with continuous partial credit, for training rewards: each
+            object's shape half is `shape_credit` (label plus template-fit margin)
+            and the relation term is 0.5 [holds] + 0.5 clip(margin / 6 px, 0, 1)
+            (`relation_margin`; clean renders have >= 6 px). Equals dense when
+            detections carry no `fit`; >= 0.98 on clean renders (small
+            triangles fit with a margin a little under 0.2).
         color, shape: bool, every wanted object's assigned detection has the
             right colour / shape.
         count (counting only): bool, exactly k detections of the wanted colour and shape.
@@ -255,7 +309,9 @@ def score_scene(spec: SceneSpec, detections: list[Detection]) -> dict[str, Any]:
     n = len(detections)
     n_extra = n - sum(d is not None for d in pick)
     exact = all(s == 1.0 for s in scores)
-    terms = [float(np.mean(scores)), max(0.0, 1.0 - abs(n - k) / k)]
+    count_term = max(0.0, 1.0 - abs(n - k) / k)
+    terms = [float(np.mean(scores)), count_term]
+    graded = [float(np.mean([_graded_match(w, d) for w, d in zip(wanted, pick, strict=True)])), count_term]
     out: dict[str, Any] = {
         "color": all(d is not None and d.color == w.color for w, d in zip(wanted, pick, strict=True)),
         "shape": all(d is not None and d.shape == w.shape for w, d in zip(wanted, pick, strict=True)),
@@ -271,10 +327,13 @@ def score_scene(spec: SceneSpec, detections: list[Detection]) -> dict[str, Any]:
         a, b = pick
         rel = a is not None and b is not None and relation_holds(a, b, spec.relation)
         terms.append(float(rel))
+        margin = relation_margin(a, b, spec.relation) if a is not None and b is not None else 0.0
+        graded.append(0.5 * rel + 0.5 * float(np.clip(margin / _RELATION_FULL_MARGIN, 0.0, 1.0)))
         out["position"] = bool(exact and rel)
         strict = strict and rel
     out["strict"] = float(strict)
     out["dense"] = float(np.mean(terms))
+    out["graded"] = float(np.mean(graded))
     return out
 
 
@@ -290,11 +349,15 @@ def _images_hwc(images: np.ndarray | torch.Tensor) -> np.ndarray:
     return arr if arr.shape[-1] == 3 else arr.transpose(0, 2, 3, 1)
 
 
+_MODES = ("dense", "graded", "strict")
+
+
 class GenEvalMini:
     """Scorer: GenEval in miniature for the shapes world, weight-free.
 
     Args:
-        mode: "dense" (partial credit in [0, 1]) or "strict" (0/1), see `score_scene`.
+        mode: "dense" (partial credit in [0, 1]), "graded" (dense with continuous shape and
+            relation credit, the training reward) or "strict" (0/1), see `score_scene`.
         min_area: see `detect` (None: 12 px at 32x32, scaled).
         max_distance: see `classify_pixels`.
 
@@ -304,8 +367,8 @@ class GenEvalMini:
     """
 
     def __init__(self, mode: str = "dense", min_area: int | None = None, max_distance: float = 100.0) -> None:
-        if mode not in ("dense", "strict"):
-            raise ValueError(f"GenEvalMini mode must be 'dense' or 'strict', got {mode!r}")
+        if mode not in _MODES:
+            raise ValueError(f"GenEvalMini mode must be one of {_MODES}, got {mode!r}")
         if min_area is not None and min_area < 1:
             raise ValueError(f"GenEvalMini min_area must be >= 1, got {min_area}")
         if not max_distance > 0:
@@ -348,7 +411,7 @@ def summarize(results: Sequence[dict[str, Any]], categories: Sequence[str]) -> d
             present of their strict accuracy (so the many position prompts do
             not stand for the whole).
         accuracy_strict_samples: strict accuracy over all samples.
-        dense: mean dense score.
+        dense, graded: mean dense and graded scores.
         accuracy/<category>: strict accuracy of each category present.
         color, shape (all prompts), count (counting prompts), position
         (position prompts): per-aspect accuracies.
@@ -366,6 +429,7 @@ def summarize(results: Sequence[dict[str, Any]], categories: Sequence[str]) -> d
         "accuracy_strict": float(np.mean(list(per_cat.values()))),
         "accuracy_strict_samples": float(np.mean([r["strict"] for r in results])),
         "dense": float(np.mean([r["dense"] for r in results])),
+        "graded": float(np.mean([r["graded"] for r in results])),
         **per_cat,
     }
     for aspect in ("color", "shape", "count", "position"):

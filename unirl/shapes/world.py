@@ -191,16 +191,19 @@ def parse_prompt(prompt: str) -> SceneSpec:
 # ---------------------------------------------------------------- rendering
 
 
-def _shape_mask(shape: str, side: int) -> np.ndarray:
-    """bool [side, side] mask of a shape filling a side x side box (pixel centres tested)."""
-    c = (np.arange(side) + 0.5) / side  # pixel centres in [0, 1]
-    y, x = np.meshgrid(c, c, indexing="ij")
+def shape_mask(shape: str, height: int, width: int | None = None) -> np.ndarray:
+    """bool [height, width] mask of a shape filling a height x width box (pixel centres tested).
+
+    The renderer draws it in square boxes; the scorer fits it to a detection's bbox.
+    """
+    width = height if width is None else width
+    y, x = np.meshgrid((np.arange(height) + 0.5) / height, (np.arange(width) + 0.5) / width, indexing="ij")
     if shape == "square":
-        return np.ones((side, side), dtype=bool)
+        return np.ones((height, width), dtype=bool)
     if shape == "circle":
         return (x - 0.5) ** 2 + (y - 0.5) ** 2 <= 0.25
     if shape == "triangle":  # apex at top centre, base along the bottom row
-        return np.abs(x - 0.5) <= 0.5 * y + 0.5 / side
+        return np.abs(x - 0.5) <= 0.5 * y + 0.5 / width
     raise ValueError(f"unknown shape {shape!r}")
 
 
@@ -260,7 +263,7 @@ def render(spec: SceneSpec, rng: np.random.Generator, size: int = 32) -> np.ndar
     img[:] = BACKGROUND
     for obj, (x, y, s) in zip(spec.rendered_objects(), _place(spec, rng, size), strict=True):
         region = img[y : y + s, x : x + s]
-        region[_shape_mask(obj.shape, s)] = PALETTE[obj.color]
+        region[shape_mask(obj.shape, s)] = PALETTE[obj.color]
     return img
 
 
