@@ -32,8 +32,8 @@ _BG = len(_COLORS)
 # triangles top/bottom <= 0.68; the thresholds sit in those gaps.
 _TRIANGLE_TOP_BOTTOM = 0.72
 _SQUARE_FILL = 0.88
-_MAX_MATCHED_DETECTIONS = 8
-_RELATION_FULL_MARGIN = 6.0  # px of along - |cross| for full graded relation credit (renders: >= 6)  # the optimal assignment considers the largest 8 components
+_MAX_MATCHED_DETECTIONS = 8  # the optimal assignment considers the largest 8 components
+_RELATION_FULL_MARGIN = 6.0  # px of along - |cross| for full graded relation credit (renders: >= 6)
 
 
 @dataclass(frozen=True)
@@ -293,9 +293,9 @@ def score_scene(spec: SceneSpec, detections: list[Detection]) -> dict[str, Any]:
         graded: dense with continuous partial credit, for training rewards: each
             object's shape half is `shape_credit` (label plus template-fit margin)
             and the relation term is 0.5 [holds] + 0.5 clip(margin / 6 px, 0, 1)
-            (`relation_margin`; clean renders have >= 6 px). Equals dense when
-            detections carry no `fit`; >= 0.98 on clean renders (small
-            triangles fit with a margin a little under 0.2).
+            (`relation_margin`; clean renders have >= 6 px). Without a
+            detection's `fit` its shape half is the label's 0/1. >= 0.98 on clean
+            renders (small triangles fit with a margin a little under 0.2).
         color, shape: bool, every wanted object's assigned detection has the
             right colour / shape.
         count (counting only): bool, exactly k detections of the wanted colour and shape.
