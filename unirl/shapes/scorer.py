@@ -247,16 +247,12 @@ def shape_credit(want: str, det: Detection) -> float:
     return 0.5 * right + 0.5 * float(np.clip(0.5 + margin / 0.4, 0.0, 1.0))
 
 
-def _graded_match(want: Any, det: Detection | None) -> float:
+def _match_score(want: Any, det: Detection | None, graded: bool = False) -> float:
+    """0.5 [right colour] + 0.5 shape: the label's 0/1, or `shape_credit` when graded."""
     if det is None:
         return 0.0
-    return 0.5 * (det.color == want.color) + 0.5 * shape_credit(want.shape, det)
-
-
-def _match_score(want: Any, det: Detection | None) -> float:
-    if det is None:
-        return 0.0
-    return 0.5 * (det.color == want.color) + 0.5 * (det.shape == want.shape)
+    shape = shape_credit(want.shape, det) if graded else float(det.shape == want.shape)
+    return 0.5 * (det.color == want.color) + 0.5 * shape
 
 
 def _assign(wanted: list, dets: list[Detection]) -> list[Detection | None]:
@@ -311,7 +307,10 @@ def score_scene(spec: SceneSpec, detections: list[Detection]) -> dict[str, Any]:
     exact = all(s == 1.0 for s in scores)
     count_term = max(0.0, 1.0 - abs(n - k) / k)
     terms = [float(np.mean(scores)), count_term]
-    graded = [float(np.mean([_graded_match(w, d) for w, d in zip(wanted, pick, strict=True)])), count_term]
+    graded = [
+        float(np.mean([_match_score(w, d, graded=True) for w, d in zip(wanted, pick, strict=True)])),
+        count_term,
+    ]
     out: dict[str, Any] = {
         "color": all(d is not None and d.color == w.color for w, d in zip(wanted, pick, strict=True)),
         "shape": all(d is not None and d.shape == w.shape for w, d in zip(wanted, pick, strict=True)),
