@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO, run_module
 from unirl.config.validate import validate_diffusion_config
+from unirl.models.sd3 import SD3Bundle
 
 pytestmark = pytest.mark.e2e
 
@@ -29,3 +30,33 @@ def test_committed_base_leaves_rl_room():
     assert 0.10 <= m["eval/accuracy_strict"] <= 0.60, m
     cats = [m[f"eval/accuracy/{c}"] for c in ("two_objects", "counting", "position")]
     assert m["eval/accuracy_strict"] == pytest.approx(sum(cats) / 3)
+
+
+def test_stage_two_continues_from_the_committed_export(tmp_path):
+    """`sft/shapes_pretrain_continue` loads stage 1's export, trains it, and exports a model that
+    moved a little from it (same architecture, same data)."""
+    with initialize_config_dir(config_dir=str(Path(REPO) / "examples"), version_base=None):
+        stage1 = compose("sft/shapes_pretrain")
+        stage2 = compose("sft/shapes_pretrain_continue")
+    assert stage2.model.pretrained_path == stage1.export_dir and stage2.model.tiny is None
+    assert stage2.data == stage1.data and stage2.output_dir != stage1.output_dir
+    out = tmp_path / "export"
+    res = run_module(
+        "unirl.train_sft",
+        "--config-name=sft/shapes_pretrain_continue",
+        f"output_dir={tmp_path / 'run'}",
+        f"export_dir={out}",
+        "~eval",
+        "sft.num_steps=2",
+        "sft.batch_size=2",
+        "sft.warmup_steps=1",
+        "threads=1",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    source = SD3Bundle.from_pretrained(str(Path(REPO) / stage1.export_dir))
+    trained = SD3Bundle.from_pretrained(str(out))
+    deltas = [
+        float((p.detach() - q.detach()).abs().max())
+        for p, q in zip(source.transformer.parameters(), trained.transformer.parameters(), strict=True)
+    ]
+    assert 0 < max(deltas) < 0.05  # moved by two small steps, from the committed weights
