@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -158,3 +159,22 @@ def test_eta_zero_track_is_rejected():
     sp.eta = 0.0
     with pytest.raises(ValueError, match="no SDE steps"):
         stack.train_track(scored_track(stage, sp), progress=0.0)
+
+
+def test_same_initial_noise_shares_x_T_within_a_group_only():
+    stage, _, _, sp = make_setup(FlowGRPOConfig())
+    shared_sp = dataclasses.replace(sp, same_initial_noise=True)
+    own, shared = scored_track(stage, sp).segment, scored_track(stage, shared_sp).segment
+    k = sp.samples_per_prompt
+    x_t, x_t_own = shared.at(0), own.at(0)
+    for g in range(2):
+        group = x_t[g * k : (g + 1) * k]
+        assert all(torch.equal(x, group[0]) for x in group)  # one x_T per group
+        assert torch.equal(group[0], x_t_own[g * k])  # the group's first sample keeps its own x_T...
+        final = shared.at(sp.num_steps)[g * k : (g + 1) * k]
+        assert not any(torch.equal(final[0], x) for x in final[1:])  # ...and siblings their own SDE noise
+    assert not torch.equal(x_t[0], x_t[k])  # groups differ
+    assert len({tuple(x.flatten()[:4].tolist()) for x in x_t_own}) == len(x_t_own)  # default: all differ
+    # the first sample of each group is the same whole trajectory in both modes
+    torch.testing.assert_close(shared.latents[::k], own.latents[::k], rtol=0, atol=0)
+    torch.testing.assert_close(shared.log_probs[::k], own.log_probs[::k], rtol=0, atol=0)

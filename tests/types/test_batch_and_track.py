@@ -271,6 +271,16 @@ def test_seeds_do_not_depend_on_how_the_request_is_split() -> None:
     assert _request(n_prompts=4, k=4, seed=1).seeds != seeds
 
 
+def test_same_initial_noise_gives_siblings_their_group_first_seed() -> None:
+    req = _request(n_prompts=3, k=4)
+    assert req.init_seeds == req.seeds  # default: one x_T per sample
+    sampling = DiffusionSamplingParams(num_steps=T, samples_per_prompt=4, same_initial_noise=True)
+    shared = RolloutReq.from_prompts(_examples(3), sampling, _sigmas(), 7)
+    assert shared.seeds == req.seeds  # the SDE noise stays per sample
+    assert shared.init_seeds == [req.seeds[4 * g] for g in range(3) for _ in range(4)]
+    assert [s for sh in shared.split(4) for s in sh.init_seeds] == shared.init_seeds
+
+
 def test_seeds_do_not_depend_on_python_hash_seed() -> None:
     """Workers are separate processes: the seeds must not vary with PYTHONHASHSEED (string hashing)."""
     code = (

@@ -50,6 +50,7 @@ def eval_request(
         samples_per_prompt=cfg.samples_per_prompt,
         eta=0.0,
         seed=cfg.seed,
+        same_initial_noise=False,
     )
     return RolloutReq.from_prompts(examples, sp, sigmas_for(sp, image_seq_len), rollout_id=0)
 

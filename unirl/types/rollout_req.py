@@ -31,6 +31,8 @@ class RolloutReq:
         sample_ids, group_ids, prompts, metadata: per sample.
         seeds: per-sample noise seeds, fixed by the global sample index so a
             sample's noise does not depend on how the batch is split.
+        init_seeds: per-sample seed of the initial noise x_T: the sample's own
+            seed, or its group's first seed with `sampling.same_initial_noise`.
         sampling: the sampling params.
         sigmas: [T+1] fp32 sigma schedule, pinned (single source of truth).
         rollout_id: index of this rollout; seeds the SDE-step choice.
@@ -42,12 +44,13 @@ class RolloutReq:
     prompts: list[str]
     metadata: list[dict[str, Any]]
     seeds: list[int]
+    init_seeds: list[int]
     sampling: DiffusionSamplingParams
     sigmas: torch.Tensor
     rollout_id: int
     sde_indices: list[int]
 
-    PER_SAMPLE = ("sample_ids", "group_ids", "prompts", "metadata", "seeds")
+    PER_SAMPLE = ("sample_ids", "group_ids", "prompts", "metadata", "seeds", "init_seeds")
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -67,7 +70,7 @@ class RolloutReq:
                 f"got {sigmas.dtype} with {sigmas.numel()}"
             )
         k = sampling.samples_per_prompt
-        sample_ids, group_ids, prompts, metadata, seeds = [], [], [], [], []
+        sample_ids, group_ids, prompts, metadata, seeds, init_seeds = [], [], [], [], [], []
         for g, ex in enumerate(examples):
             gid = f"r{rollout_id}/g{g}:{ex.prompt_id}"
             for s in range(k):
@@ -76,12 +79,14 @@ class RolloutReq:
                 prompts.append(ex.prompt)
                 metadata.append(dict(ex.metadata))
                 seeds.append(hash((sampling.seed, rollout_id, g * k + s)) & 0x7FFF_FFFF)
+                init_seeds.append(seeds[g * k] if sampling.same_initial_noise else seeds[-1])
         return cls(
             sample_ids=sample_ids,
             group_ids=group_ids,
             prompts=prompts,
             metadata=metadata,
             seeds=seeds,
+            init_seeds=init_seeds,
             sampling=sampling,
             sigmas=sigmas,
             rollout_id=rollout_id,

@@ -38,6 +38,10 @@ class DiffusionSamplingParams:
         sde_num_steps: k for "random".
         sde_window: (lo, hi) fractions of T that bound the "random" draw.
         seed: base seed; rollout noise derives from (seed, rollout_id, sample).
+        same_initial_noise: siblings of a group start from one x_T (their first
+            sample's); each keeps its own SDE-step noise. The group then differs
+            only by the noise the SDE log-probs credit (DanceGRPO; Flow-GRPO's
+            `same_latent`). Evaluation always draws one x_T per sample.
     """
 
     num_steps: int = 10
@@ -58,6 +62,7 @@ class DiffusionSamplingParams:
     sde_num_steps: int = 1
     sde_window: tuple[float, float] = (0.0, 0.99)
     seed: int = 0
+    same_initial_noise: bool = False
 
     def __post_init__(self) -> None:
         self.sde_window = tuple(self.sde_window)

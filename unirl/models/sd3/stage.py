@@ -111,7 +111,9 @@ class SD3Stage:
         """Sample `len(req)` trajectories with the request's pinned sigmas.
 
         Noise comes from one generator per sample seeded by `req.seeds`, so a
-        sample is the same whichever batch or rank it is generated in. Stores
+        sample is the same whichever batch or rank it is generated in; x_T is
+        drawn from `req.init_seeds` (shared by a group with
+        `sampling.same_initial_noise`, else the sample's own seed). Stores
         the latents at every position replay needs and the log-prob of every
         SDE step.
         """
@@ -120,7 +122,13 @@ class SD3Stage:
         strategy = FlowSDEStrategy(sp.eta)
         shape = self.bundle.latent_shape(sp.height, sp.width)
         gens = [torch.Generator().manual_seed(s) for s in req.seeds]
-        x = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(traj_dtype)
+        own = [torch.randn(shape, generator=g) for g in gens]  # also moves each generator to its SDE noise
+        x = torch.stack(
+            [
+                x_own if s == own_seed else torch.randn(shape, generator=torch.Generator().manual_seed(s))
+                for x_own, s, own_seed in zip(own, req.init_seeds, req.seeds, strict=True)
+            ]
+        ).to(traj_dtype)
         sde = set(req.sde_indices)
         positions = sorted({p for i in sde for p in (i, i + 1)} | {sp.num_steps})
         stored, log_probs = {}, []
