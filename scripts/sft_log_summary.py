@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = args.run_dir if os.path.isfile(args.run_dir) else os.path.join(args.run_dir, "sft_log.jsonl")
     if not os.path.isfile(path):
-        print(f"error: {path} does not exist (is {args.run_dir} a train_sft output_dir or log?)", file=sys.stderr)
+        print(
+            f"error: {path} does not exist (is {args.run_dir} a train_sft output_dir or log?)",
+            file=sys.stderr,
+        )
         return 2
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
