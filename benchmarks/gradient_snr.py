@@ -1,7 +1,7 @@
 """Signal-to-noise ratio of a recipe's policy gradient: how alike are two independent estimates?
 
 Builds the recipe's worker in this process (its model, stage, LoRA backend,
-algorithm and rollout engine, exactly as a run does, with the inband data
+algorithm, train stack and rollout engine, exactly as a run does, with the inband data
 plane and no Ray), fixes one batch of `prompts_per_rollout` training prompts,
 and `--repeats` times: samples a fresh rollout of them (new seeds), scores it
 with the recipe's reward, computes the recipe's advantages and the
@@ -42,7 +42,6 @@ from unirl.evaluate import EXAMPLES  # noqa: E402
 from unirl.sde.schedules import sigmas_for  # noqa: E402
 from unirl.trainer.diffusion_worker import DiffusionWorker, build  # noqa: E402
 from unirl.types import RolloutReq  # noqa: E402
-from unirl.types.batch import even_chunks  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gradient_snr.jsonl")
 
@@ -54,26 +53,19 @@ def gradient_estimates(cfg, repeats: int) -> tuple[list[torch.Tensor], list[floa
     worker = DiffusionWorker(
         RankInfo(rank=0, world_size=1, dp_rank=0, dp_size=1), plain, total_optimizer_steps=1
     )
-    stage, backend, algorithm, engine = worker.stage, worker.backend, worker.algorithm, worker.engine
+    backend, engine, stack = worker.backend, worker.engine, worker.stack
     sampling, reward, advantage = build(cfg.sampling), build(cfg.reward), build(cfg.advantage)
     examples = build(cfg.data_source).next_batch(int(cfg.prompts_per_rollout))
-    bundle = worker.bundle
-    cell = bundle.vae_scale_factor * bundle.patch_size
-    sigmas = sigmas_for(sampling, (sampling.height // cell) * (sampling.width // cell))
-    micro_size = int(cfg.train.stack.micro_batch_size)
+    sigmas = sigmas_for(sampling, worker.bundle.image_seq_len(sampling.height, sampling.width))
     grads, rewards, t0 = [], [], time.perf_counter()
     for rep in range(repeats):
         req = RolloutReq.from_prompts(examples, sampling, sigmas, rollout_id=10_000 + rep)
         track = engine.generate(req).track(engine.track_name)
         reward.score_and_attach(track)
         track.compute_advantages(advantage)
-        stage.module.train()
+        micro, ctx = stack.prepare(track, progress=0.0)
         backend.zero_grad()
-        micro = [track.select(i) for i in even_chunks(len(track), len(track) // micro_size)]
-        micro = [algorithm.prepare_segment(stage, m) for m in micro]
-        ctx = {"loss_scale": 1.0 / len(micro), "progress": 0.0, "reference": backend.reference}
-        for m in micro:
-            algorithm.compute_loss_and_backward(stage, m, ctx)
+        stack.backward(micro, ctx)
         grads.append(torch.cat([p.grad.detach().flatten() for p in backend.params]))
         rewards.append(float(track.rewards.mean()))
     worker.transport.close()

@@ -60,6 +60,11 @@ class DiffusionNFTConfig:
             raise ValueError(f"algorithm.config.draws_per_sample must be >= 1, got {self.draws_per_sample}")
 
 
+def per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[N] values shaped to broadcast over the non-batch dims of `like` [N, ...]."""
+    return values.view(-1, *([1] * (like.dim() - 1)))
+
+
 def optimality(adv: torch.Tensor, clip: float) -> torch.Tensor:
     """[B] r = clip(clip(A, -c, c) / c / 2 + 0.5, 0, 1)."""
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0.0, 1.0)
@@ -84,7 +89,7 @@ def nft_loss(
     clip: float,
 ) -> torch.Tensor:
     """Scalar DiffusionNFT loss; v_new, v_old, x_t, x0 [N, C, h, w], sigma and r [N]."""
-    s = sigma.view(-1, *([1] * (x_t.dim() - 1)))
+    s = per_row(sigma, x_t)
     x0_pos = x_t - s * (beta * v_new + (1 - beta) * v_old)
     x0_neg = x_t - s * ((1 + beta) * v_old - beta * v_new)
     per = r * adaptive_mse(x0_pos, x0) + (1 - r) * adaptive_mse(x0_neg, x0)
@@ -122,7 +127,7 @@ class DiffusionNFT(StageAlgorithm):
         sigma = track.conditions[SIGMA_KEY].reshape(-1)
         noise = track.conditions[NOISE_KEY].flatten(0, 1)
         x0_rep = x0.repeat_interleave(k, dim=0)
-        s = sigma.view(-1, *([1] * (x0.dim() - 1)))
+        s = per_row(sigma, x0_rep)
         x_t = (1 - s) * x0_rep + s * noise
         cond = {
             key: v.repeat_interleave(k, dim=0)
@@ -135,13 +140,13 @@ class DiffusionNFT(StageAlgorithm):
     def prepare_segment(self, stage: Any, track: RolloutTrack) -> RolloutTrack:
         """Draw (sigma, eps) per sample and freeze v_old under the weights that sampled the batch."""
         sigma, noise = self._draws(track)
-        conditions = {**track.conditions, SIGMA_KEY: sigma, NOISE_KEY: noise}
-        track = dataclasses.replace(track, conditions=conditions)
+        track = dataclasses.replace(
+            track, conditions={**track.conditions, SIGMA_KEY: sigma, NOISE_KEY: noise}
+        )
         x_t, _, flat_sigma, cond = self._inputs(track)
         v_old = stage.velocity(x_t, flat_sigma, cond, track.segment.guidance_scale)
-        k = self.config.draws_per_sample
-        conditions[V_OLD_KEY] = v_old.view(len(track), k, *v_old.shape[1:])
-        return dataclasses.replace(track, conditions=conditions)
+        v_old = v_old.view(len(track), self.config.draws_per_sample, *v_old.shape[1:])
+        return dataclasses.replace(track, conditions={**track.conditions, V_OLD_KEY: v_old})
 
     def compute_loss_and_backward(
         self, stage: Any, track: RolloutTrack, ctx: dict[str, Any]
@@ -160,7 +165,7 @@ class DiffusionNFT(StageAlgorithm):
         (loss * ctx["loss_scale"]).backward()
         with torch.no_grad():
             drift = ((v_new - v_old) ** 2).mean()
-            fm = adaptive_mse(x_t - sigma.view(-1, *([1] * (x0.dim() - 1))) * v_new, x0).mean()
+            fm = adaptive_mse(x_t - per_row(sigma, x_t) * v_new, x0).mean()
         return {
             "loss": float(loss.detach()),
             "nft/optimality_mean": float(r.mean()),

@@ -72,7 +72,9 @@ class TrainStack:
         self.algorithm = algorithm
         self.config = config
 
-    def train_track(self, track: RolloutTrack, progress: float) -> dict[str, float]:
+    def prepare(self, track: RolloutTrack, progress: float) -> tuple[list[RolloutTrack], dict]:
+        """Split the shard into micro-batches with pi_old frozen on each (module in train
+        mode); returns them and the loss context every update passes to the algorithm."""
         cfg = self.config
         if len(track) % cfg.micro_batch_size:
             raise ValueError(
@@ -83,10 +85,18 @@ class TrainStack:
         micro = [track.select(idx) for idx in even_chunks(len(track), len(track) // cfg.micro_batch_size)]
         micro = [self.algorithm.prepare_segment(self.stage, mb) for mb in micro]
         ctx = {"loss_scale": 1.0 / len(micro), "progress": progress, "reference": self.backend.reference}
+        return micro, ctx
+
+    def backward(self, micro: list[RolloutTrack], ctx: dict) -> list[dict[str, float]]:
+        """Accumulate one update's gradients over all micro-batches; their metric rows."""
+        return [self.algorithm.compute_loss_and_backward(self.stage, mb, ctx) for mb in micro]
+
+    def train_track(self, track: RolloutTrack, progress: float) -> dict[str, float]:
+        micro, ctx = self.prepare(track, progress)
         rows, backend_rows = [], []
         self.backend.zero_grad()
-        for update in range(cfg.num_updates_per_batch):
-            update_rows = [self.algorithm.compute_loss_and_backward(self.stage, mb, ctx) for mb in micro]
+        for update in range(self.config.num_updates_per_batch):
+            update_rows = self.backward(micro, ctx)
             if update == 0:
                 first = reduce_metrics(update_rows)
             rows.extend(update_rows)
