@@ -170,3 +170,35 @@ def test_track_missing_rewards_raise() -> None:
     with pytest.raises(ValueError, match="track 'diffusion' has no rewards"):
         track.compute_advantages(AdvantageConfig())
     assert track.advantages is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("eps", [1e-4, 1e-8])
+@pytest.mark.parametrize("size", [2, 3, 7, 8, 24, 64, 1000])
+def test_identical_rewards_give_exactly_zero_advantage(dtype: torch.dtype, eps: float, size: int) -> None:
+    """Equal rewards that are not exactly representable (0.7, dense partial credit near 21, a weighted sum)
+    must carry no push at all: every advantage is exactly 0, in every scope, beside a group that varies."""
+    values = [0.7, 0.1, 1 / 3, 20.9, 21.0 + 1 / 7, 0.2 * 0.3 + 0.7 * 0.9, 1e-7, -3.3, 1234.5678]
+    for value in values:
+        rewards = torch.tensor([value] * size + [float(i) for i in range(size)], dtype=dtype)
+        groups = ["same"] * size + ["varied"] * size
+        for cfg in (
+            AdvantageConfig(eps=eps),
+            AdvantageConfig(eps=eps, global_std=True),
+            AdvantageConfig(eps=eps, clip=5.0),
+        ):
+            adv = compute_advantages(rewards, groups, cfg)
+            assert adv[:size].tolist() == [0.0] * size, (value, size, cfg)
+            assert adv[size:].abs().max() > 0
+        flat = compute_advantages(rewards[:size], ["g"] * size, AdvantageConfig(scope="global", eps=eps))
+        assert flat.tolist() == [0.0] * size, (value, size)
+
+
+def test_the_float32_formula_this_replaced_leaves_a_residue() -> None:
+    """Guard that the test above covers a real failure: the same z-score in float32 gives every sample of
+    an all-0.7 or all-21.14 group one nonzero sign (~6e-4 and ~0.019 at eps 1e-4)."""
+    for value, n in ((0.7, 7), (0.7, 24), (21.0 + 1 / 7, 24)):
+        r = torch.full((n,), value, dtype=torch.float32)
+        old = (r - r.mean()) / (r.std(unbiased=False) + 1e-4)
+        assert old.abs().min() > 1e-4 and (old > 0).all() != (old < 0).all()
+        assert compute_advantages(r, ["g"] * n, AdvantageConfig()).tolist() == [0.0] * n

@@ -73,22 +73,31 @@ def compute_advantages(rewards: torch.Tensor, group_ids: list[str], cfg: Advanta
     group scope: A = (r - mean_g) / (std_g + eps), std_g the population std of
     the group (or of the batch with `global_std`). global scope: A = (r -
     mean) / (std + eps) over the batch. Then optional clipping.
+
+    Computed in float64 on rewards shifted by their group's first value (the
+    batch's first value for global scope): the mean and std are unchanged, and a
+    group whose rewards are all equal centres to exactly 0 whatever the value
+    (0.7, a weighted sum of components), so it gets exactly zero advantage
+    instead of a rounding residue divided by `eps`.
     """
     if rewards.dim() != 1 or rewards.numel() != len(group_ids):
         raise ValueError(
             f"rewards must be [B] with B = len(group_ids) = {len(group_ids)}, got {list(rewards.shape)}"
         )
-    r = rewards.to(torch.float32)
+    r = rewards.detach().to(torch.float64)
     if cfg.scope == "global":
-        adv = (r - r.mean()) / (r.std(unbiased=False) + cfg.eps)
+        d = r - r[0]
+        adv = (d - d.mean()) / (d.std(unbiased=False) + cfg.eps)
     else:
         num_groups, size = group_layout(group_ids)
         g = r.view(num_groups, size)
-        std = r.std(unbiased=False) if cfg.global_std else g.std(dim=1, unbiased=False, keepdim=True)
-        adv = ((g - g.mean(dim=1, keepdim=True)) / (std + cfg.eps)).reshape(-1)
+        d = g - g[:, :1]
+        centered = d - d.mean(dim=1, keepdim=True)
+        std = (r - r[0]).std(unbiased=False) if cfg.global_std else d.std(dim=1, unbiased=False, keepdim=True)
+        adv = (centered / (std + cfg.eps)).reshape(-1)
     if cfg.clip is not None:
         adv = adv.clamp(-cfg.clip, cfg.clip)
-    return adv
+    return adv.to(torch.float32)
 
 
 @dataclass
