@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Install UniRL into ./.venv: the CPU torch wheel, the package with its dev, TransferQueue and Mooncake
 # extras, and the one system library Mooncake's TCP transport links (libibverbs1, Debian/Ubuntu).
+# INSTALL_CHROMIUM=1 (CI sets it) also apt-installs Debian's chromium for the gallery's headless
+# check (scripts/check_gallery_chromium.sh): an 80 MB download, about 15 s.
 # On a GPU machine, install the CUDA torch you want into .venv first; torch==2.13.0 is then skipped
 # only if you set TORCH_SPEC="" (the package itself asks for torch>=2.6).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_SPEC=${TORCH_SPEC-torch==2.13.0}
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
 if ! /sbin/ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libibverbs1
+fi
+if [ "${INSTALL_CHROMIUM:-0}" = 1 ] && ! command -v chromium >/dev/null; then
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends chromium
 fi
 python3 -m venv .venv
 . .venv/bin/activate
