@@ -3,7 +3,8 @@
 Layout of one checkpoint directory (the driver adds `driver_state.json`,
 `weights/` and the `COMPLETE` marker):
     train/          DCP shards: trainable params, optimizer, EMA, reference
-    rank{r}.pt      LR scheduler, counters, RNG states of rank r
+    rank{r}.pt      LR scheduler, counters, RNG states of rank r (`torch.save`: RNG states are
+                    per process, so each rank keeps its own file)
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ _TENSOR_KEYS = ("model", "optim", "ema", "reference")
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This process's torch (CPU), Python and NumPy generator states, in types that
+    `torch.load(weights_only=True)` reads back: NumPy's key array travels as a tensor."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def save_train_state(path: str, backend: TrainBackend, rank: int) -> None:
@@ -54,7 +61,9 @@ def load_train_state(path: str, backend: TrainBackend, rank: int) -> None:
     state = backend.state_dict()
     tensors = {k: state[k] for k in _TENSOR_KEYS if k in state}
     dcp.load(tensors, checkpoint_id=os.path.join(path, "train"))
-    extra = torch.load(extra_path, weights_only=False)
+    # CPU: torch.set_rng_state takes a CPU ByteTensor; weights_only: the file holds only
+    # tensors and plain containers, so loading it runs no pickled code
+    extra = torch.load(extra_path, map_location="cpu", weights_only=True)
     state.update(tensors)
     state["scheduler"] = extra["scheduler"]
     state["counters"] = extra["counters"]
