@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch a recipe on this machine. Env vars become Hydra overrides; extra args pass through.
 #   bash examples/run_experiment_single_node.sh diffusion/tiny_sd3_flowgrpo [key=value ...]
-#   NUM_DEVICES=2 NUM_STEPS=10 OUTPUT_DIR=/tmp/run DRY_RUN=1 bash examples/run_experiment_single_node.sh diffusion/tiny_sd3_flowgrpo
+#   NUM_DEVICES=2 NUM_STEPS=10 OUTPUT_DIR=outputs/run10 DRY_RUN=1 bash examples/run_experiment_single_node.sh diffusion/tiny_sd3_flowgrpo
 # ENTRY selects the entry point (default train_diffusion). DRY_RUN=1 prints the resolved recipe and exits.
 # PRETRAINED_MODEL, DATA_PATH and OUTPUT_DIR are read by recipes through ${oc.env:...}.
 set -euo pipefail

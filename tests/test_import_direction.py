@@ -1,4 +1,4 @@
-"""Dependencies point one way (docs: DESIGN.md "Where things live").
+"""Dependencies point one way.
 
 types <- sde <- models <- (rollout, reward, algorithms) <- train <- distributed <- trainer <- entry points.
 `data`, `tracking` and `config` are leaf utilities. Every module under unirl/ is parsed with `ast`; nothing
