@@ -126,7 +126,7 @@ def test_flatten_unflatten_round_trip() -> None:
         and back.segment.latents.dtype == torch.bfloat16
     )
     assert back.segment.positions == [1, 2, 5] and back.segment.eta == 0.7 and back.rollout_id == 7
-    assert back.rewards is None and back.segment.means is None
+    assert back.rewards is None
     assert list(back.conditions) == ["prompt_embeds", "pooled"]
 
 

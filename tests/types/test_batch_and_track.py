@@ -32,7 +32,7 @@ def _sigmas(num_steps: int = T) -> torch.Tensor:
     return torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
 
 
-def make_latent_segment(batch: int = B, with_means: bool = True) -> LatentSegment:
+def make_latent_segment(batch: int = B) -> LatentSegment:
     g = torch.Generator().manual_seed(0)
     return LatentSegment(
         latents=torch.randn(batch, len(POSITIONS), C, H, W, generator=g).to(torch.bfloat16),
@@ -42,7 +42,6 @@ def make_latent_segment(batch: int = B, with_means: bool = True) -> LatentSegmen
         log_probs=torch.randn(batch, len(SDE), generator=g),
         eta=0.7,
         guidance_scale=4.5,
-        means=torch.randn(batch, len(SDE), C, H, W, generator=g) if with_means else None,
     )
 
 
@@ -124,7 +123,6 @@ def test_track_split_shards_hold_contiguous_slices(parts: int) -> None:
         assert shard.parent_ids == track.parent_ids[lo:hi]
         assert torch.equal(shard.segment.latents, track.segment.latents[lo:hi])
         assert torch.equal(shard.segment.log_probs, track.segment.log_probs[lo:hi])
-        assert torch.equal(shard.segment.means, track.segment.means[lo:hi])
         for k, v in track.conditions.items():
             assert torch.equal(shard.conditions[k], v[lo:hi])
         assert torch.equal(shard.media, track.media[lo:hi])

@@ -28,7 +28,6 @@ class LatentSegment:
             (Gaussian log-density averaged over non-batch dims).
         eta: SDE noise level the rollout used on SDE steps.
         guidance_scale: CFG scale the rollout used (replay uses the same).
-        means: optional [B, K, C, H, W] fp32 step means at rollout time.
     """
 
     latents: torch.Tensor
@@ -38,9 +37,8 @@ class LatentSegment:
     log_probs: torch.Tensor
     eta: float
     guidance_scale: float
-    means: torch.Tensor | None = None
 
-    PER_SAMPLE = ("latents", "log_probs", "means")
+    PER_SAMPLE = ("latents", "log_probs")
 
     def __len__(self) -> int:
         return self.latents.shape[0]
