@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import torch
+
 from unirl.dataplane.codec import FieldSpec, to_padded
 from unirl.dataplane.transport import (
     BatchMeta,
@@ -50,13 +52,16 @@ def _transport_class(name: str) -> type[Transport]:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_transport(cfg: Any) -> Transport:
-    """The transport a recipe's `transport` node names ({name: ..., <options>})."""
+def make_transport(cfg: Any, device: str | torch.device = "cpu") -> Transport:
+    """The transport a recipe's `transport` node names ({name: ..., <options>}), delivering
+    what it gets onto `device` (the consuming process's device)."""
     if cfg is None or cfg.get("name") not in TRANSPORTS:
         raise DataPlaneError("; ".join(transport_problems(cfg)))
     cls = _transport_class(cfg["name"])
     cls.check_available()
-    return cls(**{k: v for k, v in dict(cfg).items() if k != "name"})
+    transport = cls(**{k: v for k, v in dict(cfg).items() if k != "name"})
+    transport.device = torch.device(device)
+    return transport
 
 
 __all__ = [

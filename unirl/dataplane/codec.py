@@ -105,8 +105,10 @@ def encode_field(value: Any, spec: FieldSpec) -> Any:
     return list(value)
 
 
-def decode_field(value: Any, spec: FieldSpec, name: str, jagged: str = "nested") -> Any:
-    """Canonical value of a field from what a backend returned.
+def decode_field(
+    value: Any, spec: FieldSpec, name: str, jagged: str = "nested", device: torch.device | None = None
+) -> Any:
+    """Canonical value of a field from what a backend returned, on `device` (None: where it is).
 
     dense: a [B, ...] tensor (a backend may hand back a per-sample list or a
     nested tensor of equal shapes; they are stacked). jagged: a jagged nested
@@ -122,10 +124,10 @@ def decode_field(value: Any, spec: FieldSpec, name: str, jagged: str = "nested")
         t = torch.stack(parts) if parts is not None else value
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"field {name!r}: backend returned {type(value).__name__} for a dense field")
-        return t.reshape(t.shape[0], *spec.shape).to(spec.torch_dtype)
+        return t.reshape(t.shape[0], *spec.shape).to(device=device, dtype=spec.torch_dtype)
     if parts is None:
         raise TypeError(f"field {name!r}: backend returned {type(value).__name__} for a jagged field")
-    parts = [p.reshape(-1, *spec.shape).to(spec.torch_dtype) for p in parts]
+    parts = [p.reshape(-1, *spec.shape).to(device=device, dtype=spec.torch_dtype) for p in parts]
     if jagged == "list":
         return parts
     if jagged == "padded":

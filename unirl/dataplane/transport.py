@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 from unirl.dataplane.codec import (
     FieldSpec,
     Skeleton,
@@ -131,6 +133,7 @@ class Transport(ABC):
     name: ClassVar[str] = ""
 
     def __init__(self) -> None:
+        self.device = torch.device("cpu")  # where `get` delivers tensors: the consuming process's device
         self.stats = DataPlaneStats()
         self._claims: dict[str, dict[str, set[str]]] = {}  # partition -> task -> sample ids
 
@@ -168,7 +171,8 @@ class Transport(ABC):
         return BatchMeta(self.name, partition, list(sample_ids), specs, lengths, handle)
 
     def get(self, meta: BatchMeta, fields: list[str] | None = None, jagged: str = "nested") -> dict[str, Any]:
-        """Fetch `fields` (default: all) of the samples in `meta`, decoded (see `codec.decode_field`)."""
+        """Fetch `fields` (default: all) of the samples in `meta`, decoded (see `codec.decode_field`)
+        onto `self.device`. Wire values are always host tensors (`put` moves them off the device)."""
         if meta.backend != self.name:
             raise DataPlaneError(
                 f"meta of partition {meta.partition!r} was written by transport {meta.backend!r}, "
@@ -182,7 +186,7 @@ class Transport(ABC):
             )
         t0 = time.perf_counter()
         raw = self._get(meta, names)
-        out = {n: decode_field(raw[n], meta.fields[n], n, jagged) for n in names}
+        out = {n: decode_field(raw[n], meta.fields[n], n, jagged, self.device) for n in names}
         self.stats.record("get", time.perf_counter() - t0, sum(nbytes(v) for v in raw.values()))
         return out
 
@@ -220,16 +224,27 @@ class Transport(ABC):
     def _clear(self, partition: str) -> None: ...
 
 
+def _skeleton_to(skeleton: Skeleton, device: torch.device) -> Skeleton:
+    """The skeleton with its shared tensors (e.g. a segment's pinned sigmas) on `device`."""
+    shared = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in skeleton.shared.items()}
+    children = {
+        name: (how, _skeleton_to(where, device) if how == "batch" else where)
+        for name, (how, where) in skeleton.children.items()
+    }
+    return Skeleton(skeleton.cls, shared, children)
+
+
 def put_batch(transport: Transport, partition: str, obj: Any) -> BatchMeta:
-    """Put batch dataclass `obj` (e.g. a `RolloutTrack`) keyed by its `sample_ids`; the meta keeps its skeleton."""
+    """Put batch dataclass `obj` (e.g. a `RolloutTrack`) keyed by its `sample_ids`; the meta keeps its
+    skeleton, with its tensors on the CPU (a meta travels to the driver, which may have no GPU)."""
     fields, skeleton = flatten(obj)
     meta = transport.put(partition, list(obj.sample_ids), fields)
-    meta.skeleton = skeleton
+    meta.skeleton = _skeleton_to(skeleton, torch.device("cpu"))
     return meta
 
 
 def get_batch(transport: Transport, meta: BatchMeta, fields: list[str] | None = None) -> Any:
-    """Rebuild the batch dataclass of `meta` from its fields.
+    """Rebuild the batch dataclass of `meta` from its fields, every tensor on `transport.device`.
 
     With `fields` (a subset), the result is a partial view: the other
     per-sample fields are None (see `codec.unflatten`).
@@ -237,4 +252,4 @@ def get_batch(transport: Transport, meta: BatchMeta, fields: list[str] | None = 
     if meta.skeleton is None:
         raise DataPlaneError(f"partition {meta.partition!r}: meta was not written by put_batch (no skeleton)")
     values = transport.get(meta, fields)
-    return unflatten(meta.skeleton, values, partial=fields is not None)
+    return unflatten(_skeleton_to(meta.skeleton, transport.device), values, partial=fields is not None)

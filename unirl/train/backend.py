@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from unirl.train.ema import EMA, EMAConfig
-from unirl.train.fsdp import FSDPConfig, shard_module, swapped_weights
+from unirl.train.fsdp import FSDPConfig, checkpoint_blocks, shard_module, swapped_weights
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -92,9 +92,11 @@ class TrainBackend:
     """Owns the trainable module and its optimizer state on one rank.
 
     Args:
-        module: the denoiser to train (modified in place: LoRA is injected,
-            then it is sharded when the default process group has > 1 rank and
-            `fsdp` is given).
+        module: the denoiser to train, on its device (modified in place: LoRA
+            is injected, blocks are wrapped in activation checkpointing when
+            `fsdp.activation_checkpointing`, then it is sharded when the default
+            process group has > 1 rank). Every state the backend keeps (optimizer
+            moments, EMA shadow, reference copy) lives on the module's device.
         lora: LoRA config, or None for a full fine-tune.
         optim: optimizer config.
         total_steps: optimizer steps of the run (for LR schedules).
@@ -122,12 +124,13 @@ class TrainBackend:
             self._inject_lora(lora)
         else:
             module.requires_grad_(True)
+        if fsdp is not None and fsdp.activation_checkpointing:
+            checkpoint_blocks(module, fsdp.block_classes)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             if fsdp is None:
                 raise ValueError(f"{world} data-parallel ranks need train.fsdp (FSDP2 sharding settings)")
-            device_type = "cuda" if next(module.parameters()).is_cuda else "cpu"
-            shard_module(module, fsdp, device_type)
+            shard_module(module, fsdp, next(module.parameters()).device.type)
         self.sharded = world > 1
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]

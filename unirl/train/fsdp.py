@@ -28,7 +28,8 @@ class FSDPConfig:
         reduce_dtype: dtype of the gradient reduce-scatter.
         reshard_after_forward: free gathered parameters after each forward
             (less memory, one more all-gather in backward).
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward
+            (applied on one rank too; the other fields only act when sharded).
     """
 
     block_classes: list[str] = field(default_factory=lambda: ["JointTransformerBlock"])
@@ -53,8 +54,27 @@ def unmatched_block_classes(module: torch.nn.Module, block_classes: list[str]) -
     return [name for name in block_classes if name not in present]
 
 
+def checkpoint_blocks(module: torch.nn.Module, block_classes: list[str]) -> int:
+    """Wrap every `block_classes` block of `module` in activation checkpointing, in
+    place (its activations are recomputed in backward instead of kept); returns the
+    number of blocks wrapped. Works with or without sharding."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    missing = unmatched_block_classes(module, block_classes)
+    if missing:
+        raise ValueError(
+            f"train.fsdp.block_classes {missing} match no module of {type(module).__name__}: "
+            "activation checkpointing would silently not happen"
+        )
+    names = set(block_classes)
+    count = sum(type(m).__name__ in names for m in module.modules())
+    apply_activation_checkpointing(module, check_fn=lambda m: type(m).__name__ in names)
+    return count
+
+
 def shard_module(module: torch.nn.Module, cfg: FSDPConfig, device_type: str) -> torch.nn.Module:
-    """Apply activation checkpointing (optional) and FSDP2 to `module` in place; returns it.
+    """FSDP2 on `module` in place: `fully_shard` per block (the activation-checkpoint
+    wrappers when `checkpoint_blocks` ran first), then the root; returns it.
 
     Requires an initialized default process group; the mesh spans all its ranks.
     """
@@ -69,16 +89,12 @@ def shard_module(module: torch.nn.Module, cfg: FSDPConfig, device_type: str) -> 
             f"train.fsdp.block_classes {missing} match no module of {type(module).__name__}; "
             f"block classes present: {present}"
         )
-    names = set(cfg.block_classes)
-    blocks = [m for m in module.modules() if type(m).__name__ in names]
-    if cfg.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointWrapper,
-            apply_activation_checkpointing,
-        )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-        apply_activation_checkpointing(module, check_fn=lambda m: type(m).__name__ in names)
-        blocks = [m for m in module.modules() if isinstance(m, CheckpointWrapper)]
+    # each block is sharded as one unit with its checkpoint wrapper, if it has one
+    blocks = [m for m in module.modules() if isinstance(m, CheckpointWrapper)] or [
+        m for m in module.modules() if type(m).__name__ in set(cfg.block_classes)
+    ]
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(
         param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype]

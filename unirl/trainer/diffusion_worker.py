@@ -2,9 +2,13 @@
 
 Constructed from the resolved recipe (a plain dict), so a worker builds
 exactly what the recipe names and nothing from the driver's process leaks in.
-With several ranks the worker joins a process group (NCCL on GPUs, gloo on
-CPU) and the backend shards the denoiser with FSDP2; every method that touches
-the sharded module is called on all ranks at once by the driver.
+The worker computes on one device (`unirl.distributed.device`: the GPU Ray
+assigned it, else the CPU): the bundle, the LoRA / EMA / reference copies, the
+optimizer state, prompt encodings, noise and fetched tracks all live there;
+what it returns to the driver is on the CPU. With several ranks it joins a
+process group (the device's backend: NCCL on GPUs, gloo on CPU) and the
+backend shards the denoiser with FSDP2; every method that touches the sharded
+module is called on all ranks at once by the driver.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
+from unirl.distributed.device import init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
@@ -54,6 +59,8 @@ class DiffusionWorker(Worker):
         base_model_dir: if set, rank 0 writes the untrained bundle there before
             LoRA is injected (a tiny model's checkpoint then has a base to load onto).
         transport_info: what the driver's transport `start()` returned (to attach to it).
+        device: the device to compute on; None decides from what Ray assigned
+            (`resolve_device`). Tests and in-process drivers pass it explicitly.
     """
 
     def __init__(
@@ -63,16 +70,18 @@ class DiffusionWorker(Worker):
         total_optimizer_steps: int,
         base_model_dir: str | None = None,
         transport_info: dict[str, Any] | None = None,
+        device: str | None = None,
     ) -> None:
         super().__init__(rank_info)
         quiet_library_logs()
         threads = cfg.get("threads_per_worker") or max(1, (os.cpu_count() or 1) // cfg["num_devices"])
         torch.set_num_threads(threads)
         torch.manual_seed(cfg["seed"])
-        if rank_info.world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = resolve_device(device)
+        if rank_info.world_size > 1:
+            init_process_group(self.device)
         self.model_cfg = build(cfg["model"])
-        self.bundle = self.model_cfg.build()
+        self.bundle = self.model_cfg.build().to(self.device)
         if base_model_dir and rank_info.rank == 0:
             self.bundle.save_pretrained(base_model_dir)
         self.stage = build(cfg["stage"], bundle=self.bundle)
@@ -91,7 +100,7 @@ class DiffusionWorker(Worker):
         self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
         self.stack = TrainStack(self.stage, self.backend, self.algorithm, build(train["stack"]))
         self.engine = build(cfg["rollout"], stage=self.stage)
-        self.transport = make_transport(cfg["transport"])
+        self.transport = make_transport(cfg["transport"], device=self.device)
         self.transport.attach(transport_info or {})
 
     @dispatch(Dispatch.RANK_ZERO)
@@ -102,6 +111,7 @@ class DiffusionWorker(Worker):
             "vae_scale_factor": self.bundle.vae_scale_factor,
             "patch_size": self.bundle.patch_size,
             "num_trainable": self.backend.num_trainable,
+            "device": str(self.device),
         }
 
     @dispatch(Dispatch.DP_SCATTER)
@@ -122,7 +132,7 @@ class DiffusionWorker(Worker):
         """[n, 3, H, W] uint8 images for this rank's shard (evaluation), from the
         EMA weights when `use_ema` (restored after)."""
         with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
-            return self.engine.generate(req).track(self.engine.track_name).media
+            return self.engine.generate(req).track(self.engine.track_name).media.cpu()
 
     @dispatch(Dispatch.DP_SCATTER)
     def train(
@@ -131,7 +141,7 @@ class DiffusionWorker(Worker):
         """Fetch this rank's shard of the track from the transport, attach the
         driver's [b] rewards and advantages, and train; returns this rank's metrics."""
         track = get_batch(self.transport, meta)
-        track.rewards, track.advantages = rewards, advantages
+        track.rewards, track.advantages = rewards.to(self.device), advantages.to(self.device)
         metrics = self.stack.train_track(track, progress)
         self.backend.end_of_rollout()
         return metrics
@@ -153,15 +163,15 @@ class DiffusionWorker(Worker):
         """Export the trained weights (LoRA file or full transformer) loadable by diffusers."""
         self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
 
-    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        """Consolidated trainable weights (for parity and resume checks)."""
-        return self.backend.full_trainable_state()
-
     @dispatch(Dispatch.BROADCAST)
     def process_info(self) -> dict[str, Any]:
         """Host and process id of this worker (recorded in the run's placement.json)."""
-        return {"rank": self.rank_info.rank, "hostname": socket.gethostname(), "pid": os.getpid()}
+        return {
+            "rank": self.rank_info.rank,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(self.device),
+        }
 
     @dispatch(Dispatch.BROADCAST)
     def peak_rss_mb(self) -> float:

@@ -3,6 +3,7 @@
 from unirl.distributed.group.cluster import init_ray
 from unirl.distributed.group.device_pool import DevicePool, Placement, placement
 from unirl.distributed.group.dispatch import DISPATCH_SPECS, Dispatch, DispatchSpec, dispatch, dispatch_mode
+from unirl.distributed.group.local import LocalWorkerGroup, in_process
 from unirl.distributed.group.rank import RankInfo
 from unirl.distributed.group.remote import Worker, WorkerError, WorkerGroup, free_port, remote, rendezvous
 
@@ -11,6 +12,7 @@ __all__ = [
     "DevicePool",
     "Dispatch",
     "DispatchSpec",
+    "LocalWorkerGroup",
     "Placement",
     "RankInfo",
     "Worker",
@@ -19,6 +21,7 @@ __all__ = [
     "dispatch",
     "dispatch_mode",
     "free_port",
+    "in_process",
     "init_ray",
     "placement",
     "remote",

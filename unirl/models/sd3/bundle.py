@@ -171,6 +171,16 @@ class SD3Bundle:
         return [m for m in (p.text_encoder, p.text_encoder_2, p.text_encoder_3, p.vae) if m is not None]
 
     @property
+    def device(self) -> torch.device:
+        """Where the denoiser's parameters live (the bundle is moved as a whole by `to`)."""
+        return next(self.transformer.parameters()).device
+
+    def to(self, device: str | torch.device) -> SD3Bundle:
+        """Move every module of the bundle (denoiser, text encoders, VAE) to `device`; returns self."""
+        self.pipeline.to(device)
+        return self
+
+    @property
     def pixel_space(self) -> bool:
         return self.vae is None
 

@@ -1,0 +1,78 @@
+"""Where a process computes: the one place that picks a worker's device and its process-group backend.
+
+A worker's device is the GPU Ray assigned it when it has one (Ray exports
+``CUDA_VISIBLE_DEVICES`` with the assigned ids, so the first visible GPU is
+``cuda:0`` inside the actor), else the CPU. Outside Ray (an in-process worker:
+benchmarks, the GPU test tier) it is ``cuda:<LOCAL_RANK>`` when CUDA is
+available, else the CPU. The process-group backend follows the device: NCCL for
+CUDA tensors, gloo for CPU tensors; FSDP2's device mesh uses the device type.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
+def _ray_gpu_ids() -> list[str] | None:
+    """GPU ids Ray assigned this process, or None outside a Ray worker."""
+    try:
+        import ray
+    except ImportError:  # the GPU tier may run in-process without Ray
+        return None
+    if not ray.is_initialized():
+        return None
+    return [str(i) for i in ray.get_gpu_ids()]
+
+
+def resolve_device(requested: str | torch.device | None = None) -> torch.device:
+    """The device this process computes on.
+
+    Args:
+        requested: an explicit device ("cpu", "cuda", "cuda:1"; a worker told
+            its device) or None / "auto" (decide as the module docstring says).
+
+    Raises:
+        RuntimeError: a CUDA device is requested and CUDA is not available, or
+            Ray assigned this process a GPU that torch cannot see.
+    """
+    if requested not in (None, "auto"):
+        device = torch.device(requested)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {str(device)!r} requested but torch sees no CUDA device")
+        if device.type not in BACKENDS:
+            raise ValueError(f"device {str(device)!r}: UniRL workers run on {sorted(BACKENDS)}")
+        return device
+    gpu_ids = _ray_gpu_ids()
+    if gpu_ids:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"Ray assigned GPU(s) {gpu_ids} to this worker but torch sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); install a CUDA build of torch"
+            )
+        return torch.device("cuda", 0)
+    if gpu_ids is None and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """ "nccl" for a CUDA device, "gloo" for the CPU."""
+    return BACKENDS[device.type]
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join the default process group (env:// rendezvous, see `Worker`) with the
+    backend of `device`, binding a CUDA device first so NCCL uses it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(process_group_backend(device), device_id=device)
+    else:
+        dist.init_process_group(process_group_backend(device))
