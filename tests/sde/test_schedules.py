@@ -1,4 +1,4 @@
-"""Sigma schedules against closed forms computed here with Python floats."""
+"""Sigma schedules against diffusers' FlowMatchEulerDiscreteScheduler and closed forms."""
 
 from __future__ import annotations
 
@@ -6,49 +6,67 @@ import math
 
 import pytest
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
 from unirl.sde import dynamic_shift_mu, dynamic_shift_sigmas, sigmas_for, static_shift_sigmas
 from unirl.types import DiffusionSamplingParams
 
+TOL = 1e-6
 
-def ts(num_steps: int) -> list[float]:
-    """linspace(1, 0, T+1) in Python floats."""
-    return [1.0 - k / num_steps for k in range(num_steps + 1)]
+
+def scheduler_sigmas(num_steps: int, **config: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigmas [T+1], timesteps [T]) of the scheduler after `set_timesteps(T[, mu])`."""
+    mu = config.pop("mu", None)
+    sched = FlowMatchEulerDiscreteScheduler(**config)
+    sched.set_timesteps(num_steps, mu=mu)
+    return sched.sigmas, sched.timesteps
 
 
 def static_ref(num_steps: int, shift: float) -> list[float]:
-    return [shift * t / (1 + (shift - 1) * t) for t in ts(num_steps)]
+    """Closed form in Python floats: s = linspace(1, sigma_min, T), sigma_min = shifted 1/1000."""
+    lo = shift * 1e-3 / (1 + (shift - 1) * 1e-3)
+    s = [1.0 - (1.0 - lo) * k / (num_steps - 1) for k in range(num_steps)] if num_steps > 1 else [1.0]
+    return [shift * x / (1 + (shift - 1) * x) for x in s] + [0.0]
 
 
-def dynamic_ref(num_steps: int, mu: float) -> list[float]:
-    return [0.0 if t == 0 else math.exp(mu) / (math.exp(mu) + (1 / t - 1)) for t in ts(num_steps)]
-
-
-def check(actual: torch.Tensor, expected: list[float]) -> None:
+def check_schedule(actual: torch.Tensor, expected: torch.Tensor | list[float]) -> None:
+    expected = torch.as_tensor(expected, dtype=torch.float64)
     assert actual.dtype == torch.float32
-    assert actual.shape == (len(expected),)
+    assert actual.shape == expected.shape
+    err = (actual.double() - expected).abs().max().item()
+    assert err <= TOL, f"max |ours - reference| = {err}: {actual.tolist()} vs {expected.tolist()}"
     got = actual.tolist()
-    for k, (a, e) in enumerate(zip(got, expected, strict=True)):
-        assert abs(a - e) <= 1e-7, f"sigma[{k}] = {a}, closed form {e}"
     assert got[0] == 1.0 and got[-1] == 0.0
     assert all(x > y for x, y in zip(got, got[1:], strict=False)), f"not strictly decreasing: {got}"
 
 
-@pytest.mark.parametrize(
-    ("num_steps", "shift"), [(10, 3.0), (40, 3.0), (1, 3.0), (7, 5.0), (10, 1.0), (10, 0.5)]
-)
+@pytest.mark.parametrize("num_steps", [1, 2, 10, 28, 40])
+@pytest.mark.parametrize("shift", [0.5, 1.0, 3.0, 5.0])
+def test_static_shift_matches_diffusers(num_steps: int, shift: float) -> None:
+    ours = static_shift_sigmas(num_steps, shift)
+    ref, timesteps = scheduler_sigmas(num_steps, shift=shift)
+    check_schedule(ours, ref)
+    # the transformer's timestep is sigma * 1000: the scheduler's timesteps
+    assert torch.allclose(ours[:-1] * 1000.0, timesteps, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("num_steps", [1, 10, 28, 40])
+@pytest.mark.parametrize("mu", [0.0, 0.5, 0.8, 1.15, 2.0])
+def test_dynamic_shift_matches_diffusers(num_steps: int, mu: float) -> None:
+    ref, _ = scheduler_sigmas(num_steps, use_dynamic_shifting=True, mu=mu)
+    check_schedule(dynamic_shift_sigmas(num_steps, mu), ref)
+
+
+@pytest.mark.parametrize(("num_steps", "shift"), [(10, 3.0), (40, 3.0), (7, 5.0), (10, 1.0)])
 def test_static_shift_closed_form(num_steps: int, shift: float) -> None:
-    check(static_shift_sigmas(num_steps, shift), static_ref(num_steps, shift))
+    check_schedule(static_shift_sigmas(num_steps, shift), static_ref(num_steps, shift))
 
 
-def test_static_shift_concrete_values() -> None:
-    sig = static_shift_sigmas(4, 3.0).tolist()
-    # t = 0.5: 1.5 / 2 = 0.75; t = 0.25: 0.75 / 1.5 = 0.5; t = 0.75: 2.25 / 2.5 = 0.9
-    assert sig == pytest.approx([1.0, 0.9, 0.75, 0.5, 0.0], abs=1e-7)
-
-
-def test_shift_one_is_linspace() -> None:
-    assert torch.allclose(static_shift_sigmas(10, 1.0), torch.linspace(1, 0, 11), atol=1e-7, rtol=0)
+def test_sd3_ten_steps_end_near_zero() -> None:
+    """SD3's 10 steps at shift 3 end 0.278 -> 0.0089 -> 0, not 0.25 -> 0."""
+    sig = static_shift_sigmas(10, 3.0).tolist()
+    assert sig[-3:] == pytest.approx([0.27805, 0.0089286, 0.0], abs=1e-5)
 
 
 @pytest.mark.parametrize("shift", [0.0, -1.0])
@@ -57,44 +75,39 @@ def test_static_shift_rejects_non_positive(shift: float) -> None:
         static_shift_sigmas(10, shift)
 
 
+@pytest.mark.parametrize("seq_len", [16, 256, 1024, 2176, 4096, 9000])
+def test_dynamic_shift_mu_is_diffusers_calculate_shift(seq_len: int) -> None:
+    assert dynamic_shift_mu(seq_len) == calculate_shift(seq_len, 256, 4096, 0.5, 1.15)
+    assert dynamic_shift_mu(seq_len, 64, 1024, 0.3, 1.2) == calculate_shift(seq_len, 64, 1024, 0.3, 1.2)
+
+
 def test_dynamic_shift_mu_line() -> None:
     assert dynamic_shift_mu(256) == pytest.approx(0.5, abs=1e-12)
     assert dynamic_shift_mu(4096) == pytest.approx(1.15, abs=1e-12)
-    assert dynamic_shift_mu((256 + 4096) // 2) == pytest.approx((0.5 + 1.15) / 2, abs=1e-12)
-    # linear: mu(1024) by hand
     assert dynamic_shift_mu(1024) == pytest.approx(0.5 + 0.65 * (1024 - 256) / 3840, abs=1e-12)
-    # custom line
-    assert dynamic_shift_mu(
-        10, base_seq_len=0, max_seq_len=100, base_shift=1.0, max_shift=2.0
-    ) == pytest.approx(1.1)
-
-
-@pytest.mark.parametrize(("num_steps", "mu"), [(10, 0.5), (28, 1.15), (10, 0.0), (5, 2.0), (1, 0.8)])
-def test_dynamic_shift_closed_form(num_steps: int, mu: float) -> None:
-    check(dynamic_shift_sigmas(num_steps, mu), dynamic_ref(num_steps, mu))
 
 
 def test_dynamic_equals_static_with_shift_exp_mu() -> None:
-    """e^mu / (e^mu + 1/t - 1) = s t / (1 + (s-1) t) with s = e^mu: the two forms agree."""
+    """e^mu / (e^mu + 1/t - 1) = s t / (1 + (s-1) t) with s = e^mu, on the same grid
+    except the end point (the static grid ends at the shifted 1/1000)."""
     mu = 0.9
-    assert torch.allclose(
-        dynamic_shift_sigmas(12, mu), static_shift_sigmas(12, math.exp(mu)), atol=1e-6, rtol=0
-    )
+    dyn, stat = dynamic_shift_sigmas(12, mu), static_shift_sigmas(12, math.exp(mu))
+    assert torch.allclose(dyn[:-2], stat[:-2], atol=1e-2, rtol=0)
+    assert float(dyn[-2]) == pytest.approx(math.exp(mu) / (math.exp(mu) + 999.0), rel=1e-5)
 
 
 def test_sigmas_for_static() -> None:
     p = DiffusionSamplingParams(num_steps=8, shift=3.0, dynamic_shift=False)
     out = sigmas_for(p, image_seq_len=4096)
-    check(out, static_ref(8, 3.0))
+    check_schedule(out, scheduler_sigmas(8, shift=3.0)[0])
     assert torch.equal(out, sigmas_for(p, image_seq_len=16))  # seq len ignored
 
 
 def test_sigmas_for_dynamic() -> None:
     p = DiffusionSamplingParams(num_steps=8, shift=3.0, dynamic_shift=True)
     small, large = sigmas_for(p, image_seq_len=256), sigmas_for(p, image_seq_len=4096)
-    check(small, dynamic_ref(8, 0.5))
-    check(large, dynamic_ref(8, 1.15))
-    assert not torch.allclose(small, static_shift_sigmas(8, 3.0))
+    check_schedule(small, scheduler_sigmas(8, use_dynamic_shifting=True, mu=0.5)[0])
+    check_schedule(large, scheduler_sigmas(8, use_dynamic_shifting=True, mu=1.15)[0])
     # more tokens, more shift: every interior sigma grows
     assert all(a < b for a, b in zip(small.tolist()[1:-1], large.tolist()[1:-1], strict=True))
 
@@ -108,5 +121,5 @@ def test_sigmas_for_dynamic_uses_the_params_line() -> None:
         base_shift=0.2,
         max_shift=1.0,
     )
-    mu = 0.2 + (1.0 - 0.2) * (250 - 100) / (300 - 100)
-    check(sigmas_for(p, image_seq_len=250), dynamic_ref(6, mu))
+    mu = calculate_shift(250, 100, 300, 0.2, 1.0)
+    check_schedule(sigmas_for(p, image_seq_len=250), scheduler_sigmas(6, use_dynamic_shifting=True, mu=mu)[0])

@@ -1,25 +1,62 @@
-"""fp32 sigma schedules for flow matching.
+"""fp32 sigma schedules for flow matching, equal to diffusers' SD3 schedules.
 
-Computed here rather than through a diffusers scheduler call, which can apply
-the shift twice (diffusers issue #13243). The result is pinned onto the
-`RolloutReq`, and rollout and replay both read it from there.
+`static_shift_sigmas` and `dynamic_shift_sigmas` reproduce
+`FlowMatchEulerDiscreteScheduler.set_timesteps(T)` (and `set_timesteps(T, mu=mu)`
+with `use_dynamic_shifting`), which is what `StableDiffusion3Pipeline` and
+Flow-GRPO sample with; `tests/sde/test_schedules.py` compares them to the
+scheduler. They are computed here, from the sampling params alone, so the
+schedule a run pins does not change with the installed diffusers: the
+scheduler's default end point shifts `sigma_min` twice (diffusers issue
+#13243, open in 0.42), and a fix there would move every SD3 schedule's last
+steps. The result is pinned onto the `RolloutReq`; rollout and replay both
+read it from there.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from unirl.types.sampling import DiffusionSamplingParams
 
+NUM_TRAIN_TIMESTEPS = 1000
+"""SD3 / SD3.5's `scheduler_config.json` value; the transformer's timestep is `sigma * 1000`."""
 
-def static_shift_sigmas(num_steps: int, shift: float) -> torch.Tensor:
-    """[T+1] fp32: t = linspace(1, 0, T+1), sigma = shift*t / (1 + (shift-1)*t)."""
+
+def _shifted(sigma: float, shift: float) -> float:
+    """`shift*s / (1 + (shift-1)*s)` in fp32, as the scheduler's `__init__` computes its table."""
+    s = torch.tensor([sigma], dtype=torch.float32)
+    return (shift * s / (1 + (shift - 1) * s)).item()
+
+
+def _base_grid(num_steps: int, sigma_max: float, sigma_min: float, num_train_timesteps: int) -> np.ndarray:
+    """[T] float64 `linspace(sigma_max, sigma_min, T)` through the timestep scale, as `set_timesteps`."""
+    n = num_train_timesteps
+    return np.linspace(sigma_max * n, sigma_min * n, num_steps) / n
+
+
+def _with_terminal_zero(sigmas: np.ndarray) -> torch.Tensor:
+    sig = torch.from_numpy(sigmas).to(torch.float32)
+    return torch.cat([sig, torch.zeros(1, dtype=torch.float32)])
+
+
+def static_shift_sigmas(
+    num_steps: int, shift: float, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS
+) -> torch.Tensor:
+    """[T+1] fp32 sigmas of `FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(T)`.
+
+    `s = linspace(1, sigma_min, T)` with the scheduler's own `sigma_min`, the
+    shifted `1/num_train_timesteps`; then `sigma = shift*s / (1 + (shift-1)*s)`
+    and a final 0. With T=10 and shift 3 the last step is 0.0089 -> 0.
+    """
     if shift <= 0:
         raise ValueError(f"sampling.shift must be > 0, got {shift}")
-    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    return (shift * t / (1 + (shift - 1) * t)).to(torch.float32)
+    sigma_max = _shifted(1.0, shift)
+    sigma_min = _shifted(1.0 / num_train_timesteps, shift)
+    s = _base_grid(num_steps, sigma_max, sigma_min, num_train_timesteps)
+    return _with_terminal_zero(shift * s / (1 + (shift - 1) * s))
 
 
 def dynamic_shift_mu(
@@ -29,18 +66,26 @@ def dynamic_shift_mu(
     base_shift: float = 0.5,
     max_shift: float = 1.15,
 ) -> float:
-    """mu linear in the image token count between (base_seq_len, base_shift) and (max_seq_len, max_shift)."""
-    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    return base_shift + slope * (seq_len - base_seq_len)
+    """mu linear in the image token count through (base_seq_len, base_shift) and
+    (max_seq_len, max_shift), in the arithmetic of diffusers' `calculate_shift`."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    return seq_len * m + b
 
 
-def dynamic_shift_sigmas(num_steps: int, mu: float) -> torch.Tensor:
-    """[T+1] fp32: sigma = e^mu / (e^mu + (1/t - 1)), with sigma(0) = 0."""
-    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    sig = torch.zeros_like(t)
-    pos = t > 0
-    sig[pos] = math.exp(mu) / (math.exp(mu) + (1.0 / t[pos] - 1.0))
-    return sig.to(torch.float32)
+def dynamic_shift_sigmas(
+    num_steps: int, mu: float, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS
+) -> torch.Tensor:
+    """[T+1] fp32 sigmas of `FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+    .set_timesteps(T, mu=mu)`, what `StableDiffusion3Pipeline` samples with under
+    dynamic shifting.
+
+    `t = linspace(1, 1/num_train_timesteps, T)` (unshifted), then the exponential
+    time shift `sigma = e^mu / (e^mu + (1/t - 1))` and a final 0.
+    """
+    sigma_min = (torch.tensor([1.0], dtype=torch.float32) / num_train_timesteps).item()
+    t = _base_grid(num_steps, 1.0, sigma_min, num_train_timesteps)
+    return _with_terminal_zero(math.exp(mu) / (math.exp(mu) + (1 / t - 1)))
 
 
 def sigmas_for(sampling: DiffusionSamplingParams, image_seq_len: int) -> torch.Tensor:

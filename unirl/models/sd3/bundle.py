@@ -8,6 +8,14 @@ Two ways to build one, same code path afterwards:
   drops the VAE: the transformer denoises RGB pixels in [-1, 1] directly,
   so image rewards respond to the policy (a random tiny VAE decodes to
   nearly the same image whatever the latent).
+
+The sigma schedule is not read from the directory's `scheduler/scheduler_config.json`:
+`sampling.shift` / `sampling.dynamic_shift` (and its mu line) are the schedule
+of record, computed by `unirl.sde.schedules` exactly as that scheduler's
+`set_timesteps` would with those values. To sample as diffusers' pipeline does,
+set them to the file's `shift` / `use_dynamic_shifting` (SD3 and SD3.5: shift
+3.0, static). Scheduler options those schedules do not reproduce are refused
+on load.
 """
 
 from __future__ import annotations
@@ -23,7 +31,17 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 
+from unirl.sde.schedules import NUM_TRAIN_TIMESTEPS
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# FlowMatchEulerDiscreteScheduler options whose schedule unirl.sde.schedules does not compute
+_SCHEDULER_REFUSED = (
+    "shift_terminal",
+    "use_karras_sigmas",
+    "use_exponential_sigmas",
+    "use_beta_sigmas",
+    "invert_sigmas",
+)
 
 
 @dataclass
@@ -205,6 +223,7 @@ class SD3Bundle:
             raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
         extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
         pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=dtype, **extra)
+        check_scheduler_config(dict(pipe.scheduler.config), os.path.join(path, "scheduler"))
         pipe.transformer.to(torch.float32)
         return cls(pipe)
 
@@ -285,6 +304,22 @@ class SD3Bundle:
     def save_pretrained(self, path: str) -> None:
         """Write the whole bundle in the diffusers layout (`from_pretrained` reads it back)."""
         self.pipeline.save_pretrained(path)
+
+
+def check_scheduler_config(config: dict, where: str) -> None:
+    """Raise if a scheduler config asks for a schedule `unirl.sde.schedules` does not
+    reproduce (other training timesteps, terminal stretch, Karras/beta sigmas, ...)."""
+    bad = {k: config[k] for k in _SCHEDULER_REFUSED if config.get(k)}
+    if config.get("num_train_timesteps", NUM_TRAIN_TIMESTEPS) != NUM_TRAIN_TIMESTEPS:
+        bad["num_train_timesteps"] = config["num_train_timesteps"]
+    if config.get("time_shift_type", "exponential") != "exponential":
+        bad["time_shift_type"] = config["time_shift_type"]
+    if bad:
+        raise ValueError(
+            f"{where}/scheduler_config.json sets {bad}: UniRL's sigma schedules (unirl.sde.schedules) "
+            f"reproduce FlowMatchEulerDiscreteScheduler with num_train_timesteps={NUM_TRAIN_TIMESTEPS}, "
+            "exponential time shift and none of these options; remove them or add the schedule there"
+        )
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> SD3Bundle:
