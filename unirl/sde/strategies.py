@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -35,6 +36,22 @@ class StepOutput:
     mean: torch.Tensor | None = None
     std_dev_t: torch.Tensor | None = None
     log_prob: torch.Tensor | None = None
+
+
+class SDEStrategy(Protocol):
+    """One denoising step with its log-prob; built as `cls(eta)` by `make_strategy`."""
+
+    def step(
+        self,
+        x: torch.Tensor,
+        v: torch.Tensor,
+        sigmas: torch.Tensor,
+        i: int,
+        *,
+        sde: bool,
+        noise: torch.Tensor | None = None,
+        next_sample: torch.Tensor | None = None,
+    ) -> StepOutput: ...
 
 
 def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -101,3 +118,14 @@ class FlowSDEStrategy:
             next_sample = (mean.detach() + std * noise.to(torch.float32)).to(dtype)
         log_prob = gaussian_log_prob(next_sample.detach().to(torch.float32), mean, std)
         return StepOutput(next_sample=next_sample, mean=mean, std_dev_t=std_dev_t, log_prob=log_prob)
+
+
+SDE_STRATEGIES: dict[str, type] = {"flow": FlowSDEStrategy}
+"""Strategies a stage can name (`stage.sde`); register a new one here."""
+
+
+def make_strategy(name: str, eta: float) -> SDEStrategy:
+    """The strategy registered as `name`, with noise level `eta`."""
+    if name not in SDE_STRATEGIES:
+        raise ValueError(f"stage.sde must be one of {sorted(SDE_STRATEGIES)}, got {name!r}")
+    return SDE_STRATEGIES[name](eta)

@@ -1,8 +1,9 @@
 """The SD3 diffusion stage: encode prompts, diffuse (rollout), replay (train), decode.
 
-`diffuse` and `replay` share one velocity function and one step strategy, so
-the log-prob a rollout records and the one replay recomputes come from the
-same arithmetic. Shapes: B samples, latents [B, C, h, w], K SDE steps.
+`diffuse` and `replay` share one velocity function and one step strategy
+(named by `sde`, from `unirl.sde.strategies.SDE_STRATEGIES`), so the log-prob a
+rollout records and the one replay recomputes come from the same arithmetic.
+Shapes: B samples, latents [B, C, h, w], K SDE steps.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from unirl.models.sd3.bundle import SD3Bundle
-from unirl.sde.strategies import FlowSDEStrategy
+from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment
 
@@ -30,6 +31,9 @@ class SD3Stage:
             on big batches of small images, smaller bounds memory.
         detach_uncond: stop gradients through the unconditional CFG branch
             in replay (flow_grpo's training setting).
+        sde: the SDE step strategy of rollout and replay, a name in
+            `unirl.sde.strategies.SDE_STRATEGIES` ("flow": Flow-GRPO's SDE),
+            built per request with the request's `eta`.
 
     `module` is the denoiser actually called; the train backend replaces it
     with its wrapped (LoRA / FSDP) module so rollout and replay use the
@@ -37,14 +41,21 @@ class SD3Stage:
     """
 
     def __init__(
-        self, bundle: SD3Bundle, replay_steps_per_forward: int = 1, detach_uncond: bool = True
+        self,
+        bundle: SD3Bundle,
+        replay_steps_per_forward: int = 1,
+        detach_uncond: bool = True,
+        sde: str = "flow",
     ) -> None:
         if replay_steps_per_forward < 1:
             raise ValueError(f"stage.replay_steps_per_forward must be >= 1, got {replay_steps_per_forward}")
+        if sde not in SDE_STRATEGIES:
+            raise ValueError(f"stage.sde must be one of {sorted(SDE_STRATEGIES)}, got {sde!r}")
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.transformer
         self.replay_steps_per_forward = replay_steps_per_forward
         self.detach_uncond = detach_uncond
+        self.sde = sde
 
     # ---- conditions -------------------------------------------------------------------------
     @torch.no_grad()
@@ -119,7 +130,7 @@ class SD3Stage:
         """
         sp = req.sampling
         sigmas = req.sigmas
-        strategy = FlowSDEStrategy(sp.eta)
+        strategy = make_strategy(self.sde, sp.eta)
         shape = self.bundle.latent_shape(sp.height, sp.width)
         gens = [torch.Generator().manual_seed(s) for s in req.seeds]
         own = [torch.randn(shape, generator=g) for g in gens]  # also moves each generator to its SDE noise
@@ -163,7 +174,7 @@ class SD3Stage:
         The steps are stacked along the batch into one forward. Returns
         (log_probs [B, k] fp32, means [B, k, C, h, w] fp32, std_dev_t [k] fp32).
         """
-        strategy = FlowSDEStrategy(segment.eta)
+        strategy = make_strategy(self.sde, segment.eta)
         b = len(segment)
         x = torch.cat([segment.at(i) for i in steps])
         sig = torch.cat([segment.sigmas[i].expand(b) for i in steps])
