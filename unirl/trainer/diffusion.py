@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from unirl.dataplane import get_batch, make_transport, merge_stats
-from unirl.distributed.group import DevicePool, WorkerError, placement, remote
+from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
 from unirl.sde.schedules import sigmas_for
 from unirl.tracking.gallery import write_gallery
@@ -100,28 +100,36 @@ class DiffusionTrainer:
         with open(os.path.join(self.out, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
         resume = resolve_resume_path(self.cfg)
-        started_ray = init_ray(num_cpus=max(2 * int(self.cfg.num_devices), os.cpu_count() or 1))
-        pool = DevicePool(int(self.cfg.num_devices))
+        local = self.cfg.get("launcher", "ray") == "in_process"
+        started_ray = (
+            False if local else init_ray(num_cpus=max(2 * int(self.cfg.num_devices), os.cpu_count() or 1))
+        )
+        pool = None if local else DevicePool(int(self.cfg.num_devices))
         group = None
         try:
             transport_info = self.transport.start()
             plain = OmegaConf.to_container(self.cfg, resolve=True)
             plain.pop("hydra", None)
-            group = remote(
-                DiffusionWorker,
-                placement(pool),
+            args = (
                 plain,
                 self.num_steps * int(self.cfg.train.stack.num_updates_per_batch),
                 self.base_model if self.tiny else None,
                 transport_info,
-                env=WORKER_ENV,
             )
+            if local:  # one worker in this process, no Ray (validated: 1 device, inband transport)
+                group = in_process(DiffusionWorker, *args)
+                layout = {"num_devices": 1, "num_nodes": 1, "bundle_node_ids": []}
+            else:
+                group = remote(DiffusionWorker, placement(pool), *args, env=WORKER_ENV)
+                layout = {
+                    "num_devices": pool.num_devices,
+                    "num_nodes": pool.num_nodes,
+                    "bundle_node_ids": pool.bundle_node_ids(),
+                }
             with open(os.path.join(self.out, "placement.json"), "w") as f:
                 json.dump(
                     {
-                        "num_devices": pool.num_devices,
-                        "num_nodes": pool.num_nodes,
-                        "bundle_node_ids": pool.bundle_node_ids(),
+                        **layout,
                         "ranks": [dataclasses.asdict(r) for r in group.rank_infos],
                         "workers": self._call(group, "process_info", 0),
                     },
@@ -145,7 +153,8 @@ class DiffusionTrainer:
                     pass  # a dead worker has no process group left to tear down
                 group.shutdown()
             self.transport.close()
-            pool.shutdown()
+            if pool is not None:
+                pool.shutdown()
             if started_ray:
                 import ray
 
