@@ -66,8 +66,13 @@ def untimed(row: dict) -> dict:
     }
 
 
-def final_weights(out) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(out, "checkpoints", "final", "pytorch_lora_weights.safetensors"))
+def final_weights(out, name: str = "final") -> dict[str, torch.Tensor]:
+    """The exported weights in `checkpoints/<name>/`: the LoRA file, or a full fine-tune's transformer."""
+    path = os.path.join(out, "checkpoints", name)
+    lora = os.path.join(path, "pytorch_lora_weights.safetensors")
+    if os.path.exists(lora):
+        return load_file(lora)
+    return load_file(os.path.join(path, "transformer", "diffusion_pytorch_model.safetensors"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,16 +88,34 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_resume_continues_identically(tmp_path, devices):
-    full = run(tmp_path / "full", "num_steps=6", f"num_devices={devices}")
+# a full fine-tune with Flow-GRPO's KL term keeps a copy of the initial weights as its reference
+FULL_FINETUNE_KL = ["train.lora=null", "algorithm.config.beta=0.04", "train.optim.lr=3e-4"]
+RESUME_CASES = {
+    "lora-1-worker": ["num_devices=1"],
+    "lora-2-workers": ["num_devices=2"],
+    "full-finetune-kl-2-workers": ["num_devices=2", *FULL_FINETUNE_KL],
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_continues_identically(tmp_path, case):
+    """Stopped at a step-3 checkpoint and resumed, a run writes the rows of the run that never
+    stopped (apart from measurements of the machine) and ends with bit-equal weights. With a
+    full fine-tune and a KL term, equal `kl` rows say the reference came back as the initial
+    weights. The full fine-tune runs on 2 workers (FSDP2-sharded weights, optimizer and
+    reference); one process's plain-module round trip is tests/train/test_checkpoint.py."""
+    overrides = RESUME_CASES[case]
+    full = run(tmp_path / "full", "num_steps=6", *overrides)
     part = tmp_path / "part"
-    run(part, "num_steps=3", "checkpoint.every_n_steps=3", f"num_devices={devices}")
-    resumed = run(part, "num_steps=6", "resume_from=latest", f"num_devices={devices}")
+    run(part, "num_steps=3", "checkpoint.every_n_steps=3", *overrides)
+    resumed = run(part, "num_steps=6", "resume_from=latest", *overrides)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert [untimed(r) for r in resumed[3:]] == [untimed(r) for r in full[3:]]
     a, b = final_weights(tmp_path / "full"), final_weights(part)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if "train.lora=null" in overrides:
+        assert len(a) > 50 and not any("lora" in k for k in a)  # every weight of the transformer
+        assert resumed[0]["kl"] == 0.0 and all(r["kl"] > 0.0 for r in resumed[1:])
 
 
 def test_one_and_two_workers_agree(tmp_path):
