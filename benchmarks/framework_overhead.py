@@ -11,11 +11,15 @@ thread count:
 2. **bare**: the same model work in this process with no framework: the same
    tiny SD3 transformer with the same LoRA (peft) and AdamW; per step the
    prompts are encoded once with the pipeline's `encode_prompt`, the batch is
-   sampled with CFG (one forward of 2B per denoising step) and the Flow-GRPO
-   SDE step written inline on the same SDE steps, the colour reward and group
-   advantages are computed inline, and training replays the SDE steps per
-   micro-batch in chunks of `replay_steps_per_forward` (one forward with grad
-   per chunk, PPO-clip loss, backward), then clips gradients and steps.
+   sampled with CFG (one forward of 2B per denoising step) on the same SDE
+   steps, the colour reward and group advantages are computed inline, and
+   training replays the SDE steps per micro-batch in chunks of
+   `replay_steps_per_forward` (one forward with grad per chunk, PPO-clip
+   loss, backward), then clips gradients and steps. The numerics are the
+   project's own, called directly: the sigma schedule (`sigmas_for`), the
+   SDE-step choice (`resolve_sde_indices`) and the SDE step with its log-prob
+   (the stage's strategy), so the two sides cannot drift apart; what differs
+   is the framework around them.
 
 The first step of each side is a warm-up and is excluded; the median over the
 remaining steps is reported. Output is JSON lines (stdout and `--out`): one
@@ -30,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import random
 import resource
@@ -63,7 +66,6 @@ DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "framework_overhead.js
 TARGET_FRACTION = 0.10
 PHASES = ("rollout", "reward", "train", "step")
 BENCH = "framework_overhead"
-_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 # ---- memory -----------------------------------------------------------------------------------
@@ -199,38 +201,6 @@ def run_framework(cfg: DictConfig) -> tuple[list[dict[str, Any]], dict[str, Any]
 
 
 # ---- bare loop --------------------------------------------------------------------------------
-def _static_shift_sigmas(num_steps: int, shift: float) -> torch.Tensor:
-    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    return (shift * t / (1 + (shift - 1) * t)).to(torch.float32)
-
-
-def _sde_indices(sp: dict[str, Any], rollout_id: int) -> list[int]:
-    """The recipe's "random" SDE-step choice (k steps in the window, seeded by the rollout id)."""
-    t = sp["num_steps"]
-    lo_f, hi_f = sp["sde_window"]
-    lo = int(lo_f * t)
-    hi = max(lo + 1, int(hi_f * t))
-    rng = random.Random(sp["seed"] * 1_000_003 + rollout_id)
-    return sorted(rng.sample(range(lo, hi), sp["sde_num_steps"]))
-
-
-def _flow_sde(
-    x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int, eta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flow-GRPO SDE step i: (mean, std) of x_{i+1} (ALGORITHMS.md)."""
-    sigma, sigma_next = sigmas[i], sigmas[i + 1]
-    dt = sigma_next - sigma
-    s = sigmas[1] if float(sigma) == 1.0 else sigma
-    std_dev_t = torch.sqrt(sigma / (1 - s)) * eta
-    mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
-    return mean, std_dev_t * torch.sqrt(-dt)
-
-
-def _log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    lp = -((sample - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
-    return lp.mean(dim=tuple(range(1, lp.dim())))
-
-
 class _Prompts:
     """The default prompt list in per-epoch shuffled order (as `DefaultDataSource`)."""
 
@@ -258,7 +228,9 @@ def run_bare(cfg: DictConfig, num_steps: int, threads: int) -> tuple[list[dict[s
 
     from unirl.data.data_source import DEFAULT_PROMPTS
     from unirl.models.sd3 import SD3ModelConfig, TinySD3Config
+    from unirl.sde import make_strategy, sigmas_for
     from unirl.trainer.diffusion_worker import quiet_library_logs
+    from unirl.types import DiffusionSamplingParams
 
     c: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     sp, lora, optim = c["sampling"], c["train"]["lora"], c["train"]["optim"]
@@ -280,7 +252,8 @@ def run_bare(cfg: DictConfig, num_steps: int, threads: int) -> tuple[list[dict[s
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     tiny = {key: v for key, v in c["model"]["tiny"].items()}
-    pipe = SD3ModelConfig(tiny=TinySD3Config(**tiny)).build().pipeline  # construction only
+    bundle = SD3ModelConfig(tiny=TinySD3Config(**tiny)).build()  # construction only
+    pipe = bundle.pipeline
     tr = pipe.transformer
     tr.requires_grad_(False)
     tr.add_adapter(
@@ -301,7 +274,9 @@ def run_bare(cfg: DictConfig, num_steps: int, threads: int) -> tuple[list[dict[s
         eps=float(optim.get("eps", 1e-8)),
     )
     max_norm = float(optim["max_grad_norm"])
-    sigmas = _static_shift_sigmas(int(sp["num_steps"]), float(sp["shift"]))
+    sampling = DiffusionSamplingParams(**{key: v for key, v in sp.items() if key != "_target_"})
+    sigmas = sigmas_for(sampling, bundle.image_seq_len(sampling.height, sampling.width))
+    strategy = make_strategy(c["stage"].get("sde", "flow"), eta)
     shape = (tr.config.in_channels, int(sp["height"]), int(sp["width"]))  # pixel space: no VAE
     n_prompts = int(c["prompts_per_rollout"])
     batch = n_prompts * k
@@ -313,7 +288,7 @@ def run_bare(cfg: DictConfig, num_steps: int, threads: int) -> tuple[list[dict[s
         t0 = time.perf_counter()
         # ---- rollout: encode once, sample with CFG + SDE steps, decode (pixel space) ----
         prompts = prompt_src.next(n_prompts)
-        sde = _sde_indices(sp, step)
+        sde = sampling.resolve_sde_indices(step)
         positions = sorted({p for i in sde for p in (i, i + 1)})
         gen = torch.Generator().manual_seed(hash((seed, step)) & 0x7FFF_FFFF)
         tr.eval()
@@ -349,12 +324,11 @@ def run_bare(cfg: DictConfig, num_steps: int, threads: int) -> tuple[list[dict[s
                     )[0]
                     v_u, v_c = out.chunk(2)
                     v = v_u + gscale * (v_c - v_u)
-                    if i in sde:
-                        mean, std = _flow_sde(x, v, sigmas, i, eta)
-                        x = mean + std * torch.randn((n, *shape), generator=gen)
-                        chunk_lps.append(_log_prob(x, mean, std))
-                    else:
-                        x = x + v * (sigmas[i + 1] - sigmas[i])
+                    noise = torch.randn((n, *shape), generator=gen) if i in sde else None
+                    step_out = strategy.step(x, v, sigmas, i, sde=i in sde, noise=noise)
+                    if step_out.log_prob is not None:
+                        chunk_lps.append(step_out.log_prob)
+                    x = step_out.next_sample
                 finals.append(x)
                 logps.append(torch.stack(chunk_lps, dim=1))
             lat = {p: torch.cat(v) for p, v in stored.items() if v}
@@ -397,8 +371,10 @@ def run_bare(cfg: DictConfig, num_steps: int, threads: int) -> tuple[list[dict[s
                 new_lp = []
                 for q, i in enumerate(steps):
                     rows_q = slice(q * mbs, (q + 1) * mbs)
-                    mean, std = _flow_sde(x[rows_q], v_all[rows_q], sigmas, i, eta)
-                    new_lp.append(_log_prob(lat[i + 1][sl], mean, std))
+                    replayed = strategy.step(
+                        x[rows_q], v_all[rows_q], sigmas, i, sde=True, next_sample=lat[i + 1][sl]
+                    )
+                    new_lp.append(replayed.log_prob)
                 new_logp = torch.stack(new_lp, dim=1)
                 old = old_logp[sl][:, [sde.index(i) for i in steps]]
                 ratio = torch.exp(new_logp - old)
@@ -426,7 +402,7 @@ def run_bare(cfg: DictConfig, num_steps: int, threads: int) -> tuple[list[dict[s
         "bare_peak_rss_is_phase_only": had_reset,
         "process_ru_maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
     }
-    del tr, pipe, opt, params
+    del tr, pipe, bundle, opt, params
     gc.collect()
     return rows, mem
 
