@@ -57,6 +57,10 @@ class FlowGRPOConfig:
             )
         if self.clip_range <= 0:
             raise ValueError(f"algorithm.config.clip_range must be > 0, got {self.clip_range}")
+        if self.clip_range_final is not None and self.clip_range_final <= 0:
+            raise ValueError(
+                f"algorithm.config.clip_range_final must be > 0 or null, got {self.clip_range_final}"
+            )
         if self.beta < 0:
             raise ValueError(f"algorithm.config.beta must be >= 0, got {self.beta}")
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
+from annotated_types import Ge
 
 from unirl.models.sd3.stage import SD3Stage
 from unirl.types.batch import concat
@@ -22,7 +25,10 @@ class TrainsideEngine:
     """
 
     def __init__(
-        self, stage: SD3Stage, forward_batch_size: int | None = None, track_name: str = "diffusion"
+        self,
+        stage: SD3Stage,
+        forward_batch_size: Annotated[int, Ge(1)] | None = None,  # Ge: checked before a stage exists
+        track_name: str = "diffusion",
     ) -> None:
         if forward_batch_size is not None and forward_batch_size < 1:
             raise ValueError(f"rollout.forward_batch_size must be >= 1 or null, got {forward_batch_size}")

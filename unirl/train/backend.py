@@ -36,6 +36,16 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     init_lora_weights: bool | str = True
 
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"train.lora.rank must be >= 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"train.lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"train.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("train.lora.target_modules must name at least one module suffix")
+
 
 @dataclass
 class OptimConfig:
@@ -64,6 +74,16 @@ class OptimConfig:
             )
         if self.lr <= 0:
             raise ValueError(f"train.optim.lr must be > 0, got {self.lr}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.optim.betas must both be in [0, 1), got {list(self.betas)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"train.optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.eps > 0:
+            raise ValueError(f"train.optim.eps must be > 0, got {self.eps}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"train.optim.max_grad_norm must be > 0, got {self.max_grad_norm}")
 
 
 def lr_factor(schedule: str, step: int, total_steps: int, warmup_steps: int) -> float:

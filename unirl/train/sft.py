@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from unirl.models.sd3.bundle import SD3Bundle
-from unirl.train.backend import lr_factor
+from unirl.train.backend import LR_SCHEDULES, lr_factor
 
 SIGMA_SAMPLING = ("logit_normal", "uniform")
 
@@ -71,11 +71,19 @@ class FlowMatchingSFTConfig:
             raise ValueError(
                 f"sft.sigma_sampling must be one of {SIGMA_SAMPLING}, got {self.sigma_sampling!r}"
             )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"sft.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.cond_dropout < 1:
             raise ValueError(f"sft.cond_dropout must be in [0, 1), got {self.cond_dropout}")
-        for key in ("num_steps", "batch_size", "checkpoint_every", "log_every"):
+        for key in ("num_steps", "batch_size", "checkpoint_every", "log_every", "max_sequence_length"):
             if getattr(self, key) < 1:
                 raise ValueError(f"sft.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("weight_decay", "warmup_steps", "eval_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"sft.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("lr", "max_grad_norm", "shift"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"sft.{key} must be > 0, got {getattr(self, key)}")
 
 
 class ImageTextSource(Protocol):

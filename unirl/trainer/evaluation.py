@@ -37,6 +37,16 @@ class EvalSampling:
     seed: int = 1234
     forward_batch_size: int | None = 64
 
+    def __post_init__(self) -> None:
+        for key in ("num_steps", "samples_per_prompt", "forward_batch_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"eval.sampling.{key} must be >= 1, got {value}")
+        if self.guidance_scale < 1.0:
+            raise ValueError(
+                f"eval.sampling.guidance_scale must be >= 1.0 (1.0 disables CFG), got {self.guidance_scale}"
+            )
+
 
 def eval_request(
     examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling, image_seq_len: int

@@ -40,6 +40,8 @@ class AdvantageConfig:
             raise ValueError(f"advantage.scope must be one of {ADVANTAGE_SCOPES}, got {self.scope!r}")
         if self.clip is not None and self.clip <= 0:
             raise ValueError(f"advantage.clip must be > 0 or null, got {self.clip}")
+        if not self.eps > 0:
+            raise ValueError(f"advantage.eps must be > 0, got {self.eps}")
 
 
 def group_layout(group_ids: list[str]) -> tuple[int, int]:

@@ -75,8 +75,17 @@ class DiffusionSamplingParams:
             raise ValueError(f"sampling.num_steps must be >= 1, got {self.num_steps}")
         if self.samples_per_prompt < 1:
             raise ValueError(f"sampling.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        for key in ("height", "width", "max_sequence_length", "base_seq_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"sampling.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_seq_len <= self.base_seq_len:
+            raise ValueError(
+                f"sampling.max_seq_len ({self.max_seq_len}) must be > sampling.base_seq_len ({self.base_seq_len})"
+            )
         if self.eta < 0:
             raise ValueError(f"sampling.eta must be >= 0, got {self.eta}")
+        if not self.shift > 0:
+            raise ValueError(f"sampling.shift must be > 0, got {self.shift}")
         if self.guidance_scale < 1.0:
             raise ValueError(
                 f"sampling.guidance_scale must be >= 1.0 (1.0 disables CFG), got {self.guidance_scale}"

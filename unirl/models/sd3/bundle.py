@@ -70,6 +70,24 @@ class TinySD3Config:
     words: list[str] = field(default_factory=list)
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for key in (
+            "resolution", "patch_size", "num_layers", "attention_head_dim", "num_attention_heads",
+            "clip_hidden_size", "t5_hidden_size", "text_layers", "clip_max_length",
+        ):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        cell = (1 if self.pixel_space else 2) * self.patch_size
+        if self.resolution % cell:
+            raise ValueError(
+                f"model.tiny.resolution={self.resolution} must be a multiple of {cell} "
+                f"(patch_size {self.patch_size}{'' if self.pixel_space else ' x the tiny VAE downsample 2'})"
+            )
+        if self.clip_hidden_size % 2:
+            raise ValueError(
+                f"model.tiny.clip_hidden_size must be even (2 CLIP attention heads), got {self.clip_hidden_size}"
+            )
+
 
 @dataclass
 class SD3ModelConfig:

@@ -9,8 +9,10 @@ Shapes: B samples, latents [B, C, h, w], K SDE steps.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Annotated
 
 import torch
+from annotated_types import Ge
 
 from unirl.models.sd3.bundle import SD3Bundle
 from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
@@ -43,7 +45,7 @@ class SD3Stage:
     def __init__(
         self,
         bundle: SD3Bundle,
-        replay_steps_per_forward: int = 1,
+        replay_steps_per_forward: Annotated[int, Ge(1)] = 1,  # Ge: checked before any bundle exists
         detach_uncond: bool = True,
         sde: str = "flow",
     ) -> None:
