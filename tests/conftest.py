@@ -32,6 +32,16 @@ def run_module(
     )
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests need CUDA: skipped, with the reason, where torch sees no GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (the GPU tier: bash scripts/gpu_tier.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def tiny_model_config(**overrides):
     from unirl.models.sd3 import SD3ModelConfig, TinySD3Config
 
