@@ -124,10 +124,12 @@ def _fsdp_rank(rank: int, world: int, port: int, queue) -> None:
                 activation_checkpointing=ac,
             )
             backend = TrainBackend(bundle.transformer, None, OptimConfig(lr=1e-3), 1, fsdp=fsdp)
-            inner = next(m for m in backend.module.modules() if type(m).__name__.endswith("JointTransformerBlock"))
+            inner = next(
+                m for m in backend.module.modules() if type(m).__name__.endswith("JointTransformerBlock")
+            )
             first = next(m for m in inner.modules() if isinstance(m, torch.nn.Linear))
             seen: list[torch.dtype] = []
-            first.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+            first.register_forward_pre_hook(lambda m, a, seen=seen: seen.append(m.weight.dtype))
             grads, runs = _grads_of(backend, bundle, x, sigma, cond)
             metrics = backend.optimizer_step()
             out[ac] = {
