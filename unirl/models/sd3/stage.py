@@ -21,6 +21,7 @@ from unirl.types.segments import LatentSegment
 
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 NEG_KEYS = ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
+AUTOCAST_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class SD3Stage:
@@ -36,6 +37,10 @@ class SD3Stage:
         sde: the SDE step strategy of rollout and replay, a name in
             `unirl.sde.strategies.SDE_STRATEGIES` ("flow": Flow-GRPO's SDE),
             built per request with the request's `eta`.
+        autocast_dtype: run the denoiser's forward under `torch.autocast` in
+            this dtype ("bfloat16" or "float16"; None: the parameters' dtype).
+            Rollout and replay share the forward, so the first on-policy ratio
+            stays exactly 1; outputs and the SDE arithmetic are fp32.
 
     `module` is the denoiser actually called; the train backend replaces it
     with its wrapped (LoRA / FSDP) module so rollout and replay use the
@@ -47,12 +52,18 @@ class SD3Stage:
         bundle: SD3Bundle,
         replay_steps_per_forward: Annotated[int, Ge(1)] = 1,  # Ge: checked before any bundle exists
         detach_uncond: bool = True,
+        autocast_dtype: str | None = None,
         sde: str = "flow",
     ) -> None:
         if replay_steps_per_forward < 1:
             raise ValueError(f"stage.replay_steps_per_forward must be >= 1, got {replay_steps_per_forward}")
         if sde not in SDE_STRATEGIES:
             raise ValueError(f"stage.sde must be one of {sorted(SDE_STRATEGIES)}, got {sde!r}")
+        if autocast_dtype not in AUTOCAST_DTYPES:
+            raise ValueError(
+                f"stage.autocast_dtype must be one of {list(AUTOCAST_DTYPES)}, got {autocast_dtype!r}"
+            )
+        self.autocast_dtype = AUTOCAST_DTYPES[autocast_dtype]
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.transformer
         self.replay_steps_per_forward = replay_steps_per_forward
@@ -71,11 +82,11 @@ class SD3Stage:
             prompt=unique,
             prompt_2=None,
             prompt_3=None,
-            device=torch.device("cpu"),
+            device=self.bundle.device,
             do_classifier_free_guidance=do_cfg,
             max_sequence_length=max_sequence_length,
         )
-        idx = torch.tensor([unique.index(p) for p in prompts])
+        idx = torch.tensor([unique.index(p) for p in prompts], device=pe.device)
         cond = {"prompt_embeds": pe[idx].float(), "pooled_prompt_embeds": pp[idx].float()}
         if do_cfg:
             cond["negative_prompt_embeds"] = npe[idx].float()
@@ -91,7 +102,7 @@ class SD3Stage:
         With guidance the cond and uncond halves run in one forward; the
         uncond half is detached when `detach_uncond` and grad is enabled.
         """
-        timestep = sigma.to(torch.float32) * 1000.0
+        timestep = sigma.to(device=x.device, dtype=torch.float32) * 1000.0
         if guidance_scale <= 1.0:
             return self._forward(x, timestep, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
         out = self._forward(
@@ -109,13 +120,14 @@ class SD3Stage:
         self, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor
     ) -> torch.Tensor:
         dtype = next(self.module.parameters()).dtype
-        out = self.module(
-            hidden_states=x.to(dtype),
-            timestep=t,
-            encoder_hidden_states=embeds.to(dtype),
-            pooled_projections=pooled.to(dtype),
-            return_dict=False,
-        )[0]
+        with torch.autocast(x.device.type, self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            out = self.module(
+                hidden_states=x.to(dtype),
+                timestep=t,
+                encoder_hidden_states=embeds.to(dtype),
+                pooled_projections=pooled.to(dtype),
+                return_dict=False,
+            )[0]
         return out.to(torch.float32)
 
     # ---- rollout ----------------------------------------------------------------------------
