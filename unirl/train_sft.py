@@ -15,18 +15,15 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from unirl.config.validate import ConfigError, check_targets
+from unirl.config.validate import ConfigError, validate_sft_config
 
 
 @hydra.main(config_path="../examples", config_name=None, version_base=None)
 def main(cfg: DictConfig) -> None:
-    problems = [
-        f"missing top-level key {k!r}" for k in ("model", "data", "sft", "output_dir") if k not in cfg
-    ]
-    if not problems:
-        check_targets(cfg, problems)
-    if problems:
-        print(f"error: {ConfigError(problems)}", file=sys.stderr)
+    try:
+        validate_sft_config(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     from unirl.train.sft import FlowMatchingSFT
     from unirl.trainer.diffusion_worker import build, quiet_library_logs

@@ -1,36 +1,32 @@
-"""Cross-component validation of a diffusion recipe, run before any Ray work.
+"""Validation of a recipe, run before any Ray work.
 
-Every check names the recipe keys involved and says how to fix them. All
-problems are collected and reported together in one `ConfigError`.
+Two phases, both reporting every problem they find:
+
+1. Every node is type- and range-checked (`check_recipe`): the top level and
+   the plain sections against their schemas (`unirl.config.run`), every
+   `_target_` node against its target (`unirl.config.schema.check_node`), and
+   each target that can be built from the recipe alone is built, so its
+   constructor's own checks run too.
+2. Cross-component checks (batch geometry, model geometry, algorithm vs
+   sampling / EMA / updates, FSDP blocks, resume) run on whatever phase 1
+   built; a check is skipped only when one of its inputs failed phase 1.
+
+Every problem names the recipe keys involved and says what is expected; all of
+them are reported together in one `ConfigError`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
-from hydra.utils import get_class, get_object
-from omegaconf import DictConfig, ListConfig
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, OmegaConf
 
-from unirl.dataplane import transport_problems
-
-REQUIRED_KEYS = (
-    "num_devices",
-    "num_steps",
-    "seed",
-    "output_dir",
-    "prompts_per_rollout",
-    "sampling",
-    "model",
-    "stage",
-    "rollout",
-    "reward",
-    "advantage",
-    "algorithm",
-    "train",
-    "data_source",
-    "transport",
-)
+from unirl.config.run import DIFFUSION_SECTIONS, SFT_SECTIONS
+from unirl.config.schema import check_node, target_parameters
+from unirl.dataplane import TRANSPORTS, transport_problems
 
 
 class ConfigError(ValueError):
@@ -41,145 +37,256 @@ class ConfigError(ValueError):
         super().__init__("invalid recipe:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def iter_targets(node: Any, path: str = "") -> list[tuple[str, str]]:
-    """(key path, `_target_` string) for every `_target_` in the config tree."""
+def target_nodes(node: Any, path: str = "") -> list[tuple[str, dict]]:
+    """(key path, node) of every `_target_` node in a plain config tree, innermost first."""
     found = []
-    if isinstance(node, DictConfig):
-        for key in node.keys():
-            child_path = f"{path}.{key}" if path else str(key)
-            if key == "_target_":
-                found.append((child_path, node[key]))
-            else:
-                found.extend(iter_targets(node.get(key), child_path))
-    elif isinstance(node, ListConfig):
+    if isinstance(node, dict):
+        for key, child in node.items():
+            found.extend(target_nodes(child, f"{path}.{key}" if path else str(key)))
+        if "_target_" in node:
+            found.append((path, node))
+    elif isinstance(node, list):
         for i, item in enumerate(node):
-            found.extend(iter_targets(item, f"{path}[{i}]"))
+            found.extend(target_nodes(item, f"{path}[{i}]"))
     return found
 
 
-def check_targets(cfg: DictConfig, problems: list[str]) -> None:
-    """Append a problem for every `_target_` that does not import."""
-    for path, target in iter_targets(cfg):
-        try:
-            get_object(target)
-        except Exception as exc:  # noqa: BLE001 - any import failure is reported the same way
-            problems.append(
-                f"{path}: unknown _target_ {target!r} ({type(exc).__name__}: {exc}); check the class path"
-            )
+def _node_at(tree: dict, path: str) -> Any:
+    node: Any = tree
+    for part in path.split(".") if path else []:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
-def _build(node: Any, key: str, problems: list[str]) -> Any:
-    from hydra.utils import instantiate
+def _buildable(target: Any, node: dict) -> bool:
+    """True when the recipe node gives every argument the target requires (nothing is injected later)."""
+    return all(
+        p.name in node or p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        for p in target_parameters(target)
+    )
 
+
+def _build(node: dict, path: str, problems: list[str]) -> Any:
     try:
         return instantiate(node, _convert_="all")
     except Exception as exc:  # noqa: BLE001 - report the component and its error, then keep checking
         cause = exc.__cause__ or exc
-        problems.append(f"{key}: {type(cause).__name__}: {cause}")
+        problems.append(f"{path}: {type(cause).__name__}: {cause}")
         return None
 
 
-def _check_distributed(cfg: DictConfig, problems: list[str]) -> None:
-    """World size vs sharding, FSDP block names vs the model, checkpoint and resume keys."""
+def check_recipe(cfg: DictConfig, sections: dict[str, type], problems: list[str]) -> dict[str, Any]:
+    """Type- and range-check every node of `cfg`; append a problem for each failure.
+
+    `sections` maps the path of each plain node ("" for the top level) to its
+    schema dataclass. Returns {path: object} for every node that passed: the
+    schema or dataclass instance, or the built class; None for a class that
+    needs arguments only the trainer has (a stage needs its model bundle).
+    """
+    try:
+        tree = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:  # noqa: BLE001 - an interpolation that does not resolve stops everything
+        problems.append(f"the recipe does not resolve: {type(exc).__name__}: {exc}")
+        return {}
+    passed: dict[str, Any] = {}
+    for path, schema in sections.items():
+        node = _node_at(tree, path)
+        if node is None:
+            continue  # an optional section left out; a required one is named by its parent's schema
+        if not isinstance(node, dict):
+            problems.append(f"{path}: expected a mapping ({schema.__name__}), got {node!r}")
+            continue
+        instance, found = check_node(path, schema, node)
+        problems.extend(found)
+        if not found:
+            passed[path] = instance
+    failed: list[str] = []
+    for path, node in target_nodes(tree):
+        try:
+            target = get_object(node["_target_"])
+        except Exception as exc:  # noqa: BLE001 - any import failure is reported the same way
+            problems.append(
+                f"{path}._target_: unknown _target_ {node['_target_']!r} ({type(exc).__name__}: {exc}); "
+                "check the class path"
+            )
+            failed.append(path)
+            continue
+        instance, found = check_node(path, target, node)
+        if not found and instance is None and _buildable(target, node):
+            if any(f.startswith(path + ".") or f.startswith(path + "[") for f in failed):
+                continue  # a nested node failed and is reported; building would repeat it
+            instance = _build(node, path, found)
+        problems.extend(found)
+        if found:
+            failed.append(path)
+        else:
+            passed[path] = instance
+    return passed
+
+
+def _transport_check(cfg: DictConfig, problems: list[str]) -> None:
+    node = cfg.get("transport")
+    name = node.get("name") if isinstance(node, DictConfig) else None
+    if name in TRANSPORTS:
+        options = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "name"}
+        _, found = check_node("transport", get_object(TRANSPORTS[name]), options)
+        if found:
+            problems.extend(found)
+            return
+    problems.extend(transport_problems(node))
+
+
+def _model_geometry(model: Any) -> tuple[int, int | None] | None:
+    """(pixels per latent patch, largest height/width or None) of an SD3 model config, when knowable."""
+    if model is None:
+        return None
+    if not model.pretrained_path:
+        tiny = model.tiny
+        return (1 if tiny.pixel_space else 2) * tiny.patch_size, tiny.resolution
+    try:
+        with open(os.path.join(model.pretrained_path, "transformer", "config.json")) as f:
+            patch = json.load(f)["patch_size"]
+        vae_config = os.path.join(model.pretrained_path, "vae", "config.json")
+        scale = 1
+        if os.path.exists(vae_config):
+            with open(vae_config) as f:
+                scale = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+    except (OSError, KeyError, ValueError):
+        return None  # an unreadable model directory is reported by the model checks
+    return scale * patch, None
+
+
+def _check_geometry(run: Any, sampling: Any, stack: Any, model: Any, problems: list[str]) -> None:
+    """Batch geometry vs devices and micro-batches; image size vs the model's patch grid."""
+    if run is not None and sampling is not None:
+        world = run.num_devices
+        total = run.prompts_per_rollout * sampling.samples_per_prompt
+        if total % world:
+            problems.append(
+                f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x sampling.samples_per_prompt "
+                f"({sampling.samples_per_prompt}) = {total} samples do not split evenly over num_devices={world}"
+            )
+        elif stack is not None and (total // world) % stack.micro_batch_size:
+            problems.append(
+                f"batch geometry: train.stack.micro_batch_size={stack.micro_batch_size} does not divide the "
+                f"per-rank batch of {total // world} samples (prompts_per_rollout x samples_per_prompt / num_devices)"
+            )
+    geometry = _model_geometry(model) if sampling is not None else None
+    if geometry is not None:
+        cell, largest = geometry
+        for key in ("height", "width"):
+            value = getattr(sampling, key)
+            if value % cell:
+                problems.append(
+                    f"sampling.{key}={value} must be a multiple of {cell}, the pixels per latent patch of the model"
+                )
+            if largest is not None and value > largest:
+                problems.append(
+                    f"sampling.{key}={value} exceeds model.tiny.resolution={largest}, the largest size "
+                    "the tiny model's position embedding covers"
+                )
+
+
+def _check_algorithm(
+    algorithm: type | None, sampling: Any, stack: Any, train: Any, ev: Any, problems: list[str]
+) -> None:
+    """The algorithm's needs vs sampling, updates per rollout and EMA; eval from the EMA."""
+    name = algorithm.__name__ if algorithm is not None else None
+    if (
+        algorithm is not None
+        and stack is not None
+        and stack.num_updates_per_batch > 1
+        and not getattr(algorithm, "supports_multi_update", False)
+    ):
+        problems.append(
+            f"train.stack.num_updates_per_batch={stack.num_updates_per_batch}: {name} does not "
+            "support several updates per rollout; set it to 1"
+        )
+    if algorithm is not None and sampling is not None:
+        if getattr(algorithm, "requires_sde_logprobs", False) and sampling.eta == 0:
+            problems.append(
+                f"sampling.eta=0 gives no SDE steps, but {name} needs step log-probs; set sampling.eta > 0"
+            )
+    if train is None:
+        return
+    fix = "set train.ema to {_target_: unirl.train.ema.EMAConfig, decay: 0.999}"
+    if algorithm is not None and getattr(algorithm, "requires_ema_rollout", False) and train.ema is None:
+        problems.append(f"algorithm: {name} samples rollouts from EMA weights, but train.ema is null; {fix}")
+    if ev is not None and ev.use_ema and train.ema is None:
+        problems.append(f"eval.use_ema=true evaluates the EMA weights, but train.ema is null; {fix}")
+
+
+def _check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    """World size vs sharding, FSDP block names vs the model, resume keys."""
     from unirl.train.fsdp import unmatched_block_classes
     from unirl.trainer.checkpoints import resolve_resume_path
 
-    fsdp = cfg.train.get("fsdp")
-    if cfg.num_devices > 1 and fsdp is None:
+    run, train, model, fsdp = (passed.get(k) for k in ("", "train", "model", "train.fsdp"))
+    if run is None or train is None:
+        return
+    if run.num_devices > 1 and train.fsdp is None:
         problems.append(
-            f"num_devices={cfg.num_devices} needs train.fsdp (FSDP2 sharding settings); see the tiny recipe"
+            f"num_devices={run.num_devices} needs train.fsdp (FSDP2 sharding settings); see the tiny recipe"
         )
-    if fsdp is not None and hasattr(get_class(cfg.model._target_), "denoiser_on_meta"):
-        model_cfg = _build(cfg.model, "model", problems)
-        fsdp_cfg = _build(fsdp, "train.fsdp", problems)
-        if model_cfg is not None and fsdp_cfg is not None:
-            try:
-                denoiser = model_cfg.denoiser_on_meta()
-            except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
-                problems.append(f"model: cannot read the denoiser config ({type(exc).__name__}: {exc})")
-            else:
-                missing = unmatched_block_classes(denoiser, fsdp_cfg.block_classes)
-                if missing:
-                    present = sorted(
-                        {type(m).__name__ for m in denoiser.modules() if "Block" in type(m).__name__}
-                    )
-                    problems.append(
-                        f"train.fsdp.block_classes {missing} match no module of {type(denoiser).__name__} "
-                        f"(block classes present: {present}); sharding would silently not happen"
-                    )
-    every = (cfg.get("checkpoint") or {}).get("every_n_steps", 0)
-    if every is not None and (not isinstance(every, int) or every < 0):
-        problems.append(f"checkpoint.every_n_steps must be an integer >= 0 (0 disables), got {every!r}")
+    model_readable = model is not None and (not model.pretrained_path or os.path.isdir(model.pretrained_path))
+    if fsdp is not None and model_readable and hasattr(model, "denoiser_on_meta"):
+        try:
+            denoiser = model.denoiser_on_meta()
+        except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
+            problems.append(f"model: cannot read the denoiser config ({type(exc).__name__}: {exc})")
+        else:
+            missing = unmatched_block_classes(denoiser, fsdp.block_classes)
+            if missing:
+                present = sorted(
+                    {type(m).__name__ for m in denoiser.modules() if "Block" in type(m).__name__}
+                )
+                problems.append(
+                    f"train.fsdp.block_classes {missing} match no module of {type(denoiser).__name__} "
+                    f"(block classes present: {present}); sharding would silently not happen"
+                )
+    if "model" in passed:
+        try:
+            resolve_resume_path(cfg)
+        except (ValueError, OSError, KeyError) as exc:
+            problems.append(str(exc))
+
+
+def _target_class(cfg: DictConfig, key: str) -> type | None:
     try:
-        resolve_resume_path(cfg)
-    except (ValueError, OSError, KeyError) as exc:
-        problems.append(str(exc))
+        return get_object(cfg[key]["_target_"])
+    except Exception:  # noqa: BLE001 - a missing or unknown target is reported by check_recipe
+        return None
 
 
 def validate_diffusion_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every problem of a diffusion recipe."""
     problems: list[str] = []
-    missing = [k for k in REQUIRED_KEYS if k not in cfg or cfg[k] is None]
-    if missing:
-        raise ConfigError(
-            [f"missing top-level key(s) {missing}; every diffusion recipe sets {list(REQUIRED_KEYS)}"]
+    passed = check_recipe(cfg, DIFFUSION_SECTIONS, problems)
+    _transport_check(cfg, problems)
+    model = passed.get("model")
+    if model is not None and model.pretrained_path and not os.path.isdir(model.pretrained_path):
+        problems.append(
+            f"model.pretrained_path: {model.pretrained_path!r} is not a directory; point it (or PRETRAINED_MODEL) at "
+            "a local diffusers SD3 / SD3.5 directory, or set it to null to use model.tiny"
         )
-    for key in ("num_devices", "num_steps", "prompts_per_rollout"):
-        if not isinstance(cfg[key], int) or cfg[key] < 1:
-            problems.append(f"{key}: must be an integer >= 1, got {cfg[key]!r}")
-    check_targets(cfg, problems)
-    problems.extend(transport_problems(cfg.transport))
+    sampling, stack = passed.get("sampling"), passed.get("train.stack")
+    _check_geometry(passed.get(""), sampling, stack, model, problems)
+    _check_algorithm(
+        _target_class(cfg, "algorithm") if "algorithm" in cfg else None,
+        sampling,
+        stack,
+        passed.get("train"),
+        passed.get("eval"),
+        problems,
+    )
+    _check_distributed(cfg, passed, problems)
     if problems:
         raise ConfigError(problems)
 
-    model_path = cfg.model.get("pretrained_path")
-    if model_path and not os.path.isdir(str(model_path)):
-        problems.append(
-            f"model.pretrained_path: {model_path!r} is not a directory; point it (or PRETRAINED_MODEL) at a local "
-            "diffusers SD3 / SD3.5 directory, or set it to null to use model.tiny"
-        )
 
-    sampling = _build(cfg.sampling, "sampling", problems)
-    stack = _build(cfg.train.stack, "train.stack", problems)
-    _build(cfg.train.optim, "train.optim", problems)
-    if cfg.train.get("lora") is not None:
-        _build(cfg.train.lora, "train.lora", problems)
-    _build(cfg.advantage, "advantage", problems)
-    algorithm_cls = get_class(cfg.algorithm._target_)
-    if cfg.algorithm.get("config") is not None:
-        _build(cfg.algorithm.config, "algorithm.config", problems)
-
-    if sampling is not None and stack is not None:
-        world = cfg.num_devices
-        total = cfg.prompts_per_rollout * sampling.samples_per_prompt
-        if total % world:
-            problems.append(
-                f"batch geometry: prompts_per_rollout ({cfg.prompts_per_rollout}) x sampling.samples_per_prompt "
-                f"({sampling.samples_per_prompt}) = {total} samples do not split evenly over num_devices={world}"
-            )
-        else:
-            per_rank = total // world
-            if per_rank % stack.micro_batch_size:
-                problems.append(
-                    f"batch geometry: train.stack.micro_batch_size={stack.micro_batch_size} does not divide the "
-                    f"per-rank batch of {per_rank} samples (prompts_per_rollout x samples_per_prompt / num_devices)"
-                )
-        fbs = cfg.rollout.get("forward_batch_size")
-        if fbs is not None and (not isinstance(fbs, int) or fbs < 1):
-            problems.append(f"rollout.forward_batch_size: must be an integer >= 1 or null, got {fbs!r}")
-    if (
-        stack is not None
-        and stack.num_updates_per_batch > 1
-        and not getattr(algorithm_cls, "supports_multi_update", False)
-    ):
-        problems.append(
-            f"train.stack.num_updates_per_batch={stack.num_updates_per_batch}: {algorithm_cls.__name__} does not "
-            "support several updates per rollout; set it to 1"
-        )
-    _check_distributed(cfg, problems)
-    if sampling is not None and getattr(algorithm_cls, "requires_sde_logprobs", False) and sampling.eta == 0:
-        problems.append(
-            f"sampling.eta=0 gives no SDE steps, but {algorithm_cls.__name__} needs step log-probs; set sampling.eta > 0"
-        )
+def validate_sft_config(cfg: DictConfig) -> None:
+    """Raise `ConfigError` listing every problem of a supervised (`unirl.train_sft`) recipe."""
+    problems: list[str] = []
+    check_recipe(cfg, SFT_SECTIONS, problems)
     if problems:
         raise ConfigError(problems)

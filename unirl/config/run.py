@@ -1,0 +1,186 @@
+"""Schemas of the recipe keys that configure no component: the run itself.
+
+A diffusion recipe's top level is `RunConfig`; its plain sections (no
+`_target_`) are `CheckpointConfig`, `LoggingConfig`, `EvalConfig` and
+`TrainConfig`. Component sections (`sampling`, `model`, ...) are `_target_`
+nodes checked against their own classes, so here they are only required to be
+present. `unirl.config.validate` checks a recipe against these with the same
+mechanism as every component config (`unirl.config.schema.check_node`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+LAUNCHERS = ("ray", "in_process")
+
+
+def _components(section: str, node: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """Component slots hold `_target_` nodes (optional ones may be null)."""
+    for key in required + optional:
+        value = getattr(node, key)
+        if (value is not None or key in required) and not (isinstance(value, dict) and "_target_" in value):
+            raise ValueError(f"{section}{key} must be a _target_ node naming its class, got {value!r}")
+
+
+def _at_least(section: str, key: str, value: int | None, low: int) -> None:
+    if value is not None and value < low:
+        raise ValueError(f"{section}{key} must be >= {low}, got {value}")
+
+
+@dataclass
+class RunConfig:
+    """The top level of a diffusion recipe.
+
+    Attributes:
+        num_devices: data-parallel workers (GPUs, or CPU slots on a CPU machine).
+        num_steps: rollout -> train steps of the run.
+        seed: base seed of the run.
+        output_dir: where metrics, samples and checkpoints go.
+        prompts_per_rollout: prompts drawn per step (each sampled
+            `sampling.samples_per_prompt` times).
+        threads_per_worker: torch threads per worker (null: CPU cores / num_devices).
+        resume_from: a checkpoint directory, `latest`, or null.
+        launcher: "ray" (workers are Ray actors) or "in_process" (one worker in
+            the driver process, no Ray).
+        checkpoint, logging, eval, train: plain sections (see their schemas).
+        hydra: Hydra's own settings.
+        the rest: component sections, each a `_target_` node.
+    """
+
+    num_devices: int
+    num_steps: int
+    seed: int
+    output_dir: str
+    prompts_per_rollout: int
+    sampling: Any
+    model: Any
+    stage: Any
+    rollout: Any
+    reward: Any
+    advantage: Any
+    algorithm: Any
+    train: Any
+    data_source: Any
+    transport: Any
+    threads_per_worker: int | None = None
+    resume_from: str | None = None
+    launcher: str = "ray"
+    checkpoint: Any = None
+    logging: Any = None
+    eval: Any = None
+    hydra: Any = None
+
+    def __post_init__(self) -> None:
+        for key in ("num_devices", "num_steps", "prompts_per_rollout", "threads_per_worker"):
+            _at_least("", key, getattr(self, key), 1)
+        components = (
+            "sampling",
+            "model",
+            "stage",
+            "rollout",
+            "reward",
+            "advantage",
+            "algorithm",
+            "data_source",
+        )
+        _components("", self, components)
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
+
+
+@dataclass
+class CheckpointConfig:
+    """`checkpoint`: `every_n_steps` between resumable checkpoints (0: only the final weights)."""
+
+    every_n_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint.", "every_n_steps", self.every_n_steps, 0)
+
+
+@dataclass
+class LoggingConfig:
+    """`logging`: sample grids every `save_images_every` steps (0: only the last step); a progress bar."""
+
+    save_images_every: int = 10
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least("logging.", "save_images_every", self.save_images_every, 0)
+
+
+@dataclass
+class EvalConfig:
+    """`eval`: held-out evaluation every `every_n_steps` steps (0: none), from the EMA
+    weights when `use_ema`. `examples`, `scorer` and `sampling` are `_target_` nodes."""
+
+    examples: Any
+    scorer: Any
+    sampling: Any
+    every_n_steps: int = 0
+    use_ema: bool = False
+
+    def __post_init__(self) -> None:
+        _at_least("eval.", "every_n_steps", self.every_n_steps, 0)
+        _components("eval.", self, ("examples", "scorer", "sampling"))
+
+
+@dataclass
+class TrainConfig:
+    """`train`: the train backend's components (`_target_` nodes; `lora`, `fsdp`, `ema`
+    may be null) and whether Adam moments move to host memory while sampling."""
+
+    optim: Any
+    stack: Any
+    lora: Any = None
+    fsdp: Any = None
+    ema: Any = None
+    offload_optimizer_during_rollout: bool = False
+
+    def __post_init__(self) -> None:
+        _components("train.", self, ("optim", "stack"), ("lora", "fsdp", "ema"))
+
+
+DIFFUSION_SECTIONS: dict[str, type] = {
+    "": RunConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "eval": EvalConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class SFTRunConfig:
+    """The top level of a supervised (`unirl.train_sft`) recipe.
+
+    Attributes:
+        output_dir: where the resumable state and logs go.
+        model, data, sft: `_target_` nodes (the bundle, the image/prompt source, the run settings).
+        export_dir: where the bundle is exported at `sft.num_steps` (null: no export).
+        max_seconds: wall-clock budget of one invocation (null: run to the end).
+        threads: torch threads (null: all cores).
+        eval: a `_target_` node (an evaluator), or null.
+        hydra: Hydra's own settings.
+    """
+
+    output_dir: str
+    model: Any
+    data: Any
+    sft: Any
+    export_dir: str | None = None
+    max_seconds: float | None = None
+    threads: int | None = None
+    eval: Any = None
+    hydra: Any = None
+
+    def __post_init__(self) -> None:
+        _at_least("", "threads", self.threads, 1)
+        _components("", self, ("model", "data", "sft"), ("eval",))
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds must be > 0 or null, got {self.max_seconds}")
+
+
+SFT_SECTIONS: dict[str, type] = {"": SFTRunConfig}
