@@ -82,3 +82,28 @@ def test_rng_states_come_back_and_the_file_loads_weights_only(tmp_path):
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
     extra = torch.load(tmp_path / "rank0.pt", map_location="cpu", weights_only=True)
     assert set(extra) == {"scheduler", "counters", "rng"}
+
+
+def test_exported_lora_loads_back_at_the_trained_scale(tmp_path):
+    """`save_weights` + `load_checkpoint` reproduce the trained module's output: the LoRA file
+    carries alpha, so diffusers scales the update by alpha / rank (here 4), not by 1."""
+    from unirl.models.sd3 import load_checkpoint
+    from unirl.train.backend import LoRAConfig
+
+    bundle = tiny_model_config().build()
+    bundle.save_pretrained(str(tmp_path / "base"))
+    b = TrainBackend(bundle.transformer, LoRAConfig(rank=2, alpha=8), OptimConfig(lr=1e-2), 10)
+    one_step(b)
+    b.save_weights(str(tmp_path / "ckpt"), base_model=str(tmp_path / "base"))
+    loaded = load_checkpoint(str(tmp_path / "ckpt")).transformer
+    kw = dict(
+        hidden_states=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)),
+        timestep=torch.tensor([300.0, 700.0]),
+        encoder_hidden_states=torch.ones(2, 16, 64),
+        pooled_projections=torch.ones(2, 64),
+        return_dict=False,
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**kw)[0], b.module(**kw)[0], rtol=0, atol=1e-6)
+        b.module.disable_adapters()
+        assert not torch.allclose(loaded(**kw)[0], b.module(**kw)[0], atol=1e-4)  # the LoRA matters

@@ -336,7 +336,13 @@ class TrainBackend:
             return
         os.makedirs(path, exist_ok=True)
         if kind == "lora":
-            StableDiffusion3Pipeline.save_lora_weights(path, transformer_lora_layers=state)
+            # the adapter config (alpha among it) rides in the file's metadata: without it diffusers
+            # loads lora_alpha = rank and scales the update by 1 instead of alpha / rank
+            StableDiffusion3Pipeline.save_lora_weights(
+                path,
+                transformer_lora_layers=state,
+                transformer_lora_adapter_metadata=self.module.peft_config["default"].to_dict(),
+            )
         else:
             # A fresh unsharded copy of the module's own (diffusers) class writes the standard layout.
             cls = next(c for c in type(self.module).__mro__ if not c.__name__.startswith("FSDP"))
