@@ -171,3 +171,24 @@ def test_fsdp2_bf16_policy_computes_in_bf16_keeps_fp32_masters_and_checkpoints_b
             assert r["sharded"], r
             assert r["block_runs"] == (2 if ac else 1), r
             assert r["grad_norm"] > 0 and r["grad_norm"] == results[0][ac]["grad_norm"]  # reduced over ranks
+
+
+def test_lora_export_with_activation_checkpointing_equals_the_plain_export(tmp_path):
+    """Checkpoint wrappers rename modules (`_checkpoint_wrapped_module.`): the LoRA file must not lose them."""
+    from safetensors.torch import load_file
+
+    from unirl.train.backend import LoRAConfig
+
+    files = []
+    for ac in (False, True):
+        torch.manual_seed(0)
+        bundle = tiny_model_config().build()
+        lora = LoRAConfig(rank=2, alpha=4, init_lora_weights="gaussian")
+        fsdp = FSDPConfig(block_classes=["JointTransformerBlock"], activation_checkpointing=ac)
+        TrainBackend(bundle.transformer, lora, OptimConfig(), 1, fsdp=fsdp).save_weights(
+            str(tmp_path / str(ac)), None
+        )
+        files.append(load_file(str(tmp_path / str(ac) / "pytorch_lora_weights.safetensors")))
+    plain, ckpt = files
+    assert plain and sorted(plain) == sorted(ckpt)
+    assert all(torch.equal(plain[k], ckpt[k]) for k in plain)

@@ -322,7 +322,10 @@ class TrainBackend:
             from diffusers import StableDiffusion3Pipeline
             from peft.utils import get_peft_model_state_dict
 
-            state = get_peft_model_state_dict(self.module, state_dict=self.full_trainable_state())
+            # peft finds LoRA layers by module name: give it the module's own (wrapped) names, then unwrap
+            gathered = {n: _full(p.detach()).cpu() for n, p in self.named_params}
+            lora = get_peft_model_state_dict(self.module, state_dict=gathered)
+            state = {_unwrapped_name(k): v for k, v in lora.items()}
             kind = "lora"
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

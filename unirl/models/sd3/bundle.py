@@ -49,8 +49,11 @@ class TinySD3Config:
     """A tiny SD3-architecture model for CPU runs and tests.
 
     `resolution` is the image size in pixels. In pixel space the transformer
-    sees [B, 3, resolution, resolution]; otherwise a tiny AutoencoderKL with
-    a 2x downsample gives 4-channel latents. `clip_max_length` is the CLIP
+    sees [B, 3, resolution, resolution]; otherwise a small random AutoencoderKL
+    with a `vae_downsample`x downsample (a power of 2) gives `latent_channels`
+    latents. `qk_norm`, `dual_attention_layers` and `pos_embed_max_size` (null:
+    the latent grid) are SD3.5's transformer options, so the same config builds an SD3.5-sized denoiser with random
+    weights (see `examples/diffusion/sd35m_random_flowgrpo.yaml`). `clip_max_length` is the CLIP
     token budget (SD3 uses 77; a smaller one makes tiny runs faster).
     `words` become whole-word tokens of the tiny CLIP (BPE merges) and T5
     (unigram pieces) tokenizers, which are otherwise character-level: a small
@@ -69,19 +72,41 @@ class TinySD3Config:
     clip_max_length: int = 77
     words: list[str] = field(default_factory=list)
     seed: int = 0
+    latent_channels: int = 4
+    vae_downsample: int = 2
+    qk_norm: str | None = None
+    dual_attention_layers: list[int] = field(default_factory=list)
+    pos_embed_max_size: int | None = None
 
     def __post_init__(self) -> None:
         for key in (
             "resolution", "patch_size", "num_layers", "attention_head_dim", "num_attention_heads",
-            "clip_hidden_size", "t5_hidden_size", "text_layers", "clip_max_length",
+            "clip_hidden_size", "t5_hidden_size", "text_layers", "clip_max_length", "latent_channels",
         ):  # fmt: skip
             if getattr(self, key) < 1:
                 raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
-        cell = (1 if self.pixel_space else 2) * self.patch_size
+        if self.vae_downsample < 2 or self.vae_downsample & (self.vae_downsample - 1):
+            raise ValueError(
+                f"model.tiny.vae_downsample must be a power of 2 >= 2, got {self.vae_downsample}"
+            )
+        if self.qk_norm not in (None, "rms_norm", "layer_norm"):
+            raise ValueError(f"model.tiny.qk_norm must be null, rms_norm or layer_norm, got {self.qk_norm!r}")
+        grid = self.resolution // (1 if self.pixel_space else self.vae_downsample) // self.patch_size
+        if self.pos_embed_max_size is not None and self.pos_embed_max_size < grid:
+            raise ValueError(
+                f"model.tiny.pos_embed_max_size={self.pos_embed_max_size} is smaller than the latent grid "
+                f"({grid} patches per side); leave it null to use the grid"
+            )
+        bad = [i for i in self.dual_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"model.tiny.dual_attention_layers {bad} are not layer indices in [0, {self.num_layers})"
+            )
+        cell = (1 if self.pixel_space else self.vae_downsample) * self.patch_size
         if self.resolution % cell:
             raise ValueError(
                 f"model.tiny.resolution={self.resolution} must be a multiple of {cell} "
-                f"(patch_size {self.patch_size}{'' if self.pixel_space else ' x the tiny VAE downsample 2'})"
+                f"(patch_size {self.patch_size}{'' if self.pixel_space else f' x vae_downsample {self.vae_downsample}'})"
             )
         if self.clip_hidden_size % 2:
             raise ValueError(
@@ -275,13 +300,14 @@ class SD3Bundle:
         )
         vae = None
         if not cfg.pixel_space:
+            levels = cfg.vae_downsample.bit_length()  # 2 -> 2 blocks (one downsample), 8 -> 4 blocks
             vae = AutoencoderKL(
                 in_channels=3,
                 out_channels=3,
-                down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-                block_out_channels=(16, 32),
-                latent_channels=4,
+                down_block_types=("DownEncoderBlock2D",) * levels,
+                up_block_types=("UpDecoderBlock2D",) * levels,
+                block_out_channels=(16,) + (32,) * (levels - 1),
+                latent_channels=cfg.latent_channels,
                 norm_num_groups=8,
                 shift_factor=0.0,
                 scaling_factor=1.0,
@@ -302,9 +328,9 @@ class SD3Bundle:
 
     @staticmethod
     def tiny_transformer(cfg: TinySD3Config) -> SD3Transformer2DModel:
-        """The tiny denoiser alone (3 pixel channels, or 4 latent channels under the tiny VAE)."""
-        down = 1 if cfg.pixel_space else 2
-        channels = 3 if cfg.pixel_space else 4
+        """The denoiser alone (3 pixel channels, or `latent_channels` under the VAE)."""
+        down = 1 if cfg.pixel_space else cfg.vae_downsample
+        channels = 3 if cfg.pixel_space else cfg.latent_channels
         return SD3Transformer2DModel(
             sample_size=cfg.resolution // down,
             patch_size=cfg.patch_size,
@@ -316,7 +342,9 @@ class SD3Bundle:
             joint_attention_dim=cfg.t5_hidden_size,
             caption_projection_dim=cfg.attention_head_dim * cfg.num_attention_heads,
             pooled_projection_dim=2 * cfg.clip_hidden_size,
-            pos_embed_max_size=cfg.resolution // down // cfg.patch_size,
+            pos_embed_max_size=cfg.pos_embed_max_size or cfg.resolution // down // cfg.patch_size,
+            qk_norm=cfg.qk_norm,
+            dual_attention_layers=tuple(cfg.dual_attention_layers),
         )
 
     def save_pretrained(self, path: str) -> None:

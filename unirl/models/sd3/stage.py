@@ -140,10 +140,12 @@ class SD3Stage:
         drawn from `req.init_seeds` (shared by a group with
         `sampling.same_initial_noise`, else the sample's own seed). Stores
         the latents at every position replay needs and the log-prob of every
-        SDE step.
+        SDE step. Noise is drawn on the CPU (so a seed gives the same sample on
+        every device) and moved to the bundle's device, where everything is computed.
         """
         sp = req.sampling
-        sigmas = req.sigmas
+        device = self.bundle.device
+        sigmas = req.sigmas.to(device)
         strategy = make_strategy(self.sde, sp.eta)
         shape = self.bundle.latent_shape(sp.height, sp.width)
         gens = [torch.Generator().manual_seed(s) for s in req.seeds]
@@ -153,7 +155,7 @@ class SD3Stage:
                 x_own if s == own_seed else torch.randn(shape, generator=torch.Generator().manual_seed(s))
                 for x_own, s, own_seed in zip(own, req.init_seeds, req.seeds, strict=True)
             ]
-        ).to(traj_dtype)
+        ).to(device=device, dtype=traj_dtype)
         sde = set(req.sde_indices)
         positions = sorted({p for i in sde for p in (i, i + 1)} | {sp.num_steps})
         stored, log_probs = {}, []
@@ -161,7 +163,9 @@ class SD3Stage:
             if i in positions:
                 stored[i] = x
             v = self.velocity(x, sigmas[i].expand(len(req)), cond, sp.guidance_scale)
-            noise = torch.stack([torch.randn(shape, generator=g) for g in gens]) if i in sde else None
+            noise = (
+                torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device) if i in sde else None
+            )
             out = strategy.step(x, v, sigmas, i, sde=i in sde, noise=noise)
             if out.log_prob is not None:
                 log_probs.append(out.log_prob)
@@ -172,7 +176,7 @@ class SD3Stage:
             positions=positions,
             sigmas=sigmas,
             sde_indices=sorted(sde),
-            log_probs=torch.stack(log_probs, dim=1) if log_probs else torch.zeros(len(req), 0),
+            log_probs=torch.stack(log_probs, dim=1) if log_probs else torch.zeros(len(req), 0, device=device),
             eta=sp.eta,
             guidance_scale=sp.guidance_scale,
         )
