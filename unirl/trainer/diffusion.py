@@ -61,7 +61,8 @@ class DiffusionTrainer:
     `gallery.html` (self-contained: sample grids, prompts, reward and accuracy curves),
     `base_model/` for a tiny model, `checkpoints/step_XXXXXX/` every
     `checkpoint.every_n_steps` steps, and `checkpoints/final/` (weights that
-    `unirl.models.sd3.load_checkpoint` loads back). With `resume_from` (a
+    `unirl.models.sd3.load_checkpoint` loads back; with `train.ema`, the EMA weights
+    in the same format in `checkpoints/final_ema/`). With `resume_from` (a
     checkpoint directory or `latest`) it continues from that step and the run
     is identical to one that never stopped.
     """
@@ -144,6 +145,8 @@ class DiffusionTrainer:
             rows = self._loop(group, start)
             final = os.path.join(self.out, "checkpoints", "final")
             self._call(group, "save_weights", self.num_steps - 1, final, self.base_model)
+            if self.cfg.train.get("ema"):
+                self._call(group, "save_weights", self.num_steps - 1, final + "_ema", self.base_model, True)
             return rows
         finally:
             if group is not None:

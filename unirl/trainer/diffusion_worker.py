@@ -159,9 +159,11 @@ class DiffusionWorker(Worker):
         load_train_state(path, self.backend, self.rank_info.rank)
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
-    def save_weights(self, path: str, base_model: str) -> None:
-        """Export the trained weights (LoRA file or full transformer) loadable by diffusers."""
-        self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
+    def save_weights(self, path: str, base_model: str, use_ema: bool = False) -> None:
+        """Export the trained weights (LoRA file or full transformer) loadable by diffusers;
+        the EMA weights in their place when `use_ema`."""
+        with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
+            self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
 
     @dispatch(Dispatch.BROADCAST)
     def process_info(self) -> dict[str, Any]:
