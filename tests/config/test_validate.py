@@ -326,3 +326,16 @@ def test_cli_reports_type_and_range_problems_with_exit_code_2(tmp_path):
     assert "sampling.eta: expected a valid number, got 'abc'" in res.stderr
     assert "train.lora.rank must be >= 1, got -1" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_one_rank_bf16_fsdp_policy_without_autocast_and_in_process_geometry_are_rejected():
+    """FSDP2's bf16 policy does nothing on one rank: a recipe asking for it must also ask for autocast;
+    launcher=in_process has one worker and no Ray, so it needs num_devices=1 and the inband transport."""
+    msg = problems_of(["train.fsdp.param_dtype=bfloat16"])
+    assert "train.fsdp.param_dtype=bfloat16" in msg and "stage.autocast_dtype" in msg
+    validate_diffusion_config(
+        recipe(overrides=["train.fsdp.param_dtype=bfloat16", "+stage.autocast_dtype=bfloat16"])
+    )
+    msg = problems_of(["+launcher=in_process", "num_devices=2", "prompts_per_rollout=4"])
+    assert "launcher=in_process" in msg and "num_devices=2" in msg
+    validate_diffusion_config(recipe(overrides=["+launcher=in_process", "transport=inband"]))

@@ -88,6 +88,12 @@ class RunConfig:
         _components("", self, components)
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
+        transport = (self.transport or {}).get("name") if isinstance(self.transport, dict) else None
+        if self.launcher == "in_process" and (self.num_devices != 1 or transport != "inband"):
+            raise ValueError(
+                f"launcher=in_process runs one worker in this process without Ray: it needs num_devices=1 "
+                f"and transport=inband, got num_devices={self.num_devices}, transport={transport}"
+            )
 
 
 @dataclass

@@ -228,6 +228,17 @@ def _check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[s
         problems.append(
             f"num_devices={run.num_devices} needs train.fsdp (FSDP2 sharding settings); see the tiny recipe"
         )
+    if (
+        run.num_devices == 1
+        and fsdp is not None
+        and fsdp.param_dtype != "float32"
+        and cfg.stage.get("autocast_dtype") is None
+    ):
+        problems.append(
+            f"train.fsdp.param_dtype={fsdp.param_dtype}: FSDP2's mixed-precision policy acts only when sharded "
+            "(num_devices > 1); one rank trains the plain module in its own dtype. Set stage.autocast_dtype="
+            f"{fsdp.param_dtype} for low-precision compute on one rank, or train.fsdp.param_dtype=float32"
+        )
     model_readable = model is not None and (not model.pretrained_path or os.path.isdir(model.pretrained_path))
     if fsdp is not None and model_readable and hasattr(model, "denoiser_on_meta"):
         try:
