@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import ClassVar
 
 import psutil
 import pytest
@@ -22,6 +23,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import EXAMPLES, REPO, run_module
 from tests.dataplane.backends import BACKENDS, transport_cfg
+from unirl.algorithms.flow_grpo import FlowGRPO
 from unirl.config.validate import ConfigError, validate_diffusion_config
 from unirl.dataplane import make_transport
 from unirl.trainer.diffusion import DiffusionTrainer
@@ -200,6 +202,30 @@ def test_ema_evaluation_export_and_resume(tmp_path):
     # flip a pixel's rounding: far less than what separates the EMA from the live weights
     tol = abs(ema[4][pixel] - live[4][pixel]) / 10
     assert scored == pytest.approx(ema[4][pixel], abs=tol)
+
+
+class FlowGRPOFromEMA(FlowGRPO):
+    """Flow-GRPO whose rollouts come from the EMA weights (no shipped algorithm asks for that)."""
+
+    requires_ema_rollout: ClassVar[bool] = True
+
+
+def test_ema_rollouts_sample_from_the_ema_weights(tmp_path):
+    """An algorithm with `requires_ema_rollout` samples from the EMA: the log-probs recorded at
+    sampling are the EMA policy's, so the first update's ratios (live / sampling policy) are
+    off 1 once the EMA and the weights part (step 2 on). Control: the same recipe and EMA with
+    plain Flow-GRPO, whose ratios stay at 1 up to replay rounding; both runs are identical at
+    step 1, where the EMA still equals the weights."""
+
+    def ratio_spread(row: dict) -> float:
+        return max(abs(row["ratio/max"] - 1.0), abs(row["ratio/min"] - 1.0))
+
+    plain = run(tmp_path / "plain", "num_steps=3", EMA)
+    ema = run(tmp_path / "ema", "num_steps=3", EMA, f"algorithm._target_={__name__}.FlowGRPOFromEMA")
+    assert untimed(ema[0]) == untimed(plain[0])
+    for p, e in zip(plain[1:], ema[1:], strict=True):
+        assert ratio_spread(p) < 1e-5 and ratio_spread(e) > 100 * max(ratio_spread(p), 1e-7), (p, e)
+        assert e["approx_kl"] > 100 * max(p["approx_kl"], 1e-12)
 
 
 def test_one_and_two_workers_agree(tmp_path):
