@@ -252,7 +252,9 @@ class DiffusionTrainer:
                     meta = shard_meta = None
                 stats = self._call(group, "dataplane_stats", step) + [self.transport.stats.drain()]
                 row.update(merge_stats(stats))
-                row["memory/worker_peak_rss_mb"] = max(self._call(group, "peak_rss_mb", step))
+                peaks = self._call(group, "peak_memory_mb", step)
+                for kind in peaks[0]:  # rss; device on GPU workers
+                    row[f"memory/worker_peak_{kind}_mb"] = max(p[kind] for p in peaks)
                 row.update(
                     {
                         "time/rollout_s": t1 - t0,

@@ -176,9 +176,13 @@ class DiffusionWorker(Worker):
         }
 
     @dispatch(Dispatch.BROADCAST)
-    def peak_rss_mb(self) -> float:
-        """Peak resident memory of this worker process so far, in MiB."""
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    def peak_memory_mb(self) -> dict[str, float]:
+        """Peak resident memory of this worker process so far (`rss`), and on a GPU the
+        peak of tensors allocated on its device (`device`), in MiB."""
+        peak = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if self.device.type == "cuda":
+            peak["device"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return peak
 
     @dispatch(Dispatch.BROADCAST)
     def dataplane_stats(self) -> dict[str, float]:

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU tier, on a machine with CUDA (none of this runs in CI):
+#   1. the CUDA tests (pytest -m gpu: device placement of every worker tensor, bf16 autocast, ...);
+#   2. the tiny recipe for a few steps on one GPU with the in-process worker (needs no Ray), then
+#      through Ray on one GPU and on 2 ranks (FSDP2 over NCCL) where Ray is installed and 2 GPUs exist;
+#   3. Flow-GRPO on an SD3.5-Medium-sized random transformer (diffusion/sd35m_random_flowgrpo),
+#      printing its step time and peak GPU memory.
+# Usage: bash scripts/gpu_tier.sh [output dir, default outputs/gpu_tier]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1
+OUT=${1:-outputs/gpu_tier}
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'the GPU tier needs a CUDA build of torch and a GPU')"
+NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+echo "== $NGPU GPU(s): $(python -c 'import torch; print(torch.cuda.get_device_name(0))')"
+
+summary() {  # $1: run dir -> one line: steps, mean step time after the first, peak GPU memory, rewards
+  python - "$1" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1] + "/metrics.jsonl") if '"reward/mean"' in line]
+times = [r["time/step_s"] for r in rows[1:]] or [rows[0]["time/step_s"]]
+peak = max(r.get("memory/worker_peak_device_mb", 0.0) for r in rows)
+print(f"{sys.argv[1]}: {len(rows)} steps, step {sum(times) / len(times):.2f} s (mean after the first), "
+      f"peak GPU memory {peak / 1024:.2f} GiB, reward {rows[0]['reward/mean']:.4f} -> {rows[-1]['reward/mean']:.4f}, "
+      f"first ratio {rows[0]['ratio/first_update_mean']}")
+PY
+}
+
+python -m pytest -q -m gpu -rs tests
+
+TINY=(--config-name=diffusion/tiny_sd3_flowgrpo num_steps=5 logging.progress=false)
+python -m unirl.train_diffusion "${TINY[@]}" launcher=in_process transport=inband output_dir="$OUT/tiny_in_process"
+summary "$OUT/tiny_in_process"
+if python -c "import ray" 2>/dev/null; then
+  python -m unirl.train_diffusion "${TINY[@]}" output_dir="$OUT/tiny_ray_1gpu"
+  summary "$OUT/tiny_ray_1gpu"
+  if [ "$NGPU" -ge 2 ]; then
+    python -m unirl.train_diffusion "${TINY[@]}" num_devices=2 output_dir="$OUT/tiny_ray_2gpu"
+    summary "$OUT/tiny_ray_2gpu"
+  fi
+else
+  echo "== Ray is not installed: the Ray runs are skipped"
+fi
+
+python -m unirl.train_diffusion --config-name=diffusion/sd35m_random_flowgrpo output_dir="$OUT/sd35m"
+summary "$OUT/sd35m"
