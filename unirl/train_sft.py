@@ -25,13 +25,14 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    from unirl.distributed.device import resolve_device
     from unirl.train.sft import FlowMatchingSFT
     from unirl.trainer.diffusion_worker import build, quiet_library_logs
 
     quiet_library_logs()
     torch.set_num_threads(cfg.get("threads") or os.cpu_count() or 1)
     torch.manual_seed(cfg.sft.seed)
-    bundle = build(cfg.model).build()
+    bundle = build(cfg.model).build().to(resolve_device())  # a GPU when there is one, else the CPU
     trainer = FlowMatchingSFT(
         bundle, build(cfg.data), build(cfg.sft), str(cfg.output_dir), build(cfg.get("eval"))
     )

@@ -115,7 +115,9 @@ class FlowMatchingSFT:
     """Trains `bundle` on `data` with the flow-matching loss.
 
     Args:
-        bundle: a pixel-space SD3 bundle (its VAE, if any, is not supported here).
+        bundle: a pixel-space SD3 bundle (its VAE, if any, is not supported here),
+            on the device to train on. Noise and timesteps are drawn on the CPU from
+            the seeded generator (the same run on every device) and moved there.
         data: the supervised source.
         config: run settings.
         out_dir: where `sft_state.pt` (resumable) and `sft_log.jsonl` go.
@@ -157,22 +159,23 @@ class FlowMatchingSFT:
         images, prompts = self.data.sample_batch(cfg.batch_size, self.rng)
         drop = torch.rand(len(prompts), generator=self.gen) < cfg.cond_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
-        x0 = images_to_model(images)
+        device = self.bundle.device
+        x0 = images_to_model(images).to(device)
         size = self.bundle.transformer.config.sample_size
         if tuple(x0.shape[-2:]) != (size, size):
             raise ValueError(
                 f"the data gives {tuple(x0.shape[-2:])} images but the model is built for {size}x{size} "
                 "(match model.tiny.resolution to the data)"
             )
-        eps = torch.randn(x0.shape, generator=self.gen)
-        sigma = sample_sigmas(len(prompts), cfg, self.gen)
+        eps = torch.randn(x0.shape, generator=self.gen).to(device)
+        sigma = sample_sigmas(len(prompts), cfg, self.gen).to(device)
         s = sigma.view(-1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * eps
         pe, _, pp, _ = self.bundle.pipeline.encode_prompt(
             prompt=prompts,
             prompt_2=None,
             prompt_3=None,
-            device=torch.device("cpu"),
+            device=device,
             do_classifier_free_guidance=False,
             max_sequence_length=cfg.max_sequence_length,
         )
@@ -225,7 +228,7 @@ class FlowMatchingSFT:
         """
         if not os.path.exists(self.state_path):
             return False
-        state = torch.load(self.state_path, weights_only=False)
+        state = torch.load(self.state_path, weights_only=False, map_location="cpu")
         for m, sd in zip(self.modules, state["modules"], strict=True):
             m.load_state_dict(sd)
         self.optimizer.load_state_dict(state["optimizer"])
