@@ -244,7 +244,7 @@ def test_unmodified_recipes_validate():
         ("logging.progress=maybe", "logging.progress: expected a valid boolean, got 'maybe'"),
         ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0, got -1"),
         ("+train.ema.decay=0.9", "train.ema must be a _target_ node naming its class, got {'decay': 0.9}"),
-        ("+launcher=slurm", "launcher must be one of ('ray', 'in_process'), got 'slurm'"),
+        ("launcher=slurm", "launcher must be one of ('ray', 'in_process'), got 'slurm'"),
     ],
 )
 def test_specific_bad_values(override, expected):
@@ -336,6 +336,6 @@ def test_one_rank_bf16_fsdp_policy_without_autocast_and_in_process_geometry_are_
     validate_diffusion_config(
         recipe(overrides=["train.fsdp.param_dtype=bfloat16", "+stage.autocast_dtype=bfloat16"])
     )
-    msg = problems_of(["+launcher=in_process", "num_devices=2", "prompts_per_rollout=4"])
+    msg = problems_of(["launcher=in_process", "num_devices=2", "prompts_per_rollout=4"])
     assert "launcher=in_process" in msg and "num_devices=2" in msg
-    validate_diffusion_config(recipe(overrides=["+launcher=in_process", "transport=inband"]))
+    validate_diffusion_config(recipe(overrides=["launcher=in_process", "transport=inband"]))

@@ -235,9 +235,12 @@ def test_one_and_two_workers_agree(tmp_path):
         assert r1["reward/mean"] == pytest.approx(r2["reward/mean"], abs=1e-6)
         assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-6)
         assert r1["train/grad_norm"] == pytest.approx(r2["train/grad_norm"], rel=1e-4)
+    # The two runs reduce gradients in different orders (fp32 sums differ in the last bits); Adam's
+    # first step is g / (|g| + eps), so an element whose gradient is near eps can move its weight by a
+    # visible fraction of a step. Equal within 1% of one lr step (lr 3e-3 -> 3e-5).
     a, b = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=3e-5)
 
 
 def test_every_transport_trains_identically(tmp_path):

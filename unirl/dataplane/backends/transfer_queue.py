@@ -17,7 +17,7 @@ its client, and the driver stops the controller only if it created it. With
 `tq_mooncake` and no `master_address`, the driver also starts a private
 ``mooncake_master`` on free loopback ports and stops it on close.
 
-TQ 0.1.11 facts this relies on (see docs/dataplane.md): the controller and
+TQ 0.1.11 facts this relies on (see unirl/dataplane/README.md): the controller and
 each storage unit are ``num_cpus=1`` Ray actors; fixed-shape fields come back
 as per-sample nested tensors; 1-D fields come back dense (SimpleStorage) or
 as nested (1,) (Mooncake); strings come back as a `NonTensorStack`. The codec
