@@ -18,7 +18,7 @@ from unirl.types import (
     PromptExample,
     RolloutReq,
     RolloutTrack,
-    TextSegment,
+    TokenSegment,
 )
 
 B = 8
@@ -163,13 +163,15 @@ def test_track_concat_of_shuffled_shards_follows_part_order() -> None:
     )
 
 
-def test_track_with_text_segment_round_trips() -> None:
-    tokens = torch.arange(B * 5).view(B, 5)
-    seg = TextSegment(
-        tokens=tokens,
-        log_probs=-torch.rand(B, 5),
-        loss_mask=(tokens % 3 != 0).float(),
-        lengths=torch.full((B,), 5),
+def test_track_with_token_segment_round_trips() -> None:
+    """Jagged responses split and concatenate by sample; padding and masks follow each sample's length."""
+    lengths = [1 + i % 4 for i in range(B)]
+    responses = [torch.arange(n) + 10 * i for i, n in enumerate(lengths)]
+    seg = TokenSegment(
+        prompt_ids=[torch.arange(2 + i % 3) for i in range(B)],
+        response_ids=responses,
+        log_probs=[-torch.rand(n) for n in lengths],
+        temperature=0.7,
     )
     track = RolloutTrack(
         name="ar",
@@ -178,11 +180,19 @@ def test_track_with_text_segment_round_trips() -> None:
         prompts=["p"] * B,
         metadata=[{} for _ in range(B)],
         segment=seg,
+        texts=[f"t{i}" for i in range(B)],
     )
     shards = track.split(4)
-    assert torch.equal(shards[2].segment.tokens, tokens[4:6])
+    assert [r.tolist() for r in shards[2].segment.response_ids] == [r.tolist() for r in responses[4:6]]
+    assert shards[2].texts == ["t4", "t5"] and shards[2].segment.temperature == 0.7
     assert shards[2].media is None and shards[2].rewards is None
-    assert_same(RolloutTrack.concat(shards), track)
+    back = RolloutTrack.concat(shards)
+    assert [r.tolist() for r in back.segment.response_ids] == [r.tolist() for r in responses]
+    mask = seg.response_mask()
+    assert mask.shape == (B, max(lengths)) and mask.sum(1).tolist() == lengths
+    assert seg.response_lengths.tolist() == lengths
+    padded = seg.padded("response_ids", -1)
+    assert padded[0].tolist() == [0, -1, -1, -1] and padded[3].tolist() == [30, 31, 32, 33]
 
 
 @pytest.mark.parametrize("parts", [3, 5, 0])
@@ -354,28 +364,24 @@ def test_latent_segment_log_probs_shape(shape: tuple[int, ...]) -> None:
         )
 
 
-def _text(**over: torch.Tensor) -> TextSegment:
-    fields: dict[str, torch.Tensor] = {
-        "tokens": torch.zeros(3, 5, dtype=torch.long),
-        "log_probs": torch.zeros(3, 5),
-        "loss_mask": torch.ones(3, 5),
-        "lengths": torch.full((3,), 5),
+def _tokens(**over) -> TokenSegment:
+    fields = {
+        "prompt_ids": [torch.zeros(2, dtype=torch.long)] * 3,
+        "response_ids": [torch.zeros(n, dtype=torch.long) for n in (1, 2, 3)],
+        "log_probs": [torch.zeros(n) for n in (1, 2, 3)],
     }
     fields.update(over)
-    return TextSegment(**fields)
+    return TokenSegment(**fields)
 
 
-def test_text_segment_valid() -> None:
-    assert len(_text()) == 3
+def test_token_segment_valid() -> None:
+    assert len(_tokens()) == 3
 
 
-@pytest.mark.parametrize("name", ["log_probs", "loss_mask"])
-def test_text_segment_shape_mismatch(name: str) -> None:
-    with pytest.raises(ValueError, match=rf"TextSegment\.{name} must have the shape of tokens \[3, 5\]"):
-        _text(**{name: torch.zeros(3, 4)})
-
-
-@pytest.mark.parametrize("lengths", [torch.zeros(2), torch.zeros(3, 1), torch.tensor(5)])
-def test_text_segment_lengths_shape(lengths: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match=r"TextSegment\.lengths must be \[B=3\]"):
-        _text(lengths=lengths)
+def test_token_segment_rejects_mismatches() -> None:
+    with pytest.raises(ValueError, match=r"TokenSegment\.log_probs\[1\] has shape \[3\], its response \[2\]"):
+        _tokens(log_probs=[torch.zeros(1), torch.zeros(3), torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"TokenSegment has 2 prompts for 3 responses"):
+        _tokens(prompt_ids=[torch.zeros(2, dtype=torch.long)] * 2)
+    with pytest.raises(ValueError, match=r"response_ids\[0\] must be 1-D with >= 1 token"):
+        _tokens(response_ids=[torch.zeros(0, dtype=torch.long), torch.zeros(2), torch.zeros(3)])

@@ -3,8 +3,8 @@
 from unirl.types.reward import RewardRequest, RewardResponse
 from unirl.types.rollout_req import PromptExample, RolloutReq
 from unirl.types.rollout_resp import AdvantageConfig, RolloutResp, RolloutTrack, compute_advantages
-from unirl.types.sampling import DiffusionSamplingParams
-from unirl.types.segments import LatentSegment, TextSegment
+from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
+from unirl.types.segments import LatentSegment, TokenSegment
 
 __all__ = [
     "AdvantageConfig",
@@ -16,6 +16,7 @@ __all__ = [
     "RolloutReq",
     "RolloutResp",
     "RolloutTrack",
-    "TextSegment",
+    "TextSamplingParams",
+    "TokenSegment",
     "compute_advantages",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from unirl.types.batch import concat, select, split
-from unirl.types.sampling import DiffusionSamplingParams
+from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
 
 
 @dataclass
@@ -33,10 +33,12 @@ class RolloutReq:
             sample's noise does not depend on how the batch is split.
         init_seeds: per-sample seed of the initial noise x_T: the sample's own
             seed, or its group's first seed with `sampling.same_initial_noise`.
-        sampling: the sampling params.
-        sigmas: [T+1] fp32 sigma schedule, pinned (single source of truth).
+        sampling: the sampling params of the track's modality
+            (`DiffusionSamplingParams` or `TextSamplingParams`).
+        sigmas: diffusion: [T+1] fp32 sigma schedule, pinned (single source of
+            truth); text: None.
         rollout_id: index of this rollout; seeds the SDE-step choice.
-        sde_indices: SDE step indices resolved for this rollout.
+        sde_indices: diffusion: SDE step indices resolved for this rollout; text: [].
     """
 
     sample_ids: list[str]
@@ -45,8 +47,8 @@ class RolloutReq:
     metadata: list[dict[str, Any]]
     seeds: list[int]
     init_seeds: list[int]
-    sampling: DiffusionSamplingParams
-    sigmas: torch.Tensor
+    sampling: DiffusionSamplingParams | TextSamplingParams
+    sigmas: torch.Tensor | None
     rollout_id: int
     sde_indices: list[int]
 
@@ -59,12 +61,19 @@ class RolloutReq:
     def from_prompts(
         cls,
         examples: list[PromptExample],
-        sampling: DiffusionSamplingParams,
-        sigmas: torch.Tensor,
+        sampling: DiffusionSamplingParams | TextSamplingParams,
+        sigmas: torch.Tensor | None,
         rollout_id: int,
     ) -> RolloutReq:
-        """Expand each prompt into a group of `sampling.samples_per_prompt` samples."""
-        if sigmas.dtype != torch.float32 or sigmas.numel() != sampling.num_steps + 1:
+        """Expand each prompt into a group of `sampling.samples_per_prompt` samples
+        (`sigmas`: the diffusion schedule; None for text)."""
+        text = isinstance(sampling, TextSamplingParams)
+        if text != (sigmas is None):
+            raise ValueError(
+                f"sigmas must be None for text sampling and a schedule for diffusion sampling, got "
+                f"{type(sampling).__name__} with sigmas={'None' if sigmas is None else list(sigmas.shape)}"
+            )
+        if not text and (sigmas.dtype != torch.float32 or sigmas.numel() != sampling.num_steps + 1):
             raise ValueError(
                 f"sigmas must be fp32 with num_steps+1={sampling.num_steps + 1} entries, "
                 f"got {sigmas.dtype} with {sigmas.numel()}"
@@ -79,7 +88,8 @@ class RolloutReq:
                 prompts.append(ex.prompt)
                 metadata.append(dict(ex.metadata))
                 seeds.append(hash((sampling.seed, rollout_id, g * k + s)) & 0x7FFF_FFFF)
-                init_seeds.append(seeds[g * k] if sampling.same_initial_noise else seeds[-1])
+                same = getattr(sampling, "same_initial_noise", False)
+                init_seeds.append(seeds[g * k] if same else seeds[-1])
         return cls(
             sample_ids=sample_ids,
             group_ids=group_ids,
@@ -90,7 +100,7 @@ class RolloutReq:
             sampling=sampling,
             sigmas=sigmas,
             rollout_id=rollout_id,
-            sde_indices=sampling.resolve_sde_indices(rollout_id),
+            sde_indices=[] if text else sampling.resolve_sde_indices(rollout_id),
         )
 
     def select(self, idx: list[int]) -> RolloutReq:

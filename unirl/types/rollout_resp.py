@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from unirl.types.batch import concat, select, split
-from unirl.types.segments import LatentSegment, TextSegment
+from unirl.types.segments import LatentSegment, TokenSegment
 
 ADVANTAGE_SCOPES = ("group", "global")
 
@@ -109,10 +109,11 @@ class RolloutTrack:
     Attributes:
         name: track name ("diffusion", "ar", ...).
         sample_ids, group_ids, prompts, metadata: per sample, in request order.
-        segment: the trajectory (`LatentSegment` or `TextSegment`).
+        segment: the trajectory (`LatentSegment` or `TokenSegment`).
         conditions: per-sample condition tensors replay needs (e.g. prompt
             embeddings), each [B, ...].
         media: [B, 3, H, W] uint8 images (or None for text stages).
+        texts: per-sample decoded response text of a text stage (None for images).
         rewards: [B] fp32 once scored.
         reward_components: name -> [B] fp32 unweighted component scores.
         advantages: [B] fp32 once computed.
@@ -126,9 +127,10 @@ class RolloutTrack:
     group_ids: list[str]
     prompts: list[str]
     metadata: list[dict[str, Any]]
-    segment: LatentSegment | TextSegment
+    segment: LatentSegment | TokenSegment
     conditions: dict[str, torch.Tensor] = field(default_factory=dict)
     media: torch.Tensor | None = None
+    texts: list[str] | None = None
     rewards: torch.Tensor | None = None
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
     advantages: torch.Tensor | None = None
@@ -143,6 +145,7 @@ class RolloutTrack:
         "segment",
         "conditions",
         "media",
+        "texts",
         "rewards",
         "reward_components",
         "advantages",

@@ -141,3 +141,58 @@ class DiffusionSamplingParams:
     @property
     def do_cfg(self) -> bool:
         return self.guidance_scale > 1.0
+
+
+@dataclass
+class TextSamplingParams:
+    """How one autoregressive rollout samples.
+
+    Attributes:
+        samples_per_prompt: group size; siblings of a prompt share a group id.
+        max_new_tokens: response budget; a response that reaches it without a
+            stop token is truncated there (DAPO's overlong shaping reads this).
+        temperature: logits are divided by it before sampling; replay computes
+            `log_softmax(logits / temperature)` so old and new log-probs share
+            one geometry. 0 means greedy (argmax; log-probs at temperature 1).
+        top_p: nucleus sampling mass (1.0 disables).
+        top_k: keep the k most likely tokens (0 disables).
+        stop_tokens: token strings that end a response (the tokenizer's EOS
+            always does); each must be one token of the tokenizer.
+        max_prompt_length: longest prompt in tokens (chat template applied); a
+            longer prompt is an error naming the sample, never truncated.
+        seed: base seed; a sample's draws derive from (seed, rollout_id, sample),
+            so its tokens do not depend on how the batch is split.
+        chat_template: apply the tokenizer's chat template to the prompt (as a
+            single user turn, with the generation prompt) before tokenizing.
+    """
+
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_tokens: list[str] = field(default_factory=list)
+    max_prompt_length: int = 64
+    seed: int = 0
+    chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop_tokens = list(self.stop_tokens)
+        for key in ("samples_per_prompt", "max_new_tokens", "max_prompt_length"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"sampling.{key} must be >= 1, got {getattr(self, key)}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0: off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logit_temperature(self) -> float:
+        """The divisor of the logits in sampling and replay (1 when greedy)."""
+        return self.temperature or 1.0

@@ -1,6 +1,6 @@
 """Trajectory segments: what a generation stage records for replay.
 
-`LatentSegment` is a diffusion trajectory; `TextSegment` an autoregressive one.
+`LatentSegment` is a diffusion trajectory; `TokenSegment` an autoregressive one.
 Both are batch dataclasses (see `unirl.types.batch`).
 """
 
@@ -71,31 +71,91 @@ class LatentSegment:
         return self.at(self.num_steps)
 
 
+def pad_right(rows: list[torch.Tensor], value: float = 0) -> torch.Tensor:
+    """[B, Lmax] from B 1-D tensors of lengths L_i (right-padded with `value`)."""
+    if not rows:
+        raise ValueError("cannot pad an empty list of rows")
+    width = max(int(r.shape[0]) for r in rows)
+    out = rows[0].new_full((len(rows), width), value)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
+
+
 @dataclass
-class TextSegment:
-    """An autoregressive trajectory (response tokens of a language stage).
+class TokenSegment:
+    """An autoregressive trajectory: a prompt and the response sampled after it.
+
+    Jagged: each sample keeps its own lengths (no padding travels through the
+    data plane; `pad_right` pads on the consumer).
 
     Attributes:
-        tokens: [B, L] long, response tokens right-padded.
-        log_probs: [B, L] fp32 rollout-time token log-probs (0 on padding).
-        loss_mask: [B, L] float, 1 on tokens that carry loss.
-        lengths: [B] long, number of valid response tokens.
+        prompt_ids: per sample [P_i] long, the prompt tokens (chat template applied).
+        response_ids: per sample [R_i] long, R_i >= 1: the sampled tokens, the
+            stop token included when one ended the response.
+        log_probs: per sample [R_i] fp32: the sampled tokens' log-probs at
+            rollout time under `log_softmax(logits / temperature)`; an algorithm's
+            `prepare_segment` may replace them by replayed pi_old values.
+        temperature: the logit divisor sampling used (replay uses the same).
+        ref_log_probs: per sample [R_i] fp32 reference-policy log-probs when the
+            rollout computed them (KL folded into the reward), else None.
     """
 
-    tokens: torch.Tensor
-    log_probs: torch.Tensor
-    loss_mask: torch.Tensor
-    lengths: torch.Tensor
+    prompt_ids: list[torch.Tensor]
+    response_ids: list[torch.Tensor]
+    log_probs: list[torch.Tensor]
+    temperature: float = 1.0
+    ref_log_probs: list[torch.Tensor] | None = None
 
-    PER_SAMPLE = ("tokens", "log_probs", "loss_mask", "lengths")
+    PER_SAMPLE = ("prompt_ids", "response_ids", "log_probs", "ref_log_probs")
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.response_ids)
 
     def __post_init__(self) -> None:
-        shape = tuple(self.tokens.shape)
-        for name in ("log_probs", "loss_mask"):
-            if tuple(getattr(self, name).shape) != shape:
-                raise ValueError(f"TextSegment.{name} must have the shape of tokens {list(shape)}")
-        if tuple(self.lengths.shape) != shape[:1]:
-            raise ValueError(f"TextSegment.lengths must be [B={shape[0]}]")
+        # the data plane hands jagged fields back as nested tensors; keep lists
+        for name in self.PER_SAMPLE:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor) and value.is_nested:
+                setattr(self, name, list(value.unbind()))
+        n = len(self.response_ids)
+        if len(self.prompt_ids) != n:
+            raise ValueError(f"TokenSegment has {len(self.prompt_ids)} prompts for {n} responses")
+        for i, r in enumerate(self.response_ids):
+            if r.dim() != 1 or r.numel() < 1:
+                raise ValueError(
+                    f"TokenSegment.response_ids[{i}] must be 1-D with >= 1 token, got {list(r.shape)}"
+                )
+        for name in ("log_probs", "ref_log_probs"):
+            rows = getattr(self, name)
+            if rows is None:
+                continue
+            if len(rows) != n:
+                raise ValueError(f"TokenSegment.{name} has {len(rows)} rows for {n} responses")
+            for i, (lp, r) in enumerate(zip(rows, self.response_ids, strict=True)):
+                if lp.shape != r.shape:
+                    raise ValueError(
+                        f"TokenSegment.{name}[{i}] has shape {list(lp.shape)}, its response {list(r.shape)}"
+                    )
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """[B] long."""
+        return torch.tensor([int(r.numel()) for r in self.response_ids], dtype=torch.long)
+
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        """[B] long."""
+        return torch.tensor([int(p.numel()) for p in self.prompt_ids], dtype=torch.long)
+
+    def response_mask(self) -> torch.Tensor:
+        """[B, Rmax] fp32: 1 on response tokens, 0 on right padding."""
+        return pad_right([torch.ones(r.numel(), device=r.device) for r in self.response_ids])
+
+    def padded(self, name: str, value: float = 0) -> torch.Tensor:
+        """[B, Rmax] the per-token field `name` ("response_ids", "log_probs", "ref_log_probs")
+        right-padded with `value`."""
+        rows = getattr(self, name)
+        if rows is None:
+            raise ValueError(f"TokenSegment.{name} is not set")
+        return pad_right(rows, value)

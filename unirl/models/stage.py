@@ -1,0 +1,62 @@
+"""The stage contract per modality: what the rollout engine, the train stack and
+the algorithms may call on a model family's stage.
+
+A family implements one of these protocols (structural typing: no base class to
+inherit). Every stage exposes `module`, the network actually called; the train
+backend replaces it with its wrapped (LoRA / FSDP2) module, so sampling and
+replay run the trained weights directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from unirl.types.rollout_req import RolloutReq
+from unirl.types.segments import LatentSegment, TokenSegment
+
+
+@runtime_checkable
+class DiffusionStage(Protocol):
+    """Sampling and replay of a flow-matching denoiser (see `unirl/models/README.md`)."""
+
+    module: torch.nn.Module
+
+    def encode_prompts(self, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict: ...
+
+    def diffuse(self, req: RolloutReq, cond: dict) -> LatentSegment: ...
+
+    def replay(
+        self, segment: LatentSegment, cond: dict, steps: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def replay_chunks(self, steps: list[int]) -> Iterator[list[int]]: ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
+
+    def model_info(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class TextStage(Protocol):
+    """Generation and replay of a causal LM.
+
+    - `generate(req) -> (TokenSegment, texts)`: batched sampling with a KV cache
+      under `req.sampling` (`TextSamplingParams`); the segment records each
+      sampled token's log-prob under `log_softmax(logits / temperature)`; texts
+      are the decoded responses (stop token excluded).
+    - `token_log_probs(segment) -> [B, Lmax]` fp32 log-probs of the response
+      tokens under the current `module` at the segment's temperature, right-padded
+      with 0 (mask: `segment.response_mask()`); differentiable; a sample's values
+      do not depend on what it is batched with.
+    """
+
+    module: torch.nn.Module
+
+    def generate(self, req: RolloutReq) -> tuple[TokenSegment, list[str]]: ...
+
+    def token_log_probs(self, segment: TokenSegment) -> torch.Tensor: ...
+
+    def model_info(self) -> dict[str, Any]: ...
