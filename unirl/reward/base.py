@@ -15,11 +15,11 @@ import torch
 from unirl.types.reward import RewardRequest, RewardResponse
 
 Scorer = Callable[[RewardRequest], torch.Tensor]
-"""A weight-free scorer: `scorer(req) -> [B]` float tensor, one score per image (NaN marks a failure)."""
+"""A weight-free scorer: `scorer(req) -> [B]` float tensor, one score per sample (NaN marks a failure)."""
 
 
 class RewardBackend(ABC):
-    """Scores media per component.
+    """Scores images or texts per component.
 
     Contract:
         `score(req)` returns a `RewardResponse` whose `components` holds, for
@@ -36,7 +36,7 @@ class RewardBackend(ABC):
 
     @abstractmethod
     def score(self, req: RewardRequest) -> RewardResponse:
-        """Unweighted [B] fp32 scores of `req.images`, one tensor per component."""
+        """Unweighted [B] fp32 scores of `req`'s samples, one tensor per component."""
 
 
 class LocalRewardBackend(RewardBackend):
@@ -75,7 +75,7 @@ class LocalRewardBackend(RewardBackend):
         return dict(self._weights)
 
     def score(self, req: RewardRequest) -> RewardResponse:
-        batch = req.images.shape[0]
+        batch = len(req)
         scores: dict[str, torch.Tensor] = {}
         for name, scorer in self.components.items():
             try:

@@ -7,6 +7,7 @@ import torch
 from unirl.reward.base import RewardBackend
 from unirl.types.reward import RewardRequest
 from unirl.types.rollout_resp import RolloutTrack
+from unirl.types.segments import TokenSegment
 
 
 class RewardError(RuntimeError):
@@ -24,7 +25,7 @@ class RewardService:
         self.backend = backend
 
     def score_and_attach(self, track: RolloutTrack) -> dict[str, float]:
-        """Score `track.media` and set `track.rewards` and `track.reward_components`.
+        """Score `track.media` or `track.texts`; set `track.rewards` and `track.reward_components`.
 
         The response must hold exactly the components named in
         `backend.weights`, each [B] and finite; anything else raises
@@ -36,16 +37,7 @@ class RewardService:
             `reward/mean`, `reward/std` (population) of the total, and
             `reward/<name>/mean`, `reward/<name>/std` per unweighted component.
         """
-        if track.media is None:
-            raise ValueError(f"track {track.name!r} has no media to score: decode images before scoring")
-        if len(track) == 0:
-            raise ValueError(f"track {track.name!r} has no samples to score")
-        req = RewardRequest(
-            sample_ids=list(track.sample_ids),
-            prompts=list(track.prompts),
-            images=track.media,
-            metadata=list(track.metadata),
-        )
+        req = self._request(track)
         returned = self.backend.score(req).components
         weights = self.backend.weights
         batch = len(track)
@@ -73,9 +65,11 @@ class RewardService:
             bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
             if bad:
                 i = bad[0]
+                others = [track.sample_ids[j] for j in bad[1:6]]
+                more = f"; also sample(s) {others}{' ...' if len(bad) > 6 else ''}" if others else ""
                 raise RewardError(
                     f"reward component {name!r} is {scores[i].item()} for sample {track.sample_ids[i]!r} "
-                    f"(track {track.name!r}, {len(bad)} non-finite value(s) in this component); "
+                    f"(track {track.name!r}, {len(bad)} non-finite value(s) in this component{more}); "
                     "the step is stopped: fix the scorer or the sample"
                 )
             components[name] = scores
@@ -91,3 +85,32 @@ class RewardService:
             metrics[f"reward/{name}/mean"] = scores.mean().item()
             metrics[f"reward/{name}/std"] = scores.std(unbiased=False).item()
         return metrics
+
+    @staticmethod
+    def _request(track: RolloutTrack) -> RewardRequest:
+        """The request for `track`: its images, or its texts with the segment's response lengths."""
+        if len(track) == 0:
+            raise ValueError(f"track {track.name!r} has no samples to score")
+        common = {
+            "sample_ids": list(track.sample_ids),
+            "prompts": list(track.prompts),
+            "metadata": list(track.metadata),
+        }
+        if track.media is not None and track.texts is not None:
+            raise ValueError(f"track {track.name!r} has both media and texts: a track scores one modality")
+        try:
+            if track.media is not None:
+                return RewardRequest(images=track.media, **common)
+            if track.texts is not None:
+                lengths = track.segment.response_lengths if isinstance(track.segment, TokenSegment) else None
+                return RewardRequest(
+                    texts=list(track.texts),
+                    response_lengths=None if lengths is None else [int(n) for n in lengths.tolist()],
+                    **common,
+                )
+        except ValueError as e:
+            raise ValueError(f"track {track.name!r} cannot be scored: {e}") from e
+        raise ValueError(
+            f"track {track.name!r} has no media and no texts to score: decode images (media) or "
+            "responses (texts) before scoring"
+        )

@@ -389,12 +389,13 @@ class GenEvalMini:
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8) against `req.prompts`."""
+        images = req.require_images("GenEvalMini")
         for sid, p in zip(req.sample_ids, req.prompts, strict=True):
             try:
                 parse_prompt(p)
             except ValueError as e:
                 raise ValueError(f"sample {sid!r}: {e}") from e
-        results = self.score_all(req.images, req.prompts)
+        results = self.score_all(images, req.prompts)
         return torch.tensor([r[self.mode] for r in results], dtype=torch.float32)
 
     def evaluate(self, images: np.ndarray | torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:

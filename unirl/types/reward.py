@@ -10,28 +10,93 @@ import torch
 
 @dataclass
 class RewardRequest:
-    """Media to score.
+    """Images or texts to score, one per sample.
+
+    Exactly one of `images` and `texts` is set.
 
     Attributes:
         sample_ids: per sample, used to name failures.
         prompts: per sample.
-        images: [B, 3, H, W] uint8 RGB.
-        metadata: per-sample dicts from the data source.
+        images: [B, 3, H, W] uint8 RGB, or None for a text request.
+        metadata: per-sample dicts from the data source (empty, or one per sample).
+        texts: per-sample decoded responses of a text stage, or None for an image request.
+        response_lengths: per-sample response length in tokens (text requests
+            only, optional; length-based scorers need it).
     """
 
     sample_ids: list[str]
     prompts: list[str]
-    images: torch.Tensor
+    images: torch.Tensor | None = None
     metadata: list[dict[str, Any]] = field(default_factory=list)
+    texts: list[str] | None = None
+    response_lengths: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if self.images.dtype != torch.uint8 or self.images.dim() != 4 or self.images.shape[1] != 3:
+        batch = len(self.sample_ids)
+        if len(self.prompts) != batch:
+            raise ValueError(f"RewardRequest has {batch} sample_ids but {len(self.prompts)} prompts")
+        if self.metadata and len(self.metadata) != batch:
+            raise ValueError(f"RewardRequest has {batch} sample_ids but {len(self.metadata)} metadata dicts")
+        if (self.images is None) == (self.texts is None):
+            got = "both" if self.images is not None else "neither"
+            raise ValueError(f"RewardRequest needs exactly one of images and texts, got {got}")
+        if self.images is not None:
+            if self.images.dtype != torch.uint8 or self.images.dim() != 4 or self.images.shape[1] != 3:
+                raise ValueError(
+                    f"RewardRequest.images must be uint8 [B, 3, H, W], got {self.images.dtype} "
+                    f"{list(self.images.shape)}"
+                )
+            if self.images.shape[0] != batch:
+                raise ValueError(f"RewardRequest has {batch} sample_ids but {self.images.shape[0]} images")
+            if self.response_lengths is not None:
+                raise ValueError(
+                    "RewardRequest.response_lengths belongs to text requests, got it with images"
+                )
+            return
+        if len(self.texts) != batch or not all(isinstance(t, str) for t in self.texts):
             raise ValueError(
-                f"RewardRequest.images must be uint8 [B, 3, H, W], got {self.images.dtype} "
-                f"{list(self.images.shape)}"
+                f"RewardRequest.texts must be {batch} strings (one per sample_id), got "
+                f"{len(self.texts)} of types {sorted({type(t).__name__ for t in self.texts})}"
             )
-        if len(self.sample_ids) != self.images.shape[0] or len(self.prompts) != self.images.shape[0]:
-            raise ValueError("RewardRequest sample_ids, prompts and images must have the same length")
+        if self.response_lengths is not None:
+            lengths = list(self.response_lengths)
+            if len(lengths) != batch:
+                raise ValueError(f"RewardRequest has {batch} texts but {len(lengths)} response_lengths")
+            for sid, n in zip(self.sample_ids, lengths, strict=True):
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise ValueError(
+                        f"RewardRequest.response_lengths for sample {sid!r} must be an int >= 0, got {n!r}"
+                    )
+            self.response_lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def require_images(self, scorer: str) -> torch.Tensor:
+        """`images`, or a ValueError saying that `scorer` needs images and got text."""
+        if self.images is None:
+            raise ValueError(
+                f"{scorer} needs images, but the request carries text: use a text scorer for a text stage"
+            )
+        return self.images
+
+    def require_texts(self, scorer: str) -> list[str]:
+        """`texts`, or a ValueError saying that `scorer` needs text and got images."""
+        if self.texts is None:
+            raise ValueError(
+                f"{scorer} needs text, but the request carries images: use an image scorer for an image stage"
+            )
+        return self.texts
+
+    def require_response_lengths(self, scorer: str) -> list[int]:
+        """`response_lengths`, or a ValueError saying that `scorer` needs them."""
+        texts = self.require_texts(scorer)
+        if self.response_lengths is None:
+            raise ValueError(
+                f"{scorer} needs response_lengths (tokens per response) and the request has none for "
+                f"{len(texts)} texts: score a track whose segment is a TokenSegment"
+            )
+        return self.response_lengths
 
 
 @dataclass

@@ -32,6 +32,6 @@ class ColorTarget:
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8)."""
-        pixels = req.images.to(torch.float32) / 255.0
+        pixels = req.require_images("ColorTarget").to(torch.float32) / 255.0
         target = self.target.to(pixels.device).view(1, 3, 1, 1)
         return 1.0 - (pixels - target).abs().mean(dim=(1, 2, 3))

@@ -39,7 +39,7 @@ class JpegCompressibility:
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images`."""
-        return -jpeg_size_kb(req.images, self.quality)
+        return -jpeg_size_kb(req.require_images("JpegCompressibility"), self.quality)
 
 
 class JpegIncompressibility:
@@ -50,4 +50,4 @@ class JpegIncompressibility:
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images`."""
-        return jpeg_size_kb(req.images, self.quality)
+        return jpeg_size_kb(req.require_images("JpegIncompressibility"), self.quality)
