@@ -1,16 +1,28 @@
-"""Rewards: backends that score media per component, and the service that weighs and attaches them."""
+"""Rewards: backends that score images or texts per component, and the service that weighs and attaches them."""
 
 from unirl.reward.base import LocalRewardBackend, RewardBackend, Scorer
-from unirl.reward.local import ColorTarget, JpegCompressibility, JpegIncompressibility
+from unirl.reward.local import (
+    ColorTarget,
+    ExactAnswer,
+    FormatCheck,
+    JpegCompressibility,
+    JpegIncompressibility,
+    OverlongPenalty,
+    TargetCharFraction,
+)
 from unirl.reward.service import RewardError, RewardService
 
 __all__ = [
     "ColorTarget",
+    "ExactAnswer",
+    "FormatCheck",
     "JpegCompressibility",
     "JpegIncompressibility",
     "LocalRewardBackend",
+    "OverlongPenalty",
     "RewardBackend",
     "RewardError",
     "RewardService",
     "Scorer",
+    "TargetCharFraction",
 ]

@@ -2,5 +2,15 @@
 
 from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
+from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, TargetCharFraction
 
-__all__ = ["ColorTarget", "JpegCompressibility", "JpegIncompressibility", "jpeg_size_kb"]
+__all__ = [
+    "ColorTarget",
+    "ExactAnswer",
+    "FormatCheck",
+    "JpegCompressibility",
+    "JpegIncompressibility",
+    "OverlongPenalty",
+    "TargetCharFraction",
+    "jpeg_size_kb",
+]
