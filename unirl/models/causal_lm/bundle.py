@@ -1,0 +1,214 @@
+"""The causal-LM bundle: a transformers causal LM (Qwen2 / Qwen3 family) and its tokenizer.
+
+Two ways to build one, same code path afterwards:
+- `CausalLMConfig(pretrained_path=<dir>)`: a local Hugging Face directory
+  (`config.json`, weights, tokenizer files), read with `local_files_only`.
+- `CausalLMConfig(tiny=TinyLMConfig(...))`: a tiny random Qwen3 / Qwen2 built
+  from a config, with a byte-level tokenizer built in code (no files, no hub).
+
+`save_pretrained(dir)` writes model and tokenizer so that
+`AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)`
+(or `CausalLMConfig(pretrained_path=dir)`) load them back offline.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
+# ChatML, as Qwen's templates render it (no system prompt is added)
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass
+class TinyLMConfig:
+    """A tiny random causal LM for CPU runs and tests.
+
+    `architecture` is "qwen3" (per-head q/k RMSNorm) or "qwen2" (qkv biases).
+    The head dim is `hidden_size // num_attention_heads`; the vocabulary is
+    the tiny byte-level tokenizer's (256 bytes + 3 special tokens). Weights
+    are drawn under `seed` without touching the global RNG. Embeddings are
+    untied by default: a random model with tied ones mostly echoes its last
+    input token under greedy decoding, which makes a poor test subject.
+    """
+
+    architecture: str = "qwen3"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.architecture not in _ARCHITECTURES:
+            raise ValueError(
+                f"model.tiny.architecture must be one of {sorted(_ARCHITECTURES)}, got {self.architecture!r}"
+            )
+        for key in (
+            "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "max_position_embeddings",
+        ):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.tiny.hidden_size={self.hidden_size} must be a multiple of "
+                f"model.tiny.num_attention_heads={self.num_attention_heads}"
+            )
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError(
+                f"model.tiny head dim hidden_size / num_attention_heads = "
+                f"{self.hidden_size // self.num_attention_heads} must be even (rotary embeddings)"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model.tiny.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"model.tiny.num_key_value_heads={self.num_key_value_heads}"
+            )
+
+
+@dataclass
+class CausalLMConfig:
+    """Which causal LM to build (exactly one of `pretrained_path` / `tiny`).
+
+    Attributes:
+        pretrained_path: local Hugging Face directory of a causal LM and its tokenizer.
+        tiny: tiny-model config used when `pretrained_path` is null.
+        dtype: parameter dtype of the model ("float32", "bfloat16", "float16").
+    """
+
+    pretrained_path: str | None = None
+    tiny: TinyLMConfig | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiny, dict):
+            self.tiny = TinyLMConfig(**self.tiny)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if (self.pretrained_path is None) == (self.tiny is None):
+            raise ValueError(
+                "model: set exactly one of model.pretrained_path (a local causal-LM directory) and "
+                f"model.tiny, got pretrained_path={self.pretrained_path!r} and tiny={self.tiny}"
+            )
+
+    def build(self) -> CausalLMBundle:
+        if self.pretrained_path is not None:
+            return CausalLMBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
+        return CausalLMBundle.tiny(self.tiny, dtype=_DTYPES[self.dtype])
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer built in code: every byte is one token (printable ASCII
+    characters map to themselves), then `<|endoftext|>` (EOS and pad),
+    `<|im_start|>`, `<|im_end|>`; a ChatML chat template. Decoding gives the text back."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+class CausalLMBundle:
+    """A causal LM and its tokenizer.
+
+    Attributes:
+        model: the `AutoModelForCausalLM` (Qwen3ForCausalLM, Qwen2ForCausalLM, ...).
+        tokenizer: its fast tokenizer; `eos_token_id` ends responses, `pad_token_id`
+            pads batches (EOS when the tokenizer has no pad token).
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, where: str) -> None:
+        rows = model.get_input_embeddings().num_embeddings
+        if len(tokenizer) > rows:
+            raise ValueError(
+                f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+                f"{rows} rows; token ids >= {rows} would index past it. Use the tokenizer saved with "
+                "this model (or resize the model's embeddings to the tokenizer)"
+            )
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"{where}: the tokenizer has no eos_token; set it in tokenizer_config.json")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> CausalLMBundle:
+        """Load a local directory (model and tokenizer files side by side), never the hub."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(
+                f"model.pretrained_path {path!r} has no config.json: not a Hugging Face model directory"
+            )
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(model, tokenizer, where=f"model.pretrained_path {path!r}")
+
+    @classmethod
+    def tiny(cls, cfg: TinyLMConfig, dtype: torch.dtype = torch.float32) -> CausalLMBundle:
+        """A randomly initialized tiny LM, deterministic in `cfg.seed`."""
+        tokenizer = tiny_tokenizer()
+        config_cls, model_cls = _ARCHITECTURES[cfg.architecture]
+        config = config_cls(
+            vocab_size=len(tokenizer),
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.hidden_size // cfg.num_attention_heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = model_cls(config).to(dtype)
+        return cls(model, tokenizer, where="model.tiny")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def save_pretrained(self, path: str) -> None:
+        """Write model and tokenizer into `path` (`from_pretrained` reads them back)."""
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)

@@ -1,0 +1,277 @@
+"""The causal-LM text stage: generate (rollout, KV cache) and token_log_probs (replay).
+
+Both score a token with one function, `token_log_probs_of(logits, tokens,
+temperature)` = `log_softmax(logits.float() / temperature)` gathered at the
+token, so the log-prob a rollout records and the one replay recomputes come
+from the same arithmetic (top-k / top-p only shape which token is *chosen*).
+Shapes: B samples, P_i prompt and R_i response tokens of sample i, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unirl.models.causal_lm.bundle import CausalLMBundle
+from unirl.types.rollout_req import RolloutReq
+from unirl.types.sampling import TextSamplingParams
+from unirl.types.segments import TokenSegment, pad_right
+
+AUTOCAST_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def token_log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[...] fp32 log-probs of `tokens` [...] under `log_softmax(logits [..., V] / temperature)`."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[B, V] fp32 distribution tokens are drawn from: softmax(logits / temperature)
+    restricted to the `top_k` most likely tokens (0: all), then to the smallest set
+    whose mass reaches `top_p` (1: all), renormalized."""
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the mass before it already reaches top_p (the most likely always stays)
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled.softmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[B] token ids by inverse CDF: row b's first token whose cumulative mass exceeds
+    `uniforms[b]` (in [0, 1)) times the row's total. Zero-mass tokens are never drawn."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniforms.to(cdf) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+class CausalLMStage:
+    """Sampling and replay of a causal LM.
+
+    Args:
+        bundle: the model bundle (model and tokenizer).
+        autocast_dtype: run the model's forward under `torch.autocast` in this
+            dtype ("bfloat16" or "float16"; None: the parameters' dtype).
+            Rollout and replay share the forward; logits are cast to fp32
+            before any softmax.
+
+    `module` is the LM actually called; the train backend replaces it with its
+    wrapped (LoRA / FSDP) module so rollout and replay use the trained weights.
+    """
+
+    def __init__(self, bundle: CausalLMBundle, autocast_dtype: str | None = None) -> None:
+        if autocast_dtype not in AUTOCAST_DTYPES:
+            raise ValueError(
+                f"stage.autocast_dtype must be one of {list(AUTOCAST_DTYPES)}, got {autocast_dtype!r}"
+            )
+        self.autocast_dtype = AUTOCAST_DTYPES[autocast_dtype]
+        self.bundle = bundle
+        self.module: torch.nn.Module = bundle.model
+        self.tokenizer = bundle.tokenizer
+        config = bundle.model.config
+        self.max_positions: int = config.max_position_embeddings
+        self.vocab_rows: int = bundle.model.get_input_embeddings().num_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def model_info(self) -> dict[str, Any]:
+        params = list(self.module.parameters())
+        return {
+            "architecture": type(self.bundle.model).__name__,
+            "num_params": sum(p.numel() for p in params),
+            "num_trainable_params": sum(p.numel() for p in params if p.requires_grad),
+            "vocab_size": len(self.tokenizer),
+            "embedding_rows": self.vocab_rows,
+            "max_position_embeddings": self.max_positions,
+            "eos_token_id": self.tokenizer.eos_token_id,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "dtype": str(params[0].dtype).removeprefix("torch."),
+            "device": str(params[0].device),
+        }
+
+    def _forward(self, **kwargs) -> Any:
+        device = kwargs["input_ids"].device
+        with torch.autocast(device.type, self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            return self.module(**kwargs)
+
+    # ---- prompts ----------------------------------------------------------------------------
+    def encode_prompts(self, req: RolloutReq) -> list[torch.Tensor]:
+        """Per sample [P_i] long prompt ids (the chat template applied as one user turn with
+        the generation prompt when `sampling.chat_template`); too long is an error naming
+        the sample."""
+        sp: TextSamplingParams = req.sampling
+        unique = list(dict.fromkeys(req.prompts))
+        if sp.chat_template:
+            texts = [
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+                for p in unique
+            ]
+        else:
+            texts = unique
+        encoded = {
+            p: torch.tensor(ids, dtype=torch.long)
+            for p, ids in zip(
+                unique, self.tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True
+            )
+        }
+        ids = [encoded[p] for p in req.prompts]
+        for sid, p in zip(req.sample_ids, ids, strict=True):
+            if p.numel() > sp.max_prompt_length:
+                raise ValueError(
+                    f"sample {sid!r}: the prompt is {p.numel()} tokens, more than "
+                    f"sampling.max_prompt_length={sp.max_prompt_length}; raise it or shorten the prompt"
+                )
+            if p.numel() + sp.max_new_tokens > self.max_positions:
+                raise ValueError(
+                    f"sample {sid!r}: prompt ({p.numel()} tokens) + sampling.max_new_tokens "
+                    f"({sp.max_new_tokens}) exceeds the model's max_position_embeddings ({self.max_positions})"
+                )
+            if p.numel() == 0:
+                raise ValueError(f"sample {sid!r}: the prompt is empty (0 tokens)")
+        return ids
+
+    def stop_token_ids(self, sp: TextSamplingParams) -> list[int]:
+        """EOS plus `sampling.stop_tokens`, each of which must be exactly one token."""
+        ids = [self.tokenizer.eos_token_id]
+        for s in sp.stop_tokens:
+            enc = self.tokenizer.encode(s, add_special_tokens=False)
+            if len(enc) != 1:
+                raise ValueError(
+                    f"sampling.stop_tokens entry {s!r} is {len(enc)} tokens ({enc}) for this tokenizer; "
+                    "each stop token must be exactly one token"
+                )
+            ids.append(enc[0])
+        return ids
+
+    # ---- rollout ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, req: RolloutReq) -> tuple[TokenSegment, list[str]]:
+        """Sample a response for each of the `len(req)` samples under `req.sampling`.
+
+        Prompts are left-padded into one batch (attention mask, positions from
+        the mask) and extended with a KV cache. Each step chooses from
+        `sampling_probs` (temperature, top-k, top-p; argmax when greedy) with
+        one uniform per sample from a CPU generator seeded by `req.seeds[i]`,
+        so a sample's tokens do not depend on its batch-mates or device; the
+        recorded log-prob is the token's under `log_softmax(logits /
+        logit_temperature)`. A sample ends at EOS or a stop token (kept in its
+        response ids, left out of its text) or after `max_new_tokens`.
+
+        Returns (TokenSegment on the module's device, decoded response texts).
+        """
+        sp: TextSamplingParams = req.sampling
+        if not isinstance(sp, TextSamplingParams):
+            raise TypeError(f"CausalLMStage.generate needs TextSamplingParams, got {type(sp).__name__}")
+        prompts = self.encode_prompts(req)
+        stop_ids = torch.tensor(self.stop_token_ids(sp))
+        device = self.device
+        b = len(prompts)
+        width = max(int(p.numel()) for p in prompts)
+        input_ids = torch.full((b, width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(b, width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - p.numel() :] = p
+            mask[i, width - p.numel() :] = 1
+        input_ids, mask, stop_ids = input_ids.to(device), mask.to(device), stop_ids.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        gens = [torch.Generator().manual_seed(s) for s in req.seeds]
+        tokens, log_probs = [], []
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        lengths = torch.zeros(b, dtype=torch.long, device=device)
+        cache = None
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            for _ in range(sp.max_new_tokens):
+                out = self._forward(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                cache, logits = out.past_key_values, out.logits[:, -1]
+                if sp.greedy:
+                    token = logits.argmax(dim=-1)
+                else:
+                    uniforms = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in gens])
+                    token = draw(
+                        sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p), uniforms.to(device)
+                    )
+                token = token.masked_fill(done, self.tokenizer.pad_token_id)
+                tokens.append(token)
+                log_probs.append(token_log_probs_of(logits, token, sp.logit_temperature))
+                lengths += ~done
+                done |= torch.isin(token, stop_ids)
+                if bool(done.all()):
+                    break
+                input_ids = token[:, None]
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                positions = positions[:, -1:] + 1
+        finally:
+            self.module.train(was_training)
+        token_mat, lp_mat = torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
+        lens = lengths.tolist()
+        responses = [token_mat[i, :n] for i, n in enumerate(lens)]
+        stop_set = set(stop_ids.tolist())
+        texts = [
+            self.tokenizer.decode(r[:-1] if int(r[-1]) in stop_set else r, skip_special_tokens=False)
+            for r in (x.cpu() for x in responses)
+        ]
+        segment = TokenSegment(
+            prompt_ids=[p.to(device) for p in prompts],
+            response_ids=responses,
+            log_probs=[lp_mat[i, :n] for i, n in enumerate(lens)],
+            temperature=sp.logit_temperature,
+        )
+        return segment, texts
+
+    # ---- replay -----------------------------------------------------------------------------
+    def token_log_probs(self, segment: TokenSegment) -> torch.Tensor:
+        """[B, Rmax] fp32 log-probs of the response tokens under the current `module`
+        at `segment.temperature`, right-padded with 0 (mask: `segment.response_mask()`).
+
+        One forward over prompt_i + response_i per row, right-padded (attention mask,
+        positions 0..L_i-1), so a row's values do not depend on its batch-mates;
+        positions P_i-1 .. P_i+R_i-2 predict the response. Only the logits from the
+        shortest prompt's last position on are computed. Differentiable.
+        """
+        device = self.device
+        seqs = [
+            torch.cat([p, r]).to(device)
+            for p, r in zip(segment.prompt_ids, segment.response_ids, strict=True)
+        ]
+        input_ids = pad_right(seqs, self.tokenizer.pad_token_id)
+        mask = pad_right([torch.ones_like(s) for s in seqs], 0)
+        b, width = input_ids.shape
+        p_len = segment.prompt_lengths.to(device)
+        r_max = max(int(r.numel()) for r in segment.response_ids)
+        start = int(p_len.min()) - 1  # first position whose logits predict a response token
+        out = self._forward(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=torch.arange(width, device=device).expand(b, width),
+            use_cache=False,
+            logits_to_keep=width - start,
+        )
+        # logits row j of out.logits is position start + j; response token k of row i sits
+        # at position P_i + k and is predicted by position P_i - 1 + k
+        offsets = (p_len - 1 - start)[:, None] + torch.arange(r_max, device=device)
+        offsets = offsets.clamp_(max=out.logits.shape[1] - 1)
+        logits = out.logits.gather(1, offsets[..., None].expand(-1, -1, out.logits.shape[-1]))
+        targets = segment.padded("response_ids").to(device)
+        lp = token_log_probs_of(logits, targets, segment.temperature)
+        return torch.where(segment.response_mask().to(device).bool(), lp, 0.0)
