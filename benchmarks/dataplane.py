@@ -49,7 +49,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from unirl.dataplane import TRANSPORTS, make_transport  # noqa: E402
-from unirl.trainer.diffusion import WORKER_ENV  # noqa: E402
+from unirl.trainer.trainer import WORKER_ENV  # noqa: E402
 
 MiB = 1 << 20
 NUM_SAMPLES = 8
@@ -158,8 +158,8 @@ def throughput(name: str, sizes: list[int], repeats: int, emit) -> None:
 def step_times(names: list[str], steps: int, emit) -> None:
     from hydra import compose, initialize_config_dir
 
-    from unirl.config.validate import validate_diffusion_config
-    from unirl.trainer.diffusion import DiffusionTrainer
+    from unirl.config.validate import validate_rl_config
+    from unirl.trainer.trainer import Trainer
 
     medians = {}
     for name in names:
@@ -176,8 +176,8 @@ def step_times(names: list[str], steps: int, emit) -> None:
                         "logging.save_images_every=0",
                     ],
                 )
-            validate_diffusion_config(cfg)
-            rows = DiffusionTrainer(cfg).run()
+            validate_rl_config(cfg)
+            rows = Trainer(cfg).run()
         step = statistics.median(r["time/step_s"] for r in rows[1:])
         dp = statistics.median(
             sum(v for k, v in r.items() if k.startswith("dataplane/") and k.endswith("_s")) for r in rows[1:]

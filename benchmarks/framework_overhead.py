@@ -4,8 +4,8 @@ One run measures, side by side and with the same sizes, seeds and torch
 thread count:
 
 1. **framework**: the tiny recipe (`examples/diffusion/tiny_sd3_flowgrpo.yaml`)
-   composed with Hydra, validated, and run by `DiffusionTrainer(cfg).run()`
-   (starts Ray, a placement group and one `DiffusionWorker` actor). Per-step
+   composed with Hydra, validated, and run by `Trainer(cfg).run()`
+   (starts Ray, a placement group and one `RLWorker` actor). Per-step
    `time/rollout_s`, `time/reward_s`, `time/train_s` and `time/step_s` come
    from the metric rows the trainer returns.
 2. **bare**: the same model work in this process with no framework: the same
@@ -100,11 +100,11 @@ def _reset_peak_rss() -> bool:
 
 
 class PeakMemoryMonitor(threading.Thread):
-    """Polls peak RSS (VmHWM) of this process and of Ray's `DiffusionWorker` processes.
+    """Polls peak RSS (VmHWM) of this process and of Ray's `RLWorker` processes.
 
     Ray workers are descendants of the driver (driver -> raylet -> worker);
     they are found with psutil when installed, else by scanning /proc for the
-    `ray::DiffusionWorker` process title. The last VmHWM seen before the
+    `ray::RLWorker` process title. The last VmHWM seen before the
     actor is killed is its peak.
     """
 
@@ -132,7 +132,7 @@ class PeakMemoryMonitor(threading.Thread):
             self.self_rss_max_kb = max(self.self_rss_max_kb, rss)
         # Scan for the worker only until found (a full scan costs a few ms of driver CPU).
         pids = list(self.worker_hwm_kb) or [
-            p for p in self._candidate_pids() if "DiffusionWorker" in _cmdline(p)
+            p for p in self._candidate_pids() if "RLWorker" in _cmdline(p)
         ]
         for pid in pids:
             hwm = _status_kb(pid, "VmHWM")
@@ -172,24 +172,24 @@ def compose_recipe(num_steps: int, output_dir: str) -> DictConfig:
             config_name=RECIPE,
             overrides=[f"num_steps={num_steps}", f"output_dir={output_dir}", "logging.progress=false"],
         )
-    from unirl.config.validate import validate_diffusion_config
+    from unirl.config.validate import validate_rl_config
 
-    validate_diffusion_config(cfg)
+    validate_rl_config(cfg)
     return cfg
 
 
 def worker_threads(cfg: DictConfig) -> int:
-    """The torch thread count `DiffusionWorker.__init__` sets."""
+    """The torch thread count `RLWorker.__init__` sets."""
     return int(cfg.get("threads_per_worker") or max(1, (os.cpu_count() or 1) // int(cfg.num_devices)))
 
 
 # ---- framework --------------------------------------------------------------------------------
 def run_framework(cfg: DictConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run the recipe through `DiffusionTrainer`; returns (metric rows, memory info)."""
-    from unirl.trainer.diffusion import DiffusionTrainer
+    """Run the recipe through `Trainer`; returns (metric rows, memory info)."""
+    from unirl.trainer.trainer import Trainer
 
     with monitored() as mon:
-        rows = DiffusionTrainer(cfg).run()
+        rows = Trainer(cfg).run()
         mon.poll()
     mem = {
         "framework_worker_peak_rss_mb": _mb(max(mon.worker_hwm_kb.values(), default=0)),
@@ -229,7 +229,7 @@ def run_bare(cfg: DictConfig, num_steps: int, threads: int) -> tuple[list[dict[s
     from unirl.data.data_source import DEFAULT_PROMPTS
     from unirl.models.sd3 import SD3ModelConfig, TinySD3Config
     from unirl.sde import make_strategy, sigmas_for
-    from unirl.trainer.diffusion_worker import quiet_library_logs
+    from unirl.trainer.worker import quiet_library_logs
     from unirl.types import DiffusionSamplingParams
 
     c: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
@@ -442,7 +442,7 @@ def build_report(
     fw_min = min(float(r["time/step_s"]) for r in fw_rows)
     bare_min = min(float(r["time/step_s"]) for r in bare_rows)
     note = (
-        "worker peak RSS is VmHWM of the ray::DiffusionWorker process polled from the driver; "
+        "worker peak RSS is VmHWM of the ray::RLWorker process polled from the driver; "
         "bare peak RSS is this process's VmHWM reset before the bare loop (it includes the driver's "
         "imports: torch, ray, hydra) when bare_peak_rss_is_phase_only, else the process-wide peak; "
         "framework_driver_peak_rss_mb is the benchmark process during the framework run (Ray client + driver)."

@@ -36,11 +36,11 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from unirl.config.validate import validate_diffusion_config  # noqa: E402
+from unirl.config.validate import validate_rl_config  # noqa: E402
 from unirl.distributed.group import RankInfo  # noqa: E402
 from unirl.evaluate import EXAMPLES  # noqa: E402
 from unirl.sde.schedules import sigmas_for  # noqa: E402
-from unirl.trainer.diffusion_worker import DiffusionWorker, build  # noqa: E402
+from unirl.trainer.worker import RLWorker, build  # noqa: E402
 from unirl.types import RolloutReq  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gradient_snr.jsonl")
@@ -50,7 +50,7 @@ def gradient_estimates(cfg, repeats: int) -> tuple[list[torch.Tensor], list[floa
     """`repeats` flattened gradients of the recipe's loss on independent rollouts of one prompt batch."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain.pop("hydra", None)
-    worker = DiffusionWorker(
+    worker = RLWorker(
         RankInfo(rank=0, world_size=1, dp_rank=0, dp_size=1), plain, total_optimizer_steps=1
     )
     backend, engine, stack = worker.backend, worker.engine, worker.stack
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 2 (cosines are between pairs of estimates)")
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
         cfg = compose(args.recipe, overrides=[*args.overrides, "transport=inband"])
-    validate_diffusion_config(cfg)
+    validate_rl_config(cfg)
     grads, rewards, seconds = gradient_estimates(cfg, args.repeats)
     cos = [
         float(torch.nn.functional.cosine_similarity(grads[i], grads[j], dim=0))

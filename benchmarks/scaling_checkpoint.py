@@ -2,7 +2,7 @@
 
     python benchmarks/scaling_checkpoint.py [--steps 6] [--out benchmarks/results/scaling_checkpoint.jsonl]
 
-For each worker count it runs the tiny recipe through `DiffusionTrainer` on one
+For each worker count it runs the tiny recipe through `Trainer` on one
 private local Ray instance, with a checkpoint at the last step, then resumes
 from that checkpoint for one more step to time the restore. It writes JSON
 lines: per worker count the median step time (first step excluded), the peak
@@ -27,9 +27,9 @@ from hydra import compose, initialize_config_dir
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from unirl.config.validate import validate_diffusion_config  # noqa: E402
+from unirl.config.validate import validate_rl_config  # noqa: E402
 from unirl.trainer.checkpoints import read_driver_state  # noqa: E402
-from unirl.trainer.diffusion import DiffusionTrainer  # noqa: E402
+from unirl.trainer.trainer import Trainer  # noqa: E402
 
 
 def recipe(out: str, *overrides: str):
@@ -38,7 +38,7 @@ def recipe(out: str, *overrides: str):
             "diffusion/tiny_sd3_flowgrpo",
             overrides=[f"output_dir={out}", "logging.progress=false", *overrides],
         )
-    validate_diffusion_config(cfg)
+    validate_rl_config(cfg)
     return cfg
 
 
@@ -49,9 +49,9 @@ def dir_bytes(path: str) -> int:
 def measure(devices: int, steps: int, root: str) -> dict:
     out = os.path.join(root, f"w{devices}")
     common = (f"num_devices={devices}", f"checkpoint.every_n_steps={steps}", "logging.save_images_every=0")
-    rows = DiffusionTrainer(recipe(out, f"num_steps={steps}", *common)).run()
+    rows = Trainer(recipe(out, f"num_steps={steps}", *common)).run()
     ckpt = os.path.join(out, "checkpoints", f"step_{steps:06d}")
-    resumed = DiffusionTrainer(recipe(out, f"num_steps={steps + 1}", "resume_from=latest", *common)).run()
+    resumed = Trainer(recipe(out, f"num_steps={steps + 1}", "resume_from=latest", *common)).run()
     return {
         "bench": "scaling_checkpoint",
         "num_devices": devices,

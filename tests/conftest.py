@@ -52,7 +52,7 @@ def tiny_model_config(**overrides):
 
 @pytest.fixture(scope="session", autouse=True)
 def _quiet_and_threads():
-    from unirl.trainer.diffusion_worker import quiet_library_logs
+    from unirl.trainer.worker import quiet_library_logs
 
     quiet_library_logs()
     torch.set_num_threads(2)

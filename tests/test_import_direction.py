@@ -151,7 +151,7 @@ def test_layer_order() -> None:
         ("unirl.tracking.metrics", False, "from unirl.types import x\n", "tracking may not import types"),
         ("unirl.models.sd3", True, "from unirl.config import x\n", "models may not import config"),
         (
-            "unirl.trainer.diffusion",
+            "unirl.trainer.trainer",
             False,
             "from unirl.train_diffusion import main\n",
             "may not import <entry>",
@@ -170,7 +170,7 @@ def test_checker_flags_violations(module: str, is_pkg: bool, source: str, expect
     [
         ("unirl.sde.strategies", False, "from unirl.types.sampling import x\nimport torch\n"),
         ("unirl.models.sd3.stage", False, "from ..base import x\nfrom unirl.sde import y\n"),
-        ("unirl.trainer.diffusion", False, "from unirl.tracking import m\nfrom unirl.distributed import g\n"),
+        ("unirl.trainer.trainer", False, "from unirl.tracking import m\nfrom unirl.distributed import g\n"),
         ("unirl.train_diffusion", False, "from unirl.config import v\nfrom unirl.trainer import t\n"),
         ("unirl.config.validate", False, "from unirl.trainer import t\n"),
     ],

@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: recipe {args.recipe} has no `eval` block to score with", file=sys.stderr)
         return 2
     from unirl.models.sd3 import load_checkpoint
-    from unirl.trainer.diffusion_worker import build, quiet_library_logs
     from unirl.trainer.evaluation import BundleEvaluator
+    from unirl.trainer.worker import build, quiet_library_logs
 
     quiet_library_logs()
     torch.set_num_threads(os.cpu_count() or 1)

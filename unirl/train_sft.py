@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     from unirl.distributed.device import resolve_device
     from unirl.train.sft import FlowMatchingSFT
-    from unirl.trainer.diffusion_worker import build, quiet_library_logs
+    from unirl.trainer.worker import build, quiet_library_logs
 
     quiet_library_logs()
     torch.set_num_threads(cfg.get("threads") or os.cpu_count() or 1)

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import EXAMPLES, run_module
-from unirl.config.validate import ConfigError, validate_diffusion_config, validate_sft_config
+from unirl.config.validate import ConfigError, validate_rl_config, validate_sft_config
 
 RECIPES = ["diffusion/tiny_sd3_flowgrpo", "diffusion/sd3_flowgrpo"]
 
@@ -23,13 +23,13 @@ def recipe(name: str = "diffusion/tiny_sd3_flowgrpo", overrides: list[str] | Non
 
 def problems_of(overrides: list[str], name: str = "diffusion/tiny_sd3_flowgrpo") -> str:
     with pytest.raises(ConfigError) as info:
-        validate_diffusion_config(recipe(name, overrides))
+        validate_rl_config(recipe(name, overrides))
     return str(info.value)
 
 
 def test_tiny_recipe_composes_and_validates():
     cfg = recipe()
-    validate_diffusion_config(cfg)
+    validate_rl_config(cfg)
     assert cfg.num_devices == 1 and cfg.num_steps == 30
     assert cfg.sampling.samples_per_prompt * cfg.prompts_per_rollout == 32
 
@@ -108,7 +108,7 @@ def test_cli_cfg_job_resolve_works_offline(name):
 @pytest.mark.parametrize("name", ["inband", "ray", "tq_simple", "tq_mooncake"])
 def test_every_transport_composes_and_validates(name):
     cfg = recipe(overrides=[f"transport={name}"])
-    validate_diffusion_config(cfg)
+    validate_rl_config(cfg)
     assert cfg.transport.name == name
 
 
@@ -177,7 +177,7 @@ def mutations(value, key):
 
 def rejection(tree, key, value) -> str:
     with pytest.raises(ConfigError) as info:
-        validate_diffusion_config(OmegaConf.create(tree))
+        validate_rl_config(OmegaConf.create(tree))
     return str(info.value)
 
 
@@ -205,7 +205,7 @@ def test_every_leaf_rejects_bad_values_with_its_full_key(name, monkeypatch):
 def test_unmodified_recipes_validate():
     for name in DIFFUSION_RECIPES:
         if name != "diffusion/sd3_flowgrpo":  # needs a real model directory (named in its own test)
-            validate_diffusion_config(recipe(name))
+            validate_rl_config(recipe(name))
     for name in ("sft/shapes_pretrain", "sft/shapes_pretrain_continue"):
         validate_sft_config(recipe(name))
 
@@ -289,7 +289,7 @@ def test_checks_after_a_failed_component_still_run():
 def test_eval_from_ema_needs_train_ema():
     msg = problems_of(["eval.use_ema=true"], name="diffusion/shapes_flowgrpo_smoke")
     assert "eval.use_ema=true" in msg and "train.ema is null" in msg
-    validate_diffusion_config(
+    validate_rl_config(
         recipe(
             "diffusion/shapes_flowgrpo_smoke",
             ["eval.use_ema=true", "+train.ema._target_=unirl.train.ema.EMAConfig"],
@@ -333,9 +333,9 @@ def test_one_rank_bf16_fsdp_policy_without_autocast_and_in_process_geometry_are_
     launcher=in_process has one worker and no Ray, so it needs num_devices=1 and the inband transport."""
     msg = problems_of(["train.fsdp.param_dtype=bfloat16"])
     assert "train.fsdp.param_dtype=bfloat16" in msg and "stage.autocast_dtype" in msg
-    validate_diffusion_config(
+    validate_rl_config(
         recipe(overrides=["train.fsdp.param_dtype=bfloat16", "+stage.autocast_dtype=bfloat16"])
     )
     msg = problems_of(["launcher=in_process", "num_devices=2", "prompts_per_rollout=4"])
     assert "launcher=in_process" in msg and "num_devices=2" in msg
-    validate_diffusion_config(recipe(overrides=["launcher=in_process", "transport=inband"]))
+    validate_rl_config(recipe(overrides=["launcher=in_process", "transport=inband"]))

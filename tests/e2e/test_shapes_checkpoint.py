@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO, run_module
-from unirl.config.validate import validate_diffusion_config
+from unirl.config.validate import validate_rl_config
 from unirl.models.sd3 import SD3Bundle
 
 pytestmark = pytest.mark.e2e
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 def test_shapes_recipe_validates_with_the_committed_model():
     with initialize_config_dir(config_dir=str(Path(REPO) / "examples"), version_base=None):
         cfg = compose("diffusion/shapes_flowgrpo")
-    validate_diffusion_config(cfg)
+    validate_rl_config(cfg)
     assert (Path(REPO) / cfg.model.pretrained_path / "model_index.json").is_file()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model_config
+from unirl.models.sd3.bundle import SD3Bundle
 from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend, lr_factor
 from unirl.train.fsdp import FSDPConfig, unmatched_block_classes
 
@@ -37,7 +38,14 @@ SMALL_LORA = LoRAConfig(rank=2, alpha=4)
 
 
 def backend(lora: LoRAConfig | None = SMALL_LORA, **kw) -> TrainBackend:
-    return TrainBackend(tiny_model_config().build().transformer, lora, OptimConfig(lr=1e-2), 10, **kw)
+    return TrainBackend(
+        tiny_model_config().build().transformer,
+        lora,
+        OptimConfig(lr=1e-2),
+        10,
+        writer=SD3Bundle.write_weights,
+        **kw,
+    )
 
 
 def one_step(b: TrainBackend) -> None:
@@ -94,7 +102,7 @@ def test_reference_without_keep_reference_raises():
 
 
 def test_fsdp_block_names_are_checked_against_the_model():
-    denoiser = tiny_model_config().denoiser_on_meta()
+    denoiser = tiny_model_config().trainable_on_meta()
     assert unmatched_block_classes(denoiser, ["JointTransformerBlock"]) == []
     assert unmatched_block_classes(denoiser, ["DecoderLayer"]) == ["DecoderLayer"]
     with pytest.raises(ValueError, match="param_dtype"):

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tests.conftest import tiny_model_config
+from unirl.models.sd3.bundle import SD3Bundle
 from unirl.train.backend import OptimConfig, TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.ema import EMAConfig
@@ -92,7 +93,13 @@ def test_exported_lora_loads_back_at_the_trained_scale(tmp_path):
 
     bundle = tiny_model_config().build()
     bundle.save_pretrained(str(tmp_path / "base"))
-    b = TrainBackend(bundle.transformer, LoRAConfig(rank=2, alpha=8), OptimConfig(lr=1e-2), 10)
+    b = TrainBackend(
+        bundle.transformer,
+        LoRAConfig(rank=2, alpha=8),
+        OptimConfig(lr=1e-2),
+        10,
+        writer=SD3Bundle.write_weights,
+    )
     one_step(b)
     b.save_weights(str(tmp_path / "ckpt"), base_model=str(tmp_path / "base"))
     loaded = load_checkpoint(str(tmp_path / "ckpt")).transformer

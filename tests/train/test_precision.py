@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import tiny_model_config
+from unirl.models.sd3.bundle import SD3Bundle
 from unirl.models.sd3.stage import SD3Stage
 from unirl.train.backend import OptimConfig, TrainBackend
 from unirl.train.fsdp import FSDPConfig
@@ -185,9 +186,9 @@ def test_lora_export_with_activation_checkpointing_equals_the_plain_export(tmp_p
         bundle = tiny_model_config().build()
         lora = LoRAConfig(rank=2, alpha=4, init_lora_weights="gaussian")
         fsdp = FSDPConfig(block_classes=["JointTransformerBlock"], activation_checkpointing=ac)
-        TrainBackend(bundle.transformer, lora, OptimConfig(), 1, fsdp=fsdp).save_weights(
-            str(tmp_path / str(ac)), None
-        )
+        TrainBackend(
+            bundle.transformer, lora, OptimConfig(), 1, fsdp=fsdp, writer=SD3Bundle.write_weights
+        ).save_weights(str(tmp_path / str(ac)), None)
         files.append(load_file(str(tmp_path / str(ac) / "pytorch_lora_weights.safetensors")))
     plain, ckpt = files
     assert plain and sorted(plain) == sorted(ckpt)

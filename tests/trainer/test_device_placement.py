@@ -1,6 +1,6 @@
 """Every tensor a worker touches is on the device it was told; what reaches the driver is on the CPU.
 
-Drives one `DiffusionWorker` in-process (`unirl.distributed.group.in_process`,
+Drives one `RLWorker` in-process (`unirl.distributed.group.in_process`,
 the same call interface as a Ray group) through rollout, transport, training,
 checkpoint save and load, and walks every tensor it holds: the bundle's
 modules, trainable weights and their gradients, optimizer moments, the EMA
@@ -21,10 +21,8 @@ from tests.conftest import EXAMPLES
 from tests.trainer.test_distributed_runs import SMALL
 from unirl.dataplane import get_batch, make_transport
 from unirl.distributed.group import in_process
-from unirl.sde.schedules import sigmas_for
-from unirl.trainer.diffusion import REWARD_FIELDS
-from unirl.trainer.diffusion_worker import DiffusionWorker, build
-from unirl.types import RolloutReq
+from unirl.trainer.modality import modality_for
+from unirl.trainer.worker import RLWorker, build
 
 EMA = "+train.ema={_target_: unirl.train.ema.EMAConfig, decay: 0.9}"
 CASES = {
@@ -64,7 +62,7 @@ def walk(obj, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def worker_tensors(worker: DiffusionWorker) -> dict[str, torch.Tensor]:
+def worker_tensors(worker: RLWorker) -> dict[str, torch.Tensor]:
     """Modules of the bundle (params, buffers, grads) and the backend's whole train state."""
     found: dict[str, torch.Tensor] = {}
     for name, component in worker.bundle.pipeline.components.items():
@@ -89,7 +87,7 @@ def off_device(tensors: dict[str, torch.Tensor], device: torch.device) -> list[s
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_tensor_of_a_worker_is_on_its_device(tmp_path, device, case):
     cfg, plain = recipe(tmp_path, CASES[case])
-    group = in_process(DiffusionWorker, plain, 4, str(tmp_path / "base"), {}, device=device)
+    group = in_process(RLWorker, plain, 4, str(tmp_path / "base"), {}, device=device)
     worker = group.worker
     want = torch.device(device, 0) if device == "cuda" else torch.device(device)
     assert worker.device == want and group.model_info()["device"] == str(want)
@@ -98,18 +96,18 @@ def test_every_tensor_of_a_worker_is_on_its_device(tmp_path, device, case):
     assert worker.backend.ema is not None
 
     sampling, reward, advantage = build(cfg.sampling), build(cfg.reward), build(cfg.advantage)
-    sigmas = sigmas_for(sampling, worker.bundle.image_seq_len(sampling.height, sampling.width))
+    modality = modality_for(sampling, group.model_info())
     examples = build(cfg.data_source).next_batch(int(cfg.prompts_per_rollout))
     driver = make_transport(cfg.transport)  # the driver's own transport delivers onto the CPU
     for step in range(2):
-        req = RolloutReq.from_prompts(examples, sampling, sigmas, rollout_id=step)
+        req = modality.request(examples, step)
         # the engine's own output: trajectories, log-probs, prompt encodings, media
         track = worker.engine.generate(req).track(worker.engine.track_name)
         assert not off_device(walk(track, "track"), want)
         meta = group.rollout(req, f"step_{step}")
         assert not off_device(walk(meta.skeleton.shared, "meta"), torch.device("cpu"))
         assert not off_device(walk(get_batch(worker.transport, meta), "fetched"), want)
-        scored = get_batch(driver, meta, REWARD_FIELDS)
+        scored = get_batch(driver, meta, modality.reward_fields)
         assert scored.media.device.type == "cpu"
         reward.score_and_attach(scored)
         scored.compute_advantages(advantage)

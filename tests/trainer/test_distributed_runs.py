@@ -1,6 +1,6 @@
 """Multi-worker training on real Ray: exact resume, 1-vs-2-worker parity, worker failure.
 
-Runs a shrunken tiny recipe in-process through `DiffusionTrainer` on one shared
+Runs a shrunken tiny recipe in-process through `Trainer` on one shared
 local Ray instance (the worker failure test runs the entry point in a subprocess).
 """
 
@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 from tests.conftest import EXAMPLES, REPO, run_module
 from tests.dataplane.backends import BACKENDS, transport_cfg
 from unirl.algorithms.flow_grpo import FlowGRPO
-from unirl.config.validate import ConfigError, validate_diffusion_config
+from unirl.config.validate import ConfigError, validate_rl_config
 from unirl.dataplane import make_transport
-from unirl.trainer.diffusion import DiffusionTrainer
+from unirl.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.ray
 
@@ -50,12 +50,12 @@ SMALL = [
 def small_recipe(out, *overrides: str):
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
         cfg = compose("diffusion/tiny_sd3_flowgrpo", overrides=[*SMALL, f"output_dir={out}", *overrides])
-    validate_diffusion_config(cfg)
+    validate_rl_config(cfg)
     return cfg
 
 
 def run(out, *overrides: str) -> list[dict]:
-    DiffusionTrainer(small_recipe(out, *overrides)).run()
+    Trainer(small_recipe(out, *overrides)).run()
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
@@ -150,8 +150,8 @@ def shapes_run(out, *overrides: str) -> list[dict]:
                 *overrides,
             ],
         )
-    validate_diffusion_config(cfg)
-    DiffusionTrainer(cfg).run()
+    validate_rl_config(cfg)
+    Trainer(cfg).run()
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
@@ -263,7 +263,7 @@ def test_failed_step_leaks_nothing_and_spares_a_running_controller(tmp_path):
     outer = make_transport(transport_cfg("tq_simple"))
     outer.start()
     try:
-        trainer = DiffusionTrainer(small_recipe(tmp_path, "num_steps=2", "transport=tq_simple"))
+        trainer = Trainer(small_recipe(tmp_path, "num_steps=2", "transport=tq_simple"))
 
         def reward_down(track):
             assert len(outer.get(outer.put("probe", ["p"], {"x": torch.ones(1)}))["x"]) == 1
@@ -331,11 +331,11 @@ def test_worker_death_stops_the_run_cleanly(tmp_path):
     # kill exactly this run's rank-0 worker (recorded by the trainer), never another run's
     placed = json.loads((out / "placement.json").read_text())
     victim = next(w for w in placed["workers"] if w["rank"] == 0)
-    assert "DiffusionWorker" in " ".join(psutil.Process(victim["pid"]).cmdline())
+    assert "RLWorker" in " ".join(psutil.Process(victim["pid"]).cmdline())
     os.kill(victim["pid"], signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
-    assert "DiffusionWorker" in stderr and "rank 0" in stderr and "run stopped at step" in stderr
+    assert "RLWorker" in stderr and "rank 0" in stderr and "run stopped at step" in stderr
     assert "Last complete checkpoint" in stderr and "step_00000" in stderr
     # the last checkpoint's exported weights load back
     from unirl.models.sd3 import load_checkpoint

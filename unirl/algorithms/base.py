@@ -20,11 +20,14 @@ class StageAlgorithm(ABC):
          (scaled by `ctx["loss_scale"]`) and returns float metrics.
 
     Class attributes:
+        modality: "diffusion" or "text", the tracks the loss reads (validation
+            refuses a recipe whose sampling, model and algorithm disagree).
         supports_multi_update: may run several optimizer updates per rollout.
         requires_ema_rollout: rollouts must come from EMA weights.
         requires_sde_logprobs: needs per-step log-probs (sampling.eta > 0).
     """
 
+    modality: ClassVar[str | None] = None
     supports_multi_update: ClassVar[bool] = False
     requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = False

@@ -99,6 +99,7 @@ def nft_loss(
 class DiffusionNFT(StageAlgorithm):
     """DiffusionNFT on a diffusion track: uses only the final latents and the advantages."""
 
+    modality: ClassVar[str] = "diffusion"
     supports_multi_update: ClassVar[bool] = True
     requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = False

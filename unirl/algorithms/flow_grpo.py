@@ -88,6 +88,7 @@ def clipped_policy_loss(
 class FlowGRPO(StageAlgorithm):
     """Flow-GRPO on a diffusion track (`LatentSegment` with SDE log-probs)."""
 
+    modality: ClassVar[str] = "diffusion"
     supports_multi_update: ClassVar[bool] = True
     requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = True

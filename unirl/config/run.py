@@ -1,6 +1,6 @@
 """Schemas of the recipe keys that configure no component: the run itself.
 
-A diffusion recipe's top level is `RunConfig`; its plain sections (no
+An RL recipe's top level (diffusion or text) is `RunConfig`; its plain sections (no
 `_target_`) are `CheckpointConfig`, `LoggingConfig`, `EvalConfig` and
 `TrainConfig`. Component sections (`sampling`, `model`, ...) are `_target_`
 nodes checked against their own classes, so here they are only required to be
@@ -31,7 +31,7 @@ def _at_least(section: str, key: str, value: int | None, low: int) -> None:
 
 @dataclass
 class RunConfig:
-    """The top level of a diffusion recipe.
+    """The top level of an RL recipe (diffusion or text).
 
     Attributes:
         num_devices: data-parallel workers (GPUs, or CPU slots on a CPU machine).
@@ -149,7 +149,7 @@ class TrainConfig:
         _components("train.", self, ("optim", "stack"), ("lora", "fsdp", "ema"))
 
 
-DIFFUSION_SECTIONS: dict[str, type] = {
+RL_SECTIONS: dict[str, type] = {
     "": RunConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,

@@ -7,8 +7,10 @@ Two phases, both reporting every problem they find:
    `_target_` node against its target (`unirl.config.schema.check_node`), and
    each target that can be built from the recipe alone is built, so its
    constructor's own checks run too.
-2. Cross-component checks (batch geometry, model geometry, algorithm vs
-   sampling / EMA / updates, FSDP blocks, resume) run on whatever phase 1
+2. Cross-component checks (one modality across sampling, model and
+   algorithm; batch geometry; the modality's own checks: image size vs the
+   model's patch grid, or the token budget vs the model's context; algorithm
+   vs sampling / EMA / updates; FSDP blocks; resume) run on whatever phase 1
    built; a check is skipped only when one of its inputs failed phase 1.
 
 Every problem names the recipe keys involved and says what is expected; all of
@@ -24,9 +26,13 @@ from typing import Any
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from unirl.config.run import DIFFUSION_SECTIONS, SFT_SECTIONS
+from unirl.config.run import RL_SECTIONS, SFT_SECTIONS
 from unirl.config.schema import check_node, target_parameters
 from unirl.dataplane import TRANSPORTS, transport_problems
+from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
+
+SAMPLING_MODALITY = {DiffusionSamplingParams: "diffusion", TextSamplingParams: "text"}
+ENTRY_POINTS = {"diffusion": "unirl.train_diffusion", "text": "unirl.train_vlm"}
 
 
 class ConfigError(ValueError):
@@ -138,7 +144,7 @@ def _transport_check(cfg: DictConfig, problems: list[str]) -> None:
 
 def _model_geometry(model: Any) -> tuple[int, int | None] | None:
     """(pixels per latent patch, largest height/width or None) of an SD3 model config, when knowable."""
-    if model is None:
+    if model is None or getattr(model, "modality", None) != "diffusion":
         return None
     if not model.pretrained_path:
         tiny = model.tiny
@@ -171,7 +177,7 @@ def _check_geometry(run: Any, sampling: Any, stack: Any, model: Any, problems: l
                 f"batch geometry: train.stack.micro_batch_size={stack.micro_batch_size} does not divide the "
                 f"per-rank batch of {total // world} samples (prompts_per_rollout x samples_per_prompt / num_devices)"
             )
-    geometry = _model_geometry(model) if sampling is not None else None
+    geometry = _model_geometry(model) if isinstance(sampling, DiffusionSamplingParams) else None
     if geometry is not None:
         cell, largest = geometry
         for key in ("height", "width"):
@@ -202,7 +208,7 @@ def _check_algorithm(
             f"train.stack.num_updates_per_batch={stack.num_updates_per_batch}: {name} does not "
             "support several updates per rollout; set it to 1"
         )
-    if algorithm is not None and sampling is not None:
+    if algorithm is not None and isinstance(sampling, DiffusionSamplingParams):
         if getattr(algorithm, "requires_sde_logprobs", False) and sampling.eta == 0:
             problems.append(
                 f"sampling.eta=0 gives no SDE steps, but {name} needs step log-probs; set sampling.eta > 0"
@@ -240,16 +246,20 @@ def _check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[s
             f"{fsdp.param_dtype} for low-precision compute on one rank, or train.fsdp.param_dtype=float32"
         )
     model_readable = model is not None and (not model.pretrained_path or os.path.isdir(model.pretrained_path))
-    if fsdp is not None and model_readable and hasattr(model, "denoiser_on_meta"):
+    if fsdp is not None and model_readable and hasattr(model, "trainable_on_meta"):
         try:
-            denoiser = model.denoiser_on_meta()
+            denoiser = model.trainable_on_meta()
         except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
-            problems.append(f"model: cannot read the denoiser config ({type(exc).__name__}: {exc})")
+            problems.append(f"model: cannot read the trainable model's config ({type(exc).__name__}: {exc})")
         else:
             missing = unmatched_block_classes(denoiser, fsdp.block_classes)
             if missing:
                 present = sorted(
-                    {type(m).__name__ for m in denoiser.modules() if "Block" in type(m).__name__}
+                    {
+                        type(m).__name__
+                        for m in denoiser.modules()
+                        if "Block" in type(m).__name__ or "Layer" in type(m).__name__
+                    }
                 )
                 problems.append(
                     f"train.fsdp.block_classes {missing} match no module of {type(denoiser).__name__} "
@@ -269,27 +279,84 @@ def _target_class(cfg: DictConfig, key: str) -> type | None:
         return None
 
 
-def validate_diffusion_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` listing every problem of a diffusion recipe."""
+def _check_modality(
+    cfg: DictConfig, sampling: Any, model: Any, algorithm: type | None, expect: str | None, problems: list[str]
+) -> str | None:
+    """One modality across sampling, model and algorithm (and the entry point); returns it."""
+    modality = next((m for kind, m in SAMPLING_MODALITY.items() if isinstance(sampling, kind)), None)
+    if modality is None:
+        return None
+    parts = {"model": getattr(model, "modality", None), "algorithm": getattr(algorithm, "modality", None)}
+    for key, other in parts.items():
+        if other is not None and other != modality:
+            target = cfg[key]["_target_"] if key in cfg else "?"
+            problems.append(
+                f"{key}: {target} is a {other} component but sampling ({type(sampling).__name__}) makes this a "
+                f"{modality} recipe; use a {modality} {key}"
+            )
+    if expect is not None and modality != expect:
+        problems.append(
+            f"sampling: this is a {modality} recipe ({type(sampling).__name__}); run it with "
+            f"`python -m {ENTRY_POINTS[modality]}`, not {ENTRY_POINTS[expect]}"
+        )
+    return modality
+
+
+def _check_text(cfg: DictConfig, sampling: TextSamplingParams, model: Any, problems: list[str]) -> None:
+    """Text recipes: the token budget fits the model's context; no image-only sections."""
+    tiny = getattr(model, "tiny", None) if model is not None else None
+    context = getattr(tiny, "max_position_embeddings", None)
+    if context is not None and sampling.max_prompt_length + sampling.max_new_tokens > context:
+        problems.append(
+            f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
+            f"({sampling.max_new_tokens}) exceeds model.tiny.max_position_embeddings={context}, the model's context"
+        )
+    if cfg.get("eval") is not None:
+        problems.append(
+            "eval: held-out evaluation runs for diffusion recipes only so far; remove the eval block "
+            "(score text with the reward's components in metrics.jsonl)"
+        )
+
+
+def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
+    """Raise `ConfigError` listing every problem of an RL recipe (diffusion or text).
+
+    Args:
+        expect: the modality the entry point runs ("diffusion" or "text"); a
+            recipe of the other modality is a problem naming the right entry point.
+    """
     problems: list[str] = []
-    passed = check_recipe(cfg, DIFFUSION_SECTIONS, problems)
+    passed = check_recipe(cfg, RL_SECTIONS, problems)
     _transport_check(cfg, problems)
     model = passed.get("model")
     if model is not None and model.pretrained_path and not os.path.isdir(model.pretrained_path):
+        kind = {"text": "Hugging Face causal-LM (Qwen3 / Qwen2)"}.get(
+            getattr(model, "modality", None), "diffusers SD3 / SD3.5"
+        )
         problems.append(
             f"model.pretrained_path: {model.pretrained_path!r} is not a directory; point it (or PRETRAINED_MODEL) at "
-            "a local diffusers SD3 / SD3.5 directory, or set it to null to use model.tiny"
+            f"a local {kind} directory, or set it to null to use model.tiny"
         )
     sampling, stack = passed.get("sampling"), passed.get("train.stack")
+    algorithm = _target_class(cfg, "algorithm") if "algorithm" in cfg else None
+    modality = _check_modality(cfg, sampling, model, algorithm, expect, problems)
     _check_geometry(passed.get(""), sampling, stack, model, problems)
-    _check_algorithm(
-        _target_class(cfg, "algorithm") if "algorithm" in cfg else None,
-        sampling,
-        stack,
-        passed.get("train"),
-        passed.get("eval"),
-        problems,
-    )
+    if modality == "text":
+        _check_text(cfg, sampling, model, problems)
+    _check_algorithm(algorithm, sampling, stack, passed.get("train"), passed.get("eval"), problems)
+    check_advantage = getattr(passed.get("algorithm"), "check_advantage", None)
+    advantage = passed.get("advantage")
+    if callable(check_advantage) and advantage is not None:
+        try:
+            check_advantage(advantage)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if advantage is not None and getattr(advantage, "estimator", "grpo") == "rloo" and sampling is not None:
+        if sampling.samples_per_prompt < 2:
+            problems.append(
+                f"advantage.estimator=rloo compares each sample with its siblings: sampling.samples_per_prompt "
+                f"must be >= 2, got {sampling.samples_per_prompt}"
+            )
     _check_distributed(cfg, passed, problems)
     if problems:
         raise ConfigError(problems)

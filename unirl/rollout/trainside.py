@@ -7,48 +7,66 @@ from typing import Annotated
 import torch
 from annotated_types import Ge
 
-from unirl.models.sd3.stage import SD3Stage
+from unirl.models.stage import DiffusionStage, TextStage
 from unirl.types.batch import concat
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutResp, RolloutTrack
 
 
 class TrainsideEngine:
-    """Direct sampling through the train worker's own module.
+    """Direct sampling through the train worker's own module, for any stage.
 
     Args:
-        stage: the diffusion stage whose `module` is the trained denoiser.
-        forward_batch_size: samples per denoising forward (bounds memory);
-            None runs the whole request at once. Results do not depend on it:
-            each sample's noise comes from its own seed.
-        track_name: name of the produced track.
+        stage: a `DiffusionStage` (the track holds a `LatentSegment`, its prompt
+            conditions and decoded images) or a `TextStage` (a `TokenSegment` and
+            the decoded response texts); its `module` is the trained network.
+        forward_batch_size: samples per forward (bounds memory); None runs the
+            whole request at once. Results do not depend on it: each sample's
+            randomness comes from its own seed.
+        track_name: name of the produced track (default: "diffusion" for a
+            diffusion stage, "text" for a text stage).
     """
 
     def __init__(
         self,
-        stage: SD3Stage,
+        stage: DiffusionStage | TextStage,
         forward_batch_size: Annotated[int, Ge(1)] | None = None,  # Ge: checked before a stage exists
-        track_name: str = "diffusion",
+        track_name: str | None = None,
     ) -> None:
         if forward_batch_size is not None and forward_batch_size < 1:
             raise ValueError(f"rollout.forward_batch_size must be >= 1 or null, got {forward_batch_size}")
+        self.text = isinstance(stage, TextStage)
+        if not self.text and not isinstance(stage, DiffusionStage):
+            raise TypeError(f"{type(stage).__name__} implements neither DiffusionStage nor TextStage")
         self.stage = stage
         self.forward_batch_size = forward_batch_size
-        self.track_name = track_name
+        self.track_name = track_name or ("text" if self.text else "diffusion")
+
+    def _chunks(self, n: int) -> list[list[int]]:
+        size = self.forward_batch_size or n
+        return [list(range(k, min(k + size, n))) for k in range(0, n, size)]
 
     @torch.no_grad()
     def generate(self, req: RolloutReq) -> RolloutResp:
-        sp = req.sampling
         was_training = self.stage.module.training
         self.stage.module.eval()
         try:
-            cond = self.stage.encode_prompts(req.prompts, sp.guidance_scale, sp.max_sequence_length)
-            n = self.forward_batch_size or len(req)
-            chunks = [list(range(k, min(k + n, len(req)))) for k in range(0, len(req), n)]
-            segment = concat(
-                [self.stage.diffuse(req.select(idx), {k: v[idx] for k, v in cond.items()}) for idx in chunks]
-            )
-            media = torch.cat([self.stage.decode(segment.final[idx]) for idx in chunks])
+            if self.text:
+                parts = [self.stage.generate(req.select(idx)) for idx in self._chunks(len(req))]
+                segment = concat([seg for seg, _ in parts])
+                extra = {"texts": [t for _, texts in parts for t in texts]}
+            else:
+                sp = req.sampling
+                cond = self.stage.encode_prompts(req.prompts, sp.guidance_scale, sp.max_sequence_length)
+                chunks = self._chunks(len(req))
+                segment = concat(
+                    [
+                        self.stage.diffuse(req.select(idx), {k: v[idx] for k, v in cond.items()})
+                        for idx in chunks
+                    ]
+                )
+                media = torch.cat([self.stage.decode(segment.final[idx]) for idx in chunks])
+                extra = {"conditions": cond, "media": media}
         finally:
             self.stage.module.train(was_training)
         track = RolloutTrack(
@@ -58,8 +76,7 @@ class TrainsideEngine:
             prompts=req.prompts,
             metadata=req.metadata,
             segment=segment,
-            conditions=cond,
-            media=media,
             rollout_id=req.rollout_id,
+            **extra,
         )
         return RolloutResp(tracks={self.track_name: track})

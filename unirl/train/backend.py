@@ -13,7 +13,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,10 @@ class TrainBackend:
         keep_reference: keep the reference policy available (`reference()`):
             free with LoRA (adapters disabled); a full fine-tune keeps a copy
             of the initial (sharded) weights.
+        writer: the model family's exporter, `writer(path, kind, state, module)`
+            with kind "lora" (peft state dict) or "full" (the module's full state
+            dict), both unsharded on the CPU; `module` is the trained (wrapped)
+            module (its `peft_config`, its class and config). Needed by `save_weights`.
     """
 
     def __init__(
@@ -136,8 +140,10 @@ class TrainBackend:
         fsdp: FSDPConfig | None = None,
         ema: EMAConfig | None = None,
         keep_reference: bool = False,
+        writer: Callable[[str, str, dict[str, torch.Tensor], torch.nn.Module], None] | None = None,
     ) -> None:
         self.module = module
+        self.writer = writer
         self.lora = lora
         self.optim_cfg = optim
         if lora is not None:
@@ -314,12 +320,15 @@ class TrainBackend:
         return {_unwrapped_name(n): _full(p.detach()).cpu() for n, p in self.named_params}
 
     def save_weights(self, path: str, base_model: str | None, write: bool = True) -> None:
-        """Export weights that diffusers / peft load directly: a LoRA file
-        (`pytorch_lora_weights.safetensors`) or a full `transformer/` directory,
-        plus `unirl_checkpoint.json` naming the base model. Collective when
-        sharded (every rank gathers; only ranks with `write` write)."""
+        """Export the trained weights through the family's `writer` (a LoRA adapter or
+        the full model, in the format its library loads directly), plus
+        `unirl_checkpoint.json` naming the base model. Collective when sharded
+        (every rank gathers; only ranks with `write` write)."""
+        if self.writer is None:
+            raise ValueError(
+                "TrainBackend.save_weights needs the model family's writer (TrainBackend(writer=...))"
+            )
         if self.lora is not None:
-            from diffusers import StableDiffusion3Pipeline
             from peft.utils import get_peft_model_state_dict
 
             # peft finds LoRA layers by module name: give it the module's own (wrapped) names, then unwrap
@@ -338,20 +347,7 @@ class TrainBackend:
         if not write:
             return
         os.makedirs(path, exist_ok=True)
-        if kind == "lora":
-            # the adapter config (alpha among it) rides in the file's metadata: without it diffusers
-            # loads lora_alpha = rank and scales the update by 1 instead of alpha / rank
-            StableDiffusion3Pipeline.save_lora_weights(
-                path,
-                transformer_lora_layers=state,
-                transformer_lora_adapter_metadata=self.module.peft_config["default"].to_dict(),
-            )
-        else:
-            # A fresh unsharded copy of the module's own (diffusers) class writes the standard layout.
-            cls = next(c for c in type(self.module).__mro__ if not c.__name__.startswith("FSDP"))
-            fresh = cls.from_config(self.module.config)
-            fresh.load_state_dict(state)
-            fresh.save_pretrained(os.path.join(path, "transformer"))
+        self.writer(path, kind, state, self.module)
         with open(os.path.join(path, "unirl_checkpoint.json"), "w") as f:
             json.dump(
                 {"kind": kind, "base_model": base_model, "optimizer_steps": self.optimizer_steps}, f, indent=2

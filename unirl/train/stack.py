@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from unirl.algorithms.base import StageAlgorithm
 from unirl.train.backend import TrainBackend
 from unirl.types.batch import even_chunks
 from unirl.types.rollout_resp import RolloutTrack
+from unirl.types.segments import TokenSegment
 
 
 @dataclass
@@ -85,7 +89,24 @@ class TrainStack:
         micro = [track.select(idx) for idx in even_chunks(len(track), len(track) // cfg.micro_batch_size)]
         micro = [self.algorithm.prepare_segment(self.stage, mb) for mb in micro]
         ctx = {"loss_scale": 1.0 / len(micro), "progress": progress, "reference": self.backend.reference}
+        if isinstance(track.segment, TokenSegment):
+            ctx.update(self.batch_totals(track.segment))
         return micro, ctx
+
+    def batch_totals(self, segment: TokenSegment) -> dict[str, float]:
+        """`num_tokens` and `num_samples` of the global train batch divided by the world
+        size (all-reduced over data-parallel ranks). A micro-batch loss normalised by
+        them sums, over micro-batches and then averaged over ranks by the gradient
+        reduction, to the exact global token- or sequence-mean whatever the split."""
+        device = next(self.stage.module.parameters()).device
+        totals = torch.tensor(
+            [float(segment.response_lengths.sum()), float(len(segment))], dtype=torch.float64, device=device
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(totals)
+            totals /= dist.get_world_size()
+        num_tokens, num_samples = totals.tolist()
+        return {"num_tokens": num_tokens, "num_samples": num_samples}
 
     def backward(self, micro: list[RolloutTrack], ctx: dict) -> list[dict[str, float]]:
         """Accumulate one update's gradients over all micro-batches; their metric rows."""

@@ -1,6 +1,9 @@
-"""`DiffusionTrainer`: the driver of a diffusion RL run (single controller on Ray).
+"""`Trainer`: the driver of an RL run, diffusion or text (single controller on Ray).
 
-Per step: prompts -> rollout (workers put their tracks into the transport,
+One loop for every modality: what differs per modality (building a rollout
+request, the fields scoring fetches, how samples are kept) is a
+`unirl.trainer.modality` object chosen by the recipe's sampling params; the
+model family, stage and algorithm live in the workers. Per step: prompts -> rollout (workers put their tracks into the transport,
 the driver gets metas) -> reward (driver fetches only what scoring needs) ->
 advantages (driver) -> train (each worker fetches its shard by meta) ->
 [checkpoint]; the step's partition is cleared in a ``finally``. The driver
@@ -23,9 +26,8 @@ from tqdm import tqdm
 from unirl.dataplane import get_batch, make_transport, merge_stats
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
-from unirl.sde.schedules import sigmas_for
 from unirl.tracking.gallery import write_gallery
-from unirl.tracking.metrics import JsonlWriter, save_image_grid
+from unirl.tracking.metrics import JsonlWriter
 from unirl.train.stack import reduce_metrics
 from unirl.trainer.checkpoints import (
     checkpoint_dir,
@@ -34,35 +36,33 @@ from unirl.trainer.checkpoints import (
     resolve_resume_path,
     write_driver_state,
 )
-from unirl.trainer.diffusion_worker import DiffusionWorker, build
 from unirl.trainer.evaluation import eval_request
-from unirl.types.rollout_req import RolloutReq
+from unirl.trainer.modality import modality_for
+from unirl.trainer.worker import RLWorker, build
 
 # exported in every worker. THP_MEM_ALLOC_ENABLE: PyTorch's CPU allocator backs large allocations
 # with transparent huge pages, so a fresh tensor (a fetched rollout, a sampled trajectory) takes
 # 512x fewer page faults (benchmarks/README.md: a 512 MiB fetch ~3x faster).
 WORKER_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
-# what the driver fetches from a rollout's partition: scoring inputs and the gallery's captions
-REWARD_FIELDS = ["sample_ids", "group_ids", "prompts", "metadata", "media"]
-
 
 class TrainingError(RuntimeError):
     """A run stopped: names the step, the failing worker and the last checkpoint."""
 
 
-class DiffusionTrainer:
+class Trainer:
     """Runs the recipe `cfg` (already validated) up to `cfg.num_steps`.
 
     Writes into `cfg.output_dir`: `config.yaml` (resolved), `metrics.jsonl`
     (one row per step; with `eval`, a step-0 row and `eval/...` keys every
     `eval.every_n_steps` steps and at the end), `samples/step_XXXX.png` (+ .json prompts and
-    rewards) every `logging.save_images_every` steps and at the last step,
+    rewards; a text run writes only the .json, with the responses) every `logging.save_images_every` steps and at the last step,
     `gallery.html` (self-contained: sample grids, prompts, reward and accuracy curves),
     `base_model/` for a tiny model, `checkpoints/step_XXXXXX/` every
     `checkpoint.every_n_steps` steps, and `checkpoints/final/` (weights that
     `unirl.models.sd3.load_checkpoint` loads back; with `train.ema`, the EMA weights
-    in the same format in `checkpoints/final_ema/`). With `resume_from` (a
+    in the same format in `checkpoints/final_ema/`; a text run's weights load with
+    `unirl.models.causal_lm.load_checkpoint`). With `resume_from` (a
     checkpoint directory or `latest`) it continues from that step and the run
     is identical to one that never stopped.
     """
@@ -118,10 +118,10 @@ class DiffusionTrainer:
                 transport_info,
             )
             if local:  # one worker in this process, no Ray (validated: 1 device, inband transport)
-                group = in_process(DiffusionWorker, *args)
+                group = in_process(RLWorker, *args)
                 layout = {"num_devices": 1, "num_nodes": 1, "bundle_node_ids": []}
             else:
-                group = remote(DiffusionWorker, placement(pool), *args, env=WORKER_ENV)
+                group = remote(RLWorker, placement(pool), *args, env=WORKER_ENV)
                 layout = {
                     "num_devices": pool.num_devices,
                     "num_nodes": pool.num_nodes,
@@ -197,7 +197,8 @@ class DiffusionTrainer:
         self.last_checkpoint = path
 
     def _evaluate(self, group, step: int, image_seq_len: int) -> dict[str, float]:
-        """`eval/...` accuracies on the held-out prompts (deterministic sampling on the workers)."""
+        """`eval/...` accuracies on the held-out prompts (deterministic sampling on the workers;
+        diffusion recipes: validation rejects `eval` elsewhere)."""
         req = eval_request(self.eval_examples, self.sampling, self.eval_sampling, image_seq_len)
         n, world = len(req), int(self.cfg.num_devices)
         if n % world:  # pad with copies of the last sample so every rank gets the same count
@@ -206,11 +207,8 @@ class DiffusionTrainer:
         return {f"eval/{k}": v for k, v in self.eval_scorer.evaluate(media, req.prompts[:n]).items()}
 
     def _loop(self, group, start: int) -> list[dict[str, Any]]:
-        info = self._call(group, "model_info", start)
-        sp = self.sampling
-        cell = info["vae_scale_factor"] * info["patch_size"]
-        seq_len = (sp.height // cell) * (sp.width // cell)
-        sigmas = sigmas_for(sp, seq_len)
+        modality = modality_for(self.sampling, self._call(group, "model_info", start))
+        seq_len = getattr(modality, "image_seq_len", None)
         log_cfg = self.cfg.get("logging") or {}
         every = int(log_cfg.get("save_images_every", 10))
         writer = JsonlWriter(os.path.join(self.out, "metrics.jsonl"))
@@ -230,13 +228,13 @@ class DiffusionTrainer:
             for step in bar:
                 t0 = time.perf_counter()
                 examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
-                req = RolloutReq.from_prompts(examples, sp, sigmas, rollout_id=step)
+                req = modality.request(examples, step)
                 partition = f"step_{step}"
                 try:
                     meta = self._call(group, "rollout", step, req, partition)
                     t1 = time.perf_counter()
                     row: dict[str, Any] = {"step": step + 1}
-                    track = get_batch(self.transport, meta, REWARD_FIELDS)
+                    track = get_batch(self.transport, meta, modality.reward_fields)
                     row.update(self.reward.score_and_attach(track))
                     track.compute_advantages(self.advantage)
                     t2 = time.perf_counter()
@@ -273,12 +271,7 @@ class DiffusionTrainer:
                     self._save_checkpoint(group, step + 1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.4f}", loss=f"{row['loss']:.2e}")
                 if every > 0 and ((step + 1) % every == 0 or step + 1 == self.num_steps):
-                    save_image_grid(
-                        track.media,
-                        os.path.join(self.out, "samples", f"step_{step + 1:04d}.png"),
-                        track.prompts,
-                        track.rewards.tolist(),
-                    )
+                    modality.save_samples(track, os.path.join(self.out, "samples", f"step_{step + 1:04d}"))
                     write_gallery(self.out)
         finally:
             writer.close()

@@ -1,4 +1,8 @@
-"""`DiffusionWorker`: one data-parallel rank holding the model, the train stack and the trainside engine.
+"""`RLWorker`: one data-parallel rank holding the model, the train stack and the trainside engine.
+
+Modality-agnostic: the recipe names the model family (`model`), its stage
+(`unirl.models.stage`: a `DiffusionStage` or a `TextStage`), the algorithm and
+the engine; the worker wires them and runs whatever they are.
 
 Constructed from the resolved recipe (a plain dict), so a worker builds
 exactly what the recipe names and nothing from the driver's process leaks in.
@@ -49,7 +53,7 @@ def build(node: Any, **kwargs: Any) -> Any:
     return None if node is None else instantiate(node, _convert_="all", **kwargs)
 
 
-class DiffusionWorker(Worker):
+class RLWorker(Worker):
     """A train + rollout rank of a diffusion run (colocated, trainside sampling).
 
     Args:
@@ -86,6 +90,8 @@ class DiffusionWorker(Worker):
             self.bundle.save_pretrained(base_model_dir)
         self.stage = build(cfg["stage"], bundle=self.bundle)
         self.algorithm = build(cfg["algorithm"])
+        # KL folded into the reward: the rollout records the reference policy's token log-probs
+        self.kl_in_reward = float(cfg["advantage"].get("kl_coef", 0) or 0) > 0
         train = cfg["train"]
         self.backend = TrainBackend(
             self.stage.module,
@@ -94,7 +100,8 @@ class DiffusionWorker(Worker):
             total_optimizer_steps,
             fsdp=build(train.get("fsdp")),
             ema=build(train.get("ema")),
-            keep_reference=self.algorithm.needs_reference_policy,
+            keep_reference=self.algorithm.needs_reference_policy or self.kl_in_reward,
+            writer=self.bundle.write_weights,
         )
         self.stage.module = self.backend.module
         self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
@@ -105,11 +112,10 @@ class DiffusionWorker(Worker):
 
     @dispatch(Dispatch.RANK_ZERO)
     def model_info(self) -> dict[str, Any]:
-        """Geometry the driver needs to pin sigma schedules, plus sizes for the log."""
+        """The stage's `model_info()` (what the driver's modality needs, e.g. the latent
+        geometry that pins a sigma schedule), plus sizes for the log."""
         return {
-            "pixel_space": self.bundle.pixel_space,
-            "vae_scale_factor": self.bundle.vae_scale_factor,
-            "patch_size": self.bundle.patch_size,
+            **self.stage.model_info(),
             "num_trainable": self.backend.num_trainable,
             "device": str(self.device),
         }
@@ -125,7 +131,17 @@ class DiffusionWorker(Worker):
             if self.algorithm.requires_ema_rollout:
                 stack.enter_context(self.backend.ema_weights())
             track = self.engine.generate(req).track(self.engine.track_name)
+            if self.kl_in_reward:
+                self._attach_reference_log_probs(track)
         return put_batch(self.transport, partition, track)
+
+    @torch.no_grad()
+    def _attach_reference_log_probs(self, track) -> None:
+        """Set `segment.ref_log_probs`: the reference policy's log-probs of the sampled tokens."""
+        seg = track.segment
+        with self.backend.reference():
+            ref = self.stage.token_log_probs(seg).float()
+        seg.ref_log_probs = [ref[i, : r.numel()].clone() for i, r in enumerate(seg.response_ids)]
 
     @dispatch(Dispatch.DP_SCATTER)
     def sample_media(self, req: RolloutReq, use_ema: bool = False) -> torch.Tensor:
@@ -160,8 +176,9 @@ class DiffusionWorker(Worker):
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def save_weights(self, path: str, base_model: str, use_ema: bool = False) -> None:
-        """Export the trained weights (LoRA file or full transformer) loadable by diffusers;
-        the EMA weights in their place when `use_ema`."""
+        """Export the trained weights (LoRA or full model, in the family's library format:
+        diffusers for SD3, transformers / peft for causal LMs); the EMA weights in their
+        place when `use_ema`."""
         with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
             self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
 

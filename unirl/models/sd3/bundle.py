@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from diffusers import (
@@ -126,6 +127,8 @@ class SD3ModelConfig:
             master weights unless the backend casts it.
     """
 
+    modality: ClassVar[str] = "diffusion"
+
     pretrained_path: str | None = None
     tiny: TinySD3Config | None = field(default_factory=TinySD3Config)
     dtype: str = "float32"
@@ -138,7 +141,7 @@ class SD3ModelConfig:
         if self.pretrained_path is None and self.tiny is None:
             raise ValueError("model: set model.pretrained_path to an SD3 directory or give model.tiny")
 
-    def denoiser_on_meta(self) -> torch.nn.Module:
+    def trainable_on_meta(self) -> torch.nn.Module:
         """The denoiser's module tree on the meta device (no weights read): for
         validators that check names against the model before any work starts."""
         with torch.device("meta"):
@@ -350,6 +353,26 @@ class SD3Bundle:
     def save_pretrained(self, path: str) -> None:
         """Write the whole bundle in the diffusers layout (`from_pretrained` reads it back)."""
         self.pipeline.save_pretrained(path)
+
+    @staticmethod
+    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+        """The train backend's exporter: a LoRA state as `pytorch_lora_weights.safetensors`
+        (what `StableDiffusion3Pipeline.load_lora_weights` reads), a full state as a
+        `transformer/` directory of the module's diffusers class."""
+        if kind == "lora":
+            # the adapter config (alpha among it) rides in the file's metadata: without it diffusers
+            # loads lora_alpha = rank and scales the update by 1 instead of alpha / rank
+            StableDiffusion3Pipeline.save_lora_weights(
+                path,
+                transformer_lora_layers=state,
+                transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
+            )
+            return
+        # A fresh unsharded copy of the module's own (diffusers) class writes the standard layout.
+        cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+        fresh = cls.from_config(module.config)
+        fresh.load_state_dict(state)
+        fresh.save_pretrained(os.path.join(path, "transformer"))
 
 
 def check_scheduler_config(config: dict, where: str) -> None:

@@ -70,6 +70,14 @@ class SD3Stage:
         self.detach_uncond = detach_uncond
         self.sde = sde
 
+    def model_info(self) -> dict:
+        """What the driver needs to pin a sigma schedule: the latent grid's geometry."""
+        return {
+            "pixel_space": self.bundle.pixel_space,
+            "vae_scale_factor": self.bundle.vae_scale_factor,
+            "patch_size": self.bundle.patch_size,
+        }
+
     # ---- conditions -------------------------------------------------------------------------
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict:

@@ -1,0 +1,89 @@
+"""What the driver knows about a track's modality, so one driver loop serves images and text.
+
+A modality answers three questions for the `Trainer`: how to turn a batch of
+prompts into a `RolloutReq` (diffusion pins a sigma schedule for the model's
+image geometry; text needs none), which fields of a rollout the driver fetches
+to score it (images, or the decoded texts and the token segment), and how to
+keep a step's samples for people to look at (an image grid, or a JSON list of
+prompts and responses; both appear in the gallery). The modality follows from
+the recipe's sampling params (`modality_for`); the workers and the model
+family decide everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, ClassVar
+
+from unirl.sde.schedules import sigmas_for
+from unirl.tracking.metrics import save_image_grid
+from unirl.types.rollout_req import PromptExample, RolloutReq
+from unirl.types.rollout_resp import RolloutTrack
+from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
+
+# per-sample fields every modality's scoring fetches
+BASE_FIELDS = ["sample_ids", "group_ids", "prompts", "metadata"]
+
+
+class ImageModality:
+    """Diffusion tracks: requests carry the sigma schedule of the model's latent grid.
+
+    Args:
+        sampling: the recipe's sampling params.
+        model_info: the workers' `model_info()` (needs `vae_scale_factor`, `patch_size`).
+    """
+
+    name: ClassVar[str] = "diffusion"
+    reward_fields: ClassVar[list[str]] = [*BASE_FIELDS, "media"]
+
+    def __init__(self, sampling: DiffusionSamplingParams, model_info: dict[str, Any]) -> None:
+        self.sampling = sampling
+        cell = model_info["vae_scale_factor"] * model_info["patch_size"]
+        self.image_seq_len = (sampling.height // cell) * (sampling.width // cell)
+        self.sigmas = sigmas_for(sampling, self.image_seq_len)
+
+    def request(self, examples: list[PromptExample], rollout_id: int) -> RolloutReq:
+        return RolloutReq.from_prompts(examples, self.sampling, self.sigmas, rollout_id=rollout_id)
+
+    def save_samples(self, track: RolloutTrack, path_stem: str) -> None:
+        """`<stem>.png` (the grid) and `<stem>.json` (prompts and rewards)."""
+        save_image_grid(track.media, path_stem + ".png", track.prompts, track.rewards.tolist())
+
+
+class TextModality:
+    """Autoregressive tracks: requests carry only the prompts and the text sampling params."""
+
+    name: ClassVar[str] = "text"
+    reward_fields: ClassVar[list[str]] = [*BASE_FIELDS, "texts", "segment"]
+
+    def __init__(self, sampling: TextSamplingParams, model_info: dict[str, Any]) -> None:
+        self.sampling = sampling
+
+    def request(self, examples: list[PromptExample], rollout_id: int) -> RolloutReq:
+        return RolloutReq.from_prompts(examples, self.sampling, None, rollout_id=rollout_id)
+
+    def save_samples(self, track: RolloutTrack, path_stem: str) -> None:
+        """`<stem>.json`: per sample the prompt, the response, its reward and token count."""
+        os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
+        lengths = track.segment.response_lengths.tolist()
+        rows = [
+            {"prompt": p, "response": t, "reward": r, "response_tokens": n}
+            for p, t, r, n in zip(track.prompts, track.texts, track.rewards.tolist(), lengths, strict=True)
+        ]
+        with open(path_stem + ".json", "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+MODALITIES = {DiffusionSamplingParams: ImageModality, TextSamplingParams: TextModality}
+
+
+def modality_for(sampling: Any, model_info: dict[str, Any]) -> ImageModality | TextModality:
+    """The modality of a recipe's sampling params."""
+    for kind, modality in MODALITIES.items():
+        if isinstance(sampling, kind):
+            return modality(sampling, model_info)
+    raise TypeError(
+        f"sampling is a {type(sampling).__name__}; a recipe's sampling must be one of "
+        f"{[k.__name__ for k in MODALITIES]}"
+    )
