@@ -268,3 +268,18 @@ def test_gallery_renders_in_headless_chromium(tmp_path: Path) -> None:
     (run / "gallery.html").write_text("<html><body></body></html>")
     res = subprocess.run(["bash", str(script), str(run), str(shot)], capture_output=True, text=True, env=env)
     assert res.returncode == 1, res.stdout + res.stderr
+
+
+def test_gallery_shows_text_samples_escaped_newest_first(tmp_path: Path) -> None:
+    """A text run saves `samples/step_*.json` without a grid: each step becomes a table of prompt,
+    response (HTML-escaped, whitespace kept), reward and token count; image steps are unaffected."""
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    for step, response in ((1, "a <b>bold</b> try"), (2, "7 & 8\nsecond line")):
+        rows = [{"prompt": f"p{step}", "response": response, "reward": 0.25 * step, "response_tokens": 3}]
+        (samples / f"step_{step:04d}.json").write_text(json.dumps(rows))
+    page = Path(write_gallery(str(tmp_path))).read_text()
+    assert page.index('id="step-2"') < page.index('id="step-1"')
+    assert "a &lt;b&gt;bold&lt;/b&gt; try" in page and "<b>bold</b>" not in page
+    assert "7 &amp; 8\nsecond line" in page
+    assert 'class="sample text"' in page and "saved sample steps</th><td>2<" in page

@@ -1,8 +1,9 @@
 """A self-contained HTML gallery of one run: reward/eval curves and every saved sample grid.
 
 `write_gallery(run_dir)` reads `<run_dir>/metrics.jsonl` (written by `JsonlWriter`) and every
-`<run_dir>/samples/step_*.png` with its `.json` caption file (written by `save_image_grid`), and writes
-`<run_dir>/gallery.html`. The page needs no server and no network: images are embedded as base64
+`<run_dir>/samples/step_*.png` with its `.json` caption file (written by `save_image_grid`), or, for a
+text run, `samples/step_*.json` alone (a list of `{prompt, response, reward, response_tokens}`), and
+writes `<run_dir>/gallery.html`. The page needs no server and no network: images are embedded as base64
 `data:` URIs, the CSS is inline, the curves are inline SVG generated here, and there is no JavaScript.
 (Inline SVG in HTML needs no `xmlns`, so the page contains no URL at all.)
 
@@ -44,7 +45,7 @@ PALETTE = (
     "#bcbd22",
     "#17becf",
 )
-_STEP_RE = re.compile(r"step_(\d+)\.png$")
+_STEP_RE = re.compile(r"step_(\d+)\.(?:png|json)$")
 
 # chart geometry (SVG user units; the SVG scales to the page width)
 _W, _H = 720, 260
@@ -81,6 +82,7 @@ table.prompts th, table.prompts td { border-bottom: 1px solid #eee; padding: 2px
                                      text-align: left; vertical-align: top; }
 table.prompts td.num { text-align: right; font-variant-numeric: tabular-nums; }
 table.prompts td.prompt { max-width: 520px; overflow-wrap: anywhere; }
+table.prompts td.response { max-width: 520px; overflow-wrap: anywhere; white-space: pre-wrap; font-family: monospace; }
 """
 
 
@@ -303,7 +305,7 @@ def _summary(name: str, rows: list[dict[str, Any]], n_grids: int) -> str:
         if pts:
             step, acc = pts[-1]
             items.append((f"last {keys[0]}", f"{acc:.3f} (step {_fmt(step)})"))
-    items.append(("sample grids", str(n_grids)))
+    items.append(("saved sample steps", str(n_grids)))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in items)
     return f'<h1>{html.escape(name)}</h1>\n<table class="summary" id="summary">{body}</table>'
 
@@ -385,9 +387,47 @@ def _sample_section(png: str) -> str:
     return "\n".join(parts)
 
 
+def _text_section(path: str) -> str:
+    """One saved step of a text run: prompt, response and reward of every sample."""
+    base = os.path.basename(path)
+    m = _STEP_RE.search(base)
+    step = int(m.group(1)) if m else None
+    title = f"Step {step}" if step is not None else html.escape(base)
+    sid = f"step-{step}" if step is not None else "sample-" + re.sub(r"[^A-Za-z0-9_-]", "_", base)
+    parts = [f'<section class="sample text" id="{sid}"><h3>{title}</h3>']
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+        if not isinstance(entries, list):
+            raise ValueError("not a list")
+    except (OSError, ValueError):
+        parts.append('<p class="note">Samples file could not be read.</p></section>')
+        return "\n".join(parts)
+    trs = []
+    for i, e in enumerate(entries):
+        e = e if isinstance(e, dict) else {"response": e}
+        prompt, response = (str(e.get(k, "")) for k in ("prompt", "response"))
+        trs.append(
+            f'<tr><td class="num">{i}</td><td class="num">{_fmt3(e.get("reward"))}</td>'
+            f'<td class="num">{html.escape(str(e.get("response_tokens", "")))}</td>'
+            f'<td class="prompt">{html.escape(prompt)}</td><td class="response">{html.escape(response)}</td></tr>'
+        )
+    parts.append(
+        '<table class="prompts"><thead><tr><th>#</th><th>reward</th><th>tokens</th><th>prompt</th>'
+        f"<th>response</th></tr></thead><tbody>{''.join(trs)}</tbody></table></section>"
+    )
+    return "\n".join(parts)
+
+
 def _sample_pngs(run_dir: str) -> list[str]:
-    """`samples/step_*.png`, newest step first (names without a step number last, by name)."""
+    """`samples/step_*.png`, and the `step_*.json` of text runs (no grid beside them), newest step
+    first (names without a step number last, by name)."""
     pngs = glob.glob(os.path.join(glob.escape(run_dir), "samples", "step_*.png"))
+    pngs += [
+        j
+        for j in glob.glob(os.path.join(glob.escape(run_dir), "samples", "step_*.json"))
+        if not os.path.isfile(os.path.splitext(j)[0] + ".png")
+    ]
 
     def key(p: str) -> tuple[int, int, str]:
         m = _STEP_RE.search(os.path.basename(p))
@@ -425,7 +465,7 @@ def write_gallery(run_dir: str, title: str | None = None) -> str:
         body.append('<p class="note" id="samples-missing">No samples directory in this run.</p>')
     elif not pngs:
         body.append('<p class="note" id="samples-missing">No sample grids saved yet.</p>')
-    body.extend(_sample_section(p) for p in pngs)
+    body.extend(_text_section(p) if p.endswith(".json") else _sample_section(p) for p in pngs)
 
     doc = (
         "<!DOCTYPE html>\n"
