@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from unirl.dataplane import get_batch, make_transport, merge_stats
+from unirl.dataplane import BatchMeta, get_batch, make_transport, merge_stats
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
 from unirl.tracking.gallery import write_gallery
@@ -39,6 +39,7 @@ from unirl.trainer.checkpoints import (
 from unirl.trainer.evaluation import eval_request
 from unirl.trainer.modality import modality_for
 from unirl.trainer.worker import RLWorker, build
+from unirl.types.rollout_resp import RolloutTrack
 
 # exported in every worker. THP_MEM_ALLOC_ENABLE: PyTorch's CPU allocator backs large allocations
 # with transparent huge pages, so a fresh tensor (a fetched rollout, a sampled trajectory) takes
@@ -74,6 +75,7 @@ class Trainer:
         self.data_source = build(cfg.data_source)
         self.reward = build(cfg.reward)
         self.advantage = build(cfg.advantage)
+        self.algorithm = build(cfg.algorithm)  # the driver asks it only whether it filters groups
         self.num_steps = int(cfg.num_steps)
         ckpt = cfg.get("checkpoint") or {}
         self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
@@ -206,6 +208,55 @@ class Trainer:
         media = self._call(group, "sample_media", step, req, self.eval_use_ema)[:n]
         return {f"eval/{k}": v for k, v in self.eval_scorer.evaluate(media, req.prompts[:n]).items()}
 
+    def _rollout_and_score(self, group, modality, step: int, partition: str, row: dict[str, Any]):
+        """Draw prompts, roll out, fetch what scoring needs and score; returns the train batch's
+        (meta, scored track, time the first rollout ended) and adds the reward metrics to `row`.
+
+        With an algorithm that filters groups (DAPO's dynamic sampling: `keep_groups`), groups
+        whose rewards are all equal are dropped and more prompts are rolled out into the same
+        partition until `prompts_per_rollout` groups with signal are kept (the first ones, in
+        order), at most `max_num_gen_batches` generations. The row's reward metrics are the
+        first generation's (the policy's reward as sampled); `dynamic/...` counts the rest.
+        """
+        prompts = int(self.cfg.prompts_per_rollout)
+        keep_groups = getattr(self.algorithm, "keep_groups", None)
+        dynamic = keep_groups is not None and bool(getattr(self.algorithm.config, "dynamic_sampling", False))
+        metas, tracks, kept, t_first = [], [], [], None
+        max_batches = int(self.algorithm.config.max_num_gen_batches) if dynamic else 1
+        for k in range(max_batches):
+            # extra generations get rollout ids past every step's own, so their seeds and ids are new
+            req = modality.request(self.data_source.next_batch(prompts), step + k * self.num_steps)
+            meta = self._call(group, "rollout", step, req, partition)
+            t_first = t_first or time.perf_counter()
+            track = get_batch(self.transport, meta, modality.reward_fields)
+            scored = self.reward.score_and_attach(track)
+            if k == 0:
+                row.update(scored)
+            offset = sum(len(m) for m in metas)
+            metas.append(meta)
+            tracks.append(track)
+            if not dynamic:
+                return meta, track, t_first
+            kept += [offset + i for i in keep_groups(track.rewards, track.group_ids)]
+            if len(kept) >= prompts * modality.sampling.samples_per_prompt:
+                break
+        need = prompts * modality.sampling.samples_per_prompt
+        row.update(
+            {
+                "dynamic/gen_batches": k + 1,
+                "dynamic/kept_groups": len(kept) // modality.sampling.samples_per_prompt,
+            }
+        )
+        if len(kept) < need:
+            raise TrainingError(
+                f"step {step + 1}: dynamic sampling kept {len(kept) // modality.sampling.samples_per_prompt} groups "
+                f"with unequal rewards after algorithm.config.max_num_gen_batches={max_batches} generations, "
+                f"{prompts} needed (prompts_per_rollout); the reward gives (almost) every group one value: "
+                "check it, or raise max_num_gen_batches"
+            )
+        kept = kept[:need]
+        return BatchMeta.concat(metas).select(kept), RolloutTrack.concat(tracks).select(kept), t_first
+
     def _loop(self, group, start: int) -> list[dict[str, Any]]:
         modality = modality_for(self.sampling, self._call(group, "model_info", start))
         seq_len = getattr(modality, "image_seq_len", None)
@@ -227,15 +278,10 @@ class Trainer:
         try:
             for step in bar:
                 t0 = time.perf_counter()
-                examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
-                req = modality.request(examples, step)
                 partition = f"step_{step}"
                 try:
-                    meta = self._call(group, "rollout", step, req, partition)
-                    t1 = time.perf_counter()
                     row: dict[str, Any] = {"step": step + 1}
-                    track = get_batch(self.transport, meta, modality.reward_fields)
-                    row.update(self.reward.score_and_attach(track))
+                    meta, track, t1 = self._rollout_and_score(group, modality, step, partition, row)
                     track.compute_advantages(self.advantage)
                     t2 = time.perf_counter()
                     shard_meta = self.transport.claim(meta, "train")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformers import (
@@ -101,6 +102,8 @@ class CausalLMConfig:
         dtype: parameter dtype of the model ("float32", "bfloat16", "float16").
     """
 
+    modality: ClassVar[str] = "text"
+
     pretrained_path: str | None = None
     tiny: TinyLMConfig | None = None
     dtype: str = "float32"
@@ -115,6 +118,18 @@ class CausalLMConfig:
                 "model: set exactly one of model.pretrained_path (a local causal-LM directory) and "
                 f"model.tiny, got pretrained_path={self.pretrained_path!r} and tiny={self.tiny}"
             )
+
+    def trainable_on_meta(self) -> torch.nn.Module:
+        """The LM's module tree on the meta device (no weights read): for validators
+        that check names (FSDP blocks, LoRA targets) before any work starts."""
+        if self.pretrained_path is not None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.pretrained_path, local_files_only=True)
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):
+            return CausalLMBundle.tiny(self.tiny).model
 
     def build(self) -> CausalLMBundle:
         if self.pretrained_path is not None:
@@ -207,6 +222,35 @@ class CausalLMBundle:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def to(self, device: str | torch.device) -> CausalLMBundle:
+        """Move the model to `device`; returns self."""
+        self.model.to(device)
+        return self
+
+    @staticmethod
+    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+        """The train backend's exporter: a LoRA state as a peft adapter directory
+        (`adapter_model.safetensors` + `adapter_config.json`, what `PeftModel.from_pretrained`
+        and transformers' `load_adapter` read), a full state as a transformers model
+        directory (`from_pretrained` reads it)."""
+        if kind == "lora":
+            from peft.utils import SAFETENSORS_WEIGHTS_NAME
+            from safetensors.torch import save_file
+
+            config = module.peft_config["default"]
+            config.save_pretrained(path)
+            # peft's own names: "base_model.model." + the module path of each adapter weight
+            save_file(
+                {f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
+                os.path.join(path, SAFETENSORS_WEIGHTS_NAME),
+                metadata={"format": "pt"},
+            )
+            return
+        cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+        fresh = cls(module.config)
+        fresh.load_state_dict(state)
+        fresh.save_pretrained(path)
 
     def save_pretrained(self, path: str) -> None:
         """Write model and tokenizer into `path` (`from_pretrained` reads them back)."""
