@@ -7,7 +7,7 @@ import torch
 
 from unirl.dataplane.codec import FieldSpec, decode_field, flatten, spec_of, to_padded, unflatten
 from unirl.types.rollout_resp import RolloutTrack
-from unirl.types.segments import LatentSegment
+from unirl.types.segments import LatentSegment, TokenSegment
 
 
 def make_track(n: int = 4) -> RolloutTrack:
@@ -34,6 +34,30 @@ def make_track(n: int = 4) -> RolloutTrack:
         },
         media=torch.randint(0, 255, (n, 3, 4, 4), dtype=torch.uint8, generator=g),
         rollout_id=7,
+    )
+
+
+def make_token_track(n: int = 4) -> RolloutTrack:
+    """A text track: jagged prompts, responses and log-probs of different lengths, texts, rewards."""
+    g = torch.Generator().manual_seed(3)
+    p_len, r_len = [5, 2, 9, 3], [1, 7, 4, 6]
+    seg = TokenSegment(
+        prompt_ids=[torch.randint(0, 259, (k,), generator=g) for k in p_len[:n]],
+        response_ids=[torch.randint(0, 259, (k,), generator=g) for k in r_len[:n]],
+        log_probs=[-torch.rand(k, generator=g) for k in r_len[:n]],
+        temperature=0.7,
+        ref_log_probs=[-torch.rand(k, generator=g) for k in r_len[:n]],
+    )
+    return RolloutTrack(
+        name="text",
+        sample_ids=[f"t{i}" for i in range(n)],
+        group_ids=[f"g{i // 2}" for i in range(n)],
+        prompts=[f"prompt {i}" for i in range(n)],
+        metadata=[{"i": i} for i in range(n)],
+        segment=seg,
+        texts=[f"response {'x' * i}" for i in range(n)],
+        rewards=torch.rand(n, generator=g),
+        rollout_id=3,
     )
 
 
@@ -138,3 +162,20 @@ def test_unflatten_partial_view_and_missing_field() -> None:
     assert view.segment is None and view.conditions == {} and len(view) == 4
     with pytest.raises(KeyError, match="segment.latents"):
         unflatten(skeleton, {k: v for k, v in fields.items() if k != "segment.latents"})
+
+
+def test_token_track_flattens_to_jagged_fields_and_back() -> None:
+    track = make_token_track()
+    fields, skeleton = flatten(track)
+    assert spec_of("segment.prompt_ids", fields["segment.prompt_ids"], 4).kind == "jagged"
+    assert fields["texts"] == track.texts and skeleton.children["segment"][1].shared == {"temperature": 0.7}
+    jagged = ("segment.prompt_ids", "segment.response_ids", "segment.log_probs", "segment.ref_log_probs")
+    nested = {
+        k: torch.nested.nested_tensor(v, layout=torch.jagged) if k in jagged else v for k, v in fields.items()
+    }
+    back = unflatten(skeleton, nested)
+    for name in TokenSegment.PER_SAMPLE:  # nested tensors from a transport become lists again
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(getattr(back.segment, name), getattr(track.segment, name), strict=True)
+        )

@@ -21,6 +21,7 @@ import torch
 from tests.dataplane.backends import BACKENDS, transport_cfg
 from unirl.dataplane import BatchMeta, DataPlaneError, Transport, get_batch, make_transport, put_batch
 from unirl.dataplane.codec import to_padded
+from unirl.types.segments import TokenSegment
 
 
 @ray.remote(num_cpus=0.1)
@@ -50,6 +51,14 @@ class Peer:
 
     def get_track_latents(self, meta: BatchMeta) -> torch.Tensor:
         return get_batch(self.transport, meta).segment.latents
+
+    def put_token_track(self, partition: str) -> BatchMeta:
+        from tests.dataplane.test_codec import make_token_track
+
+        return put_batch(self.transport, partition, make_token_track())
+
+    def get_track(self, meta: BatchMeta):
+        return get_batch(self.transport, meta)
 
     def stats(self) -> dict:
         return self.transport.stats.drain()
@@ -163,6 +172,36 @@ def test_batch_dataclass_round_trip(plane) -> None:
         assert view.prompts == make_track(4).prompts and view.segment is None
     finally:
         driver.clear("p_track")
+
+
+def test_token_segment_track_round_trip(plane) -> None:
+    """A text track (jagged TokenSegment, texts) comes back with identical content."""
+    from tests.dataplane.test_codec import make_token_track
+
+    driver, (a, b) = plane
+    want = make_token_track()
+    try:
+        meta = ray.get(a.put_token_track.remote("p_text"))
+        assert meta.fields["segment.response_ids"].kind == "jagged"
+        assert meta.lengths["segment.response_ids"] == [1, 7, 4, 6]
+        for got in (ray.get(b.get_track.remote(meta)), get_batch(driver, meta)):
+            assert isinstance(got.segment, TokenSegment) and got.segment.temperature == 0.7
+            assert got.texts == want.texts and got.sample_ids == want.sample_ids and got.rollout_id == 3
+            assert torch.equal(got.rewards, want.rewards)
+            for name in TokenSegment.PER_SAMPLE:
+                rows, ref = getattr(got.segment, name), getattr(want.segment, name)
+                assert isinstance(rows, list) and len(rows) == len(ref), name
+                for x, y in zip(rows, ref, strict=True):
+                    assert x.dtype == y.dtype and torch.equal(x, y), name
+            assert torch.equal(got.segment.padded("log_probs"), want.segment.padded("log_probs"))
+        shard = ray.get(b.get_track.remote(meta.split(2)[1]))
+        assert [r.tolist() for r in shard.segment.response_ids] == [
+            r.tolist() for r in want.segment.response_ids[2:]
+        ]
+        view = get_batch(driver, meta, ["texts", "segment.response_ids"])
+        assert view.texts == want.texts and view.segment is None  # a partial segment is left out
+    finally:
+        driver.clear("p_text")
 
 
 def test_misuse_errors_name_what_is_wrong(plane) -> None:
