@@ -1,0 +1,272 @@
+"""Reward -> advantage estimators, and the per-token KL estimators they share with the text losses.
+
+One implementation serves every trainer: `RolloutTrack.compute_advantages` calls
+`compute_advantages`, and `unirl.algorithms.token_losses` re-exports `kl_penalty`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADVANTAGE_SCOPES = ("group", "global")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+KL_INPUT_CLAMP = 20.0
+KL_VALUE_CLAMP = 10.0
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs; same shape as the inputs.
+
+    With d = logp - ref_logp (tokens drawn from pi):
+        k1: d                                   (unbiased, can be negative)
+        k2: 0.5 * d^2
+        k3 / low_var_kl: exp(-d') + d' - 1 with d' = clamp(d, -20, 20), the value
+            clamped to [-10, 10] (non-negative, low variance; verl's clamps).
+    Differentiable in both arguments; callers detach the reference.
+    """
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {KL_ESTIMATORS}")
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d.square()
+    neg = torch.clamp(-d, -KL_INPUT_CLAMP, KL_INPUT_CLAMP)
+    return torch.clamp(torch.exp(neg) - neg - 1, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+
+
+@dataclass
+class AdvantageConfig:
+    """How rewards become advantages.
+
+    Attributes:
+        estimator: "grpo" (group z-score, the default), "rloo" (leave-one-out
+            baseline), "reinforce_pp" (discounted token returns, batch-whitened)
+            or "reinforce_pp_baseline" (group-centred score broadcast to tokens,
+            scaled by the batch std). The last two give per-token advantages
+            [B, Rmax] and need a text track.
+        scope: estimator grpo: "group" normalises within each group of siblings;
+            "global" over the whole batch.
+        global_std: estimator grpo, scope group: divide by the batch std instead
+            of the group std (flow_grpo's `global_std`).
+        norm_by_std: estimator grpo: divide by the std; False gives Dr.GRPO's
+            `r - mean_g`. The other estimators never divide by a group std.
+        eps: added to every std this divides by.
+        clip: clip advantages to [-clip, clip]; None disables.
+        gamma: estimator reinforce_pp: discount of the token returns, in (0, 1].
+        kl_coef: KL to the reference policy folded into the reward (0 disables):
+            per sample `r - kl_coef * sum_t kl_t` (grpo, rloo,
+            reinforce_pp_baseline), per token `-kl_coef * kl_t` (reinforce_pp).
+            Needs the rollout's reference log-probs (`TokenSegment.ref_log_probs`).
+        kl_estimator: "k1", "k2", "k3" or "low_var_kl" (= k3), see `kl_penalty`.
+    """
+
+    estimator: str = "grpo"
+    scope: str = "group"
+    global_std: bool = False
+    norm_by_std: bool = True
+    eps: float = 1e-4
+    clip: float | None = None
+    gamma: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "low_var_kl"
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"advantage.estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.estimator!r}"
+            )
+        if self.scope not in ADVANTAGE_SCOPES:
+            raise ValueError(f"advantage.scope must be one of {ADVANTAGE_SCOPES}, got {self.scope!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"advantage.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
+            )
+        if self.clip is not None and self.clip <= 0:
+            raise ValueError(f"advantage.clip must be > 0 or null, got {self.clip}")
+        if not self.eps > 0:
+            raise ValueError(f"advantage.eps must be > 0, got {self.eps}")
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"advantage.gamma must be in (0, 1], got {self.gamma}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"advantage.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.estimator != "grpo" and (self.scope != "group" or self.global_std):
+            raise ValueError(
+                f"advantage.scope and advantage.global_std apply to estimator grpo; estimator "
+                f"{self.estimator!r} needs scope: group and global_std: false"
+            )
+        if self.global_std and not self.norm_by_std:
+            raise ValueError(
+                "advantage.global_std divides by the batch std but advantage.norm_by_std is false"
+            )
+        if self.gamma != 1 and self.estimator != "reinforce_pp":
+            raise ValueError(
+                f"advantage.gamma discounts reinforce_pp's token returns; estimator {self.estimator!r} "
+                f"needs gamma: 1.0, got {self.gamma}"
+            )
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether the estimate needs the response mask (token estimators, KL in the reward)."""
+        return self.estimator in TOKEN_ESTIMATORS or self.kl_coef > 0
+
+
+def group_layout(group_ids: list[str]) -> tuple[int, int]:
+    """(num_groups, group_size) of contiguous, uniform groups; raise otherwise."""
+    if not group_ids:
+        raise ValueError("cannot compute advantages of an empty batch")
+    runs: list[tuple[str, int]] = []
+    for gid in group_ids:
+        if runs and runs[-1][0] == gid:
+            runs[-1] = (gid, runs[-1][1] + 1)
+        else:
+            runs.append((gid, 1))
+    seen = [g for g, _ in runs]
+    if len(set(seen)) != len(seen):
+        dup = next(g for g in seen if seen.count(g) > 1)
+        raise ValueError(
+            f"group {dup!r} is not contiguous: siblings of a prompt must be adjacent in the batch "
+            "(build requests with RolloutReq.from_prompts and keep sample order)"
+        )
+    sizes = {n for _, n in runs}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"groups must all have the same size, got sizes {sorted(sizes)} for {len(runs)} groups"
+        )
+    return len(runs), sizes.pop()
+
+
+def _grouped_shifted(r: torch.Tensor, group_ids: list[str]) -> torch.Tensor:
+    """[G, n] float64 rewards minus their group's first value: means and stds are unchanged, and an
+    all-equal group becomes exactly 0 whatever the value (0.7, a weighted sum of components)."""
+    num_groups, size = group_layout(group_ids)
+    g = r.view(num_groups, size)
+    return g - g[:, :1]
+
+
+def _grpo(r: torch.Tensor, group_ids: list[str], cfg: AdvantageConfig) -> torch.Tensor:
+    if cfg.scope == "global":
+        d = r - r[0]
+        centered = d - d.mean()
+        return centered / (d.std(unbiased=False) + cfg.eps) if cfg.norm_by_std else centered
+    d = _grouped_shifted(r, group_ids)
+    centered = d - d.mean(dim=1, keepdim=True)
+    if cfg.norm_by_std:
+        std = (r - r[0]).std(unbiased=False) if cfg.global_std else d.std(dim=1, unbiased=False, keepdim=True)
+        centered = centered / (std + cfg.eps)
+    return centered.reshape(-1)
+
+
+def _rloo(r: torch.Tensor, group_ids: list[str]) -> torch.Tensor:
+    d = _grouped_shifted(r, group_ids)
+    n = d.shape[1]
+    if n < 2:
+        raise ValueError(
+            "advantage.estimator=rloo compares each sample with its siblings: it needs groups of >= 2 "
+            "samples (sampling.samples_per_prompt >= 2), got groups of 1"
+        )
+    others = (d.sum(dim=1, keepdim=True) - d) / (n - 1)
+    return (d - others).reshape(-1)
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float, center: bool) -> torch.Tensor:
+    """x [B, R] float64 over the valid tokens of the batch: (x - mean) / (std + eps), or x / (std + eps)
+    without `center`; population std; 0 on padding. Shifted by the first valid value first, so a batch
+    of equal values centres to exactly 0."""
+    valid = mask.bool()
+    vals = x[valid]
+    std = (vals - vals[0]).std(unbiased=False)
+    if center:
+        shifted = x - vals[0]
+        x = shifted - shifted[valid].mean()
+    return torch.where(valid, x / (std + eps), torch.zeros_like(x))
+
+
+def _token_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{k >= t} gamma^(k-t) R_k per row of [B, R] (R is 0 on right padding)."""
+    out = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        running = token_rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: list[str],
+    cfg: AdvantageConfig,
+    *,
+    mask: torch.Tensor | None = None,
+    token_kl: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 advantages from [B] rewards: [B] for grpo / rloo, [B, Rmax] (0 on padding) for reinforce_pp*.
+
+    Args:
+        rewards: [B] scores, one per response.
+        group_ids: per sample; siblings contiguous, groups of one size (grpo scope group, rloo,
+            reinforce_pp_baseline).
+        mask: [B, Rmax] 1 on response tokens, 0 on right padding; needed when `cfg.needs_tokens`.
+        token_kl: [B, Rmax] per-token KL to the reference (`kl_penalty`); needed when `cfg.kl_coef > 0`.
+
+    Estimators, with r the rewards (minus `kl_coef * sum_t kl_t` when KL is folded in):
+        grpo: group scope A = (r - mean_g) / (std_g + eps), std_g the population std of the group
+            (of the batch with `global_std`); global scope over the batch; `norm_by_std: false`
+            drops the division (Dr.GRPO).
+        rloo: A_i = r_i - mean_{j != i} r_j over the siblings (= n/(n-1) (r_i - mean_g)).
+        reinforce_pp: token rewards R_t = -kl_coef kl_t, plus r_i at the last response token;
+            returns G_t = sum_{k >= t} gamma^(k-t) R_k; whitened over the valid tokens of the batch.
+        reinforce_pp_baseline: (r_i - mean_g) broadcast to the response tokens, divided by the
+            population std over the valid tokens of the batch (not re-centred, so a group of equal
+            rewards keeps exactly 0; verl's masked_whiten also subtracts the token mean).
+    Then optional clipping. Computed in float64 on values shifted by their group's first value
+    (grpo, rloo, baseline) or the batch's first (global scope, reinforce_pp), so a group (batch) of
+    equal rewards gets exactly zero advantage instead of a rounding residue divided by `eps`.
+    """
+    if rewards.dim() != 1 or rewards.numel() != len(group_ids):
+        raise ValueError(
+            f"rewards must be [B] with B = len(group_ids) = {len(group_ids)}, got {list(rewards.shape)}"
+        )
+    if not group_ids:
+        raise ValueError("cannot compute advantages of an empty batch")
+    r = rewards.detach().to(torch.float64)
+    m = kl = None
+    if cfg.needs_tokens:
+        if mask is None or mask.dim() != 2 or mask.shape[0] != r.numel():
+            got = None if mask is None else list(mask.shape)
+            raise ValueError(
+                f"advantage.estimator={cfg.estimator!r} with advantage.kl_coef={cfg.kl_coef} needs the "
+                f"[B, Rmax] response mask (a text track), got {got}"
+            )
+        m = mask.detach().to(device=r.device, dtype=torch.float64)
+    if cfg.kl_coef > 0:
+        if token_kl is None or m is None or token_kl.shape != m.shape:
+            got = None if token_kl is None else list(token_kl.shape)
+            raise ValueError(
+                f"advantage.kl_coef={cfg.kl_coef} folds the KL into the reward: pass token_kl of the "
+                f"mask's shape {list(m.shape)}, got {got}"
+            )
+        kl = token_kl.detach().to(device=r.device, dtype=torch.float64) * m
+    if cfg.estimator == "reinforce_pp":
+        token_rewards = -cfg.kl_coef * kl if kl is not None else torch.zeros_like(m)
+        last = m.sum(dim=1).long() - 1
+        token_rewards[torch.arange(r.numel(), device=r.device), last] += r
+        adv = _whiten(_token_returns(token_rewards, cfg.gamma), m, cfg.eps, center=True)
+    else:
+        if kl is not None:
+            r = r - cfg.kl_coef * kl.sum(dim=1)
+        if cfg.estimator == "grpo":
+            adv = _grpo(r, group_ids, cfg)
+        elif cfg.estimator == "rloo":
+            adv = _rloo(r, group_ids)
+        else:
+            d = _grouped_shifted(r, group_ids)
+            centered = (d - d.mean(dim=1, keepdim=True)).reshape(-1)
+            adv = _whiten(centered[:, None] * m, m, cfg.eps, center=False)
+    if cfg.clip is not None:
+        adv = adv.clamp(-cfg.clip, cfg.clip)
+    return adv.to(torch.float32)
