@@ -247,9 +247,20 @@ def get_batch(transport: Transport, meta: BatchMeta, fields: list[str] | None = 
     """Rebuild the batch dataclass of `meta` from its fields, every tensor on `transport.device`.
 
     With `fields` (a subset), the result is a partial view: the other
-    per-sample fields are None (see `codec.unflatten`).
+    per-sample fields are None (see `codec.unflatten`). A name may also be a
+    nested batch (``segment``): it stands for all of that batch's fields.
     """
     if meta.skeleton is None:
         raise DataPlaneError(f"partition {meta.partition!r}: meta was not written by put_batch (no skeleton)")
+    if fields is not None:
+        fields = [
+            f
+            for name in fields
+            for f in (
+                [name]
+                if name in meta.fields
+                else sorted(k for k in meta.fields if k.startswith(name + ".")) or [name]
+            )
+        ]
     values = transport.get(meta, fields)
     return unflatten(_skeleton_to(meta.skeleton, transport.device), values, partial=fields is not None)

@@ -1,0 +1,82 @@
+"""`unirl.trainer.modality`: what the one driver loop does differently for images and text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from unirl.dataplane import get_batch, make_transport, put_batch
+from unirl.sde.schedules import sigmas_for
+from unirl.trainer.modality import ImageModality, TextModality, modality_for
+from unirl.types import (
+    DiffusionSamplingParams,
+    PromptExample,
+    RolloutTrack,
+    TextSamplingParams,
+    TokenSegment,
+)
+
+EXAMPLES = [PromptExample("two cats", "a"), PromptExample("one dog", "b")]
+
+
+def text_track() -> RolloutTrack:
+    lengths = [1, 3, 2, 4]
+    return RolloutTrack(
+        name="text",
+        sample_ids=[f"s{i}" for i in range(4)],
+        group_ids=["g0", "g0", "g1", "g1"],
+        prompts=["p0", "p0", "p1", "p1"],
+        metadata=[{"answer": str(i)} for i in range(4)],
+        segment=TokenSegment(
+            prompt_ids=[torch.arange(3 + i) for i in range(4)],
+            response_ids=[torch.arange(n) + 7 for n in lengths],
+            log_probs=[-torch.rand(n) for n in lengths],
+            temperature=0.8,
+        ),
+        texts=["a", "bcd", "ef", "ghij"],
+        rewards=torch.tensor([0.0, 1.0, 0.5, 0.25]),
+    )
+
+
+def test_image_requests_pin_the_schedule_of_the_model_grid():
+    sp = DiffusionSamplingParams(num_steps=6, samples_per_prompt=2, height=32, width=32)
+    mod = modality_for(sp, {"vae_scale_factor": 1, "patch_size": 4})
+    assert isinstance(mod, ImageModality) and mod.image_seq_len == 64
+    req = mod.request(EXAMPLES, rollout_id=3)
+    assert torch.equal(req.sigmas, sigmas_for(sp, 64)) and len(req) == 4 and req.rollout_id == 3
+    assert "media" in mod.reward_fields
+
+
+def test_text_requests_carry_no_schedule():
+    sp = TextSamplingParams(samples_per_prompt=3)
+    mod = modality_for(sp, {})
+    req = mod.request(EXAMPLES, rollout_id=5)
+    assert isinstance(mod, TextModality) and req.sigmas is None and req.sde_indices == []
+    assert req.group_ids[:3] == [req.group_ids[0]] * 3 and len(req) == 6
+    with pytest.raises(ValueError, match="sigmas must be None for text sampling"):
+        type(req).from_prompts(EXAMPLES, sp, torch.zeros(3), 0)
+    with pytest.raises(TypeError, match="sampling must be one of"):
+        modality_for(object(), {})
+
+
+def test_text_scoring_fetch_rebuilds_the_whole_token_segment():
+    """The driver asks for `segment`: every `segment.*` field comes back (jagged), media stays None."""
+    track = text_track()
+    transport = make_transport({"name": "inband"})
+    meta = put_batch(transport, "step_0", track)
+    got = get_batch(transport, meta, TextModality.reward_fields)
+    assert got.texts == track.texts and got.media is None and got.rewards is None
+    for name in ("prompt_ids", "response_ids", "log_probs"):
+        want = getattr(track.segment, name)
+        assert [t.tolist() for t in getattr(got.segment, name)] == [t.tolist() for t in want], name
+    assert got.segment.temperature == 0.8 and got.segment.ref_log_probs is None
+
+
+def test_text_samples_are_kept_as_json(tmp_path):
+    track = text_track()
+    TextModality(TextSamplingParams(), {}).save_samples(track, str(tmp_path / "samples" / "step_0001"))
+    rows = json.loads((tmp_path / "samples" / "step_0001.json").read_text())
+    assert [r["response"] for r in rows] == track.texts
+    assert [r["response_tokens"] for r in rows] == [1, 3, 2, 4] and rows[1]["reward"] == 1.0
