@@ -307,3 +307,21 @@ def test_hydra_config_error_carries_the_component_key():
         match=r"(?s)\.pattern is not a valid regex.*full_key: reward\.backend\.components\.format",
     ):
         instantiate(cfg.reward, _convert_="all")
+
+
+def test_random_reward_is_a_function_of_seed_and_sample_id_only():
+    """The control scorer ignores the content: same ids give the same draws for images or text,
+    another seed gives independent draws, and draws look uniform on [0, 1)."""
+    from unirl.reward.local import RandomReward
+
+    ids = [f"r0/g{i // 4}::sample:{i % 4}" for i in range(400)]
+    texts = RewardRequest(sample_ids=ids, prompts=["p"] * 400, texts=["x"] * 400)
+    images = RewardRequest(
+        sample_ids=ids, prompts=["p"] * 400, images=torch.zeros(400, 3, 2, 2, dtype=torch.uint8)
+    )
+    a, b, c = RandomReward(0)(texts), RandomReward(0)(images), RandomReward(1)(texts)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.dtype == torch.float32 and float(a.min()) >= 0 and float(a.max()) < 1
+    assert abs(float(a.mean()) - 0.5) < 0.05 and abs(float(torch.corrcoef(torch.stack([a, c]))[0, 1])) < 0.15
+    with pytest.raises(ValueError, match="RandomReward seed must be an int"):
+        RandomReward("0")

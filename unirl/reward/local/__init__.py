@@ -1,6 +1,7 @@
 """In-process, weight-free scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor."""
 
 from unirl.reward.local.color import ColorTarget
+from unirl.reward.local.control import RandomReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, TargetCharFraction
 
@@ -11,6 +12,7 @@ __all__ = [
     "JpegCompressibility",
     "JpegIncompressibility",
     "OverlongPenalty",
+    "RandomReward",
     "TargetCharFraction",
     "jpeg_size_kb",
 ]
