@@ -1,0 +1,62 @@
+"""DAPO: GRPO with clip-higher, token-mean aggregation and dynamic sampling.
+
+The loss is GRPO's (`GRPO.policy_loss`) with eps_high 0.28 > eps_low 0.2 ("clip
+higher", room for low-probability tokens to grow) and token-mean over the batch.
+Dynamic sampling is the driver's job: it keeps generating batches (at most
+`max_num_gen_batches`) and keeps only the groups `keep_groups` returns, those whose
+rewards are not all equal (an all-equal group has zero advantage and no gradient),
+until the train batch is full. Overlong shaping (a linear penalty over the last
+L_cache tokens before L_max) is a reward component, not part of this loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from unirl.algorithms.grpo import GRPO, GRPOConfig
+
+
+@dataclass
+class DAPOConfig(GRPOConfig):
+    """GRPO's settings with DAPO's defaults, plus the driver's dynamic sampling settings.
+
+    Attributes:
+        dynamic_sampling: drop groups whose rewards are all equal and generate more
+            batches to refill the train batch.
+        max_num_gen_batches: cap on the batches generated per train batch (>= 1).
+    """
+
+    eps_high: float = 0.28
+    dynamic_sampling: bool = True
+    max_num_gen_batches: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_num_gen_batches < 1:
+            raise ValueError(
+                f"algorithm.config.max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}"
+            )
+
+
+class DAPO(GRPO):
+    """DAPO on a text track; the loss, ctx and metrics are GRPO's."""
+
+    def __init__(self, config: DAPOConfig | None = None) -> None:
+        super().__init__(config or DAPOConfig())
+
+    @staticmethod
+    def keep_groups(rewards: torch.Tensor, group_ids: list[str]) -> list[int]:
+        """Indices (ascending) of the samples whose group's rewards are not all exactly equal
+        (compared in float64). rewards: [B]; group_ids: per sample, any order."""
+        if rewards.dim() != 1 or rewards.numel() != len(group_ids):
+            raise ValueError(
+                f"rewards must be [B] with B = len(group_ids) = {len(group_ids)}, got {list(rewards.shape)}"
+            )
+        r = rewards.detach().to(torch.float64).cpu().tolist()
+        members: dict[str, list[int]] = {}
+        for i, gid in enumerate(group_ids):
+            members.setdefault(gid, []).append(i)
+        varied = {gid for gid, idx in members.items() if any(r[i] != r[idx[0]] for i in idx)}
+        return [i for i, gid in enumerate(group_ids) if gid in varied]

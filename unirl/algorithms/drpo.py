@@ -1,0 +1,79 @@
+"""DRPO (UniRL): a smooth, advantage-weighted quadratic trust region instead of a clip.
+
+Per response token, with r_t = exp(clamp(logp_t - logp_old_t, -20, 20)):
+
+    L_t = -A r_t + |A| mu_t (r_t - 1)^2 / (2 eps)
+
+mu_t is the probability the rollout policy gave the sampled token, exp(logp_old_t)
+(`penalty_mu_weighted: true`, UniRL's default): the penalty then bounds |r_t - 1| by a
+token-adaptive eps / mu_t, i.e. |pi - pi_old| <= eps on the probability itself, loose
+for rare tokens and tight for likely ones. With `penalty_mu_weighted: false`, mu_t = 1
+(a fixed quadratic penalty, plain SPO). r_t is not clipped: the gradient
+-A + |A| mu_t (r_t - 1) / eps shrinks as r_t moves in the advantage's direction and
+turns corrective past r_t - 1 = sign(A) eps / mu_t. UniRL's default eps is 12.5
+(`drpo_epsilon`); pi_old is the rollout's log-probs by default (`old_logp_source`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from unirl.algorithms.grpo import GRPO, TokenLossConfig
+from unirl.algorithms.token_losses import masked_mean, ratio
+
+
+@dataclass
+class DRPOConfig(TokenLossConfig):
+    """The shared settings plus DRPO's penalty.
+
+    Attributes:
+        drpo_epsilon: eps of the quadratic penalty (> 0; larger is weaker).
+        penalty_mu_weighted: weight the penalty by the rollout token probability
+            mu_t = exp(logp_old_t) (token-adaptive region eps / mu_t); false: mu_t = 1.
+    """
+
+    drpo_epsilon: float = 12.5
+    penalty_mu_weighted: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.drpo_epsilon > 0:
+            raise ValueError(f"algorithm.config.drpo_epsilon must be > 0, got {self.drpo_epsilon}")
+
+
+def drpo_token_loss(
+    r: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, epsilon: float, mu_weighted: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L_t, penalty_t), both [B, R]: L_t = -A r_t + penalty_t, penalty_t = |A| mu_t (r_t - 1)^2 / (2 eps),
+    mu_t = exp(old_logp) (detached) or 1."""
+    mu = torch.exp(old_logp).detach() if mu_weighted else torch.ones_like(old_logp)
+    penalty = adv.abs() * mu * (r - 1).square() / (2 * epsilon)
+    return -adv * r + penalty, penalty
+
+
+class DRPO(GRPO):
+    """DRPO on a text track. Metrics as GRPO's, with `drpo/penalty` (the masked mean of
+    the penalty term) and `drpo/outside_region` (share of tokens with |r_t - 1| >
+    eps / mu_t) instead of clip fractions."""
+
+    def __init__(self, config: DRPOConfig | None = None) -> None:
+        super().__init__(config or DRPOConfig())
+
+    def policy_loss(
+        self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        cfg = self.config
+        r = ratio(logp, old_logp)
+        loss, penalty = drpo_token_loss(r, old_logp, adv, cfg.drpo_epsilon, cfg.penalty_mu_weighted)
+        mu = torch.exp(old_logp) if cfg.penalty_mu_weighted else torch.ones_like(old_logp)
+        outside = (r.detach() - 1).abs() * mu > cfg.drpo_epsilon
+        return (
+            loss,
+            r,
+            {
+                "drpo/penalty": float(masked_mean(penalty.detach(), mask)),
+                "drpo/outside_region": float(masked_mean(outside.float(), mask)),
+            },
+        )
