@@ -256,3 +256,28 @@ class CausalLMBundle:
         """Write model and tokenizer into `path` (`from_pretrained` reads them back)."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+
+
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> CausalLMBundle:
+    """Load a bundle with the trained weights of a UniRL checkpoint directory.
+
+    Reads `unirl_checkpoint.json` (written by the train backend), loads its
+    `base_model` directory, then applies the weights: a LoRA adapter directory
+    merged into the base through peft (`PeftModel.from_pretrained(...).merge_and_unload()`),
+    or the full model directory itself.
+    """
+    import json
+
+    meta_path = os.path.join(path, "unirl_checkpoint.json")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    base = CausalLMBundle.from_pretrained(meta["base_model"], dtype=dtype)
+    if meta["kind"] == "lora":
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(base.model, path, local_files_only=True).merge_and_unload()
+        return CausalLMBundle(model, base.tokenizer, where=f"checkpoint {path!r}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return CausalLMBundle(model, base.tokenizer, where=f"checkpoint {path!r}")
