@@ -44,11 +44,10 @@ class DRPOConfig(TokenLossConfig):
 
 
 def drpo_token_loss(
-    r: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, epsilon: float, mu_weighted: bool = True
+    r: torch.Tensor, mu: torch.Tensor, adv: torch.Tensor, epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L_t, penalty_t), both [B, R]: L_t = -A r_t + penalty_t, penalty_t = |A| mu_t (r_t - 1)^2 / (2 eps),
-    mu_t = exp(old_logp) (detached) or 1."""
-    mu = torch.exp(old_logp).detach() if mu_weighted else torch.ones_like(old_logp)
+    """(L_t, penalty_t), all [B, R]: L_t = -A r_t + penalty_t with penalty_t = |A| mu_t (r_t - 1)^2 / (2 eps);
+    `mu` is the (detached) rollout token probability, or ones."""
     penalty = adv.abs() * mu * (r - 1).square() / (2 * epsilon)
     return -adv * r + penalty, penalty
 
@@ -66,8 +65,8 @@ class DRPO(GRPO):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         cfg = self.config
         r = ratio(logp, old_logp)
-        loss, penalty = drpo_token_loss(r, old_logp, adv, cfg.drpo_epsilon, cfg.penalty_mu_weighted)
-        mu = torch.exp(old_logp) if cfg.penalty_mu_weighted else torch.ones_like(old_logp)
+        mu = torch.exp(old_logp).detach() if cfg.penalty_mu_weighted else torch.ones_like(old_logp)
+        loss, penalty = drpo_token_loss(r, mu, adv, cfg.drpo_epsilon)
         outside = (r.detach() - 1).abs() * mu > cfg.drpo_epsilon
         return (
             loss,
