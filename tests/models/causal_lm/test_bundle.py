@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import string
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from unirl.models.causal_lm import CausalLMConfig, TinyLMConfig, tiny_tokenizer
+from unirl.models.causal_lm import CausalLMConfig, TinyLMConfig, load_checkpoint, tiny_tokenizer
 
 
 def test_tiny_tokenizer_round_trips_text_and_renders_chatml() -> None:
@@ -105,3 +106,41 @@ def test_load_errors_name_the_directory(tmp_path) -> None:
     assert os.path.isfile(small / "config.json")
     with pytest.raises(ValueError, match=r"small.*259 tokens.*100 rows"):
         CausalLMConfig(pretrained_path=str(small)).build()
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_write_weights_then_load_checkpoint(tmp_path, kind) -> None:
+    """The backend's export (a LoRA adapter or the full state) loads back with the trained weights."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    base = CausalLMConfig(tiny=TinyLMConfig(num_layers=1)).build()
+    base.save_pretrained(str(tmp_path / "base"))
+    bundle = CausalLMConfig(pretrained_path=str(tmp_path / "base")).build()
+    model = bundle.model
+    if kind == "lora":  # as TrainBackend injects and exports it
+        model.add_adapter(
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        )
+        state = get_peft_model_state_dict(
+            model, state_dict={n: p.detach() for n, p in model.named_parameters()}
+        )
+    else:
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight.mul_(2)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    bundle.write_weights(str(out), kind, state, model)
+    (out / "unirl_checkpoint.json").write_text(
+        json.dumps({"kind": kind, "base_model": str(tmp_path / "base"), "optimizer_steps": 1})
+    )
+    loaded = load_checkpoint(str(out))
+    ids = torch.tensor([bundle.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n")])
+    with torch.no_grad():
+        want, got, untrained = model(ids).logits, loaded.model(ids).logits, base.model(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert not torch.allclose(got, untrained, atol=1e-3)
+    assert loaded.tokenizer.encode("abc") == bundle.tokenizer.encode("abc")
+    with pytest.raises(FileNotFoundError, match="is not a UniRL checkpoint"):
+        load_checkpoint(str(tmp_path / "base"))
