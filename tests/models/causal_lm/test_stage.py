@@ -199,3 +199,18 @@ def test_no_chat_template_tokenizes_the_raw_prompt() -> None:
         stage.tokenizer.decode(seg.prompt_ids[0])
         == "<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_sampling_probs_and_draw_by_hand() -> None:
+    from unirl.models.causal_lm.stage import draw, sampling_probs
+
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    torch.testing.assert_close(sampling_probs(logits, 1.0, 0, 0.8), torch.tensor([[0.625, 0.375, 0, 0]]))
+    torch.testing.assert_close(
+        sampling_probs(logits, 1.0, 0, 0.81), torch.tensor([[0.5, 0.3, 0.15, 0]]) / 0.95
+    )
+    torch.testing.assert_close(sampling_probs(logits, 1.0, 2, 1.0), torch.tensor([[0.625, 0.375, 0, 0]]))
+    torch.testing.assert_close(sampling_probs(logits, 1.0, 0, 1e-3), torch.tensor([[1.0, 0, 0, 0]]))
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(4, 4)
+    u = torch.tensor([[0.0], [0.49], [0.5], [0.999999]], dtype=torch.float64)
+    assert draw(probs, u).tolist() == [1, 1, 3, 3]  # zero-mass tokens are never drawn
