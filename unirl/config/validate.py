@@ -311,6 +311,29 @@ def _check_text(cfg: DictConfig, sampling: TextSamplingParams, model: Any, probl
             f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
             f"({sampling.max_new_tokens}) exceeds model.tiny.max_position_embeddings={context}, the model's context"
         )
+    path = getattr(model, "pretrained_path", None)
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            from transformers import AutoConfig, AutoTokenizer
+
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            tokens = len(AutoTokenizer.from_pretrained(path, local_files_only=True))
+        except Exception as exc:  # noqa: BLE001 - an unreadable directory is reported, not raised
+            problems.append(f"model.pretrained_path {path!r}: cannot read its config or tokenizer ({exc})")
+        else:
+            rows = getattr(config, "vocab_size", None)
+            if rows is not None and tokens > rows:
+                problems.append(
+                    f"model.pretrained_path {path!r}: the tokenizer has {tokens} tokens but config.json's "
+                    f"vocab_size is {rows}; ids >= {rows} would index past the embedding. Use the tokenizer "
+                    "saved with this model"
+                )
+            context = getattr(config, "max_position_embeddings", None)
+            if context is not None and sampling.max_prompt_length + sampling.max_new_tokens > context:
+                problems.append(
+                    f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
+                    f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={context} ({path})"
+                )
     if cfg.get("eval") is not None:
         problems.append(
             "eval: held-out evaluation runs for diffusion recipes only so far; remove the eval block "

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from unirl.dataplane import BatchMeta, get_batch, make_transport, merge_stats
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
+from unirl.reward.service import RewardError
 from unirl.tracking.gallery import write_gallery
 from unirl.tracking.metrics import JsonlWriter
 from unirl.train.stack import reduce_metrics
@@ -175,6 +176,19 @@ class Trainer:
                 f"run stopped at step {step + 1} during '{method}': {exc}. Last complete checkpoint: {last}"
             ) from exc
 
+    def _driver_phase(self, step: int, phase: str, fn, *args: Any) -> Any:
+        """Run a driver-side phase; its error (a NaN reward naming the sample, a scorer's data
+        error, an advantage that cannot be computed) stops the run as a `TrainingError` naming
+        the step, before anything of the step is trained."""
+        try:
+            return fn(*args)
+        except (RewardError, ValueError) as exc:
+            last = self.last_checkpoint or "none written"
+            raise TrainingError(
+                f"run stopped at step {step + 1} during '{phase}' (nothing of this step was trained): "
+                f"{type(exc).__name__}: {exc}. Last complete checkpoint: {last}"
+            ) from exc
+
     def _restore(self, group, path: str) -> int:
         state = read_driver_state(path)
         self._call(group, "load_checkpoint", state["step"], path)
@@ -229,7 +243,7 @@ class Trainer:
             meta = self._call(group, "rollout", step, req, partition)
             t_first = t_first or time.perf_counter()
             track = get_batch(self.transport, meta, modality.reward_fields)
-            scored = self.reward.score_and_attach(track)
+            scored = self._driver_phase(step, "reward", self.reward.score_and_attach, track)
             if k == 0:
                 row.update(scored)
             offset = sum(len(m) for m in metas)
@@ -282,7 +296,7 @@ class Trainer:
                 try:
                     row: dict[str, Any] = {"step": step + 1}
                     meta, track, t1 = self._rollout_and_score(group, modality, step, partition, row)
-                    track.compute_advantages(self.advantage)
+                    self._driver_phase(step, "advantages", track.compute_advantages, self.advantage)
                     t2 = time.perf_counter()
                     shard_meta = self.transport.claim(meta, "train")
                     progress = step / self.num_steps
