@@ -145,9 +145,12 @@ def test_bad_transport_options_are_config_errors():
 
 # ---- every leaf of every recipe is type- and range-checked ----------------------------------
 
-DIFFUSION_RECIPES = sorted(
-    f"diffusion/{os.path.splitext(f)[0]}" for f in os.listdir(os.path.join(EXAMPLES, "diffusion"))
+RL_RECIPES = sorted(
+    f"{domain}/{os.path.splitext(f)[0]}"
+    for domain in ("diffusion", "llm")
+    for f in os.listdir(os.path.join(EXAMPLES, domain))
 )
+NEEDS_MODEL_DIR = ("diffusion/sd3_flowgrpo", "llm/qwen3_grpo")  # a real model directory (own tests)
 SIGNED_FLOATS = ("reward.backend.weights.",)  # a negative weight flips a reward on purpose
 
 
@@ -181,9 +184,9 @@ def rejection(tree, key, value) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", DIFFUSION_RECIPES)
+@pytest.mark.parametrize("name", RL_RECIPES)
 def test_every_leaf_rejects_bad_values_with_its_full_key(name, monkeypatch):
-    monkeypatch.setenv("PRETRAINED_MODEL", "/nonexistent/sd3")  # sd3_flowgrpo: only its model path fails
+    monkeypatch.setenv("PRETRAINED_MODEL", "/nonexistent/model")  # real-model recipes: only the path fails
     tree = OmegaConf.to_container(recipe(name), resolve=True)
     checked = 0
     for key, container, index, good in list(leaves(tree)):
@@ -203,8 +206,8 @@ def test_every_leaf_rejects_bad_values_with_its_full_key(name, monkeypatch):
 
 
 def test_unmodified_recipes_validate():
-    for name in DIFFUSION_RECIPES:
-        if name != "diffusion/sd3_flowgrpo":  # needs a real model directory (named in its own test)
+    for name in RL_RECIPES:
+        if name not in NEEDS_MODEL_DIR:
             validate_rl_config(recipe(name))
     for name in ("sft/shapes_pretrain", "sft/shapes_pretrain_continue"):
         validate_sft_config(recipe(name))
@@ -339,3 +342,102 @@ def test_one_rank_bf16_fsdp_policy_without_autocast_and_in_process_geometry_are_
     msg = problems_of(["launcher=in_process", "num_devices=2", "prompts_per_rollout=4"])
     assert "launcher=in_process" in msg and "num_devices=2" in msg
     validate_rl_config(recipe(overrides=["launcher=in_process", "transport=inband"]))
+
+
+# ---- text recipes ---------------------------------------------------------------------------
+
+LM = "llm/tiny_lm_grpo"
+
+
+def test_one_modality_per_recipe_and_the_right_entry_point():
+    """A text algorithm in a diffusion recipe (and the reverse) names the component; a recipe run
+    through the other modality's entry point names the right one."""
+    msg = problems_of(
+        [
+            "algorithm._target_=unirl.algorithms.grpo.GRPO",
+            "algorithm.config._target_=unirl.algorithms.grpo.GRPOConfig",
+        ]
+    )
+    assert "algorithm: unirl.algorithms.grpo.GRPO is a text component" in msg and "diffusion recipe" in msg
+    with pytest.raises(
+        ConfigError, match="run it with `python -m unirl.train_vlm`, not unirl.train_diffusion"
+    ):
+        validate_rl_config(recipe(LM), expect="diffusion")
+    with pytest.raises(
+        ConfigError, match="run it with `python -m unirl.train_diffusion`, not unirl.train_vlm"
+    ):
+        validate_rl_config(recipe(), expect="text")
+    res = run_module("unirl.train_vlm", "--config-name=diffusion/tiny_sd3_flowgrpo", timeout=120)
+    assert res.returncode == 2 and "python -m unirl.train_diffusion" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["sampling.max_new_tokens=250"],
+            "sampling.max_prompt_length (64) + sampling.max_new_tokens (250) exceeds model.tiny.max_position_embeddings=256",
+        ),
+        (
+            ["advantage.estimator=rloo", "sampling.samples_per_prompt=1", "prompts_per_rollout=16"],
+            "must be >= 2, got 1",
+        ),
+        (["sampling.temperature=-1.0"], "sampling.temperature must be >= 0 (0: greedy), got -1.0"),
+        (["sampling.top_p=1.5"], "sampling.top_p must be in (0, 1], got 1.5"),
+        (["sampling.stop_tokens=im_end"], "sampling.stop_tokens"),
+        (["algorithm.config.loss_agg_mode=seq-sum"], "algorithm.config.loss_agg_mode must be one of"),
+        (["advantage.estimator=ppo"], "advantage.estimator"),
+        (
+            [
+                "+eval={examples: {_target_: unirl.data.DefaultDataSource}, scorer: {_target_: x.Y}, "
+                "sampling: {_target_: unirl.trainer.evaluation.EvalSampling}}"
+            ],
+            "eval: held-out evaluation runs for diffusion recipes only so far",
+        ),
+        (
+            [
+                "algorithm._target_=unirl.algorithms.dr_grpo.DrGRPO",
+                "algorithm.config._target_=unirl.algorithms.dr_grpo.DrGRPOConfig",
+                "+algorithm.config.norm_constant=16",
+            ],
+            "advantage.norm_by_std",
+        ),
+    ],
+)
+def test_text_recipe_errors_name_their_keys(overrides, expected):
+    assert expected in problems_of(overrides, name=LM)
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [("", "no prompts"), ('{"prompt": "ok"}\n{"prompt": \n', "line 2")],
+)
+def test_bad_prompt_file_is_named_before_ray(tmp_path, content, expected):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    msg = problems_of([f"data_source.data_path={path}"], name=LM)
+    assert str(path) in msg and expected in msg
+
+
+def test_pretrained_lm_directory_checks(tmp_path, monkeypatch):
+    """A real Qwen3 directory validates; one whose tokenizer outgrows the model's vocabulary, or
+    whose context the token budget exceeds, is named with both sizes before Ray starts."""
+    from unirl.models.causal_lm import CausalLMBundle, TinyLMConfig
+
+    good = tmp_path / "qwen3"
+    CausalLMBundle.tiny(TinyLMConfig(max_position_embeddings=2048)).save_pretrained(str(good))
+    monkeypatch.setenv("PRETRAINED_MODEL", str(good))
+    validate_rl_config(recipe("llm/qwen3_grpo"), expect="text")
+    msg = problems_of(["sampling.max_new_tokens=4000"], name="llm/qwen3_grpo")
+    assert "exceeds the model's max_position_embeddings=2048" in msg
+
+    from transformers import AutoTokenizer
+
+    bad = tmp_path / "mismatch"
+    CausalLMBundle.tiny(TinyLMConfig()).save_pretrained(str(bad))
+    tok = AutoTokenizer.from_pretrained(str(bad))
+    tok.add_tokens([f"<extra_{i}>" for i in range(10)])
+    tok.save_pretrained(str(bad))
+    monkeypatch.setenv("PRETRAINED_MODEL", str(bad))
+    msg = problems_of([], name="llm/qwen3_grpo")
+    assert "the tokenizer has 269 tokens but config.json's vocab_size is 259" in msg and str(bad) in msg
