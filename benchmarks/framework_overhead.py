@@ -131,9 +131,7 @@ class PeakMemoryMonitor(threading.Thread):
         if rss:
             self.self_rss_max_kb = max(self.self_rss_max_kb, rss)
         # Scan for the worker only until found (a full scan costs a few ms of driver CPU).
-        pids = list(self.worker_hwm_kb) or [
-            p for p in self._candidate_pids() if "RLWorker" in _cmdline(p)
-        ]
+        pids = list(self.worker_hwm_kb) or [p for p in self._candidate_pids() if "RLWorker" in _cmdline(p)]
         for pid in pids:
             hwm = _status_kb(pid, "VmHWM")
             if hwm:

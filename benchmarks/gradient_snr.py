@@ -50,9 +50,7 @@ def gradient_estimates(cfg, repeats: int) -> tuple[list[torch.Tensor], list[floa
     """`repeats` flattened gradients of the recipe's loss on independent rollouts of one prompt batch."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain.pop("hydra", None)
-    worker = RLWorker(
-        RankInfo(rank=0, world_size=1, dp_rank=0, dp_size=1), plain, total_optimizer_steps=1
-    )
+    worker = RLWorker(RankInfo(rank=0, world_size=1, dp_rank=0, dp_size=1), plain, total_optimizer_steps=1)
     backend, engine, stack = worker.backend, worker.engine, worker.stack
     sampling, reward, advantage = build(cfg.sampling), build(cfg.reward), build(cfg.advantage)
     examples = build(cfg.data_source).next_batch(int(cfg.prompts_per_rollout))

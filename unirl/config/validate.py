@@ -280,7 +280,12 @@ def _target_class(cfg: DictConfig, key: str) -> type | None:
 
 
 def _check_modality(
-    cfg: DictConfig, sampling: Any, model: Any, algorithm: type | None, expect: str | None, problems: list[str]
+    cfg: DictConfig,
+    sampling: Any,
+    model: Any,
+    algorithm: type | None,
+    expect: str | None,
+    problems: list[str],
 ) -> str | None:
     """One modality across sampling, model and algorithm (and the entry point); returns it."""
     modality = next((m for kind, m in SAMPLING_MODALITY.items() if isinstance(sampling, kind)), None)
