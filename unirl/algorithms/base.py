@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from unirl.models.stage import DiffusionStage, TextStage
 from unirl.types.rollout_resp import RolloutTrack
 
 
@@ -37,11 +38,11 @@ class StageAlgorithm(ABC):
         """Whether the loss evaluates the reference policy (the backend then keeps it)."""
         return False
 
-    def prepare_segment(self, stage: Any, track: RolloutTrack) -> RolloutTrack:
+    def prepare_segment(self, stage: DiffusionStage | TextStage, track: RolloutTrack) -> RolloutTrack:
         return track
 
     @abstractmethod
     def compute_loss_and_backward(
-        self, stage: Any, track: RolloutTrack, ctx: dict[str, Any]
+        self, stage: DiffusionStage | TextStage, track: RolloutTrack, ctx: dict[str, Any]
     ) -> dict[str, float]:
         """Loss on one micro-batch; calls backward; returns float metrics."""

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from unirl.algorithms.base import StageAlgorithm
+from unirl.models.stage import DiffusionStage
 from unirl.types.rollout_resp import RolloutTrack
 
 # per-sample entries prepare_segment adds to `track.conditions` (they travel with `select`)
@@ -138,7 +139,7 @@ class DiffusionNFT(StageAlgorithm):
         return x_t, x0_rep, sigma, cond
 
     @torch.no_grad()
-    def prepare_segment(self, stage: Any, track: RolloutTrack) -> RolloutTrack:
+    def prepare_segment(self, stage: DiffusionStage, track: RolloutTrack) -> RolloutTrack:
         """Draw (sigma, eps) per sample and freeze v_old under the weights that sampled the batch."""
         sigma, noise = self._draws(track)
         track = dataclasses.replace(
@@ -150,7 +151,7 @@ class DiffusionNFT(StageAlgorithm):
         return dataclasses.replace(track, conditions={**track.conditions, V_OLD_KEY: v_old})
 
     def compute_loss_and_backward(
-        self, stage: Any, track: RolloutTrack, ctx: dict[str, Any]
+        self, stage: DiffusionStage, track: RolloutTrack, ctx: dict[str, Any]
     ) -> dict[str, float]:
         """ctx: `loss_scale` (float). Needs `prepare_segment` to have run on `track`."""
         cfg = self.config

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from unirl.algorithms.base import StageAlgorithm
+from unirl.models.stage import DiffusionStage
 from unirl.types.rollout_resp import RolloutTrack
 
 CLIP_SCHEDULES = ("constant", "linear", "cosine")
@@ -101,7 +102,7 @@ class FlowGRPO(StageAlgorithm):
         return self.config.beta > 0
 
     @torch.no_grad()
-    def prepare_segment(self, stage: Any, track: RolloutTrack) -> RolloutTrack:
+    def prepare_segment(self, stage: DiffusionStage, track: RolloutTrack) -> RolloutTrack:
         seg = track.segment
         if not seg.sde_indices:
             raise ValueError(
@@ -117,7 +118,7 @@ class FlowGRPO(StageAlgorithm):
         return dataclasses.replace(track, segment=dataclasses.replace(seg, log_probs=old))
 
     def compute_loss_and_backward(
-        self, stage: Any, track: RolloutTrack, ctx: dict[str, Any]
+        self, stage: DiffusionStage, track: RolloutTrack, ctx: dict[str, Any]
     ) -> dict[str, float]:
         """ctx: `loss_scale` (float), `progress` (float in [0, 1]), `reference`
         (a context-manager factory that switches the module to the reference policy)."""

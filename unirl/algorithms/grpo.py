@@ -29,6 +29,7 @@ from unirl.algorithms.token_losses import (
     ratio,
     token_advantages,
 )
+from unirl.models.stage import TextStage
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment
 
@@ -140,7 +141,7 @@ class GRPO(StageAlgorithm):
         return self.config.kl_coef > 0
 
     @torch.no_grad()
-    def prepare_segment(self, stage: Any, track: RolloutTrack) -> RolloutTrack:
+    def prepare_segment(self, stage: TextStage, track: RolloutTrack) -> RolloutTrack:
         seg = text_segment(track)
         if self.config.old_logp_source == "rollout":
             return track
@@ -162,7 +163,7 @@ class GRPO(StageAlgorithm):
         return loss, r, metrics
 
     def compute_loss_and_backward(
-        self, stage: Any, track: RolloutTrack, ctx: dict[str, Any]
+        self, stage: TextStage, track: RolloutTrack, ctx: dict[str, Any]
     ) -> dict[str, float]:
         cfg = self.config
         seg = text_segment(track)

@@ -21,6 +21,7 @@ import torch
 
 from unirl.algorithms.grpo import GRPO, TokenLossConfig
 from unirl.algorithms.token_losses import LOG_RATIO_CLAMP, clipped_token_loss, masked_mean
+from unirl.models.stage import TextStage
 from unirl.types.advantages import TOKEN_ESTIMATORS, AdvantageConfig
 from unirl.types.rollout_resp import RolloutTrack
 
@@ -78,7 +79,7 @@ class GSPO(GRPO):
         return loss, r, {"clipfrac": float(masked_mean(clipped.float(), mask))}
 
     def compute_loss_and_backward(
-        self, stage: Any, track: RolloutTrack, ctx: dict[str, Any]
+        self, stage: TextStage, track: RolloutTrack, ctx: dict[str, Any]
     ) -> dict[str, float]:
         if track.advantages is not None and track.advantages.dim() != 1:
             raise ValueError(

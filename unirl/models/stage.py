@@ -26,6 +26,10 @@ class DiffusionStage(Protocol):
 
     def encode_prompts(self, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict: ...
 
+    def velocity(
+        self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance_scale: float
+    ) -> torch.Tensor: ...
+
     def diffuse(self, req: RolloutReq, cond: dict) -> LatentSegment: ...
 
     def replay(
