@@ -105,6 +105,20 @@ def test_cli_cfg_job_resolve_works_offline(name):
     assert "num_devices:" in res.stdout and "_target_: unirl.algorithms.flow_grpo.FlowGRPO" in res.stdout
 
 
+@pytest.mark.parametrize("name", ["llm/tiny_lm_grpo", "llm/qwen3_grpo"])
+def test_vlm_cli_cfg_job_resolve_works_offline(name):
+    res = run_module(
+        "unirl.train_vlm",
+        f"--config-name={name}",
+        "--cfg",
+        "job",
+        "--resolve",
+        env={"PRETRAINED_MODEL": "/some/dir"},
+    )
+    assert res.returncode == 0, res.stderr
+    assert "_target_: unirl.algorithms.grpo.GRPO" in res.stdout and "TextSamplingParams" in res.stdout
+
+
 @pytest.mark.parametrize("name", ["inband", "ray", "tq_simple", "tq_mooncake"])
 def test_every_transport_composes_and_validates(name):
     cfg = recipe(overrides=[f"transport={name}"])

@@ -1,4 +1,5 @@
-"""Deterministic evaluation of a diffusion bundle on held-out prompts.
+"""Deterministic evaluation of a diffusion model on held-out prompts (images only so far: a text
+recipe with an `eval` block is refused by validation).
 
 Sampling is an ODE (eta = 0) from fixed per-sample seeds, so the same weights
 always give the same images and the same numbers; a scorer's `evaluate(images,
@@ -12,8 +13,7 @@ from typing import Protocol
 
 import torch
 
-from unirl.models.sd3.bundle import SD3Bundle
-from unirl.models.sd3.stage import SD3Stage
+from unirl.models.stage import DiffusionStage
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
 from unirl.types.rollout_req import PromptExample, RolloutReq
@@ -66,10 +66,12 @@ def eval_request(
 
 
 def sample_eval_images(
-    stage: SD3Stage, examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling
+    stage: DiffusionStage, examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling
 ) -> tuple[torch.Tensor, list[str]]:
     """([N, 3, H, W] uint8 images, prompts) for every example x samples_per_prompt, deterministic."""
-    req = eval_request(examples, base, cfg, stage.bundle.image_seq_len(base.height, base.width))
+    info = stage.model_info()
+    cell = info["vae_scale_factor"] * info["patch_size"]
+    req = eval_request(examples, base, cfg, (base.height // cell) * (base.width // cell))
     track = TrainsideEngine(stage, cfg.forward_batch_size).generate(req).track("diffusion")
     return track.media, track.prompts
 
@@ -98,7 +100,10 @@ class BundleEvaluator:
         self.eval_sampling = eval_sampling or EvalSampling()
 
     @torch.no_grad()
-    def __call__(self, bundle: SD3Bundle) -> dict[str, float]:
+    def __call__(self, bundle) -> dict[str, float]:
+        """Scores an SD3 bundle (`unirl.models.sd3.SD3Bundle`) through its stage."""
+        from unirl.models.sd3.stage import SD3Stage
+
         stage = SD3Stage(bundle)
         images, prompts = sample_eval_images(stage, self.examples, self.sampling, self.eval_sampling)
         return self.scorer.evaluate(images, prompts)
