@@ -35,6 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"types", "data"},
     # the shapes world (dataset, renderer, scorer) is a leaf over the typed boundary
     "shapes": {"types", "shapes"},
+    # the arithmetic world (problems, split, verifier) is a leaf over the typed boundary and data sources
+    "arith": {"types", "data", "arith"},
     "tracking": {"tracking"},
     "config": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "trainer", *UTILS},
     ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "trainer", *UTILS, ENTRY},

@@ -1,6 +1,10 @@
 """Score a model with a recipe's `eval` block and print the numbers as JSON.
 
     python -m unirl.evaluate --recipe diffusion/shapes_flowgrpo [--checkpoint DIR] [key=value ...]
+    python -m unirl.evaluate --recipe llm/arith_grpo [--checkpoint DIR] [key=value ...]
+
+A diffusion recipe scores images (`BundleEvaluator`), a text recipe greedy exact match and
+pass@k (`unirl.trainer.text_eval.LMEvaluator`), by the modality of the recipe's model.
 
 Without `--checkpoint` it scores the recipe's model as built (the pretrained
 base); with it, the weights of a UniRL checkpoint (`checkpoints/final`, or a
@@ -32,21 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.get("eval") is None:
         print(f"error: recipe {args.recipe} has no `eval` block to score with", file=sys.stderr)
         return 2
-    from unirl.models.sd3 import load_checkpoint
-    from unirl.trainer.evaluation import BundleEvaluator
     from unirl.trainer.worker import build, quiet_library_logs
 
     quiet_library_logs()
     torch.set_num_threads(os.cpu_count() or 1)
-    if args.checkpoint:
-        if not os.path.isfile(os.path.join(args.checkpoint, "unirl_checkpoint.json")):
-            print(f"error: --checkpoint {args.checkpoint} has no unirl_checkpoint.json", file=sys.stderr)
-            return 2
-        bundle = load_checkpoint(args.checkpoint)
+    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "unirl_checkpoint.json")):
+        print(f"error: --checkpoint {args.checkpoint} has no unirl_checkpoint.json", file=sys.stderr)
+        return 2
+    model, ev = build(cfg.model), cfg.eval
+    if model.modality == "text":
+        from unirl.models.causal_lm import load_checkpoint
+        from unirl.trainer.text_eval import LMEvaluator
+
+        evaluator = LMEvaluator(build(ev.examples), build(ev.scorer), build(ev.sampling))
     else:
-        bundle = build(cfg.model).build()
-    ev = cfg.eval
-    evaluator = BundleEvaluator(build(ev.examples), build(cfg.sampling), build(ev.scorer), build(ev.sampling))
+        from unirl.models.sd3 import load_checkpoint
+        from unirl.trainer.evaluation import BundleEvaluator
+
+        evaluator = BundleEvaluator(build(ev.examples), build(cfg.sampling), build(ev.scorer), build(ev.sampling))
+    bundle = load_checkpoint(args.checkpoint) if args.checkpoint else model.build()
     result = {f"eval/{k}": v for k, v in evaluator(bundle).items()}
     result["checkpoint"] = args.checkpoint
     print(json.dumps(result, indent=2, sort_keys=True))

@@ -403,10 +403,12 @@ def test_one_modality_per_recipe_and_the_right_entry_point():
         (["advantage.estimator=ppo"], "advantage.estimator"),
         (
             [
-                "+eval={examples: {_target_: unirl.data.DefaultDataSource}, scorer: {_target_: x.Y}, "
+                "+eval={examples: {_target_: unirl.data.DefaultDataSource}, "
+                "scorer: {_target_: unirl.reward.local.FormatCheck, pattern: x}, "
                 "sampling: {_target_: unirl.trainer.evaluation.EvalSampling}}"
             ],
-            "eval: held-out evaluation runs for diffusion recipes only so far",
+            "eval.sampling: a text recipe evaluates with unirl.trainer.text_eval.TextEvalSampling, "
+            "got unirl.trainer.evaluation.EvalSampling",
         ),
         (
             [

@@ -283,3 +283,18 @@ def test_gallery_shows_text_samples_escaped_newest_first(tmp_path: Path) -> None
     assert "a &lt;b&gt;bold&lt;/b&gt; try" in page and "<b>bold</b>" not in page
     assert "7 &amp; 8\nsecond line" in page
     assert 'class="sample text"' in page and "saved sample steps</th><td>2<" in page
+
+
+def test_gallery_breaks_eval_accuracy_down_by_group(tmp_path: Path) -> None:
+    """Text evaluations log `eval/accuracy/greedy/op=add`-style keys: the overall keys get one chart
+    and each breakdown (here by op) its own, with one line per value."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, acc in ((0, 0.2), (10, 0.5)):
+            row = {"step": step, "eval/accuracy/greedy": acc, "eval/accuracy/pass@16": acc + 0.3}
+            row.update({"eval/accuracy/greedy/op=add": acc + 0.1, "eval/accuracy/greedy/op=mul": acc - 0.1})
+            f.write(json.dumps(row) + "\n")
+    page = Path(write_gallery(str(tmp_path))).read_text()
+    overall = page[page.index('id="eval-chart"') : page.index('id="eval-chart-op"')]
+    by_op = page[page.index('id="eval-chart-op"') :]
+    assert "eval/accuracy/pass@16" in overall and "op=add" not in overall
+    assert "Eval accuracy by op" in by_op and "op=add (last 0.600)" in by_op and "op=mul (last 0.400)" in by_op

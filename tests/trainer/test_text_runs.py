@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, run_module
 from tests.dataplane.backends import BACKENDS
 from unirl.config.validate import validate_rl_config
 from unirl.trainer.trainer import Trainer, TrainingError
@@ -215,3 +215,38 @@ def test_bad_input_stops_the_run_before_training(tmp_path):
         path = tmp_path / out / "metrics.jsonl"
         assert not path.exists() or path.read_text() == ""
         assert not (tmp_path / out / "checkpoints" / "final").exists()
+
+
+TEXT_EVAL = [
+    "+eval={every_n_steps: 2, use_ema: false, "
+    "examples: {_target_: unirl.data.PromptDataSource, data_path: datasets/tiny_lm/prompts.jsonl, shuffle: false}, "
+    "scorer: {_target_: unirl.reward.local.text.FormatCheck, pattern: '[0-9]', mode: search}, "
+    "sampling: {_target_: unirl.trainer.text_eval.TextEvalSampling, max_new_tokens: 8, temperature: 1.0, "
+    "pass_k: 4, stop_tokens: ['<|im_end|>'], chat_template: true, group_by: [verb]}}",
+]
+
+
+def test_text_evaluation_in_the_loop_and_from_the_checkpoint(tmp_path):
+    """A text recipe with an eval block logs greedy accuracy and pass@k (overall and per metadata
+    group) at step 0, every `every_n_steps` and at the end; the evaluate command on the exported
+    checkpoint reproduces the run's last evaluation exactly."""
+    rows = text_run(tmp_path, "num_steps=3", *IN_PROCESS, *TEXT_EVAL)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    keys = {"eval/accuracy/greedy", "eval/accuracy/pass@1", "eval/accuracy/pass@2", "eval/accuracy/pass@4"}
+    assert [keys <= set(r) for r in rows] == [True, False, True, True]
+    assert {"eval/accuracy/greedy/verb=Tell", "eval/accuracy/pass@4/verb=Write"} <= set(rows[0])
+    for r in (rows[0], rows[2], rows[3]):
+        assert 0 <= r["eval/accuracy/pass@1"] <= r["eval/accuracy/pass@2"] <= r["eval/accuracy/pass@4"] <= 1
+    res = run_module(
+        "unirl.evaluate",
+        "--recipe",
+        "llm/tiny_lm_grpo",
+        "--checkpoint",
+        str(tmp_path / "checkpoints" / "final"),
+        *SMALL,
+        *TEXT_EVAL,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    scored = json.loads(res.stdout)
+    assert {k: scored[k] for k in keys} == {k: rows[3][k] for k in keys}

@@ -339,11 +339,23 @@ def _check_text(cfg: DictConfig, sampling: TextSamplingParams, model: Any, probl
                     f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
                     f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={context} ({path})"
                 )
-    if cfg.get("eval") is not None:
-        problems.append(
-            "eval: held-out evaluation runs for diffusion recipes only so far; remove the eval block "
-            "(score text with the reward's components in metrics.jsonl)"
-        )
+
+
+
+EVAL_SAMPLING = {
+    "diffusion": "unirl.trainer.evaluation.EvalSampling",
+    "text": "unirl.trainer.text_eval.TextEvalSampling",
+}
+
+
+def _check_eval_sampling(cfg: DictConfig, modality: str | None, problems: list[str]) -> None:
+    """The eval block samples as its modality does (images: EvalSampling; text: TextEvalSampling)."""
+    ev = cfg.get("eval")
+    if modality is None or ev is None or not isinstance(ev.get("sampling"), DictConfig):
+        return
+    target, want = ev.sampling.get("_target_"), EVAL_SAMPLING[modality]
+    if target != want:
+        problems.append(f"eval.sampling: a {modality} recipe evaluates with {want}, got {target}")
 
 
 def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
@@ -371,6 +383,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
     _check_geometry(passed.get(""), sampling, stack, model, problems)
     if modality == "text":
         _check_text(cfg, sampling, model, problems)
+    _check_eval_sampling(cfg, modality, problems)
     _check_algorithm(algorithm, sampling, stack, passed.get("train"), passed.get("eval"), problems)
     check_advantage = getattr(passed.get("algorithm"), "check_advantage", None)
     advantage = passed.get("advantage")

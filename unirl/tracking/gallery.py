@@ -263,24 +263,42 @@ def _reward_chart(rows: list[dict[str, Any]]) -> str:
 
 
 def _eval_chart(rows: list[dict[str, Any]]) -> str:
-    """One figure with a polyline per `eval/accuracy*` key, or a note when no eval was logged."""
+    """One figure with a polyline per overall `eval/accuracy*` key, then one figure per breakdown
+    (keys ending in `/<name>=<value>`, e.g. accuracy per operation), or a note when no eval was logged."""
     keys = _eval_keys(rows)
     if not keys:
         return f'<p class="note" id="eval-chart-missing">No <code>{EVAL_PREFIX}*</code> keys in metrics.jsonl; eval chart omitted.</p>'
+    overall = [k for k in keys if "=" not in k.rsplit("/", 1)[-1]]
+    by: dict[str, list[str]] = {}
+    for k in keys:
+        if k not in overall:
+            by.setdefault(k.rsplit("/", 1)[-1].split("=", 1)[0], []).append(k)
+    figures = [_eval_figure(rows, overall, "eval-chart", "Eval accuracy")] if overall else []
+    figures += [
+        _eval_figure(rows, ks, f"eval-chart-{name}", f"Eval accuracy by {name}")
+        for name, ks in sorted(by.items())
+    ]
+    figures = [f for f in figures if f]
+    if not figures:
+        return (
+            '<p class="note" id="eval-chart-missing">Eval keys have no numeric step; eval chart omitted.</p>'
+        )
+    return "\n".join(figures)
+
+
+def _eval_figure(rows: list[dict[str, Any]], keys: list[str], fid: str, caption: str) -> str:
     series = []
     for i, k in enumerate(keys):
         width = 2.5 if k == f"{EVAL_PREFIX}_strict" else 1.5
         series.append(_Series(k, _series(rows, k), PALETTE[i % len(PALETTE)], width))
     series = [s for s in series if s.points]  # keys logged without a numeric step
     if not series:
-        return (
-            '<p class="note" id="eval-chart-missing">Eval keys have no numeric step; eval chart omitted.</p>'
-        )
+        return ""
     ys = [y for s in series for _, y in s.points]
     y_range = (0.0, 1.0) if min(ys) >= 0 and max(ys) <= 1 else None
-    svg = _svg_chart("eval accuracy vs step", series, y_range=y_range, y_label="accuracy")
+    svg = _svg_chart(caption.lower() + " vs step", series, y_range=y_range, y_label="accuracy")
     legend = _legend([(f"{s.name} (last {_fmt3(s.points[-1][1])})", s.color, "swatch") for s in series])
-    return f'<figure id="eval-chart"><figcaption>Eval accuracy</figcaption>{svg}{legend}</figure>'
+    return f'<figure id="{html.escape(fid)}"><figcaption>{html.escape(caption)}</figcaption>{svg}{legend}</figure>'
 
 
 def _summary(name: str, rows: list[dict[str, Any]], n_grids: int) -> str:

@@ -37,7 +37,6 @@ from unirl.trainer.checkpoints import (
     resolve_resume_path,
     write_driver_state,
 )
-from unirl.trainer.evaluation import eval_request
 from unirl.trainer.modality import modality_for
 from unirl.trainer.worker import RLWorker, build
 from unirl.types.rollout_resp import RolloutTrack
@@ -84,7 +83,7 @@ class Trainer:
         self.base_model = (
             os.path.abspath(os.path.join(self.out, "base_model"))
             if self.tiny
-            else str(cfg.model.pretrained_path)
+            else os.path.abspath(str(cfg.model.pretrained_path))
         )
         self.last_checkpoint: str | None = None
         self.restore_s: float | None = None
@@ -212,15 +211,22 @@ class Trainer:
         mark_complete(path)
         self.last_checkpoint = path
 
-    def _evaluate(self, group, step: int, image_seq_len: int) -> dict[str, float]:
-        """`eval/...` accuracies on the held-out prompts (deterministic sampling on the workers;
-        diffusion recipes: validation rejects `eval` elsewhere)."""
-        req = eval_request(self.eval_examples, self.sampling, self.eval_sampling, image_seq_len)
-        n, world = len(req), int(self.cfg.num_devices)
-        if n % world:  # pad with copies of the last sample so every rank gets the same count
-            req = req.select(list(range(n)) + [n - 1] * (world - n % world))
-        media = self._call(group, "sample_media", step, req, self.eval_use_ema)[:n]
-        return {f"eval/{k}": v for k, v in self.eval_scorer.evaluate(media, req.prompts[:n]).items()}
+    def _evaluate(self, group, step: int, modality) -> dict[str, float]:
+        """`eval/...` accuracies on the held-out prompts, sampled deterministically on the workers
+        (from the EMA weights with `eval.use_ema`) and scored as the modality says."""
+        world = int(self.cfg.num_devices)
+
+        def sample(req):
+            n = len(req)
+            if n % world:  # pad with copies of the last sample so every rank gets the same count
+                req = req.select(list(range(n)) + [n - 1] * (world - n % world))
+            out = self._call(group, "sample_eval", step, req, self.eval_use_ema)
+            if isinstance(out, list):  # texts: one list per rank
+                out = [t for part in out for t in part]
+            return out[:n]
+
+        metrics = modality.evaluate(sample, self.eval_examples, self.eval_scorer, self.eval_sampling)
+        return {f"eval/{k}": v for k, v in metrics.items()}
 
     def _rollout_and_score(self, group, modality, step: int, partition: str, row: dict[str, Any]):
         """Draw prompts, roll out, fetch what scoring needs and score; returns the train batch's
@@ -273,13 +279,12 @@ class Trainer:
 
     def _loop(self, group, start: int) -> list[dict[str, Any]]:
         modality = modality_for(self.sampling, self._call(group, "model_info", start))
-        seq_len = getattr(modality, "image_seq_len", None)
         log_cfg = self.cfg.get("logging") or {}
         every = int(log_cfg.get("save_images_every", 10))
         writer = JsonlWriter(os.path.join(self.out, "metrics.jsonl"))
         rows = []
         if self.eval_every and start == 0:
-            row0 = {"step": 0, **self._evaluate(group, 0, seq_len)}
+            row0 = {"step": 0, **self._evaluate(group, 0, modality)}
             writer.write(row0)
             rows.append(row0)
         bar = tqdm(
@@ -322,7 +327,7 @@ class Trainer:
                     }
                 )
                 if self.eval_every and ((step + 1) % self.eval_every == 0 or step + 1 == self.num_steps):
-                    row.update(self._evaluate(group, step, seq_len))
+                    row.update(self._evaluate(group, step, modality))
                 if self.restore_s is not None and step == start:
                     row["time/restore_s"] = self.restore_s
                 writer.write(row)

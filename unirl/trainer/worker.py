@@ -144,11 +144,12 @@ class RLWorker(Worker):
         seg.ref_log_probs = [ref[i, : r.numel()].clone() for i, r in enumerate(seg.response_ids)]
 
     @dispatch(Dispatch.DP_SCATTER)
-    def sample_media(self, req: RolloutReq, use_ema: bool = False) -> torch.Tensor:
-        """[n, 3, H, W] uint8 images for this rank's shard (evaluation), from the
-        EMA weights when `use_ema` (restored after)."""
+    def sample_eval(self, req: RolloutReq, use_ema: bool = False) -> torch.Tensor | list[str]:
+        """This rank's shard of an evaluation request: [n, 3, H, W] uint8 images (CPU) or n
+        response texts, from the EMA weights when `use_ema` (restored after)."""
         with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
-            return self.engine.generate(req).track(self.engine.track_name).media.cpu()
+            track = self.engine.generate(req).track(self.engine.track_name)
+        return track.media.cpu() if track.media is not None else list(track.texts)
 
     @dispatch(Dispatch.DP_SCATTER)
     def train(
