@@ -51,8 +51,10 @@ def test_combos() -> None:
     counts = {op: sum(c[0] == op for c in COMBOS) for op in ("add", "sub", "mul", "chain")}
     assert counts == {"add": 9, "sub": 9, "mul": 4, "chain": 8}
     assert set(HELD_OUT_COMBOS) <= set(COMBOS)
-    assert set(TRAIN_COMBOS) == set(COMBOS) - set(HELD_OUT_COMBOS) and len(TRAIN_COMBOS) == 25
-    assert {("add", "3x2"), ("add", "2x3"), ("mul", "2x1")} <= set(HELD_OUT_COMBOS)
+    assert set(TRAIN_COMBOS) == set(COMBOS) - set(HELD_OUT_COMBOS) and len(TRAIN_COMBOS) == 26
+    assert {("add", "3x2"), ("sub", "2x3"), ("mul", "2x1")} <= set(HELD_OUT_COMBOS)
+    # operator mixes: every held-out operand layout is trained under another operator
+    assert all(any(d == digits for _, d in TRAIN_COMBOS) for _, digits in HELD_OUT_COMBOS)
     # every held-out combination's op keeps trained combinations (it composes trained skills)
     assert {op for op, _ in HELD_OUT_COMBOS} <= {op for op, _ in TRAIN_COMBOS}
 
@@ -117,8 +119,8 @@ def test_train_sample_holds_out_what_it_claims() -> None:
 
 def test_eval_split_covers_held_out_combos() -> None:
     ev = ArithDataset("eval", seed=0)
-    assert len(ev) == 250
-    assert len({p.expression for p in ev.problems}) == 250
+    assert len(ev) == 200
+    assert len({p.expression for p in ev.problems}) == 200
     by_combo = {c: sum(p.combo == c for p in ev.problems) for c in HELD_OUT_COMBOS}
     assert by_combo == {c: 50 for c in HELD_OUT_COMBOS}
     assert not any(is_train_problem(p) for p in ev.problems)
@@ -135,7 +137,7 @@ def test_eval_trained_split() -> None:
     ev = ArithDataset("eval_trained", seed=0)
     assert {p.combo for p in ev.problems} == set(TRAIN_COMBOS)
     assert all(is_reserved(p.expression) and not is_train_problem(p) for p in ev.problems)
-    assert len({p.expression for p in ev.problems}) == len(ev) == 231
+    assert len({p.expression for p in ev.problems}) == len(ev) == 241
     assert max(sum(p.combo == c for p in ev.problems) for c in TRAIN_COMBOS) == 10
 
 
@@ -179,7 +181,7 @@ def test_data_source_from_recipe_args() -> None:
     from hydra.utils import instantiate
 
     src = instantiate({"_target_": "unirl.arith.ArithDataSource", "split": "eval", "seed": 0})
-    assert len(src) == 250
+    assert len(src) == 200
     assert src.next_batch(4)[0].metadata.keys() == {"answer", "op", "digits"}
     assert len(ArithDataSource()) == 20_000
 

@@ -18,8 +18,8 @@ Formats (what a character-level LM reads and writes, no chat template):
                 with EOS (the stop token is not part of the decoded response).
 
 Split (fixed, independent of any seed):
-    - `HELD_OUT_COMBOS`: five combinations that appear only in the eval split, each
-      a composition of trained skills (see README.md).
+    - `HELD_OUT_COMBOS`: four combinations that appear only in the eval split, each
+      an operator on an operand layout trained under another operator (see README.md).
     - Reserved expressions: within the trained combinations, every expression whose
       BLAKE2b hash is 0 mod `RESERVED_MODULUS` (about 1 in 20) is never drawn for
       training; split "eval_trained" asks those.
@@ -58,15 +58,18 @@ COMBOS: tuple[tuple[str, str], ...] = tuple(
 
 HELD_OUT_COMBOS: tuple[tuple[str, str], ...] = (
     ("add", "3x2"),
-    ("add", "2x3"),
-    ("sub", "3x2"),
+    ("add", "1x3"),
+    ("sub", "2x3"),
     ("mul", "2x1"),
-    ("chain", "2x1x2"),
 )
-"""Combinations only in the eval split."""
+"""Combinations only in the eval split: operator mixes. Each held-out operand-length pattern is
+trained under another operator (sub 3x2, sub 1x3, add 2x3, add/sub 2x1), so what is held out
+is the operator on that layout, not an unseen layout: a tiny transformer does not generalize to
+operand lengths it never saw (a base trained with add 3x2, add 2x3, sub 3x2 and mul 2x1 all held
+out scored about 1% on them at 32% on unseen problems of trained combinations)."""
 
 TRAIN_COMBOS: tuple[tuple[str, str], ...] = tuple(c for c in COMBOS if c not in HELD_OUT_COMBOS)
-"""The 25 combinations training draws from."""
+"""The 26 combinations training draws from."""
 
 RESERVED_MODULUS = 20
 """An expression of a trained combination is reserved for eval_trained when its hash is 0 mod this."""
@@ -233,13 +236,13 @@ def eval_problems(split: str, seed: int, size: int) -> list[Problem]:
     return out
 
 
-_DEFAULT_SIZE = {"train": 20_000, "eval": 250, "eval_trained": 250}
+_DEFAULT_SIZE = {"train": 20_000, "eval": 200, "eval_trained": 260}
 
 
 def split_problems(split: str, seed: int = 0, size: int | None = None) -> list[Problem]:
     """The problems of a split: "train" draws `size` (default 20000) with `sample_train_problem`
     from `random.Random("arith/train/{seed}")` (repeats possible: add 1x1 has 100
-    expressions); the eval splits are `eval_problems` (default size 250)."""
+    expressions); the eval splits are `eval_problems` (default size 200 and 260)."""
     if split not in SPLITS:
         raise ValueError(f"arith split must be one of {SPLITS}, got {split!r}")
     size = _DEFAULT_SIZE[split] if size is None else size
@@ -264,7 +267,7 @@ class ArithDataset:
         split: "train", "eval" (held-out combinations) or "eval_trained" (reserved
             expressions of trained combinations).
         seed: which problems are drawn (the split rule itself is fixed).
-        size: number of problems; default 20000 for train, 250 for the eval splits.
+        size: number of problems; default 20000 for train, 200 for eval, 260 for eval_trained.
 
     Attributes:
         problems: the `Problem`s, in order.
