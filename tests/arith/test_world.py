@@ -129,7 +129,7 @@ def test_eval_split_covers_held_out_combos() -> None:
     ex = ev.examples[0]
     p = ev.problems[0]
     assert ex.prompt == p.prompt and ex.prompt_id == "arith/eval/0"
-    assert ex.metadata == {"answer": p.completion, "op": p.op, "digits": p.digits}
+    assert ex.metadata == {"answer": p.completion, "op": p.op, "digits": p.digits, "holdout": "combination"}
     assert len({e.prompt_id for e in ev.examples}) == len(ev)
 
 
@@ -182,7 +182,7 @@ def test_data_source_from_recipe_args() -> None:
 
     src = instantiate({"_target_": "unirl.arith.ArithDataSource", "split": "eval", "seed": 0})
     assert len(src) == 200
-    assert src.next_batch(4)[0].metadata.keys() == {"answer", "op", "digits"}
+    assert src.next_batch(4)[0].metadata.keys() == {"answer", "op", "digits", "holdout"}
     assert len(ArithDataSource()) == 20_000
 
 
@@ -190,3 +190,15 @@ def test_data_source_from_recipe_args() -> None:
 def test_bad_arguments_raise(bad: dict) -> None:
     with pytest.raises(ValueError):
         ArithDataset(**bad)
+
+
+def test_eval_all_holds_both_kinds_apart() -> None:
+    """split eval_all: the held-out combinations and the reserved expressions, told apart by
+    metadata "holdout"; training problems are "none"."""
+    both = ArithDataset("eval_all", seed=0)
+    kinds = [ex.metadata["holdout"] for ex in both.examples]
+    assert kinds.count("combination") == 200 and kinds.count("expression") == 241
+    assert [p.expression for p in both.problems] == [
+        p.expression for p in ArithDataset("eval").problems + ArithDataset("eval_trained").problems
+    ]
+    assert {ex.metadata["holdout"] for ex in ArithDataset("train", size=500).examples} == {"none"}

@@ -74,7 +74,7 @@ TRAIN_COMBOS: tuple[tuple[str, str], ...] = tuple(c for c in COMBOS if c not in 
 RESERVED_MODULUS = 20
 """An expression of a trained combination is reserved for eval_trained when its hash is 0 mod this."""
 
-SPLITS: tuple[str, ...] = ("train", "eval", "eval_trained")
+SPLITS: tuple[str, ...] = ("train", "eval", "eval_trained", "eval_all")
 
 
 @dataclass(frozen=True)
@@ -236,7 +236,15 @@ def eval_problems(split: str, seed: int, size: int) -> list[Problem]:
     return out
 
 
-_DEFAULT_SIZE = {"train": 20_000, "eval": 200, "eval_trained": 260}
+_DEFAULT_SIZE = {"train": 20_000, "eval": 200, "eval_trained": 260, "eval_all": 460}
+
+
+def holdout_of(problem: Problem) -> str:
+    """What a problem holds out: "combination" (a held-out combination), "expression" (a reserved
+    expression of a trained combination) or "none" (a training problem)."""
+    if problem.combo in HELD_OUT_COMBOS:
+        return "combination"
+    return "expression" if is_reserved(problem.expression) else "none"
 
 
 def split_problems(split: str, seed: int = 0, size: int | None = None) -> list[Problem]:
@@ -248,6 +256,10 @@ def split_problems(split: str, seed: int = 0, size: int | None = None) -> list[P
     size = _DEFAULT_SIZE[split] if size is None else size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"arith {split} size must be an int >= 1, got {size!r}")
+    if split == "eval_all":  # both held-out kinds, told apart by the examples' "holdout" metadata
+        return eval_problems("eval", seed, _DEFAULT_SIZE["eval"]) + eval_problems(
+            "eval_trained", seed, _DEFAULT_SIZE["eval_trained"]
+        )
     if split != "train":
         return eval_problems(split, seed, size)
     rng = random.Random(f"arith/train/{seed}")
@@ -255,8 +267,14 @@ def split_problems(split: str, seed: int = 0, size: int | None = None) -> list[P
 
 
 def to_example(problem: Problem, prompt_id: str) -> PromptExample:
-    """`PromptExample(problem.prompt, prompt_id, {"answer": completion, "op": ..., "digits": ...})`."""
-    metadata = {"answer": problem.completion, "op": problem.op, "digits": problem.digits}
+    """`PromptExample(problem.prompt, prompt_id, {"answer": completion, "op": ..., "digits": ...,
+    "holdout": ...})` (`holdout_of`: what the problem holds out)."""
+    metadata = {
+        "answer": problem.completion,
+        "op": problem.op,
+        "digits": problem.digits,
+        "holdout": holdout_of(problem),
+    }
     return PromptExample(prompt=problem.prompt, prompt_id=prompt_id, metadata=metadata)
 
 
@@ -264,15 +282,16 @@ class ArithDataset:
     """The problems of one split as prompts.
 
     Args:
-        split: "train", "eval" (held-out combinations) or "eval_trained" (reserved
-            expressions of trained combinations).
+        split: "train", "eval" (held-out combinations), "eval_trained" (reserved
+            expressions of trained combinations) or "eval_all" (both at their default
+            sizes; metadata "holdout" says which).
         seed: which problems are drawn (the split rule itself is fixed).
         size: number of problems; default 20000 for train, 200 for eval, 260 for eval_trained.
 
     Attributes:
         problems: the `Problem`s, in order.
         examples: one `PromptExample` per problem, id "arith/{split}/{i}", metadata
-            {"answer": "168", "op": "add", "digits": "3x2"}.
+            {"answer": "168", "op": "add", "digits": "3x2", "holdout": "combination"}.
     """
 
     def __init__(self, split: str = "train", seed: int = 0, size: int | None = None) -> None:
@@ -322,7 +341,7 @@ class ArithSFTSource:
             raise ValueError(f"ArithSFTSource split must be one of {SPLITS}, got {split!r}")
         self.split = split
         self.seed = seed
-        self._fixed = None if split == "train" else eval_problems(split, seed, _DEFAULT_SIZE[split])
+        self._fixed = None if split == "train" else split_problems(split, seed)
 
     def sample_batch(self, n: int, rng: np.random.Generator) -> list[tuple[str, str]]:
         """`n` pairs like ("123+45=", "168"); deterministic given `rng`'s state, which it advances."""
