@@ -32,6 +32,16 @@ def exact_match(req) -> list[float]:
     return [float(t == m["target"]) for t, m in zip(req.texts, req.metadata, strict=True)]
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls gain nothing from a second torch thread and lose much when another process
+    holds the second core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_bundle(**kw) -> CausalLMBundle:
     return CausalLMBundle.tiny(TinyLMConfig(max_position_embeddings=32, **kw))
 
@@ -96,7 +106,7 @@ def test_loss_and_gradient_come_from_completion_and_eos_only():
         assert (row[start:end] > 0).all() and (row[:start] == 0).all() and (row[end:] == 0).all()
 
 
-def test_learns_to_copy_and_stops_at_eos(tmp_path):
+def test_learns_to_copy_and_stops_at_eos(tmp_path, one_thread):
     held_out = [PromptExample(w + ">", w, {"target": w}) for w in ("fade", "cafe", "beef", "dabc")]
     evaluator = LMEvaluator(
         held_out, exact_match, TextEvalSampling(max_new_tokens=8, pass_k=2, max_prompt_length=16)
