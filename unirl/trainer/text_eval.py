@@ -60,7 +60,7 @@ class TextEvalSampling:
             raise ValueError(
                 f"eval.sampling.forward_batch_size must be >= 1 or null, got {self.forward_batch_size}"
             )
-        self.params(0.0, 1)  # range checks of the shared sampling keys, named eval.sampling.*
+        self.params(self.temperature, 1)  # range checks of the shared sampling keys, named eval.sampling.*
 
     def params(self, temperature: float, samples_per_prompt: int) -> TextSamplingParams:
         try:
