@@ -368,6 +368,11 @@ def test_one_rank_bf16_fsdp_policy_without_autocast_and_in_process_geometry_are_
 LM = "llm/tiny_lm_grpo"
 
 
+@pytest.mark.parametrize("override", ["+advantage.estimator=reinforce_pp", "+advantage.kl_coef=0.1"])
+def test_token_level_advantages_are_refused_on_diffusion(override):
+    assert "needs per-token data that diffusion tracks do not have" in problems_of([override])
+
+
 def test_one_modality_per_recipe_and_the_right_entry_point():
     """A text algorithm in a diffusion recipe (and the reverse) names the component; a recipe run
     through the other modality's entry point names the right one."""

@@ -392,6 +392,11 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
             check_advantage(advantage)
         except ValueError as exc:
             problems.append(str(exc))
+    if advantage is not None and modality == "diffusion" and getattr(advantage, "needs_tokens", False):
+        problems.append(
+            f"advantage: estimator={advantage.estimator} with kl_coef={advantage.kl_coef} needs per-token "
+            "data that diffusion tracks do not have; use estimator grpo or rloo with kl_coef 0"
+        )
     if advantage is not None and getattr(advantage, "estimator", "grpo") == "rloo" and sampling is not None:
         if sampling.samples_per_prompt < 2:
             problems.append(
