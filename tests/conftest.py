@@ -32,6 +32,15 @@ def run_module(
     )
 
 
+def untimed(row: dict) -> dict:
+    """A metrics row without its measurements of the machine (wall-clock times, process memory)."""
+    return {
+        k: v
+        for k, v in row.items()
+        if not (k.startswith(("time/", "memory/")) or (k.startswith("dataplane/") and k.endswith("_s")))
+    }
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu`-marked tests need CUDA: skipped, with the reason, where torch sees no GPU."""
     if torch.cuda.is_available():

@@ -21,7 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES, REPO, run_module
+from tests.conftest import EXAMPLES, REPO, run_module, untimed
 from tests.dataplane.backends import BACKENDS, transport_cfg
 from unirl.algorithms.flow_grpo import FlowGRPO
 from unirl.config.validate import ConfigError, validate_rl_config
@@ -57,15 +57,6 @@ def small_recipe(out, *overrides: str):
 def run(out, *overrides: str) -> list[dict]:
     Trainer(small_recipe(out, *overrides)).run()
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-
-
-def untimed(row: dict) -> dict:
-    """A row without its measurements of the machine (wall-clock times, process memory)."""
-    return {
-        k: v
-        for k, v in row.items()
-        if not (k.startswith(("time/", "memory/")) or (k.startswith("dataplane/") and k.endswith("_s")))
-    }
 
 
 def final_weights(out, name: str = "final") -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import os
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, untimed
 from unirl.config.validate import validate_rl_config
 from unirl.trainer.trainer import Trainer
 
@@ -40,14 +40,6 @@ RECIPE = [
     "num_devices=1",
     "threads_per_worker=1",
 ]
-
-
-def untimed(row: dict) -> dict:
-    return {
-        k: v
-        for k, v in row.items()
-        if not (k.startswith(("time/", "memory/")) or (k.startswith("dataplane/") and k.endswith("_s")))
-    }
 
 
 def test_tiny_flowgrpo_rows_are_unchanged(tmp_path):

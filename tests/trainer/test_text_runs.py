@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES, run_module
+from tests.conftest import EXAMPLES, run_module, untimed
 from tests.dataplane.backends import BACKENDS
 from unirl.config.validate import validate_rl_config
 from unirl.trainer.trainer import Trainer, TrainingError
@@ -53,14 +53,6 @@ def text_run(out, *overrides: str, name: str = "llm/tiny_lm_grpo") -> list[dict]
 
 def dapo_run(out, *overrides: str) -> list[dict]:
     return text_run(out, *overrides, name="llm/tiny_lm_dapo")
-
-
-def untimed(row: dict) -> dict:
-    return {
-        k: v
-        for k, v in row.items()
-        if not (k.startswith(("time/", "memory/")) or (k.startswith("dataplane/") and k.endswith("_s")))
-    }
 
 
 def lm_weights(out, name: str = "final") -> dict[str, torch.Tensor]:
