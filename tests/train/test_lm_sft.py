@@ -112,7 +112,7 @@ def test_learns_to_copy_and_stops_at_eos(tmp_path, one_thread):
         held_out, exact_match, TextEvalSampling(max_new_tokens=8, pass_k=2, max_prompt_length=16)
     )
     sft = make_sft(tmp_path, 250, batch_size=32, lr=3e-3, warmup_steps=10, log_every=25, checkpoint_every=250)
-    sft.evaluator = evaluator
+    sft.evaluate = evaluator
     rows = sft.run()
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < 0.05 * losses[0]

@@ -11,11 +11,6 @@ The run is resumable from its `sft_state.pt`.
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from unirl.models.causal_lm.bundle import CausalLMBundle
-from unirl.train.backend import LR_SCHEDULES, lr_factor
+from unirl.train.backend import LR_SCHEDULES
+from unirl.train.supervised import SupervisedRun
 
 IGNORE_INDEX = -100
 
@@ -122,8 +118,9 @@ def completion_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-class CausalLMSFT:
-    """Trains `bundle.model` on `data` with `completion_loss` (full fine-tune, AdamW).
+class CausalLMSFT(SupervisedRun):
+    """Trains `bundle.model` on `data` with `completion_loss` (full fine-tune, AdamW),
+    through the shared resumable loop (`unirl.train.supervised.SupervisedRun`).
 
     Args:
         bundle: the causal LM and its tokenizer, on the device to train on.
@@ -133,6 +130,8 @@ class CausalLMSFT:
         evaluator: optional `evaluator(bundle) -> dict[str, float]` run every `eval_every`
             steps and at the end (e.g. `LMEvaluator`); its numbers go into the log as `eval/<key>`.
     """
+
+    log_name = "metrics.jsonl"
 
     def __init__(
         self,
@@ -147,141 +146,17 @@ class CausalLMSFT:
                 f"CausalLMSFT trains a causal LM (model: unirl.models.causal_lm.CausalLMConfig), "
                 f"got {type(bundle).__name__}"
             )
-        self.bundle, self.data, self.cfg, self.out, self.evaluator = bundle, data, cfg, output_dir, evaluator
-        self.model = bundle.model.requires_grad_(True).train()
+        self.bundle, self.data, self.model = bundle, data, bundle.model
         self.max_positions: int = self.model.config.max_position_embeddings
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(cfg.lr_schedule, s, cfg.num_steps, cfg.warmup_steps)
-        )
-        self.step = 0
-        self.rng = np.random.default_rng(cfg.seed)
-        os.makedirs(output_dir, exist_ok=True)
-        self.state_path = os.path.join(output_dir, "sft_state.pt")
-        self.log_path = os.path.join(output_dir, "metrics.jsonl")
+        super().__init__([self.model], cfg, output_dir, evaluator, bundle)
 
-    # ---- one step ---------------------------------------------------------------------------
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step on a fresh batch; returns its loss, grad norm, lr and token count."""
+    def batch_loss(self) -> tuple[torch.Tensor, dict[str, float]]:
+        """The completion loss of a fresh batch, and its non-padding token count (`tokens`)."""
         pairs = self.data.sample_batch(self.cfg.batch_size, self.rng)
         input_ids, mask, labels = encode_pairs(self.bundle.tokenizer, pairs, self.max_positions)
         device = self.bundle.device
         logits = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
-        loss = completion_loss(logits, labels.to(device))
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
-        lr = self.scheduler.get_last_lr()[0]
-        if math.isfinite(norm):
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {
-            "loss": float(loss.detach()),
-            "grad_norm": norm,
-            "lr": lr,
-            "tokens": float(mask.sum()),
-            "skipped": float(not math.isfinite(norm)),
-        }
-
-    # ---- state ------------------------------------------------------------------------------
-    def save_state(self) -> None:
-        """Write `sft_state.pt` atomically (weights, optimizer, schedule, RNGs, step)."""
-        state = {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": self.rng.bit_generator.state,
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-        }
-        tmp = self.state_path + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, self.state_path)
-
-    def load_state(self) -> bool:
-        """Resume from `sft_state.pt` if present; returns whether it did.
-
-        Rows of `metrics.jsonl` past the saved step (logged after the last checkpoint
-        by a run that was then stopped), and a final-eval row, are dropped: the
-        resumed run logs them again.
-        """
-        if not os.path.exists(self.state_path):
-            return False
-        state = torch.load(self.state_path, weights_only=False, map_location="cpu")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.rng.bit_generator.state = state["rng"]
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        self.step = int(state["step"])
-        if os.path.exists(self.log_path):
-            with open(self.log_path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            keep = [r for r in rows if r["step"] <= self.step and not r.get("final")]
-            if len(keep) != len(rows):
-                with open(self.log_path + ".tmp", "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in keep)
-                os.replace(self.log_path + ".tmp", self.log_path)
-        return True
-
-    def _eval(self) -> dict[str, float]:
-        self.model.eval()
-        try:
-            return {f"eval/{k}": v for k, v in self.evaluator(self.bundle).items()}
-        finally:
-            self.model.train()
-
-    # ---- the loop ---------------------------------------------------------------------------
-    def run(self, max_seconds: float | None = None) -> list[dict[str, Any]]:
-        """Train to `num_steps` (or until `max_seconds` of wall clock pass), logging to
-        `metrics.jsonl` and saving resumable state; returns the rows written.
-
-        A log row holds the mean loss over its window, the lr of its last step and
-        `tokens_per_s` (non-padding tokens trained per second of training over the window).
-        """
-        cfg = self.cfg
-        self.load_state()
-        log = open(self.log_path, "a")
-        rows: list[dict[str, Any]] = []
-        losses: list[float] = []
-        tokens, seconds, t_start = 0.0, 0.0, time.perf_counter()
-        try:
-            while self.step < cfg.num_steps:
-                t0 = time.perf_counter()
-                m = self.train_step()
-                seconds += time.perf_counter() - t0
-                losses.append(m["loss"])
-                tokens += m["tokens"]
-                row: dict[str, Any] | None = None
-                if self.step % cfg.log_every == 0:
-                    row = {
-                        "step": self.step,
-                        "loss": sum(losses) / len(losses),
-                        "lr": m["lr"],
-                        "tokens_per_s": tokens / seconds,
-                    }
-                    losses, tokens, seconds = [], 0.0, 0.0
-                if self.evaluator is not None and cfg.eval_every and self.step % cfg.eval_every == 0:
-                    row = (row or {"step": self.step}) | self._eval()
-                if row is not None:
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
-                    rows.append(row)
-                if self.step % cfg.checkpoint_every == 0:
-                    self.save_state()
-                if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
-                    break
-            self.save_state()
-            if self.evaluator is not None and self.step >= cfg.num_steps:
-                row = {"step": self.step, "final": True} | self._eval()
-                log.write(json.dumps(row) + "\n")
-                rows.append(row)
-        finally:
-            log.close()
-        return rows
+        return completion_loss(logits, labels.to(device)), {"tokens": float(mask.sum())}
 
     def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:
         """Write model (weights in `dtype`) and tokenizer to `path`, a directory that

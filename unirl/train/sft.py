@@ -12,20 +12,16 @@ sampling schedule. With probability `cond_dropout` the prompt is replaced by
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from unirl.models.sd3.bundle import SD3Bundle
-from unirl.train.backend import LR_SCHEDULES, lr_factor
+from unirl.train.backend import LR_SCHEDULES
+from unirl.train.supervised import SupervisedRun
 
 SIGMA_SAMPLING = ("logit_normal", "uniform")
 
@@ -111,8 +107,9 @@ def images_to_model(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-class FlowMatchingSFT:
-    """Trains `bundle` on `data` with the flow-matching loss.
+class FlowMatchingSFT(SupervisedRun):
+    """Trains `bundle` on `data` with the flow-matching loss, through the shared resumable
+    loop (`unirl.train.supervised.SupervisedRun`).
 
     Args:
         bundle: a pixel-space SD3 bundle (its VAE, if any, is not supported here),
@@ -125,6 +122,8 @@ class FlowMatchingSFT:
             `eval_every` steps and at the end; its numbers go into the log.
     """
 
+    log_name = "sft_log.jsonl"
+
     def __init__(
         self,
         bundle: SD3Bundle,
@@ -135,26 +134,15 @@ class FlowMatchingSFT:
     ) -> None:
         if not bundle.pixel_space:
             raise ValueError("FlowMatchingSFT trains pixel-space bundles (model.tiny.pixel_space: true)")
-        self.bundle, self.data, self.cfg, self.out, self.evaluate = bundle, data, config, out_dir, evaluate
+        self.bundle, self.data = bundle, data
         p = bundle.pipeline
-        self.modules = [bundle.transformer]
+        modules = [bundle.transformer]
         if config.train_text_encoders:
-            self.modules += [p.text_encoder, p.text_encoder_2, p.text_encoder_3]
-        for m in self.modules:
-            m.requires_grad_(True).train()
-        self.params = [q for m in self.modules for q in m.parameters()]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(config.lr_schedule, s, config.num_steps, config.warmup_steps)
-        )
-        self.step = 0
-        self.rng = np.random.default_rng(config.seed)
-        self.gen = torch.Generator().manual_seed(config.seed)
-        os.makedirs(out_dir, exist_ok=True)
-        self.state_path = os.path.join(out_dir, "sft_state.pt")
+            modules += [p.text_encoder, p.text_encoder_2, p.text_encoder_3]
+        super().__init__(modules, config, out_dir, evaluate, bundle)
 
-    # ---- one step ---------------------------------------------------------------------------
-    def train_step(self) -> dict[str, float]:
+    def batch_loss(self) -> tuple[torch.Tensor, dict[str, float]]:
+        """The flow-matching loss of a fresh batch (prompts dropped to "" with `cond_dropout`)."""
         cfg = self.cfg
         images, prompts = self.data.sample_batch(cfg.batch_size, self.rng)
         drop = torch.rand(len(prompts), generator=self.gen) < cfg.cond_dropout
@@ -186,118 +174,7 @@ class FlowMatchingSFT:
             pooled_projections=pp,
             return_dict=False,
         )[0]
-        loss = flow_matching_loss(pred, x0, eps)
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
-        lr = self.scheduler.get_last_lr()[0]
-        if math.isfinite(norm):
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {
-            "loss": float(loss.detach()),
-            "grad_norm": norm,
-            "lr": lr,
-            "skipped": float(not math.isfinite(norm)),
-        }
-
-    # ---- state ------------------------------------------------------------------------------
-    def save_state(self) -> None:
-        """Write `sft_state.pt` atomically (weights, optimizer, schedule, RNGs, step)."""
-        state = {
-            "step": self.step,
-            "modules": [m.state_dict() for m in self.modules],
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": self.rng.bit_generator.state,
-            "gen": self.gen.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-        }
-        tmp = self.state_path + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, self.state_path)
-
-    def load_state(self) -> bool:
-        """Resume from `sft_state.pt` if present; returns whether it did.
-
-        Rows of `sft_log.jsonl` past the saved step (logged after the last
-        checkpoint by a run that was then stopped), and a final-eval row, are
-        dropped: the resumed run logs them again.
-        """
-        if not os.path.exists(self.state_path):
-            return False
-        state = torch.load(self.state_path, weights_only=False, map_location="cpu")
-        for m, sd in zip(self.modules, state["modules"], strict=True):
-            m.load_state_dict(sd)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.rng.bit_generator.state = state["rng"]
-        self.gen.set_state(state["gen"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        self.step = int(state["step"])
-        log_path = os.path.join(self.out, "sft_log.jsonl")
-        if os.path.exists(log_path):
-            with open(log_path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            keep = [r for r in rows if r["step"] <= self.step and not r.get("final")]
-            if len(keep) != len(rows):
-                with open(log_path + ".tmp", "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in keep)
-                os.replace(log_path + ".tmp", log_path)
-        return True
-
-    def _eval(self) -> dict[str, float]:
-        for m in self.modules:
-            m.eval()
-        try:
-            return {f"eval/{k}": v for k, v in self.evaluate(self.bundle).items()}
-        finally:
-            for m in self.modules:
-                m.train()
-
-    # ---- the loop ---------------------------------------------------------------------------
-    def run(self, max_seconds: float | None = None) -> list[dict[str, Any]]:
-        """Train to `num_steps` (or until `max_seconds` of wall clock pass), logging to
-        `sft_log.jsonl` and saving resumable state; returns the rows written."""
-        cfg = self.cfg
-        self.load_state()
-        log = open(os.path.join(self.out, "sft_log.jsonl"), "a")
-        rows, window, t_start = [], [], time.perf_counter()
-        try:
-            while self.step < cfg.num_steps:
-                t0 = time.perf_counter()
-                m = self.train_step()
-                window.append(m["loss"])
-                row: dict[str, Any] | None = None
-                if self.step % cfg.log_every == 0:
-                    row = {
-                        "step": self.step,
-                        "loss": sum(window) / len(window),
-                        "lr": m["lr"],
-                        "step_s": time.perf_counter() - t0,
-                    }
-                    window = []
-                if self.evaluate is not None and cfg.eval_every and self.step % cfg.eval_every == 0:
-                    row = (row or {"step": self.step}) | self._eval()
-                if row is not None:
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
-                    rows.append(row)
-                if self.step % cfg.checkpoint_every == 0:
-                    self.save_state()
-                if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
-                    break
-            self.save_state()
-            if self.evaluate is not None and self.step >= cfg.num_steps:
-                row = {"step": self.step, "final": True} | self._eval()
-                log.write(json.dumps(row) + "\n")
-                rows.append(row)
-        finally:
-            log.close()
-        return rows
+        return flow_matching_loss(pred, x0, eps), {}
 
     def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:
         """Save the whole bundle (diffusers layout) with weights in `dtype`; the
