@@ -44,6 +44,36 @@ class DiffusionStage(Protocol):
 
 
 @runtime_checkable
+class DifferentiableDiffusionStage(DiffusionStage, Protocol):
+    """A `DiffusionStage` a reward can be differentiated through (the reward-backprop losses).
+
+    - `denoise(x, sigmas, cond, guidance_scale, steps, checkpoint=False) -> x'`: the ODE
+      steps `steps` (a range of step indices) from x, the latent before `steps.start`,
+      with the autograd graph when grad is enabled; the same arithmetic as `diffuse`'s
+      ODE steps, so from a stored position it reproduces an ODE rollout's later latents.
+      `checkpoint` recomputes each step's forward in the backward pass.
+    - `decode_float(latents) -> [B, 3, H, W]` fp32 RGB in [0, 1], differentiable;
+      `decode` is its rounding to uint8.
+    - `store_trajectory`: when true, `diffuse` stores the latent before every step, so
+      a loss can restart the sampler from any step of a rollout.
+    """
+
+    store_trajectory: bool
+
+    def denoise(
+        self,
+        x: torch.Tensor,
+        sigmas: torch.Tensor,
+        cond: dict,
+        guidance_scale: float,
+        steps: range,
+        checkpoint: bool = False,
+    ) -> torch.Tensor: ...
+
+    def decode_float(self, latents: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class TextStage(Protocol):
     """Generation and replay of a causal LM.
 

@@ -8,11 +8,12 @@ attaches the result to a track.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from unirl.types.reward import RewardRequest, RewardResponse
+from unirl.types.reward import DifferentiableReward, RewardRequest, RewardResponse
 
 Scorer = Callable[[RewardRequest], torch.Tensor]
 """A weight-free scorer: `scorer(req) -> [B]` float tensor, one score per sample (NaN marks a failure)."""
@@ -89,3 +90,37 @@ class LocalRewardBackend(RewardBackend):
                 raise ValueError(f"reward component {name!r} must return a [B={batch}] tensor, got {got}")
             scores[name] = out.detach().to(device="cpu", dtype=torch.float32)
         return RewardResponse(components=scores)
+
+    def score_differentiable(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]
+    ) -> torch.Tensor:
+        """[B] fp32 `sum_c weight_c * component_c.score_differentiable(images, prompts, metadata)`
+        over the components of non-zero weight, with the autograd graph back to `images`
+        ([B, 3, H, W] float in [0, 1]; see `unirl.types.reward.DifferentiableReward`).
+        Zero-weight components (monitors such as a strict scorer logged beside the
+        reward) are skipped; a weighted component without `score_differentiable`
+        raises ValueError naming it."""
+        total = None
+        for name, scorer in self.components.items():
+            weight = self._weights[name]
+            if weight == 0.0:
+                continue
+            if not isinstance(scorer, DifferentiableReward):
+                raise ValueError(
+                    f"reward component {name!r} ({type(scorer).__name__}) has weight {weight} but is not "
+                    "differentiable (no score_differentiable): a reward-backprop algorithm needs every "
+                    "weighted component differentiable; give it weight 0 or use a differentiable scorer"
+                )
+            out = scorer.score_differentiable(images, prompts, metadata)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (images.shape[0],):
+                got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(
+                    f"reward component {name!r} must return a [B={images.shape[0]}] tensor, got {got}"
+                )
+            out = weight * out.to(torch.float32)
+            total = out if total is None else total + out
+        if total is None:
+            raise ValueError(
+                f"no reward component has a non-zero weight (weights: {self._weights}): nothing to differentiate"
+            )
+        return total

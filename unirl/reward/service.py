@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from unirl.reward.base import RewardBackend
@@ -85,6 +88,22 @@ class RewardService:
             metrics[f"reward/{name}/mean"] = scores.mean().item()
             metrics[f"reward/{name}/std"] = scores.std(unbiased=False).item()
         return metrics
+
+    def score_differentiable(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]
+    ) -> torch.Tensor:
+        """[B] the weighted total reward of `images` ([B, 3, H, W] float in [0, 1]) with its
+        autograd graph: the same weights as `score_and_attach`, zero-weight components
+        skipped (`LocalRewardBackend.score_differentiable`). So a recipe's `reward` serves the
+        reward-backprop algorithms too (`algorithm.reward: ${reward}`): the loss differentiates
+        the reward the run logs. A backend that scores elsewhere cannot; it raises ValueError."""
+        score = getattr(self.backend, "score_differentiable", None)
+        if score is None:
+            raise ValueError(
+                f"reward backend {type(self.backend).__name__} cannot differentiate its scores: use "
+                "unirl.reward.LocalRewardBackend with differentiable components for a reward-backprop algorithm"
+            )
+        return score(images, prompts, metadata)
 
     @staticmethod
     def _request(track: RolloutTrack) -> RewardRequest:

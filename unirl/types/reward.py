@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -104,3 +105,20 @@ class RewardResponse:
     """Scores per component, each [B] fp32 (NaN marks a failed sample)."""
 
     components: dict[str, torch.Tensor]
+
+
+@runtime_checkable
+class DifferentiableReward(Protocol):
+    """A reward whose score is differentiable in the image: what the reward-backprop losses
+    (DRaFT, AlignProp, ReFL) differentiate through the sampler.
+
+    `score_differentiable(images, prompts, metadata) -> [B]` fp32 scores, with
+    `images` [B, 3, H, W] float RGB in [0, 1] (the stage's `decode_float`, with its
+    autograd graph), `prompts` B strings and `metadata` B dicts (or empty). The
+    scores keep the graph back to `images`; a component that is also a scorer
+    scores `round(255 * images)` the same way up to that rounding.
+    """
+
+    def score_differentiable(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]
+    ) -> torch.Tensor: ...

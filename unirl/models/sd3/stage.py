@@ -41,6 +41,9 @@ class SD3Stage:
             this dtype ("bfloat16" or "float16"; None: the parameters' dtype).
             Rollout and replay share the forward, so the first on-policy ratio
             stays exactly 1; outputs and the SDE arithmetic are fp32.
+        store_trajectory: `diffuse` stores the latent before every step, not
+            only where SDE replay needs it, so a loss can restart the sampler
+            from any step (`denoise`; the reward-backprop algorithms).
 
     `module` is the denoiser actually called; the train backend replaces it
     with its wrapped (LoRA / FSDP) module so rollout and replay use the
@@ -54,6 +57,7 @@ class SD3Stage:
         detach_uncond: bool = True,
         autocast_dtype: str | None = None,
         sde: str = "flow",
+        store_trajectory: bool = False,
     ) -> None:
         if replay_steps_per_forward < 1:
             raise ValueError(f"stage.replay_steps_per_forward must be >= 1, got {replay_steps_per_forward}")
@@ -69,6 +73,7 @@ class SD3Stage:
         self.replay_steps_per_forward = replay_steps_per_forward
         self.detach_uncond = detach_uncond
         self.sde = sde
+        self.store_trajectory = store_trajectory
 
     def model_info(self) -> dict:
         """What the driver needs to pin a sigma schedule: the latent grid's geometry."""
@@ -166,6 +171,8 @@ class SD3Stage:
         ).to(device=device, dtype=traj_dtype)
         sde = set(req.sde_indices)
         positions = sorted({p for i in sde for p in (i, i + 1)} | {sp.num_steps})
+        if self.store_trajectory:
+            positions = list(range(sp.num_steps + 1))
         stored, log_probs = {}, []
         for i in range(sp.num_steps):
             if i in positions:
@@ -215,6 +222,37 @@ class SD3Stage:
             stds.append(out.std_dev_t)
         return torch.stack(lps, dim=1), torch.stack(means, dim=1), torch.stack(stds)
 
+    def denoise(
+        self,
+        x: torch.Tensor,
+        sigmas: torch.Tensor,
+        cond: dict,
+        guidance_scale: float,
+        steps: range,
+        checkpoint: bool = False,
+    ) -> torch.Tensor:
+        """Run the ODE (Euler) steps `steps` of `sigmas` from x, the [B, C, h, w] latent before
+        `steps.start`, under the current weights; returns the latent after `steps.stop - 1`.
+
+        The autograd graph is kept when grad is enabled (the reward-backprop losses
+        differentiate a reward through it). Each step is `diffuse`'s ODE step: the guided
+        `velocity` and the strategy's Euler step at eta 0, in the same order and dtypes, so
+        from a stored position of an ODE rollout it reproduces the rollout's later latents.
+        `checkpoint` recomputes each step's velocity in the backward pass instead of keeping
+        its activations (`torch.utils.checkpoint`): memory for a step's input, not its forward.
+        """
+        strategy = make_strategy(self.sde, 0.0)
+        for i in steps:
+            sigma = sigmas[i].expand(x.shape[0])
+            if checkpoint and torch.is_grad_enabled():
+                v = torch.utils.checkpoint.checkpoint(
+                    self.velocity, x, sigma, cond, guidance_scale, use_reentrant=False
+                )
+            else:
+                v = self.velocity(x, sigma, cond, guidance_scale)
+            x = strategy.step(x, v, sigmas, i, sde=False).next_sample
+        return x
+
     def replay_chunks(self, steps: list[int]) -> Iterator[list[int]]:
         """`steps` in chunks of `replay_steps_per_forward`."""
         n = self.replay_steps_per_forward
@@ -222,13 +260,22 @@ class SD3Stage:
             yield steps[k : k + n]
 
     # ---- media ------------------------------------------------------------------------------
+    def _pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped) from latents, differentiable."""
+        vae = self.bundle.vae
+        if vae is None:
+            return latents.float()
+        scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        return vae.decode(scaled, return_dict=False)[0].float()
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] uint8 RGB from final latents (pixel space: x in [-1, 1])."""
-        vae = self.bundle.vae
-        if vae is None:
-            img = latents.float()
-        else:
-            scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-            img = vae.decode(scaled, return_dict=False)[0].float()
-        return ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return ((self._pixels(latents).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+    def decode_float(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] fp32 RGB in [0, 1] from latents, differentiable (through the VAE, if
+        any): `decode` before its rounding, (clamp(x, -1, 1) + 1) / 2; the reward-backprop
+        losses score it with a `DifferentiableReward`. `decode(l) == round(255 * decode_float(l))`
+        up to float rounding."""
+        return (self._pixels(latents).clamp(-1, 1) + 1) * 0.5

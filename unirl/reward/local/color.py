@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -32,6 +33,12 @@ class ColorTarget:
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8)."""
-        pixels = req.require_images("ColorTarget").to(torch.float32) / 255.0
-        target = self.target.to(pixels.device).view(1, 3, 1, 1)
-        return 1.0 - (pixels - target).abs().mean(dim=(1, 2, 3))
+        return self.score_differentiable(req.require_images("ColorTarget").to(torch.float32) / 255.0, [], [])
+
+    def score_differentiable(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]
+    ) -> torch.Tensor:
+        """[B] 1 - mean |images - target| of float images [B, 3, H, W] in [0, 1], with the graph
+        (a `DifferentiableReward`; prompts and metadata are not read)."""
+        target = self.target.to(device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
+        return 1.0 - (images - target).abs().mean(dim=(1, 2, 3))
