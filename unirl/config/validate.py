@@ -222,6 +222,38 @@ def _check_algorithm(
         problems.append(f"eval.use_ema=true evaluates the EMA weights, but train.ema is null; {fix}")
 
 
+def _check_sde(cfg: DictConfig, sampling: DiffusionSamplingParams, problems: list[str]) -> None:
+    """`stage.sde` names a strategy that takes the sampling's eta and has noise on every step
+    the SDE-step scheduler may pick (CPS has none on the last step)."""
+    import torch
+
+    from unirl.sde.schedules import sigmas_for
+    from unirl.sde.strategies import make_strategy
+
+    stage = cfg.get("stage")
+    name = stage.get("sde", "flow") if isinstance(stage, DictConfig) else None
+    if not isinstance(name, str):
+        return  # a missing stage or a non-string sde is reported by check_recipe
+    try:
+        strategy = make_strategy(name, sampling.eta)
+    except ValueError as exc:
+        problems.append(str(exc))
+        return
+    if sampling.eta == 0 or not hasattr(strategy, "mean_and_std"):
+        return
+    # where a step's std vanishes (sigma' = 0) does not depend on the shift, so any token count will do
+    sigmas, zero = sigmas_for(sampling, sampling.base_seq_len), torch.zeros(1)
+    stds = {i: float(strategy.mean_and_std(zero, zero, sigmas, i)[1]) for i in sampling.possible_sde_steps()}
+    silent = [i for i, std in stds.items() if not std > 0]
+    if silent:
+        problems.append(
+            f"stage.sde={name} has no noise on step(s) {silent} (sigma' = 0), so they cannot be SDE steps, but "
+            f"sampling.sde_scheduler={sampling.sde_scheduler} may pick them; bound the SDE steps below them "
+            f"(sampling.sde_window hi <= {min(silent) / sampling.num_steps:.3g} with sde_scheduler random or sliding, "
+            "or sde_steps without them)"
+        )
+
+
 def _check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     """World size vs sharding, FSDP block names vs the model, resume keys."""
     from unirl.train.fsdp import unmatched_block_classes
@@ -385,6 +417,8 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
         _check_text(cfg, sampling, model, problems)
     _check_eval_sampling(cfg, modality, problems)
     _check_algorithm(algorithm, sampling, stack, passed.get("train"), passed.get("eval"), problems)
+    if modality == "diffusion":
+        _check_sde(cfg, sampling, problems)
     check_advantage = getattr(passed.get("algorithm"), "check_advantage", None)
     advantage = passed.get("advantage")
     if callable(check_advantage) and advantage is not None:

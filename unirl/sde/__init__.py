@@ -1,8 +1,11 @@
-"""Sigma schedules and SDE step strategies with log-probs (fp32)."""
+"""Sigma schedules, SDE step strategies with log-probs and ODE solvers (fp32)."""
 
 from unirl.sde.schedules import dynamic_shift_mu, dynamic_shift_sigmas, sigmas_for, static_shift_sigmas
+from unirl.sde.solvers import SOLVERS, DPMSolverPP2M, EulerSolver, make_ode_solver
 from unirl.sde.strategies import (
     SDE_STRATEGIES,
+    CPSStrategy,
+    DanceSDEStrategy,
     FlowSDEStrategy,
     SDEStrategy,
     StepOutput,
@@ -12,12 +15,18 @@ from unirl.sde.strategies import (
 
 __all__ = [
     "SDE_STRATEGIES",
+    "SOLVERS",
+    "CPSStrategy",
+    "DPMSolverPP2M",
+    "DanceSDEStrategy",
+    "EulerSolver",
     "FlowSDEStrategy",
     "SDEStrategy",
     "StepOutput",
     "dynamic_shift_mu",
     "dynamic_shift_sigmas",
     "gaussian_log_prob",
+    "make_ode_solver",
     "make_strategy",
     "sigmas_for",
     "static_shift_sigmas",

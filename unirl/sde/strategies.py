@@ -6,15 +6,20 @@ Conventions (shared by rollout and replay):
   stored tensor;
 - a step's log-prob is the Gaussian log-density of the next sample averaged
   over all non-batch dims (the convention of flow_grpo and DanceGRPO);
-- an ODE step (eta = 0, or a step not chosen as SDE) is a plain Euler step
-  `x + v*dt` and has no log-prob.
+- an ODE step (eta = 0, or a step not chosen as SDE) has no log-prob; the
+  strategy's own ODE step is Euler `x + v*dt` (the stage may integrate its
+  ODE steps with another solver, `unirl.sde.solvers`).
+
+Strategies: `flow` (Flow-GRPO), `dance` (DanceGRPO: the same mean with a
+constant std_dev_t = eta) and `cps` (coefficient-preserving sampling).
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -62,25 +67,22 @@ def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tenso
     return lp.mean(dim=tuple(range(1, lp.dim())))
 
 
-class FlowSDEStrategy:
-    """Flow-GRPO's reverse-time SDE for rectified-flow models.
+class GaussianStepStrategy(ABC):
+    """One Gaussian step x' ~ N(mean(x, v), std^2) with its log-prob; a subclass gives
+    `mean_and_std` and its registered `name`. Built as `cls(eta)`."""
 
-    With sigma = sigmas[i], sigma' = sigmas[i+1], dt = sigma' - sigma < 0:
-        std_dev_t = sqrt(sigma / (1 - s)) * eta, s = sigmas[1] if sigma == 1 else sigma
-        mean = x*(1 + std_dev_t^2/(2 sigma)*dt) + v*(1 + std_dev_t^2*(1-sigma)/(2 sigma))*dt
-        std = std_dev_t * sqrt(-dt);  x' = mean + std * eps
-    """
+    name: ClassVar[str]
 
     def __init__(self, eta: float) -> None:
         if eta < 0:
             raise ValueError(f"sampling.eta must be >= 0, got {eta}")
         self.eta = eta
 
-    def std_dev_t(self, sigmas: torch.Tensor, i: int) -> torch.Tensor:
-        """fp32 scalar sigma_t of step i."""
-        sigma = sigmas[i].to(torch.float32)
-        s = sigmas[1].to(torch.float32) if float(sigma) == 1.0 else sigma
-        return torch.sqrt(sigma / (1 - s)) * self.eta
+    @abstractmethod
+    def mean_and_std(
+        self, x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean [B, ...], std, std_dev_t) of SDE step i, all fp32 (x, v already fp32)."""
 
     def step(
         self,
@@ -101,17 +103,17 @@ class FlowSDEStrategy:
         is returned.
         """
         dtype = x.dtype
-        sigma = sigmas[i].to(torch.float32)
-        dt = sigmas[i + 1].to(torch.float32) - sigma
         x32, v32 = x.to(torch.float32), v.to(torch.float32)
         if not sde or self.eta == 0:
+            dt = sigmas[i + 1].to(torch.float32) - sigmas[i].to(torch.float32)
             return StepOutput(next_sample=(x32 + v32 * dt).to(dtype))
-        std_dev_t = self.std_dev_t(sigmas, i)
-        mean = (
-            x32 * (1 + std_dev_t**2 / (2 * sigma) * dt)
-            + v32 * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
-        )
-        std = std_dev_t * torch.sqrt(-dt)
+        mean, std, std_dev_t = self.mean_and_std(x32, v32, sigmas, i)
+        if not float(std) > 0:
+            raise ValueError(
+                f"stage.sde={self.name}: SDE step {i} (sigma {float(sigmas[i]):.4g} -> "
+                f"{float(sigmas[i + 1]):.4g}) has no noise, so no log-prob; keep it out of the SDE steps "
+                "(sampling.sde_window / sde_steps)"
+            )
         if next_sample is None:
             if noise is None:
                 raise ValueError("an SDE rollout step needs `noise` (or `next_sample` when replaying)")
@@ -120,7 +122,86 @@ class FlowSDEStrategy:
         return StepOutput(next_sample=next_sample, mean=mean, std_dev_t=std_dev_t, log_prob=log_prob)
 
 
-SDE_STRATEGIES: dict[str, type] = {"flow": FlowSDEStrategy}
+class FlowSDEStrategy(GaussianStepStrategy):
+    """Flow-GRPO's reverse-time SDE for rectified-flow models.
+
+    With sigma = sigmas[i], sigma' = sigmas[i+1], dt = sigma' - sigma < 0:
+        std_dev_t = sqrt(sigma / (1 - s)) * eta, s = sigmas[1] if sigma == 1 else sigma
+        mean = x*(1 + std_dev_t^2/(2 sigma)*dt) + v*(1 + std_dev_t^2*(1-sigma)/(2 sigma))*dt
+        std = std_dev_t * sqrt(-dt);  x' = mean + std * eps
+    """
+
+    name: ClassVar[str] = "flow"
+
+    def std_dev_t(self, sigmas: torch.Tensor, i: int) -> torch.Tensor:
+        """fp32 scalar sigma_t of step i."""
+        sigma = sigmas[i].to(torch.float32)
+        s = sigmas[1].to(torch.float32) if float(sigma) == 1.0 else sigma
+        return torch.sqrt(sigma / (1 - s)) * self.eta
+
+    def mean_and_std(
+        self, x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sigma = sigmas[i].to(torch.float32)
+        dt = sigmas[i + 1].to(torch.float32) - sigma
+        std_dev_t = self.std_dev_t(sigmas, i)
+        mean = (
+            x * (1 + std_dev_t**2 / (2 * sigma) * dt)
+            + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+        )
+        return mean, std_dev_t * torch.sqrt(-dt), std_dev_t
+
+
+class DanceSDEStrategy(FlowSDEStrategy):
+    """DanceGRPO's SDE: Flow-GRPO's mean with a constant std_dev_t = eta, so
+    std = eta * sqrt(-dt).
+
+    DanceGRPO writes the mean as `x + v dt - eta^2/2 * score * dt` with the
+    score estimate `-(x - (1-sigma) x0) / sigma^2`, x0 = x - sigma v; expanded,
+    that is Flow-GRPO's mean with std_dev_t = eta (tested).
+    """
+
+    name: ClassVar[str] = "dance"
+
+    def std_dev_t(self, sigmas: torch.Tensor, i: int) -> torch.Tensor:
+        return torch.tensor(self.eta, dtype=torch.float32, device=sigmas.device)
+
+
+class CPSStrategy(GaussianStepStrategy):
+    """Coefficient-preserving sampling (CPS): the next sample keeps the schedule's
+    coefficients of x0 and noise, (1 - sigma') and sigma'.
+
+        std = sigma' * sin(eta * pi / 2)
+        x0 = x - sigma v,  x1 = x + (1 - sigma) v   (predicted data and noise)
+        mean = x0 (1 - sigma') + x1 sqrt(sigma'^2 - std^2)
+
+    `std_dev_t` is the step std itself (what flow_grpo's CPS returns and its KL
+    divides by). eta must be in [0, 1]; eta = 1 gives std = sigma' (DDPM-like),
+    eta -> 0 the deterministic DDIM step. The last step (sigma' = 0) has no
+    noise and cannot be an SDE step.
+    """
+
+    name: ClassVar[str] = "cps"
+
+    def __init__(self, eta: float) -> None:
+        super().__init__(eta)
+        if eta > 1:
+            raise ValueError(
+                f"sampling.eta must be in [0, 1] for stage.sde=cps (std = sigma' sin(eta pi/2)), got {eta}"
+            )
+
+    def mean_and_std(
+        self, x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sigma = sigmas[i].to(torch.float32)
+        sigma_next = sigmas[i + 1].to(torch.float32)
+        std = sigma_next * math.sin(self.eta * math.pi / 2)
+        x0, x1 = x - sigma * v, x + (1 - sigma) * v
+        mean = x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - std**2).clamp_min(0))
+        return mean, std, std
+
+
+SDE_STRATEGIES: dict[str, type] = {cls.name: cls for cls in (FlowSDEStrategy, DanceSDEStrategy, CPSStrategy)}
 """Strategies a stage can name (`stage.sde`); register a new one here."""
 
 

@@ -61,6 +61,9 @@ def eval_request(
         eta=0.0,
         seed=cfg.seed,
         same_initial_noise=False,
+        sde_scheduler="all",  # eta 0: no SDE step; the training window need not fit num_steps
+        ode_solver="euler",  # one sampler for every recipe's evaluation
+        noise_all_steps=False,
     )
     return RolloutReq.from_prompts(examples, sp, sigmas_for(sp, image_seq_len), rollout_id=0)
 

@@ -11,7 +11,9 @@ import math
 import random
 from dataclasses import dataclass, field
 
-SDE_SCHEDULERS = ("all", "fixed", "random")
+SDE_SCHEDULERS = ("all", "fixed", "random", "sliding")
+WINDOW_ORDERS = ("progressive", "random")
+ODE_SOLVERS = ("euler", "dpmpp_2m")  # implemented in unirl.sde.solvers
 
 
 @dataclass
@@ -31,12 +33,30 @@ class DiffusionSamplingParams:
             line of the dynamic shift.
         max_sequence_length: T5 token budget of the prompt encoder.
         sde_scheduler: which steps are SDE steps (stochastic, with a log-prob):
-            "all", "fixed" (the list `sde_steps`), or "random" (`sde_num_steps`
+            "all", "fixed" (the list `sde_steps`), "random" (`sde_num_steps`
             steps drawn within the fraction window `sde_window`, seeded by the
-            rollout id so replay and every rank agree).
+            rollout id so replay and every rank agree), or "sliding"
+            (MixGRPO: `sde_num_steps` consecutive steps whose start moves
+            through `sde_window` with the rollout id; see `window_start`).
         sde_steps: step indices for "fixed".
-        sde_num_steps: k for "random".
-        sde_window: (lo, hi) fractions of T that bound the "random" draw.
+        sde_num_steps: k for "random"; the window size for "sliding".
+        sde_window: (lo, hi) fractions of T that bound the "random" draw and
+            the range the "sliding" window moves through.
+        sde_stride: "sliding": steps between consecutive window positions.
+        sde_iters_per_window: "sliding": consecutive rollouts at one position
+            (MixGRPO's iters_per_group).
+        sde_window_order: "sliding": "progressive" (positions in order, from
+            the noisiest) or "random" (a position drawn from (seed, window
+            index) every `sde_iters_per_window` rollouts).
+        sde_window_roll_back: "progressive": after the last position start
+            again from the first (else stay at the last).
+        ode_solver: how the non-SDE steps are integrated: "euler", or
+            "dpmpp_2m" (DPM-Solver++(2M), second order, MixGRPO-Flash). SDE
+            steps always take the stage's SDE step.
+        noise_all_steps: every step draws SDE noise, also the steps outside
+            `sde_indices`, which record no log-prob and are not trained
+            (DanceGRPO samples the whole chain stochastically and trains on a
+            random subset of its steps). Needs `ode_solver: euler` (no ODE step is left).
         seed: base seed; rollout noise derives from (seed, rollout_id, sample).
         same_initial_noise: siblings of a group start from one x_T (their first
             sample's); each keeps its own SDE-step noise. The group then differs
@@ -61,6 +81,12 @@ class DiffusionSamplingParams:
     sde_steps: list[int] = field(default_factory=list)
     sde_num_steps: int = 1
     sde_window: tuple[float, float] = (0.0, 0.99)
+    sde_stride: int = 1
+    sde_iters_per_window: int = 1
+    sde_window_order: str = "progressive"
+    sde_window_roll_back: bool = True
+    ode_solver: str = "euler"
+    noise_all_steps: bool = False
     seed: int = 0
     same_initial_noise: bool = False
 
@@ -101,13 +127,29 @@ class DiffusionSamplingParams:
                     f"sampling.sde_steps must be a non-empty list of step indices in [0, {self.num_steps}) "
                     f"for sde_scheduler=fixed, got {self.sde_steps}"
                 )
-        if self.sde_scheduler == "random":
+        for key in ("sde_stride", "sde_iters_per_window"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"sampling.{key} must be >= 1, got {getattr(self, key)}")
+        if self.sde_window_order not in WINDOW_ORDERS:
+            raise ValueError(
+                f"sampling.sde_window_order must be one of {WINDOW_ORDERS}, got {self.sde_window_order!r}"
+            )
+        if self.sde_scheduler in ("random", "sliding"):
             lo, hi = self.window_bounds()
             if not 1 <= self.sde_num_steps <= hi - lo:
+                what = "the window size" if self.sde_scheduler == "sliding" else "the number of SDE steps"
                 raise ValueError(
-                    f"sampling.sde_num_steps={self.sde_num_steps} must be in [1, {hi - lo}]: the window "
-                    f"sampling.sde_window={list(self.sde_window)} covers steps [{lo}, {hi}) of {self.num_steps}"
+                    f"sampling.sde_num_steps={self.sde_num_steps} ({what} of sde_scheduler={self.sde_scheduler}) "
+                    f"must be in [1, {hi - lo}]: the window sampling.sde_window={list(self.sde_window)} covers "
+                    f"steps [{lo}, {hi}) of {self.num_steps}"
                 )
+        if self.ode_solver not in ODE_SOLVERS:
+            raise ValueError(f"sampling.ode_solver must be one of {ODE_SOLVERS}, got {self.ode_solver!r}")
+        if self.noise_all_steps and self.ode_solver != "euler":
+            raise ValueError(
+                f"sampling.noise_all_steps=true makes every step stochastic, leaving no ODE step for "
+                f"sampling.ode_solver={self.ode_solver!r}; set ode_solver: euler or noise_all_steps: false"
+            )
 
     def window_bounds(self) -> tuple[int, int]:
         """Step range [lo, hi) covered by `sde_window` fractions of `num_steps`."""
@@ -134,9 +176,42 @@ class DiffusionSamplingParams:
             return list(range(self.num_steps))
         if self.sde_scheduler == "fixed":
             return sorted(set(self.sde_steps))
+        if self.sde_scheduler == "sliding":
+            start = self.window_start(rollout_id)
+            return list(range(start, start + self.sde_num_steps))
         lo, hi = self.window_bounds()
         rng = random.Random(self.seed * 1_000_003 + rollout_id)
         return sorted(rng.sample(range(lo, hi), self.sde_num_steps))
+
+    def window_starts(self) -> list[int]:
+        """The first step of each position of the "sliding" window: `lo, lo + stride, ...`,
+        every window of `sde_num_steps` steps inside `sde_window`'s steps [lo, hi)."""
+        lo, hi = self.window_bounds()
+        return list(range(lo, hi - self.sde_num_steps + 1, self.sde_stride))
+
+    def window_start(self, rollout_id: int) -> int:
+        """The "sliding" window's first step for this rollout, a function of
+        (rollout_id, seed) only (the trainer's rollout id is the training step,
+        so a resumed run slides the same way).
+
+        With w = rollout_id // sde_iters_per_window and n positions: progressive
+        takes position w % n (roll back) or min(w, n - 1); random takes a
+        position drawn from (seed, w).
+        """
+        starts = self.window_starts()
+        w = rollout_id // self.sde_iters_per_window
+        if self.sde_window_order == "random":
+            return starts[random.Random(f"sde-window:{self.seed}:{w}").randrange(len(starts))]
+        return starts[w % len(starts) if self.sde_window_roll_back else min(w, len(starts) - 1)]
+
+    def possible_sde_steps(self) -> list[int]:
+        """Every step that some rollout may take as an SDE step (eta > 0)."""
+        if self.sde_scheduler == "all":
+            return list(range(self.num_steps))
+        if self.sde_scheduler == "fixed":
+            return sorted(set(self.sde_steps))
+        lo, hi = self.window_bounds()
+        return list(range(lo, hi))
 
     @property
     def do_cfg(self) -> bool:

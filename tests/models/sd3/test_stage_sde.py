@@ -57,5 +57,5 @@ def test_default_strategy_is_flow(tiny_bundle) -> None:
 
 
 def test_unknown_strategy_names_the_key(tiny_bundle) -> None:
-    with pytest.raises(ValueError, match=r"stage\.sde must be one of \['flow'\], got 'dance'"):
-        SD3Stage(tiny_bundle, sde="dance")
+    with pytest.raises(ValueError, match=r"stage\.sde must be one of \['cps', 'dance', 'flow'\], got 'ddim'"):
+        SD3Stage(tiny_bundle, sde="ddim")

@@ -15,6 +15,7 @@ import torch
 from annotated_types import Ge
 
 from unirl.models.sd3.bundle import SD3Bundle
+from unirl.sde.solvers import make_ode_solver
 from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment
@@ -153,8 +154,10 @@ class SD3Stage:
         drawn from `req.init_seeds` (shared by a group with
         `sampling.same_initial_noise`, else the sample's own seed). Stores
         the latents at every position replay needs and the log-prob of every
-        SDE step. Noise is drawn on the CPU (so a seed gives the same sample on
-        every device) and moved to the bundle's device, where everything is computed.
+        SDE step; the other steps are ODE steps of `sampling.ode_solver` (or,
+        with `sampling.noise_all_steps`, SDE steps without a log-prob). Noise
+        is drawn on the CPU (so a seed gives the same sample on every device)
+        and moved to the bundle's device, where everything is computed.
         """
         sp = req.sampling
         device = self.bundle.device
@@ -170,6 +173,9 @@ class SD3Stage:
             ]
         ).to(device=device, dtype=traj_dtype)
         sde = set(req.sde_indices)
+        # with sampling.noise_all_steps every step is stochastic; only the SDE steps keep a log-prob
+        noisy = set(range(sp.num_steps)) if sp.noise_all_steps and sde else sde
+        ode = make_ode_solver(sp.ode_solver)
         positions = sorted({p for i in sde for p in (i, i + 1)} | {sp.num_steps})
         if self.store_trajectory:
             positions = list(range(sp.num_steps + 1))
@@ -178,13 +184,15 @@ class SD3Stage:
             if i in positions:
                 stored[i] = x
             v = self.velocity(x, sigmas[i].expand(len(req)), cond, sp.guidance_scale)
-            noise = (
-                torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device) if i in sde else None
-            )
-            out = strategy.step(x, v, sigmas, i, sde=i in sde, noise=noise)
-            if out.log_prob is not None:
-                log_probs.append(out.log_prob)
-            x = out.next_sample
+            if i in noisy:
+                noise = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
+                out = strategy.step(x, v, sigmas, i, sde=True, noise=noise)
+                ode.observe(x, v, sigmas, i)
+                if i in sde:
+                    log_probs.append(out.log_prob)
+                x = out.next_sample
+            else:
+                x = ode.step(x, v, sigmas, i)
         stored[sp.num_steps] = x
         return LatentSegment(
             latents=torch.stack([stored[p] for p in positions], dim=1),
