@@ -75,7 +75,9 @@ def test_step_matches_closed_form(name, reference, eta, steps) -> None:
         assert out.mean is not None and out.log_prob is not None and out.std_dev_t is not None
         assert out.mean.dtype == out.log_prob.dtype == torch.float32 and out.log_prob.shape == (SHAPE[0],)
         torch.testing.assert_close(out.mean.double(), mean, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.next_sample.double(), mean + std * noise.double(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out.next_sample.double(), mean + std * noise.double(), rtol=1e-5, atol=1e-5
+        )
         torch.testing.assert_close(
             out.log_prob.double(), normal_log_prob(out.next_sample, mean, std), rtol=1e-5, atol=1e-4
         )
@@ -174,12 +176,17 @@ def test_eta_zero_and_ode_steps_are_euler(name: str) -> None:
     torch.testing.assert_close(near.mean, euler, rtol=1e-5, atol=1e-5)
 
 
-def test_cps_last_step_has_no_noise_and_is_refused() -> None:
+def test_cps_last_step_has_no_noise_and_no_log_prob() -> None:
+    """sigma' = 0: CPS's std is 0, the step is its mean (the predicted x0) with no density;
+    replaying it as an SDE step is refused with the fix."""
     sigmas = schedule()
     x, v, noise = inputs()
     assert float(sigmas[T]) == 0.0
-    with pytest.raises(ValueError, match=r"stage\.sde=cps: SDE step 9 .* has no noise"):
-        CPSStrategy(0.7).step(x, v, sigmas, T - 1, sde=True, noise=noise)
+    out = CPSStrategy(0.7).step(x, v, sigmas, T - 1, sde=True, noise=noise)
+    assert out.log_prob is None
+    torch.testing.assert_close(out.next_sample, x - float(sigmas[T - 1]) * v)
+    with pytest.raises(ValueError, match=r"stage\.sde=cps: SDE step 9 .* has no noise, so no log-prob"):
+        CPSStrategy(0.7).step(x, v, sigmas, T - 1, sde=True, next_sample=out.next_sample)
     # Flow's and Dance's last step keep noise (sqrt(-dt) > 0)
     for name in ("flow", "dance"):
         assert make_strategy(name, 0.7).step(x, v, sigmas, T - 1, sde=True, noise=noise).log_prob is not None

@@ -88,8 +88,12 @@ def test_first_order_cases_are_euler() -> None:
     x, v0, v1 = (torch.randn(2, 3, 4, 4, generator=g) for _ in range(3))
     euler = make_ode_solver("euler")
     solver = make_ode_solver("dpmpp_2m")
-    torch.testing.assert_close(solver.step(x, v0, sigmas, 0), euler.step(x, v0, sigmas, 0), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(solver.step(x, v1, sigmas, 1), euler.step(x, v1, sigmas, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        solver.step(x, v0, sigmas, 0), euler.step(x, v0, sigmas, 0), rtol=1e-6, atol=1e-6
+    )
+    torch.testing.assert_close(
+        solver.step(x, v1, sigmas, 1), euler.step(x, v1, sigmas, 1), rtol=1e-6, atol=1e-6
+    )
     last = len(sigmas) - 2
     solver.observe(x, v0, sigmas, last - 1)
     torch.testing.assert_close(
@@ -136,5 +140,7 @@ def test_euler_solver_equals_the_strategies_ode_step(strategy: str) -> None:
 
 def test_registry_and_unknown_name() -> None:
     assert tuple(SOLVERS) == ODE_SOLVERS
-    with pytest.raises(ValueError, match=r"sampling\.ode_solver must be one of \['euler', 'dpmpp_2m'\], got 'heun'"):
+    with pytest.raises(
+        ValueError, match=r"sampling\.ode_solver must be one of \['euler', 'dpmpp_2m'\], got 'heun'"
+    ):
         make_ode_solver("heun")

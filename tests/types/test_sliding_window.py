@@ -31,9 +31,13 @@ def reference_windows(rollouts: int, lo: int, hi: int, size: int, stride: int, i
 
 
 @pytest.mark.parametrize("roll_back", [True, False])
-@pytest.mark.parametrize(("stride", "iters", "window"), [(1, 3, (0.0, 0.8)), (2, 1, (0.1, 1.0)), (3, 5, (0.0, 1.0))])
+@pytest.mark.parametrize(
+    ("stride", "iters", "window"), [(1, 3, (0.0, 0.8)), (2, 1, (0.1, 1.0)), (3, 5, (0.0, 1.0))]
+)
 def test_progressive_positions_follow_the_reference_loop(stride, iters, window, roll_back) -> None:
-    p = sliding(sde_stride=stride, sde_iters_per_window=iters, sde_window=window, sde_window_roll_back=roll_back)
+    p = sliding(
+        sde_stride=stride, sde_iters_per_window=iters, sde_window=window, sde_window_roll_back=roll_back
+    )
     lo, hi = p.window_bounds()
     got = [p.resolve_sde_indices(r) for r in range(120)]
     assert got == reference_windows(120, lo, hi, 4, stride, iters, roll_back)
@@ -90,7 +94,9 @@ def test_possible_sde_steps() -> None:
     assert DiffusionSamplingParams(num_steps=6).possible_sde_steps() == list(range(6))
     fixed = DiffusionSamplingParams(num_steps=6, sde_scheduler="fixed", sde_steps=[4, 1, 4])
     assert fixed.possible_sde_steps() == [1, 4]
-    rand = DiffusionSamplingParams(num_steps=10, sde_scheduler="random", sde_num_steps=2, sde_window=(0.2, 0.5))
+    rand = DiffusionSamplingParams(
+        num_steps=10, sde_scheduler="random", sde_num_steps=2, sde_window=(0.2, 0.5)
+    )
     assert rand.possible_sde_steps() == [2, 3, 4]
 
 
@@ -107,7 +113,10 @@ def test_possible_sde_steps() -> None:
         ),
         ({"sde_stride": 0}, r"sampling\.sde_stride must be >= 1, got 0"),
         ({"sde_iters_per_window": 0}, r"sampling\.sde_iters_per_window must be >= 1, got 0"),
-        ({"sde_window_order": "backwards"}, r"sampling\.sde_window_order must be one of \('progressive', 'random'\)"),
+        (
+            {"sde_window_order": "backwards"},
+            r"sampling\.sde_window_order must be one of \('progressive', 'random'\)",
+        ),
         ({"ode_solver": "rk4"}, r"sampling\.ode_solver must be one of \('euler', 'dpmpp_2m'\), got 'rk4'"),
         (
             {"noise_all_steps": True, "ode_solver": "dpmpp_2m"},

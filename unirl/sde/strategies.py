@@ -58,6 +58,8 @@ class SDEStrategy(Protocol):
         next_sample: torch.Tensor | None = None,
     ) -> StepOutput: ...
 
+    def noiseless_step_error(self, sigmas: torch.Tensor, i: int) -> str: ...
+
 
 def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """[B] fp32: log N(sample; mean, std^2) averaged over non-batch dims."""
@@ -100,7 +102,8 @@ class GaussianStepStrategy(ABC):
         Rollout passes `noise` ([B, ...] standard normal); replay passes the
         stored `next_sample` instead and gets its log-prob under the current v.
         With `sde=False` (or eta=0) the step is Euler and only `next_sample`
-        is returned.
+        is returned. A step whose std is 0 returns its mean and no log-prob
+        (replay of one raises `noiseless_step_error`).
         """
         dtype = x.dtype
         x32, v32 = x.to(torch.float32), v.to(torch.float32)
@@ -108,18 +111,23 @@ class GaussianStepStrategy(ABC):
             dt = sigmas[i + 1].to(torch.float32) - sigmas[i].to(torch.float32)
             return StepOutput(next_sample=(x32 + v32 * dt).to(dtype))
         mean, std, std_dev_t = self.mean_and_std(x32, v32, sigmas, i)
-        if not float(std) > 0:
-            raise ValueError(
-                f"stage.sde={self.name}: SDE step {i} (sigma {float(sigmas[i]):.4g} -> "
-                f"{float(sigmas[i + 1]):.4g}) has no noise, so no log-prob; keep it out of the SDE steps "
-                "(sampling.sde_window / sde_steps)"
-            )
+        if not float(std) > 0:  # a noiseless step (CPS's last): deterministic, no density
+            if next_sample is not None:
+                raise ValueError(self.noiseless_step_error(sigmas, i))
+            return StepOutput(next_sample=mean.to(dtype), mean=mean, std_dev_t=std_dev_t)
         if next_sample is None:
             if noise is None:
                 raise ValueError("an SDE rollout step needs `noise` (or `next_sample` when replaying)")
             next_sample = (mean.detach() + std * noise.to(torch.float32)).to(dtype)
         log_prob = gaussian_log_prob(next_sample.detach().to(torch.float32), mean, std)
         return StepOutput(next_sample=next_sample, mean=mean, std_dev_t=std_dev_t, log_prob=log_prob)
+
+    def noiseless_step_error(self, sigmas: torch.Tensor, i: int) -> str:
+        """Why step i (std 0) cannot be an SDE step, and what to change."""
+        return (
+            f"stage.sde={self.name}: SDE step {i} (sigma {float(sigmas[i]):.4g} -> {float(sigmas[i + 1]):.4g}) "
+            "has no noise, so no log-prob; keep it out of the SDE steps (sampling.sde_window / sde_steps)"
+        )
 
 
 class FlowSDEStrategy(GaussianStepStrategy):

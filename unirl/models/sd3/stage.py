@@ -189,6 +189,8 @@ class SD3Stage:
                 out = strategy.step(x, v, sigmas, i, sde=True, noise=noise)
                 ode.observe(x, v, sigmas, i)
                 if i in sde:
+                    if out.log_prob is None:
+                        raise ValueError(strategy.noiseless_step_error(sigmas, i))
                     log_probs.append(out.log_prob)
                 x = out.next_sample
             else:
