@@ -26,12 +26,21 @@ class StageAlgorithm(ABC):
         supports_multi_update: may run several optimizer updates per rollout.
         requires_ema_rollout: rollouts must come from EMA weights.
         requires_sde_logprobs: needs per-step log-probs (sampling.eta > 0).
+        compares_within_groups: the loss compares the samples of a prompt group with
+            each other (preference pairs), so it needs samples_per_prompt >= 2 and
+            whole groups in every micro-batch (micro_batch_size a multiple of
+            samples_per_prompt); validation checks both before Ray starts.
+
+    State that evolves over training (an adaptive KL coefficient) is updated in
+    `end_of_rollout` and saved with the checkpoint through `state_dict` /
+    `load_state_dict`.
     """
 
     modality: ClassVar[str | None] = None
     supports_multi_update: ClassVar[bool] = False
     requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = False
+    compares_within_groups: ClassVar[bool] = False
 
     @property
     def needs_reference_policy(self) -> bool:
@@ -40,6 +49,23 @@ class StageAlgorithm(ABC):
 
     def prepare_segment(self, stage: DiffusionStage | TextStage, track: RolloutTrack) -> RolloutTrack:
         return track
+
+    def end_of_rollout(
+        self, stage: DiffusionStage | TextStage, metrics: dict[str, float], num_samples: int
+    ) -> dict[str, float]:
+        """Called by the train stack on every rank at once after a rollout's updates, with
+        this rank's metrics of them and the samples trained over all ranks; may run
+        collectives; returns metrics to add to the step's row. Default: nothing."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue identically (saved per rank)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output (the default state is empty)."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got {sorted(state)}")
 
     @abstractmethod
     def compute_loss_and_backward(

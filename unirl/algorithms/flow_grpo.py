@@ -5,7 +5,13 @@ Per SDE step t of sample i, with r = exp(logp_new - logp_old) and advantage A:
 plus, when beta > 0, beta * mean_{i,t} KL_t with the Flow-GRPO estimate
     KL_t = mean_{non-batch}((mu_new - mu_ref)^2) / (2 * std_dev_t^2)
 (the reference policy is the model with LoRA disabled; std_dev_t is the SDE's
-sigma_t, flow_grpo's convention).
+sigma_t, flow_grpo's convention). beta is fixed or adaptive (`kl_target`,
+`unirl.algorithms.kl_control`).
+
+`StepLossConfig` and `FlowGRPO` also carry what the diffusion step losses share
+(DDPO, DPOK, Flow-DPPO): the pi_old source, the replay over SDE-step chunks, the
+KL-to-reference term with its controller, and the metrics; a variant overrides
+`policy_loss` (and `kl_scale` for the exact Gaussian KL).
 """
 
 from __future__ import annotations
@@ -18,6 +24,13 @@ from typing import Any, ClassVar
 import torch
 
 from unirl.algorithms.base import StageAlgorithm
+from unirl.algorithms.kl_control import (
+    KLController,
+    mean_over_ranks,
+    reference_means,
+    step_kl,
+    transition_std,
+)
 from unirl.models.stage import DiffusionStage
 from unirl.types.rollout_resp import RolloutTrack
 
@@ -26,35 +39,56 @@ OLD_LOGP_SOURCES = ("rollout", "replay")
 
 
 @dataclass
-class FlowGRPOConfig:
-    """Flow-GRPO loss settings.
+class StepLossConfig:
+    """Settings every diffusion step loss shares.
+
+    Attributes:
+        old_logp_source: "rollout" uses the log-probs recorded at sampling
+            time; "replay" recomputes pi_old at the training geometry before
+            the first update (the ratio is then exactly 1 on that update).
+        beta: KL coefficient to the reference policy (0 disables it and the
+            reference forward); the initial value when adaptive.
+        kl_target: null keeps beta fixed; a value makes it adaptive (Ziegler et
+            al.'s controller steers the rollout's mean reference KL per step to it).
+        kl_horizon: the adaptive controller's horizon in samples.
+    """
+
+    old_logp_source: str = "rollout"
+    beta: float = 0.0
+    kl_target: float | None = None
+    kl_horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        if self.old_logp_source not in OLD_LOGP_SOURCES:
+            raise ValueError(
+                f"algorithm.config.old_logp_source must be one of {OLD_LOGP_SOURCES}, got {self.old_logp_source!r}"
+            )
+        self.kl_controller()  # range-checks beta, kl_target and kl_horizon
+
+    def kl_controller(self) -> KLController:
+        return KLController(self.beta, self.kl_target, self.kl_horizon)
+
+
+@dataclass
+class FlowGRPOConfig(StepLossConfig):
+    """Flow-GRPO loss settings (and `StepLossConfig`'s).
 
     Attributes:
         clip_range: PPO clip epsilon at the start of training.
         clip_range_final: epsilon at the end (linear / cosine schedule);
             None keeps `clip_range`.
         clip_schedule: "constant", "linear" or "cosine" in training progress.
-        beta: KL coefficient to the reference policy (0 disables; no
-            reference forward is run then).
-        old_logp_source: "rollout" uses the log-probs recorded at sampling
-            time; "replay" recomputes pi_old at the training geometry before
-            the first update (the ratio is then exactly 1 on that update).
     """
 
     clip_range: float = 1e-4
     clip_range_final: float | None = None
     clip_schedule: str = "constant"
-    beta: float = 0.0
-    old_logp_source: str = "rollout"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.clip_schedule not in CLIP_SCHEDULES:
             raise ValueError(
                 f"algorithm.config.clip_schedule must be one of {CLIP_SCHEDULES}, got {self.clip_schedule!r}"
-            )
-        if self.old_logp_source not in OLD_LOGP_SOURCES:
-            raise ValueError(
-                f"algorithm.config.old_logp_source must be one of {OLD_LOGP_SOURCES}, got {self.old_logp_source!r}"
             )
         if self.clip_range <= 0:
             raise ValueError(f"algorithm.config.clip_range must be > 0, got {self.clip_range}")
@@ -62,8 +96,6 @@ class FlowGRPOConfig:
             raise ValueError(
                 f"algorithm.config.clip_range_final must be > 0 or null, got {self.clip_range_final}"
             )
-        if self.beta < 0:
-            raise ValueError(f"algorithm.config.beta must be >= 0, got {self.beta}")
 
     def clip_at(self, progress: float) -> float:
         """Clip epsilon at training progress in [0, 1]."""
@@ -86,91 +118,148 @@ def clipped_policy_loss(
     return loss, ratio
 
 
+@dataclass
+class StepChunk:
+    """SDE steps replayed in one forward under the current weights.
+
+    Attributes:
+        steps: step indices; cols: their columns in `segment.sde_indices`.
+        new_logp, old_logp: [B, k] fp32 log-probs (current weights, pi_old).
+        means: [B, k, C, h, w] fp32 step means under the current weights.
+        std_dev_t: [k] fp32, the SDE's sigma_t of each step (as replay returns it).
+        transition_std: [k] fp32, each step's transition std (`kl_control.transition_std`).
+    """
+
+    steps: list[int]
+    cols: list[int]
+    new_logp: torch.Tensor
+    old_logp: torch.Tensor
+    means: torch.Tensor
+    std_dev_t: torch.Tensor
+    transition_std: torch.Tensor
+
+
 class FlowGRPO(StageAlgorithm):
-    """Flow-GRPO on a diffusion track (`LatentSegment` with SDE log-probs)."""
+    """Flow-GRPO on a diffusion track (`LatentSegment` with SDE log-probs).
+
+    The driver of the diffusion step losses: `compute_loss_and_backward` replays
+    the SDE steps in chunks (`stage.replay_chunks`), asks `policy_loss` for the
+    per-step loss, adds `coef * mean KL_t` to the reference when the coefficient
+    is > 0, and backpropagates each chunk's share. `kl_scale` picks the KL's
+    scale; `end_of_rollout` steps the adaptive coefficient.
+    """
 
     modality: ClassVar[str] = "diffusion"
     supports_multi_update: ClassVar[bool] = True
     requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = True
+    frozen_keys: ClassVar[tuple[str, ...]] = ()
+    """`track.conditions` entries `prepare_segment` adds (kept out of the replay's conditions)."""
 
-    def __init__(self, config: FlowGRPOConfig | None = None) -> None:
+    def __init__(self, config: StepLossConfig | None = None) -> None:
         self.config = config or FlowGRPOConfig()
+        self.kl = self.config.kl_controller()
 
     @property
     def needs_reference_policy(self) -> bool:
         return self.config.beta > 0
 
+    def replay_conditions(self, track: RolloutTrack) -> dict[str, torch.Tensor]:
+        """The stage's per-sample conditions, without what `prepare_segment` froze there."""
+        return {k: v for k, v in track.conditions.items() if k not in self.frozen_keys}
+
+    def check_sde_steps(self, track: RolloutTrack) -> None:
+        if not track.segment.sde_indices:
+            raise ValueError(
+                f"track {track.name!r} has no SDE steps (sampling.eta=0?): {type(self).__name__} needs "
+                "log-probs; set sampling.eta > 0"
+            )
+
     @torch.no_grad()
     def prepare_segment(self, stage: DiffusionStage, track: RolloutTrack) -> RolloutTrack:
-        seg = track.segment
-        if not seg.sde_indices:
-            raise ValueError(
-                f"track {track.name!r} has no SDE steps (sampling.eta=0?): Flow-GRPO needs log-probs; "
-                "set sampling.eta > 0"
-            )
+        self.check_sde_steps(track)
         if self.config.old_logp_source == "rollout":
             return track
-        parts = [
-            stage.replay(seg, track.conditions, steps)[0] for steps in stage.replay_chunks(seg.sde_indices)
-        ]
+        seg = track.segment
+        cond = self.replay_conditions(track)
+        parts = [stage.replay(seg, cond, steps)[0] for steps in stage.replay_chunks(seg.sde_indices)]
         old = torch.cat(parts, dim=1)
         return dataclasses.replace(track, segment=dataclasses.replace(seg, log_probs=old))
+
+    def policy_loss(
+        self, chunk: StepChunk, track: RolloutTrack, adv: torch.Tensor, ctx: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Per-step policy loss [B, k], the ratios [B, k] and loss-specific float metrics
+        (averaged over chunks, weighted by their step counts); adv [B]."""
+        clip = self.config.clip_at(ctx["progress"])
+        loss, ratio = clipped_policy_loss(chunk.new_logp, chunk.old_logp, adv, clip)
+        clipfrac = float(((ratio.detach() - 1).abs() > clip).float().mean())
+        return loss, ratio, {"clipfrac": clipfrac, "clip_range": clip}
+
+    def kl_scale(self, chunk: StepChunk) -> torch.Tensor:
+        """[k] the scale s of KL_t = mean((mu - mu_ref)^2) / (2 s^2): flow_grpo's std_dev_t."""
+        return chunk.std_dev_t
 
     def compute_loss_and_backward(
         self, stage: DiffusionStage, track: RolloutTrack, ctx: dict[str, Any]
     ) -> dict[str, float]:
         """ctx: `loss_scale` (float), `progress` (float in [0, 1]), `reference`
         (a context-manager factory that switches the module to the reference policy)."""
-        cfg = self.config
         seg = track.segment
         if track.advantages is None:
             raise ValueError(f"track {track.name!r} has no advantages: compute them before training")
-        clip = cfg.clip_at(ctx["progress"])
+        coef = self.kl.value
+        cond = self.replay_conditions(track)
         k_total = len(seg.sde_indices)
-        sums = {
-            "loss": 0.0,
-            "policy_loss": 0.0,
-            "kl": 0.0,
-            "approx_kl": 0.0,
-            "clipfrac": 0.0,
-            "ratio_sum": 0.0,
-        }
+        sums: dict[str, float] = {}
         rmin, rmax = math.inf, -math.inf
+
+        def add(key: str, value: float, w: int) -> None:
+            sums[key] = sums.get(key, 0.0) + value * w
+
         for steps in stage.replay_chunks(seg.sde_indices):
             cols = [seg.sde_indices.index(i) for i in steps]
-            if cfg.beta > 0:
-                # Before the policy forward: a full fine-tune's reference swaps weights in place.
-                with torch.no_grad(), ctx["reference"]():
-                    _, ref_means, _ = stage.replay(seg, track.conditions, steps)
-            new_logp, means, std_dev_t = stage.replay(seg, track.conditions, steps)
-            old_logp = seg.log_probs[:, cols]
-            per_elem, ratio = clipped_policy_loss(new_logp, old_logp, track.advantages, clip)
+            if coef > 0:  # before the policy forward: a full fine-tune's reference swaps weights in place
+                ref_means = reference_means(stage, seg, cond, steps, ctx["reference"])
+            new_logp, means, std_dev_t = stage.replay(seg, cond, steps)
+            std = transition_std(stage, seg, steps).to(std_dev_t.device)
+            chunk = StepChunk(steps, cols, new_logp, seg.log_probs[:, cols], means, std_dev_t, std)
+            per_elem, ratio, extra = self.policy_loss(chunk, track, track.advantages, ctx)
             policy = per_elem.mean()
             loss = policy
-            if cfg.beta > 0:
-                kl = ((means - ref_means) ** 2).mean(dim=(2, 3, 4)) / (2 * std_dev_t**2)
-                loss = loss + cfg.beta * kl.mean()
-                sums["kl"] += float(kl.detach().mean()) * len(steps)
-            (loss * ctx["loss_scale"] * len(steps) / k_total).backward()
-            loss, policy, new_logp, ratio = loss.detach(), policy.detach(), new_logp.detach(), ratio.detach()
             w = len(steps)
-            sums["loss"] += float(loss) * w
-            sums["policy_loss"] += float(policy) * w
-            sums["approx_kl"] += float(0.5 * ((new_logp - old_logp) ** 2).mean()) * w
-            sums["clipfrac"] += float(((ratio - 1).abs() > clip).float().mean()) * w
-            sums["ratio_sum"] += float(ratio.mean()) * w
+            if coef > 0:
+                kl = step_kl(means, ref_means, self.kl_scale(chunk))
+                loss = loss + coef * kl.mean()
+                add("kl", float(kl.detach().mean()), w)
+            (loss * ctx["loss_scale"] * w / k_total).backward()
+            ratio, diff = ratio.detach(), new_logp.detach() - chunk.old_logp
+            add("loss", float(loss.detach()), w)
+            add("policy_loss", float(policy.detach()), w)
+            add("approx_kl", float(0.5 * (diff**2).mean()), w)
+            add("ratio/mean", float(ratio.mean()), w)
+            for key, value in extra.items():
+                add(key, value, w)
             rmin, rmax = min(rmin, float(ratio.min())), max(rmax, float(ratio.max()))
-        out = {
-            "loss": sums["loss"] / k_total,
-            "policy_loss": sums["policy_loss"] / k_total,
-            "approx_kl": sums["approx_kl"] / k_total,
-            "clipfrac": sums["clipfrac"] / k_total,
-            "ratio/mean": sums["ratio_sum"] / k_total,
-            "ratio/min": rmin,
-            "ratio/max": rmax,
-            "clip_range": clip,
-        }
-        if cfg.beta > 0:
-            out["kl"] = sums["kl"] / k_total
+        out = {key: value / k_total for key, value in sums.items()}
+        out.update({"ratio/min": rmin, "ratio/max": rmax})
+        if coef > 0:
+            out["kl/coef"] = coef
         return out
+
+    def end_of_rollout(
+        self, stage: DiffusionStage, metrics: dict[str, float], num_samples: int
+    ) -> dict[str, float]:
+        """Step an adaptive KL coefficient on the rollout's mean reference KL over all ranks."""
+        if not (self.kl.adaptive and self.kl.value > 0):
+            return {}
+        device = next(stage.module.parameters()).device
+        kl = mean_over_ranks(metrics["kl"], device)
+        return {"kl/coef_next": self.kl.update(kl, num_samples)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl": self.kl.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "kl" in state:
+            self.kl.load_state_dict(state["kl"])

@@ -3,8 +3,9 @@
 Layout of one checkpoint directory (the driver adds `driver_state.json`,
 `weights/` and the `COMPLETE` marker):
     train/          DCP shards: trainable params, optimizer, EMA, reference
-    rank{r}.pt      LR scheduler, counters, RNG states of rank r (`torch.save`: RNG states are
-                    per process, so each rank keeps its own file)
+    rank{r}.pt      LR scheduler, counters, RNG states and the algorithm's state (e.g. an
+                    adaptive KL coefficient) of rank r (`torch.save`: RNG states are per
+                    process, so each rank keeps its own file)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
+from unirl.algorithms.base import StageAlgorithm
 from unirl.train.backend import TrainBackend
 
 _TENSOR_KEYS = ("model", "optim", "ema", "reference")
@@ -38,16 +40,24 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def save_train_state(path: str, backend: TrainBackend, rank: int) -> None:
-    """Write this rank's part of the train state under `path`. Collective when sharded."""
+def save_train_state(
+    path: str, backend: TrainBackend, rank: int, algorithm: StageAlgorithm | None = None
+) -> None:
+    """Write this rank's part of the train state (and `algorithm.state_dict()`) under `path`.
+    Collective when sharded."""
     state = backend.state_dict()
     dcp.save({k: state[k] for k in _TENSOR_KEYS if k in state}, checkpoint_id=os.path.join(path, "train"))
     extra = {"scheduler": state["scheduler"], "counters": state["counters"], "rng": _rng_state()}
+    if algorithm is not None:
+        extra["algorithm"] = algorithm.state_dict()
     torch.save(extra, os.path.join(path, f"rank{rank}.pt"))
 
 
-def load_train_state(path: str, backend: TrainBackend, rank: int) -> None:
-    """Restore what `save_train_state` wrote, in place. Collective when sharded.
+def load_train_state(
+    path: str, backend: TrainBackend, rank: int, algorithm: StageAlgorithm | None = None
+) -> None:
+    """Restore what `save_train_state` wrote, in place (the algorithm's state too when
+    `algorithm` is given). Collective when sharded.
 
     Raises FileNotFoundError naming the missing file when the checkpoint was
     written by a run with fewer ranks or is incomplete.
@@ -68,4 +78,6 @@ def load_train_state(path: str, backend: TrainBackend, rank: int) -> None:
     state["scheduler"] = extra["scheduler"]
     state["counters"] = extra["counters"]
     backend.load_state_dict(state)
+    if algorithm is not None:
+        algorithm.load_state_dict(extra.get("algorithm", {}))
     _set_rng_state(extra["rng"])

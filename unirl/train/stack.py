@@ -60,7 +60,8 @@ class TrainStack:
     `num_updates_per_batch` optimizer updates, each accumulating gradients
     over all micro-batches. Returns metrics averaged over micro-batches and
     updates, plus `ratio/first_update_mean` (1.0 exactly when on-policy and
-    pi_old is replayed) and backend metrics.
+    pi_old is replayed), backend metrics and what the algorithm's
+    `end_of_rollout` adds (called last, on every rank).
     """
 
     def __init__(
@@ -127,4 +128,6 @@ class TrainStack:
             out["ratio/first_update_mean"] = first["ratio/mean"]
         out.update(reduce_metrics(backend_rows))
         out["train/skipped_step"] = sum(r["train/skipped_step"] for r in backend_rows)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        out.update(self.algorithm.end_of_rollout(self.stage, out, len(track) * world))
         return out

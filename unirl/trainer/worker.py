@@ -167,13 +167,14 @@ class RLWorker(Worker):
     def save_checkpoint(self, path: str, base_model: str) -> None:
         """Write the sharded train state and the exported weights under `path`."""
         os.makedirs(path, exist_ok=True)
-        save_train_state(path, self.backend, self.rank_info.rank)
+        save_train_state(path, self.backend, self.rank_info.rank, self.algorithm)
         self.backend.save_weights(os.path.join(path, "weights"), base_model, write=self.rank_info.rank == 0)
 
     @dispatch(Dispatch.BROADCAST)
     def load_checkpoint(self, path: str) -> None:
-        """Restore the train state written by `save_checkpoint` (all ranks at once)."""
-        load_train_state(path, self.backend, self.rank_info.rank)
+        """Restore the train state written by `save_checkpoint`, the algorithm's state
+        included (all ranks at once)."""
+        load_train_state(path, self.backend, self.rank_info.rank, self.algorithm)
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def save_weights(self, path: str, base_model: str, use_ema: bool = False) -> None:
