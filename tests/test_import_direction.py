@@ -31,15 +31,17 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {*CORE, *MIDDLE, "train", "distributed", *UTILS},
     # the data plane moves batches of the typed boundary (over Ray); drivers and workers use it
     "dataplane": {"types", "distributed", "dataplane"},
-    "trainer": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "trainer", *UTILS},
+    # the weight plane (trainer -> dedicated engine weights) needs only the device choice
+    "sync": {"distributed", "sync"},
+    "trainer": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS},
     "data": {"types", "data"},
     # the shapes world (dataset, renderer, scorer) is a leaf over the typed boundary
     "shapes": {"types", "shapes"},
     # the arithmetic world (problems, split, verifier) is a leaf over the typed boundary and data sources
     "arith": {"types", "data", "arith"},
     "tracking": {"tracking"},
-    "config": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "trainer", *UTILS},
-    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "trainer", *UTILS, ENTRY},
+    "config": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS},
+    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS, ENTRY},
     "": set(),  # unirl/__init__.py stays import-free
 }
 # third-party packages the pure layers must not pull in

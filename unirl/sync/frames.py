@@ -1,0 +1,120 @@
+"""Buckets on the wire: packing tensors into flat byte frames, checking and unpacking them.
+
+A frame is one bucket of a `SyncPlan`: a 1-D uint8 tensor of
+`plan.bucket_sizes[i]` payload bytes (each piece at its planned offset, in its
+wire dtype, gaps zeroed) followed by a 16-byte trailer, the `checksum` of the
+payload. The same code packs on CPU or GPU and unpacks from a Ray
+shared-memory buffer, a broadcast buffer or a CUDA IPC handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from unirl.sync.plan import SyncPlan, WeightSyncError
+
+TRAILER = 24  # three int64: the payload's checksum
+_ROW = 1024  # words per row of the checksum's word matrix
+
+
+def checksum(data: torch.Tensor) -> torch.Tensor:
+    """An exact checksum of bytes: int64 [3] on `data`'s device.
+
+    `data` is 1-D uint8 whose storage offset is a multiple of 8. Its bytes are
+    read as little-endian int64 words (a short tail zero-padded to one word),
+    laid out as rows of 1024 words; with row sums r_i and column sums c_j the
+    result is (sum_i r_i, sum_i (2i + 1) r_i, sum_j (2j + 1) c_j), all mod 2^64
+    in two's complement (torch's int64 kernels wrap). The plain sum changes
+    with any single changed word or flipped bit; the odd weights (invertible
+    mod 2^64) change with words swapped or shifted between rows (second) or
+    within a row (third). Equal bytes give equal sums on every device and
+    thread count (modular sums do not depend on order). Cost: two passes over
+    the bytes (row and column sums), about 2.4 GB/s on one CPU thread.
+    """
+    n = data.numel()
+    whole = n - n % 8
+    words = data[:whole].view(torch.int64)
+    full = words.numel() // _ROW * _ROW
+    body = words[:full].view(-1, _ROW)
+    rows, cols = body.sum(dim=1), body.sum(dim=0)
+    rest = words[full:]
+    if whole < n:
+        tail = torch.zeros(8, dtype=torch.uint8, device=data.device)
+        tail[: n - whole] = data[whole:]
+        rest = torch.cat([rest, tail.view(torch.int64)])
+    if rest.numel():  # the last, short row (at most _ROW words: fewer than _ROW + the tail word)
+        rows = torch.cat([rows, rest.sum().view(1)])
+        cols[: rest.numel()] += rest
+
+    def odd(k: int) -> torch.Tensor:
+        return torch.arange(k, dtype=torch.int64, device=data.device) * 2 + 1
+
+    return torch.stack([rows.sum(), (rows * odd(rows.numel())).sum(), (cols * odd(_ROW)).sum()])
+
+
+def tensor_checksum(tensor: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """`checksum` of `tensor`'s bytes once cast to `wire` (row-major): what verify mode compares."""
+    flat = tensor.detach().to(wire).contiguous().view(-1)
+    if (flat.storage_offset() * flat.element_size()) % 8:
+        flat = flat.clone()
+    return checksum(flat.view(torch.uint8))
+
+
+def pack(
+    plan: SyncPlan, fetch: Callable[[int], torch.Tensor], device: torch.device
+) -> Iterator[torch.Tensor]:
+    """Yield the plan's frames, one at a time, allocated on `device`.
+
+    `fetch(i)` returns tensor i of the plan (any device, any layout); it is
+    called once per tensor, in plan order, and the tensor is dropped after its
+    last piece is packed: peak memory is one frame plus one fetched tensor.
+    Floating tensors are cast to the wire dtype while being copied in.
+    """
+    current, flat = -1, torch.empty(0)
+    for index, pieces in enumerate(plan.buckets):
+        size = plan.bucket_sizes[index]
+        frame = torch.empty(size + TRAILER, dtype=torch.uint8, device=device)
+        cursor = 0
+        for piece in pieces:
+            if piece.tensor != current:
+                current, flat = piece.tensor, fetch(piece.tensor).detach().reshape(-1)
+            wire = plan.wire_of(piece.tensor)
+            if piece.offset > cursor:
+                frame[cursor : piece.offset].zero_()
+            end = piece.offset + piece.count * wire.itemsize
+            frame[piece.offset : end].view(wire).copy_(flat[piece.start : piece.start + piece.count])
+            cursor = end
+        frame[cursor:size].zero_()
+        frame[size:].view(torch.int64).copy_(checksum(frame[:size]))
+        yield frame
+
+
+def unpack(
+    plan: SyncPlan, index: int, frame: torch.Tensor, dests: Sequence[torch.Tensor], version: int
+) -> None:
+    """Check frame `index` against its trailer, then copy its pieces into `dests`
+    (flat, contiguous 1-D views of the plan's tensors, by plan index), casting
+    each from its wire dtype to the destination's dtype.
+
+    Raises:
+        WeightSyncError: the frame has the wrong size, or its checksum differs from
+            the sender's (naming the bucket, the sync version and the tensors it holds).
+    """
+    size = plan.bucket_sizes[index]
+    if frame.numel() != size + TRAILER:
+        raise WeightSyncError(
+            f"bucket {index} of version {version}: {frame.numel()} bytes arrived, the plan says {size + TRAILER}"
+        )
+    sent = frame[size:].view(torch.int64).cpu()
+    got = checksum(frame[:size]).cpu()
+    if not torch.equal(sent, got):
+        raise WeightSyncError(
+            f"bucket {index} of version {version} arrived corrupted (checksum {got.tolist()}, sender's "
+            f"{sent.tolist()}); it holds {', '.join(plan.bucket_tensors(index))}"
+        )
+    for piece in plan.buckets[index]:
+        wire = plan.wire_of(piece.tensor)
+        src = frame[piece.offset : piece.offset + piece.count * wire.itemsize].view(wire)
+        dests[piece.tensor][piece.start : piece.start + piece.count].copy_(src)
