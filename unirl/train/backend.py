@@ -98,6 +98,32 @@ def lr_factor(schedule: str, step: int, total_steps: int, warmup_steps: int) -> 
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def inject_lora(module: torch.nn.Module, cfg: LoRAConfig) -> None:
+    """Freeze `module` and add a peft LoRA adapter ("default") on the modules named by
+    `cfg.target_modules` (name suffixes); a suffix matching no module is an error. The
+    train backend and a dedicated rollout engine inject the same adapter this way, so
+    the engine's module has the trainer's parameter names."""
+    from peft import LoraConfig
+
+    names = [n for n, _ in module.named_modules()]
+    unmatched = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise ValueError(
+            f"train.lora.target_modules {unmatched} match no module of {type(module).__name__}; "
+            "use module-name suffixes such as to_q, to_k, to_v, to_out.0"
+        )
+    module.requires_grad_(False)
+    module.add_adapter(
+        LoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.alpha,
+            lora_dropout=cfg.dropout,
+            target_modules=list(cfg.target_modules),
+            init_lora_weights=cfg.init_lora_weights,
+        )
+    )
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a plain tensor or a DTensor (collective for DTensors)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -178,25 +204,7 @@ class TrainBackend:
         self.skipped_steps = 0
 
     def _inject_lora(self, cfg: LoRAConfig) -> None:
-        from peft import LoraConfig
-
-        names = [n for n, _ in self.module.named_modules()]
-        unmatched = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
-        if unmatched:
-            raise ValueError(
-                f"train.lora.target_modules {unmatched} match no module of {type(self.module).__name__}; "
-                "use module-name suffixes such as to_q, to_k, to_v, to_out.0"
-            )
-        self.module.requires_grad_(False)
-        self.module.add_adapter(
-            LoraConfig(
-                r=cfg.rank,
-                lora_alpha=cfg.alpha,
-                lora_dropout=cfg.dropout,
-                target_modules=list(cfg.target_modules),
-                init_lora_weights=cfg.init_lora_weights,
-            )
-        )
+        inject_lora(self.module, cfg)
 
     @property
     def num_trainable(self) -> int:

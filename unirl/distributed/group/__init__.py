@@ -5,7 +5,15 @@ from unirl.distributed.group.device_pool import DevicePool, Placement, placement
 from unirl.distributed.group.dispatch import DISPATCH_SPECS, Dispatch, DispatchSpec, dispatch, dispatch_mode
 from unirl.distributed.group.local import LocalWorkerGroup, in_process
 from unirl.distributed.group.rank import RankInfo
-from unirl.distributed.group.remote import Worker, WorkerError, WorkerGroup, free_port, remote, rendezvous
+from unirl.distributed.group.remote import (
+    PendingCall,
+    Worker,
+    WorkerError,
+    WorkerGroup,
+    free_port,
+    remote,
+    rendezvous,
+)
 
 __all__ = [
     "DISPATCH_SPECS",
@@ -13,6 +21,7 @@ __all__ = [
     "Dispatch",
     "DispatchSpec",
     "LocalWorkerGroup",
+    "PendingCall",
     "Placement",
     "RankInfo",
     "Worker",

@@ -43,6 +43,14 @@ class LocalWorkerGroup:
             raise WorkerError(type(self.worker).__name__, 0, method, exc) from exc
         return spec.gather([result])
 
+    def submit(self, method: str, *args: Any, mode: Dispatch | None = None, **kwargs: Any) -> DoneCall:
+        """`WorkerGroup.submit`'s interface: the call runs here and now (one process, nothing
+        runs beside the driver); `.result()` returns its result or raises its `WorkerError`."""
+        try:
+            return DoneCall(self.call(method, *args, mode=mode, **kwargs))
+        except WorkerError as exc:
+            return DoneCall(error=exc)
+
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -54,6 +62,22 @@ class LocalWorkerGroup:
 
     def shutdown(self) -> None:
         """Nothing to kill: the worker lives in this process and goes with it."""
+
+
+class DoneCall:
+    """A finished call with `PendingCall`'s interface (`done()`, `result()`)."""
+
+    def __init__(self, value: Any = None, error: WorkerError | None = None) -> None:
+        self.value = value
+        self.error = error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def in_process(cls: type, *args: Any, **kwargs: Any) -> LocalWorkerGroup:

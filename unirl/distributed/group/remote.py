@@ -105,6 +105,13 @@ class WorkerGroup:
 
     def call(self, method: str, *args: Any, mode: Dispatch | None = None, **kwargs: Any) -> Any:
         """Call worker method `method` with dispatch `mode` (default: the method's tag) and block."""
+        return self.submit(method, *args, mode=mode, **kwargs).result()
+
+    def submit(self, method: str, *args: Any, mode: Dispatch | None = None, **kwargs: Any) -> PendingCall:
+        """Start `method` on the ranks as `call` does and return at once; `.result()` waits.
+
+        Each actor runs its calls in submission order, so calls submitted one after
+        another (even before earlier ones finish) run in that order on every rank."""
         if self._closed:
             raise RuntimeError(f"{self._worker_cls.__name__} group has been shut down")
         fn = getattr(self._worker_cls, method, None)
@@ -122,8 +129,7 @@ class WorkerGroup:
             except ray.exceptions.RayError as err:
                 raise WorkerError(self._worker_cls.__name__, rank, method, err) from err
             pending[ref] = rank
-        results = self._wait(pending, method)
-        return spec.gather([results[r] for r in sorted(results)])
+        return PendingCall(self, method, pending, spec.gather)
 
     def _wait(self, pending: dict[ray.ObjectRef, int], method: str) -> dict[int, Any]:
         """Results by rank; raises WorkerError on the first failing rank."""
@@ -166,6 +172,31 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self._worker_cls.__name__}, world_size={self.world_size})"
+
+
+class PendingCall:
+    """A worker-group call in flight (`WorkerGroup.submit`).
+
+    `result()` blocks until every called rank returned and gathers their results
+    as the method's dispatch mode says; a rank that raised or died raises
+    `WorkerError` naming it. `done()` tells without blocking.
+    """
+
+    def __init__(self, group: WorkerGroup, method: str, pending: dict[ray.ObjectRef, int], gather) -> None:
+        self.group = group
+        self.method = method
+        self._pending = pending
+        self._gather = gather
+
+    def done(self) -> bool:
+        """True when every called rank has finished (returned, raised or died)."""
+        refs = list(self._pending)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def result(self) -> Any:
+        results = self.group._wait(self._pending, self.method)
+        return self._gather([results[r] for r in sorted(results)])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
