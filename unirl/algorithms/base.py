@@ -26,6 +26,12 @@ class StageAlgorithm(ABC):
         supports_multi_update: may run several optimizer updates per rollout.
         requires_ema_rollout: rollouts must come from EMA weights.
         requires_sde_logprobs: needs per-step log-probs (sampling.eta > 0).
+        supports_kept_graph: can train from graphs kept at sampling
+            (`rollout.keep_graph`): `prepare_segment` then takes `kept` (a
+            `unirl.models.kept.KeptGraphs`) as a keyword, and
+            `compute_loss_and_backward` reads `ctx["kept"]` for the pairs it
+            covers and appends those losses (scaled as it would backpropagate
+            them) to `ctx["deferred"]` instead of calling backward.
         compares_within_groups: the loss compares the samples of a prompt group with
             each other (preference pairs), so it needs samples_per_prompt >= 2 and
             whole groups in every micro-batch (micro_batch_size a multiple of
@@ -40,6 +46,7 @@ class StageAlgorithm(ABC):
     supports_multi_update: ClassVar[bool] = False
     requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = False
+    supports_kept_graph: ClassVar[bool] = False
     compares_within_groups: ClassVar[bool] = False
 
     @property

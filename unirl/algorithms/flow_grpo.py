@@ -31,6 +31,7 @@ from unirl.algorithms.kl_control import (
     step_kl,
     transition_std,
 )
+from unirl.models.kept import KeptGraphs
 from unirl.models.stage import DiffusionStage
 from unirl.types.rollout_resp import RolloutTrack
 
@@ -153,6 +154,7 @@ class FlowGRPO(StageAlgorithm):
     supports_multi_update: ClassVar[bool] = True
     requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = True
+    supports_kept_graph: ClassVar[bool] = True
     frozen_keys: ClassVar[tuple[str, ...]] = ()
     """`track.conditions` entries `prepare_segment` adds (kept out of the replay's conditions)."""
 
@@ -176,13 +178,21 @@ class FlowGRPO(StageAlgorithm):
             )
 
     @torch.no_grad()
-    def prepare_segment(self, stage: DiffusionStage, track: RolloutTrack) -> RolloutTrack:
+    def prepare_segment(
+        self, stage: DiffusionStage, track: RolloutTrack, kept: KeptGraphs | None = None
+    ) -> RolloutTrack:
+        """With `old_logp_source: replay`, pi_old is recomputed under the current weights;
+        a chunk whose graphs were kept at sampling takes their value instead (the same
+        weights and inputs at the geometry its loss will use, so the ratio is exactly 1)."""
         self.check_sde_steps(track)
         if self.config.old_logp_source == "rollout":
             return track
         seg = track.segment
         cond = self.replay_conditions(track)
-        parts = [stage.replay(seg, cond, steps)[0] for steps in stage.replay_chunks(seg.sde_indices)]
+        parts = []
+        for steps in stage.replay_chunks(seg.sde_indices):
+            found = kept.lookup(track.sample_ids, steps) if kept is not None else None
+            parts.append((found if found is not None else stage.replay(seg, cond, steps))[0])
         old = torch.cat(parts, dim=1)
         return dataclasses.replace(track, segment=dataclasses.replace(seg, log_probs=old))
 
@@ -204,7 +214,10 @@ class FlowGRPO(StageAlgorithm):
         self, stage: DiffusionStage, track: RolloutTrack, ctx: dict[str, Any]
     ) -> dict[str, float]:
         """ctx: `loss_scale` (float), `progress` (float in [0, 1]), `reference`
-        (a context-manager factory that switches the module to the reference policy)."""
+        (a context-manager factory that switches the module to the reference policy);
+        with `rollout.keep_graph`, `kept` and `deferred` (see `TrainStack.train_track`):
+        a chunk whose (sample, step) pairs are all kept takes its log-probs and means from
+        the sampling graphs, and its loss goes to `deferred` instead of backward."""
         seg = track.segment
         if track.advantages is None:
             raise ValueError(f"track {track.name!r} has no advantages: compute them before training")
@@ -213,6 +226,7 @@ class FlowGRPO(StageAlgorithm):
         k_total = len(seg.sde_indices)
         sums: dict[str, float] = {}
         rmin, rmax = math.inf, -math.inf
+        kept = ctx.get("kept")
 
         def add(key: str, value: float, w: int) -> None:
             sums[key] = sums.get(key, 0.0) + value * w
@@ -221,7 +235,8 @@ class FlowGRPO(StageAlgorithm):
             cols = [seg.sde_indices.index(i) for i in steps]
             if coef > 0:  # before the policy forward: a full fine-tune's reference swaps weights in place
                 ref_means = reference_means(stage, seg, cond, steps, ctx["reference"])
-            new_logp, means, std_dev_t = stage.replay(seg, cond, steps)
+            found = kept.lookup(track.sample_ids, steps) if kept is not None else None
+            new_logp, means, std_dev_t = found if found is not None else stage.replay(seg, cond, steps)
             std = transition_std(stage, seg, steps).to(std_dev_t.device)
             chunk = StepChunk(steps, cols, new_logp, seg.log_probs[:, cols], means, std_dev_t, std)
             per_elem, ratio, extra = self.policy_loss(chunk, track, track.advantages, ctx)
@@ -232,7 +247,13 @@ class FlowGRPO(StageAlgorithm):
                 kl = step_kl(means, ref_means, self.kl_scale(chunk))
                 loss = loss + coef * kl.mean()
                 add("kl", float(kl.detach().mean()), w)
-            (loss * ctx["loss_scale"] * w / k_total).backward()
+            scaled = loss * ctx["loss_scale"] * w / k_total
+            if found is None:
+                scaled.backward()
+            else:
+                ctx["deferred"].append(scaled)
+            if kept is not None:
+                add("keep_graph/kept_fraction", float(found is not None), w)
             ratio, diff = ratio.detach(), new_logp.detach() - chunk.old_logp
             add("loss", float(loss.detach()), w)
             add("policy_loss", float(policy.detach()), w)

@@ -254,6 +254,39 @@ def _check_sde(cfg: DictConfig, sampling: DiffusionSamplingParams, problems: lis
         )
 
 
+def _check_keep_graph(cfg: DictConfig, passed: dict[str, Any], modality: str | None, problems: list[str]) -> None:
+    """`rollout.keep_graph`: a diffusion recipe whose kept sampling graphs are the forwards the
+    loss would replay (`unirl.train.stack.keep_graph_problems`), with no LoRA dropout."""
+    from unirl.train.stack import keep_graph_problems
+
+    rollout = cfg.get("rollout")
+    if not isinstance(rollout, DictConfig):
+        return
+    if not rollout.get("keep_graph", False):
+        if rollout.get("keep_graph_max_pairs") is not None:
+            problems.append(
+                f"rollout.keep_graph_max_pairs={rollout.keep_graph_max_pairs} has no effect with "
+                "rollout.keep_graph=false; set rollout.keep_graph=true or remove it"
+            )
+        return
+    if modality is not None and modality != "diffusion":
+        problems.append(
+            f"rollout.keep_graph keeps SDE-step graphs of diffusion rollouts, but this is a {modality} recipe; "
+            "set rollout.keep_graph=false"
+        )
+        return
+    run, stack, algorithm, lora = (passed.get(k) for k in ("", "train.stack", "algorithm", "train.lora"))
+    if run is not None and stack is not None and algorithm is not None and "train" in passed:
+        full_finetune = cfg.train.get("lora") is None
+        problems.extend(keep_graph_problems(algorithm, stack.num_updates_per_batch, run.num_devices, full_finetune))
+    if lora is not None and lora.dropout > 0:
+        problems.append(
+            f"rollout.keep_graph: train.lora.dropout={lora.dropout} differs between sampling (eval mode) and "
+            "the loss (train mode), so a kept graph is not the trained function; set train.lora.dropout=0 or "
+            "rollout.keep_graph=false"
+        )
+
+
 def _check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     """World size vs sharding, FSDP block names vs the model, resume keys."""
     from unirl.train.fsdp import unmatched_block_classes
@@ -417,6 +450,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
         _check_text(cfg, sampling, model, problems)
     _check_eval_sampling(cfg, modality, problems)
     _check_algorithm(algorithm, sampling, stack, passed.get("train"), passed.get("eval"), problems)
+    _check_keep_graph(cfg, passed, modality, problems)
     if modality == "diffusion":
         _check_sde(cfg, sampling, problems)
     check_advantage = getattr(passed.get("algorithm"), "check_advantage", None)

@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from unirl.models.kept import KeptGraphs
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment, TokenSegment
 
@@ -30,7 +31,7 @@ class DiffusionStage(Protocol):
         self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance_scale: float
     ) -> torch.Tensor: ...
 
-    def diffuse(self, req: RolloutReq, cond: dict) -> LatentSegment: ...
+    def diffuse(self, req: RolloutReq, cond: dict, *, kept: KeptGraphs | None = None) -> LatentSegment: ...
 
     def replay(
         self, segment: LatentSegment, cond: dict, steps: list[int]

@@ -7,6 +7,7 @@ from typing import Annotated
 import torch
 from annotated_types import Ge
 
+from unirl.models.kept import KeptGraphs
 from unirl.models.stage import DiffusionStage, TextStage
 from unirl.types.batch import concat
 from unirl.types.rollout_req import RolloutReq
@@ -25,6 +26,17 @@ class TrainsideEngine:
             randomness comes from its own seed.
         track_name: name of the produced track (default: "diffusion" for a
             diffusion stage, "text" for a text stage).
+        keep_graph: training rollouts (`generate(req, keep=True)`) run the SDE
+            steps with autograd on and keep the graphs of their log-probs and
+            means in `self.kept` (a `KeptGraphs`), so an on-policy loss
+            backpropagates through the sampling forward instead of replaying it
+            (diffusion stages; the module must have no active dropout, since
+            sampling runs in eval mode and training in train mode).
+        keep_graph_max_pairs: the most (sample, SDE step) pairs kept per
+            training step (None: all); steps past the budget sample without
+            autograd and are replayed. Memory grows with the pairs kept: per
+            pair, one sample's activations of the forward that needs gradients
+            (the cond half only, with guidance and `stage.detach_uncond`).
     """
 
     def __init__(
@@ -32,6 +44,8 @@ class TrainsideEngine:
         stage: DiffusionStage | TextStage,
         forward_batch_size: Annotated[int, Ge(1)] | None = None,  # Ge: checked before a stage exists
         track_name: str | None = None,
+        keep_graph: bool = False,
+        keep_graph_max_pairs: Annotated[int, Ge(1)] | None = None,  # Ge: checked before a stage exists
     ) -> None:
         if forward_batch_size is not None and forward_batch_size < 1:
             raise ValueError(f"rollout.forward_batch_size must be >= 1 or null, got {forward_batch_size}")
@@ -41,13 +55,19 @@ class TrainsideEngine:
         self.stage = stage
         self.forward_batch_size = forward_batch_size
         self.track_name = track_name or ("text" if self.text else "diffusion")
+        self.kept = KeptGraphs(keep_graph_max_pairs) if keep_graph else None
+        if keep_graph:
+            check_keep_graph(stage)
 
     def _chunks(self, n: int) -> list[list[int]]:
         size = self.forward_batch_size or n
         return [list(range(k, min(k + size, n))) for k in range(0, n, size)]
 
     @torch.no_grad()
-    def generate(self, req: RolloutReq) -> RolloutResp:
+    def generate(self, req: RolloutReq, keep: bool = False) -> RolloutResp:
+        """Sample `req`. With `keep` (a training rollout) and `keep_graph`, the SDE
+        steps' graphs are added to `self.kept` (within its budget); evaluation
+        leaves `keep` off."""
         was_training = self.stage.module.training
         self.stage.module.eval()
         try:
@@ -61,7 +81,11 @@ class TrainsideEngine:
                 chunks = self._chunks(len(req))
                 segment = concat(
                     [
-                        self.stage.diffuse(req.select(idx), {k: v[idx] for k, v in cond.items()})
+                        self.stage.diffuse(
+                            req.select(idx),
+                            {k: v[idx] for k, v in cond.items()},
+                            kept=self.kept if keep else None,
+                        )
                         for idx in chunks
                     ]
                 )
@@ -80,3 +104,25 @@ class TrainsideEngine:
             **extra,
         )
         return RolloutResp(tracks={self.track_name: track})
+
+
+def check_keep_graph(stage: DiffusionStage | TextStage) -> None:
+    """Raise ValueError naming the problem unless `stage` can keep sampling graphs: a
+    diffusion stage whose module has no dropout with p > 0 (sampling runs in eval mode,
+    the loss in train mode; without active dropout the two are the same function)."""
+    if isinstance(stage, TextStage) or not isinstance(stage, DiffusionStage):
+        raise ValueError(
+            f"rollout.keep_graph keeps SDE-step graphs of diffusion rollouts; {type(stage).__name__} is not a "
+            "diffusion stage: set rollout.keep_graph=false"
+        )
+    active = [
+        name
+        for name, m in stage.module.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
+    if active:
+        raise ValueError(
+            f"rollout.keep_graph: the module has active dropout ({active[:3]}{'...' if len(active) > 3 else ''}); "
+            "sampling runs in eval mode and the loss in train mode, so a kept graph would not be the "
+            "trained function: set train.lora.dropout=0 (and no dropout in the model) or rollout.keep_graph=false"
+        )

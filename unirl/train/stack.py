@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from unirl.algorithms.base import StageAlgorithm
+from unirl.models.kept import KeptGraphs
 from unirl.train.backend import TrainBackend
 from unirl.types.batch import even_chunks
 from unirl.types.rollout_resp import RolloutTrack
@@ -36,6 +37,44 @@ class TrainStackConfig:
             raise ValueError(
                 f"train.stack.num_updates_per_batch must be >= 1, got {self.num_updates_per_batch}"
             )
+
+
+def keep_graph_problems(
+    algorithm: StageAlgorithm, num_updates: int, world_size: int, full_finetune: bool
+) -> list[str]:
+    """Why graphs kept at sampling (`rollout.keep_graph`) cannot stand in for the replay
+    forward of this run; empty when they can. The kept graph is the sampling forward's,
+    so it must be the forward the loss would replay: the same weights (one update per
+    rollout, no EMA rollouts, no in-place weight swap before the backward) on one rank."""
+    name = type(algorithm).__name__
+    problems = []
+    if not algorithm.supports_kept_graph:
+        problems.append(
+            f"rollout.keep_graph: {name} cannot train from graphs kept at sampling; set rollout.keep_graph=false"
+        )
+    if num_updates > 1:
+        problems.append(
+            f"rollout.keep_graph: a kept graph is the sampling weights' forward, valid for the first update only, "
+            f"but train.stack.num_updates_per_batch={num_updates}; set it to 1 or rollout.keep_graph=false"
+        )
+    if algorithm.requires_ema_rollout:
+        problems.append(
+            f"rollout.keep_graph: {name} samples from the EMA weights, not the trained ones; "
+            "set rollout.keep_graph=false"
+        )
+    if world_size > 1:
+        problems.append(
+            f"rollout.keep_graph runs on one rank only (num_devices={world_size} shards the model with FSDP2, "
+            "whose backward would run after other forwards of the rollout); set num_devices=1 or "
+            "rollout.keep_graph=false"
+        )
+    if full_finetune and algorithm.needs_reference_policy:
+        problems.append(
+            "rollout.keep_graph: a full fine-tune (train.lora: null) evaluates its KL reference by copying the "
+            "reference weights into the live ones, which invalidates the kept graphs; use LoRA, a zero KL "
+            "coefficient, or rollout.keep_graph=false"
+        )
+    return problems
 
 
 def reduce_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -77,9 +116,12 @@ class TrainStack:
         self.algorithm = algorithm
         self.config = config
 
-    def prepare(self, track: RolloutTrack, progress: float) -> tuple[list[RolloutTrack], dict]:
+    def prepare(
+        self, track: RolloutTrack, progress: float, kept: KeptGraphs | None = None
+    ) -> tuple[list[RolloutTrack], dict]:
         """Split the shard into micro-batches with pi_old frozen on each (module in train
-        mode); returns them and the loss context every update passes to the algorithm."""
+        mode); returns them and the loss context every update passes to the algorithm
+        (with `kept`: `ctx["kept"]` and `ctx["deferred"]`, see `train_track`)."""
         cfg = self.config
         if len(track) % cfg.micro_batch_size:
             raise ValueError(
@@ -88,8 +130,13 @@ class TrainStack:
             )
         self.stage.module.train()
         micro = [track.select(idx) for idx in even_chunks(len(track), len(track) // cfg.micro_batch_size)]
-        micro = [self.algorithm.prepare_segment(self.stage, mb) for mb in micro]
+        if kept is None:
+            micro = [self.algorithm.prepare_segment(self.stage, mb) for mb in micro]
+        else:
+            micro = [self.algorithm.prepare_segment(self.stage, mb, kept=kept) for mb in micro]
         ctx = {"loss_scale": 1.0 / len(micro), "progress": progress, "reference": self.backend.reference}
+        if kept is not None:
+            ctx.update(kept=kept, deferred=[])
         if isinstance(track.segment, TokenSegment):
             ctx.update(self.batch_totals(track.segment))
         return micro, ctx
@@ -111,10 +158,30 @@ class TrainStack:
 
     def backward(self, micro: list[RolloutTrack], ctx: dict) -> list[dict[str, float]]:
         """Accumulate one update's gradients over all micro-batches; their metric rows."""
-        return [self.algorithm.compute_loss_and_backward(self.stage, mb, ctx) for mb in micro]
+        rows = [self.algorithm.compute_loss_and_backward(self.stage, mb, ctx) for mb in micro]
+        deferred = ctx.get("deferred")
+        if deferred:  # losses on kept graphs: one backward through the sampling forwards they share
+            torch.stack(deferred).sum().backward()
+            deferred.clear()
+        return rows
 
-    def train_track(self, track: RolloutTrack, progress: float) -> dict[str, float]:
-        micro, ctx = self.prepare(track, progress)
+    def train_track(
+        self, track: RolloutTrack, progress: float, kept: KeptGraphs | None = None
+    ) -> dict[str, float]:
+        """One rollout's updates. `kept`: graphs kept at sampling (`rollout.keep_graph`); an
+        algorithm with `supports_kept_graph` reads the pairs it covers from them instead of
+        replaying and adds those losses to `ctx["deferred"]`, backpropagated together after
+        every micro-batch (a graph spans the micro-batches its sampling forward held)."""
+        if kept is not None and len(kept):
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            problems = keep_graph_problems(
+                self.algorithm, self.config.num_updates_per_batch, world, self.backend.lora is None
+            )
+            if problems:
+                raise ValueError("; ".join(problems))
+        else:
+            kept = None
+        micro, ctx = self.prepare(track, progress, kept)
         rows, backend_rows = [], []
         self.backend.zero_grad()
         for update in range(self.config.num_updates_per_batch):

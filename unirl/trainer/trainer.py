@@ -77,6 +77,7 @@ class Trainer:
         self.advantage = build(cfg.advantage)
         self.algorithm = build(cfg.algorithm)  # the driver asks it only whether it filters groups
         self.num_steps = int(cfg.num_steps)
+        self.keep_graph = bool(cfg.rollout.get("keep_graph", False))
         ckpt = cfg.get("checkpoint") or {}
         self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
         self.tiny = not cfg.model.get("pretrained_path")
@@ -174,6 +175,14 @@ class Trainer:
             raise TrainingError(
                 f"run stopped at step {step + 1} during '{method}': {exc}. Last complete checkpoint: {last}"
             ) from exc
+
+    @staticmethod
+    def _release_kept(group, partition: str) -> None:
+        """Drop the workers' graphs kept for `partition` (`rollout.keep_graph`); a dead worker holds none."""
+        try:
+            group.release_kept(partition)
+        except WorkerError:
+            pass
 
     def _driver_phase(self, step: int, phase: str, fn, *args: Any) -> Any:
         """Run a driver-side phase; its error (a NaN reward naming the sample, a scorer's data
@@ -298,6 +307,7 @@ class Trainer:
             for step in bar:
                 t0 = time.perf_counter()
                 partition = f"step_{step}"
+                trained = False
                 try:
                     row: dict[str, Any] = {"step": step + 1}
                     meta, track, t1 = self._rollout_and_score(group, modality, step, partition, row)
@@ -308,11 +318,14 @@ class Trainer:
                     metrics = self._call(
                         group, "train", step, shard_meta, track.rewards, track.advantages, progress
                     )
+                    trained = True
                     row.update(reduce_metrics(metrics))
                     t3 = time.perf_counter()
                 finally:  # a failed step leaks nothing: its partition goes either way
                     self.transport.clear(partition)
                     meta = shard_meta = None
+                    if self.keep_graph and not trained:  # graphs kept by rollout for a train that never ran
+                        self._release_kept(group, partition)
                 stats = self._call(group, "dataplane_stats", step) + [self.transport.stats.drain()]
                 row.update(merge_stats(stats))
                 peaks = self._call(group, "peak_memory_mb", step)

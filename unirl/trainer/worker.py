@@ -32,7 +32,7 @@ from unirl.distributed.device import init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
-from unirl.train.stack import TrainStack
+from unirl.train.stack import TrainStack, keep_graph_problems
 from unirl.types.rollout_req import RolloutReq
 
 
@@ -107,6 +107,14 @@ class RLWorker(Worker):
         self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
         self.stack = TrainStack(self.stage, self.backend, self.algorithm, build(train["stack"]))
         self.engine = build(cfg["rollout"], stage=self.stage)
+        # rollout.keep_graph: the trained SDE steps' graphs, kept from `rollout` to `train` of one step
+        self.kept = getattr(self.engine, "kept", None)
+        if self.kept is not None:
+            updates = self.stack.config.num_updates_per_batch
+            full_finetune = train.get("lora") is None
+            problems = keep_graph_problems(self.algorithm, updates, rank_info.world_size, full_finetune)
+            if problems:
+                raise ValueError("; ".join(problems))
         self.transport = make_transport(cfg["transport"], device=self.device)
         self.transport.attach(transport_info or {})
 
@@ -124,13 +132,26 @@ class RLWorker(Worker):
     def rollout(self, req: RolloutReq, partition: str) -> BatchMeta:
         """Generate this rank's shard of the request (from EMA weights when the
         algorithm asks for it) and put the track into the transport under
-        `partition`; returns its meta (gathered in rank order by the driver)."""
+        `partition`; returns its meta (gathered in rank order by the driver).
+
+        With `rollout.keep_graph` the graphs of the trained SDE steps stay on this
+        worker for `train` of the same partition (graphs of another partition are
+        dropped first; several rollouts into one partition add up)."""
+        if self.kept is not None and self.kept.partition != partition:
+            self.kept.clear()
+            self.kept.partition = partition
         with contextlib.ExitStack() as stack:
             if self.offload_optimizer:
                 stack.enter_context(self.backend.optimizer_offloaded())
             if self.algorithm.requires_ema_rollout:
                 stack.enter_context(self.backend.ema_weights())
-            track = self.engine.generate(req).track(self.engine.track_name)
+            try:
+                resp = self.engine.generate(req, keep=True) if self.kept is not None else self.engine.generate(req)
+            except BaseException:
+                if self.kept is not None:
+                    self.kept.clear()
+                raise
+            track = resp.track(self.engine.track_name)
             if self.kl_in_reward:
                 self._attach_reference_log_probs(track)
         return put_batch(self.transport, partition, track)
@@ -156,12 +177,26 @@ class RLWorker(Worker):
         self, meta: BatchMeta, rewards: torch.Tensor, advantages: torch.Tensor, progress: float
     ) -> dict[str, float]:
         """Fetch this rank's shard of the track from the transport, attach the
-        driver's [b] rewards and advantages, and train; returns this rank's metrics."""
-        track = get_batch(self.transport, meta)
-        track.rewards, track.advantages = rewards.to(self.device), advantages.to(self.device)
-        metrics = self.stack.train_track(track, progress)
+        driver's [b] rewards and advantages, and train; returns this rank's metrics.
+        Graphs kept by `rollout` for this partition replace the replay of the steps they
+        cover; they are dropped when this returns or raises."""
+        try:
+            track = get_batch(self.transport, meta)
+            track.rewards, track.advantages = rewards.to(self.device), advantages.to(self.device)
+            kept = self.kept if self.kept is not None and self.kept.partition == meta.partition else None
+            metrics = self.stack.train_track(track, progress, kept=kept)
+        finally:
+            if self.kept is not None:
+                self.kept.clear()
         self.backend.end_of_rollout()
         return metrics
+
+    @dispatch(Dispatch.BROADCAST)
+    def release_kept(self, partition: str) -> None:
+        """Drop the graphs `rollout` kept for `partition` (the driver calls it when a step
+        fails before `train` consumed them); a no-op for any other partition."""
+        if self.kept is not None and self.kept.partition in (partition, None):
+            self.kept.clear()
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def save_checkpoint(self, path: str, base_model: str) -> None:

@@ -8,12 +8,14 @@ Shapes: B samples, latents [B, C, h, w], K SDE steps.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Annotated
 
 import torch
 from annotated_types import Ge
 
+from unirl.models.kept import KeptGraphs
 from unirl.models.sd3.bundle import SD3Bundle
 from unirl.sde.solvers import make_ode_solver
 from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
@@ -109,16 +111,31 @@ class SD3Stage:
 
     # ---- the denoiser -----------------------------------------------------------------------
     def velocity(
-        self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance_scale: float
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: dict,
+        guidance_scale: float,
+        separate_uncond: bool = False,
     ) -> torch.Tensor:
         """[B, C, h, w] guided velocity at per-row noise levels `sigma` [B].
 
         With guidance the cond and uncond halves run in one forward; the
         uncond half is detached when `detach_uncond` and grad is enabled.
+        `separate_uncond` runs the uncond half in a forward of its own, without
+        autograd when `detach_uncond` (a sampling step whose graph is kept then
+        keeps only the cond half's activations).
         """
         timestep = sigma.to(device=x.device, dtype=torch.float32) * 1000.0
         if guidance_scale <= 1.0:
             return self._forward(x, timestep, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+        if separate_uncond:
+            with torch.no_grad() if self.detach_uncond else contextlib.nullcontext():
+                v_uncond = self._forward(
+                    x, timestep, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"]
+                )
+            v_cond = self._forward(x, timestep, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+            return v_uncond + guidance_scale * (v_cond - v_uncond)
         out = self._forward(
             torch.cat([x, x]),
             torch.cat([timestep, timestep]),
@@ -146,7 +163,13 @@ class SD3Stage:
 
     # ---- rollout ----------------------------------------------------------------------------
     @torch.no_grad()
-    def diffuse(self, req: RolloutReq, cond: dict, traj_dtype: torch.dtype = torch.float32) -> LatentSegment:
+    def diffuse(
+        self,
+        req: RolloutReq,
+        cond: dict,
+        traj_dtype: torch.dtype = torch.float32,
+        kept: KeptGraphs | None = None,
+    ) -> LatentSegment:
         """Sample `len(req)` trajectories with the request's pinned sigmas.
 
         Noise comes from one generator per sample seeded by `req.seeds`, so a
@@ -158,6 +181,11 @@ class SD3Stage:
         with `sampling.noise_all_steps`, SDE steps without a log-prob). Noise
         is drawn on the CPU (so a seed gives the same sample on every device)
         and moved to the bundle's device, where everything is computed.
+
+        With `kept`, each SDE step runs with autograd on while `kept` has room for
+        the whole batch (the CFG halves in two forwards, `separate_uncond`) and
+        its log-prob and mean go into `kept` with their graphs, keyed by
+        `req.sample_ids`; the segment holds detached values either way.
         """
         sp = req.sampling
         device = self.bundle.device
@@ -183,18 +211,22 @@ class SD3Stage:
         for i in range(sp.num_steps):
             if i in positions:
                 stored[i] = x
-            v = self.velocity(x, sigmas[i].expand(len(req)), cond, sp.guidance_scale)
-            if i in noisy:
-                noise = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
-                out = strategy.step(x, v, sigmas, i, sde=True, noise=noise)
-                ode.observe(x, v, sigmas, i)
-                if i in sde:
-                    if out.log_prob is None:
-                        raise ValueError(strategy.noiseless_step_error(sigmas, i))
-                    log_probs.append(out.log_prob)
-                x = out.next_sample
-            else:
-                x = ode.step(x, v, sigmas, i)
+            keep = kept is not None and i in sde and kept.room(len(req))
+            with torch.enable_grad() if keep else contextlib.nullcontext():
+                v = self.velocity(x, sigmas[i].expand(len(req)), cond, sp.guidance_scale, separate_uncond=keep)
+                if i in noisy:
+                    noise = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
+                    out = strategy.step(x, v, sigmas, i, sde=True, noise=noise)
+                    ode.observe(x, v.detach(), sigmas, i)
+                    if i in sde:
+                        if out.log_prob is None:
+                            raise ValueError(strategy.noiseless_step_error(sigmas, i))
+                        if keep:
+                            kept.add(i, req.sample_ids, out.log_prob, out.mean, out.std_dev_t)
+                        log_probs.append(out.log_prob.detach())
+                    x = out.next_sample.detach()
+                else:
+                    x = ode.step(x, v, sigmas, i)
         stored[sp.num_steps] = x
         return LatentSegment(
             latents=torch.stack([stored[p] for p in positions], dim=1),
