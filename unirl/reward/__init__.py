@@ -10,6 +10,7 @@ from unirl.reward.local import (
     OverlongPenalty,
     TargetCharFraction,
 )
+from unirl.reward.remote import RemoteRewardBackend, RemoteRewardError
 from unirl.reward.service import RewardError, RewardService
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "JpegIncompressibility",
     "LocalRewardBackend",
     "OverlongPenalty",
+    "RemoteRewardBackend",
+    "RemoteRewardError",
     "RewardBackend",
     "RewardError",
     "RewardService",

@@ -1,0 +1,476 @@
+"""The remote reward service: serve any reward backend over HTTP (aiohttp), one command.
+
+    python -m unirl.reward.server --config <yaml> [--host 127.0.0.1] [--port 8765]
+        [--token-file FILE] [--max-batch 64] [--batch-window-ms 0] [--max-body-mb 64]
+
+`<yaml>` names the backend the way a recipe does: a whole recipe (its
+`reward.backend` is served), a `backend:` node, a backend node with a `_target_`
+(e.g. `unirl.reward.LocalRewardBackend`), or plain `components:` + `weights:` (a
+`LocalRewardBackend`). Endpoints (schema: `unirl.reward.wire`):
+
+- `POST /v1/score`: score one request; 200 with every component's [B] scores and
+  the weights. 400 malformed (the message names the sample and field), 401 bad or
+  missing bearer token, 413 body over `--max-body-mb`, 422 a scorer rejected the
+  data (its `ValueError`, e.g. a sample without the answer key), 500 a scorer
+  crashed. Every error is a JSON body with `error`; the server keeps serving.
+- `GET /v1/info`: `weights` (component name -> weight).
+- `GET /health` (no token): `status`, `schema`, and counters (`requests`,
+  `samples`, `scorer_calls`, `errors`).
+
+Security: the server binds loopback by default. With a token (`--token-file`, or
+the `UNIRL_REWARD_TOKEN` environment variable) every scoring request needs
+`Authorization: Bearer <token>`, compared in constant time; the token is never
+printed or logged. Binding a non-loopback address without a token is refused.
+No pickle: requests and answers are JSON.
+
+Batching: requests waiting while the scorer is busy (or that arrive within
+`--batch-window-ms` of the first) are scored in one scorer call, up to
+`--max-batch` samples, when they are of one kind (image size, metadata and
+response lengths present or not). This assumes what the scorer contract says, a
+score per sample that does not depend on the other samples of the call. A
+request larger than `--max-batch` is scored alone; `--max-batch 1` turns merging
+off. A failed merged call is retried request by request, so one bad request fails
+alone. Scorer calls run one at a time on a worker thread; the event loop keeps
+accepting and decoding requests meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiohttp import web
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from unirl.reward.base import LocalRewardBackend, RewardBackend
+from unirl.reward.wire import SCHEMA, WireError, decode_request, encode_response
+from unirl.types.reward import RewardRequest, RewardResponse
+
+log = logging.getLogger("unirl.reward.server")
+
+TOKEN_ENV = "UNIRL_REWARD_TOKEN"
+DEFAULT_PORT = 8765
+
+
+@dataclass
+class ServerConfig:
+    """How the server listens and batches.
+
+    Attributes:
+        host: address to bind; loopback unless a token is set.
+        port: TCP port; 0 picks a free one (the bound URL is `RewardServer.url`).
+        max_batch: most samples one scorer call gets when requests are merged (>= 1).
+        batch_window_ms: how long the first waiting request waits for others to join
+            (0: no waiting, merge only what queued while the scorer was busy).
+        max_body_mb: largest request body; a larger one gets 413.
+        max_image_pixels: largest H x W of one image (checked before decoding a PNG).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_batch: int = 64
+    batch_window_ms: float = 0.0
+    max_body_mb: float = 64.0
+    max_image_pixels: int = 4096 * 4096
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.batch_window_ms < 0:
+            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.max_body_mb <= 0:
+            raise ValueError(f"max_body_mb must be > 0, got {self.max_body_mb}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(token_file: str | None, env: str = TOKEN_ENV) -> str | None:
+    """The server's token: the stripped contents of `token_file`, else `$env`, else None (no auth)."""
+    if token_file is not None:
+        with open(token_file) as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"token file {token_file!r} is empty; write the token into it")
+        return token
+    return os.environ.get(env) or None
+
+
+def load_backend(path: str) -> RewardBackend:
+    """Build the backend a YAML names: a recipe's `reward.backend`, a `backend:` node, a `_target_`
+    node, or plain `components` + `weights` (a `LocalRewardBackend`)."""
+    try:
+        node: Any = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 - a missing file or bad YAML, reported with the path
+        raise ValueError(f"{path}: cannot be read as YAML ({type(e).__name__}: {e})") from None
+    for key in ("reward", "backend"):  # a recipe -> its reward -> the reward's backend
+        if isinstance(node, DictConfig) and key in node:
+            node = node[key]
+    if not isinstance(node, DictConfig) or ("_target_" not in node and "components" not in node):
+        raise ValueError(
+            f"{path}: names no reward backend; give a recipe (reward.backend), a backend node with a "
+            "_target_, or components: + weights:"
+        )
+    try:
+        if "_target_" in node:
+            backend = instantiate(node, _convert_="all")
+        else:
+            plain = OmegaConf.to_container(node, resolve=True)
+            backend = LocalRewardBackend(
+                instantiate(plain["components"], _convert_="all"), plain.get("weights")
+            )
+    except Exception as e:  # noqa: BLE001 - Hydra wraps the scorer's own error; name the file
+        cause = e.__cause__ or e
+        raise ValueError(
+            f"{path}: the reward backend cannot be built ({type(cause).__name__}: {cause})"
+        ) from None
+    if not isinstance(backend, RewardBackend):
+        raise ValueError(f"{path}: builds a {type(backend).__name__}, not a RewardBackend (score + weights)")
+    return backend
+
+
+# ---- batching -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    req: RewardRequest
+    future: asyncio.Future
+    key: tuple = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = None if self.req.images is None else tuple(self.req.images.shape[1:])
+        self.key = (shape, bool(self.req.metadata), self.req.response_lengths is not None)
+
+
+def _merge(reqs: list[RewardRequest]) -> RewardRequest:
+    """One request holding every sample of `reqs` (one kind), in order."""
+    first = reqs[0]
+    return RewardRequest(
+        sample_ids=[s for r in reqs for s in r.sample_ids],
+        prompts=[p for r in reqs for p in r.prompts],
+        metadata=[m for r in reqs for m in r.metadata],
+        images=None if first.images is None else torch.cat([r.images for r in reqs]),
+        texts=None if first.texts is None else [t for r in reqs for t in r.texts],
+        response_lengths=None
+        if first.response_lengths is None
+        else [n for r in reqs for n in r.response_lengths],
+    )
+
+
+class Batcher:
+    """Merges concurrent requests into scorer calls (see the module docstring) on one worker thread."""
+
+    def __init__(self, backend: RewardBackend, max_batch: int, window_s: float) -> None:
+        self.backend, self.max_batch, self.window_s = backend, max_batch, window_s
+        self.pending: list[_Job] = []
+        self.scorer_calls = 0
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scorer")
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    async def score(self, req: RewardRequest) -> RewardResponse:
+        """The backend's response for `req` alone (scored together with others that fit)."""
+        job = _Job(req, asyncio.get_running_loop().create_future())
+        self.pending.append(job)
+        self._wake.set()
+        return await job.future
+
+    def _take(self) -> list[_Job]:
+        first = self.pending[0]
+        batch, size = [first], len(first.req)
+        for job in self.pending[1:]:
+            if job.key == first.key and size + len(job.req) <= self.max_batch:
+                batch.append(job)
+                size += len(job.req)
+        self.pending = [j for j in self.pending if all(j is not b for b in batch)]
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            if not self.pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self.window_s > 0:
+                await asyncio.sleep(self.window_s)
+            await self._score(self._take())
+
+    async def _call(self, req: RewardRequest) -> RewardResponse:
+        self.scorer_calls += 1
+        resp = await asyncio.get_running_loop().run_in_executor(self._executor, self.backend.score, req)
+        for name, scores in resp.components.items():
+            if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (len(req),):
+                got = list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+                raise RuntimeError(f"backend returned component {name!r} as {got}, not [B={len(req)}]")
+        return resp
+
+    async def _score(self, batch: list[_Job]) -> None:
+        jobs = [j for j in batch if not j.future.done()]  # a client that went away needs no answer
+        if not jobs:
+            return
+        if len(jobs) > 1:
+            try:
+                resp = await self._call(_merge([j.req for j in jobs]))
+            except Exception:  # noqa: BLE001 - score request by request so only the bad one fails
+                pass
+            else:
+                start = 0
+                for job in jobs:
+                    end = start + len(job.req)
+                    part = RewardResponse({n: s[start:end].clone() for n, s in resp.components.items()})
+                    if not job.future.done():
+                        job.future.set_result(part)
+                    start = end
+                return
+        for job in jobs:
+            try:
+                resp = await self._call(job.req)
+            except Exception as e:  # noqa: BLE001 - the handler turns it into a 422 / 500 answer
+                if not job.future.done():
+                    job.future.set_exception(e)
+            else:
+                if not job.future.done():
+                    job.future.set_result(resp)
+
+
+# ---- the application ------------------------------------------------------------------------
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"schema": SCHEMA, "error": message, **extra}, status=status)
+
+
+def build_app(backend: RewardBackend, token: str | None, config: ServerConfig) -> web.Application:
+    """The aiohttp application serving `backend` (routes and statuses: the module docstring)."""
+    expected = None if token is None else f"Bearer {token}".encode()
+    counters = {"requests": 0, "samples": 0, "errors": 0}
+    weights = backend.weights
+    batcher_key = web.AppKey("batcher", Batcher)
+
+    @web.middleware
+    async def authorize(request: web.Request, handler):
+        if expected is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, expected):
+                counters["errors"] += 1
+                what = "no" if not given else "a wrong"
+                return _error(
+                    401,
+                    f"{what} bearer token: send 'Authorization: Bearer <token>' with the server's token "
+                    f"(--token-file or {TOKEN_ENV})",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await handler(request)
+
+    async def score(request: web.Request) -> web.Response:
+        counters["requests"] += 1
+        too_large = (
+            f"request body over the server's limit of {config.max_body_bytes} bytes (--max-body-mb "
+            f"{config.max_body_mb:g}); send fewer samples per request or PNG images"
+        )
+        if request.content_length is not None and request.content_length > config.max_body_bytes:
+            counters["errors"] += 1
+            return _error(413, f"{request.content_length} bytes: {too_large}")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            counters["errors"] += 1
+            return _error(413, too_large)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            counters["errors"] += 1
+            return _error(400, f"body: not JSON ({e})", field="body")
+        try:
+            req = decode_request(body, config.max_image_pixels)
+        except WireError as e:
+            counters["errors"] += 1
+            return web.json_response(e.to_json(), status=400)
+        try:
+            resp = await request.app[batcher_key].score(req)
+        except ValueError as e:  # a scorer's data error: the request is at fault, retrying cannot help
+            counters["errors"] += 1
+            return _error(422, f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - answer, log and keep serving
+            counters["errors"] += 1
+            log.exception("scoring %d sample(s) failed", len(req))
+            return _error(500, f"the scorer crashed: {type(e).__name__}: {e}")
+        counters["samples"] += len(req)
+        return web.json_response(encode_response(resp, weights))
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"schema": SCHEMA, "weights": {n: float(w) for n, w in weights.items()}})
+
+    async def health(request: web.Request) -> web.Response:
+        calls = request.app[batcher_key].scorer_calls
+        return web.json_response({"status": "ok", "schema": SCHEMA, **counters, "scorer_calls": calls})
+
+    async def start_batcher(app: web.Application) -> None:
+        app[batcher_key] = Batcher(backend, config.max_batch, config.batch_window_ms / 1000.0)
+        app[batcher_key].start()
+
+    async def stop_batcher(app: web.Application) -> None:
+        await app[batcher_key].stop()
+
+    app = web.Application(middlewares=[authorize], client_max_size=config.max_body_bytes)
+    app.router.add_post("/v1/score", score)
+    app.router.add_get("/v1/info", info)
+    app.router.add_get("/health", health)
+    app.on_startup.append(start_batcher)
+    app.on_cleanup.append(stop_batcher)
+    return app
+
+
+def _check_bind(host: str, token: str | None) -> None:
+    if token is None and not is_loopback(host):
+        raise ValueError(
+            f"binding {host} without a token would let anyone who reaches it use the reward server; "
+            f"pass --token-file FILE or set {TOKEN_ENV}, or bind 127.0.0.1"
+        )
+
+
+async def _start(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0]
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    return runner, f"http://{shown}:{bound[1]}"
+
+
+class RewardServer:
+    """The service on a background thread with its own event loop (tests, benchmarks, notebooks).
+
+    `start()` returns the bound URL (`config.port=0` picks a free port); `stop()`
+    (or leaving the `with` block) shuts it down. `python -m unirl.reward.server`
+    runs the same application in the foreground.
+    """
+
+    def __init__(self, backend: RewardBackend, token: str | None = None, config: ServerConfig | None = None):
+        self.config = config or ServerConfig(port=0)
+        _check_bind(self.config.host, token)
+        self.app = build_app(backend, token, self.config)
+        self.url: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="reward-server", daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def start(self) -> str:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(
+            _start(self.app, self.config.host, self.config.port), self._loop
+        )
+        self._runner, self.url = future.result(timeout=30)
+        return self.url
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
+            self._runner = None
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._loop.close()
+
+    def __enter__(self) -> RewardServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def _serve_forever(app: web.Application, host: str, port: int, describe: str) -> None:
+    runner, url = await _start(app, host, port)
+    print(f"unirl reward server: {describe} on {url}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m unirl.reward.server", description=__doc__.split("\n")[0])
+    defaults = ServerConfig()
+    parser.add_argument("--config", required=True, help="YAML naming the reward backend (a recipe works)")
+    parser.add_argument("--host", default=defaults.host, help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=defaults.port, help="TCP port; 0 picks a free one")
+    parser.add_argument(
+        "--token-file", default=None, help=f"file holding the bearer token (else ${TOKEN_ENV})"
+    )
+    parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="samples per merged call")
+    parser.add_argument("--batch-window-ms", type=float, default=defaults.batch_window_ms)
+    parser.add_argument("--max-body-mb", type=float, default=defaults.max_body_mb)
+    parser.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            max_batch=args.max_batch,
+            batch_window_ms=args.batch_window_ms,
+            max_body_mb=args.max_body_mb,
+            max_image_pixels=args.max_image_pixels,
+        )
+        token = read_token(args.token_file)
+        _check_bind(config.host, token)
+        backend = load_backend(args.config)
+    except (OSError, ValueError) as e:
+        print(f"unirl reward server: {e}", file=sys.stderr)
+        return 2
+    auth = f"bearer token from {args.token_file or TOKEN_ENV}" if token else "no token (loopback only)"
+    describe = f"serving {sorted(backend.weights)} ({auth}, max batch {config.max_batch})"
+    app = build_app(backend, token, config)
+    started = time.perf_counter()
+    try:
+        asyncio.run(_serve_forever(app, config.host, config.port, describe))
+    except KeyboardInterrupt:
+        print(f"unirl reward server: stopped after {time.perf_counter() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
