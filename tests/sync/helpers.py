@@ -121,17 +121,17 @@ class SyncActor:
         plan: SyncPlan,
         num_receivers: int = 1,
         source: bool = True,
-        corrupt: int | None = None,
+        corrupt: tuple[int, int] | None = None,
     ) -> Any:
-        """Become a sender; returns its endpoint. `corrupt`: flip one byte of that bucket after its
-        checksum was written (a broadcast sender only), to test the receiver's check."""
+        """Become a sender; returns its endpoint. `corrupt` = (version, bucket): flip one byte of that
+        bucket of that version after its checksum was written, to test the receiver's check."""
         wcfg = WeightSyncConfig(**cfg)
         self.sender = make_sender(wcfg, plan, num_receivers=num_receivers, source=source)
         if corrupt is not None:
             put = self.sender._put
 
             def corrupted(ticket: Any, index: int, frame: torch.Tensor) -> Any:
-                if index == corrupt:
+                if (ticket.version, index) == corrupt:
                     frame[0] ^= 1
                 return put(ticket, index, frame)
 
@@ -140,7 +140,7 @@ class SyncActor:
 
     def make_receiver(self, cfg: dict, plan: SyncPlan, endpoint: Any, index: int = 0) -> None:
         self.receiver = make_receiver(WeightSyncConfig(**cfg), plan, endpoint, index)
-        self.into = bind(self.module, plan)
+        self.into = bind(self.module, plan) if self.module is not None else None
 
     def connect(self) -> None:
         (self.sender or self.receiver).connect()
