@@ -147,5 +147,5 @@ def test_a_reward_server_that_stops_answering_stops_the_run_with_a_clear_error(t
         listener.close()
     msg = str(info.value)
     assert "run stopped at step 1 during 'reward' (nothing of this step was trained)" in msg
-    assert f"{url}/v1/score gave no answer after 2 attempt(s)" in msg and "timeout_s=0.5" in msg
+    assert f"{url}/v1/info gave no answer after 2 attempt(s)" in msg and "timeout_s=0.5" in msg
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()

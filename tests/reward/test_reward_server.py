@@ -328,6 +328,31 @@ MALFORMED = {
 }
 
 
+def test_a_body_over_the_servers_limit_fails_in_the_client_naming_the_limit(image_server, token_env):
+    client = RemoteRewardBackend(image_server.url, token_env=token_env, image_encoding="raw")
+    with pytest.raises(
+        RemoteRewardError, match=r"takes request bodies up to 262144 bytes .* this one is \d+ \(scoring 64"
+    ):
+        client.score(image_request(n=64, size=32))
+    assert client.score(image_request(n=2, size=32)).components["red"].shape == (2,)
+
+
+def test_connections_are_kept_alive_and_a_restarted_server_is_reconnected(token_env):
+    """One TCP connection serves a thread's requests; when the server restarts on the same port,
+    the stale connection is replaced without spending a retry (max_retries=0)."""
+    req = image_request(n=2)
+    with RewardServer(image_backend(), TOKEN) as first:
+        port = urlsplit(first.url).port
+        client = RemoteRewardBackend(first.url, token_env=token_env, max_retries=0)
+        client.score(req)
+        conn = client._local.conn
+        client.score(req)
+        assert client._local.conn is conn and conn.sock is not None
+    with RewardServer(image_backend(), TOKEN, ServerConfig(port=port)):
+        got = client.score(req).components["red"]
+    assert torch.equal(got, ColorTarget([1.0, 0.0, 0.0])(req))
+
+
 @pytest.mark.parametrize("how", sorted(MALFORMED))
 def test_malformed_sample_is_400_naming_the_sample_and_field(image_server, how):
     status, answer = post(image_server.url, json.dumps(_mutate(good_body(), how)).encode())
@@ -381,6 +406,14 @@ class CountingHandler(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers["Content-Length"]))
         body = json.dumps({"schema": SCHEMA, "error": f"status {self.server.status}"}).encode()
         self.send_response(self.server.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802 - /v1/info, as a reward server answers it
+        body = json.dumps({"schema": SCHEMA, "weights": {"red": 1.0}, "max_body_bytes": 2**20}).encode()
+        self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -468,9 +501,35 @@ def test_a_server_that_never_answers_fails_within_the_timeout_and_retries():
     assert 2 * 0.5 + 0.2 <= elapsed < 2 * 0.5 + 0.2 + 3.0, elapsed
     msg = str(info.value)
     assert (
-        f"{url}/v1/score gave no answer after 2 attempt(s)" in msg and "no answer within timeout_s=0.5" in msg
+        f"{url}/v1/info gave no answer after 2 attempt(s)" in msg and "no answer within timeout_s=0.5" in msg
     )
     assert len(held) == 2
+
+
+def test_a_hung_scorer_fails_the_score_within_the_timeout_and_the_server_recovers(token_env):
+    """A reward server whose scorer hangs (info answers, scoring never does): the score call raises
+    after its attempts; once the scorer is released the server answers again."""
+    release, calls = threading.Event(), []
+
+    def hung(req):
+        calls.append(len(req))
+        release.wait(timeout=60)
+        return torch.zeros(len(req))
+
+    with RewardServer(LocalRewardBackend({"hung": hung}), TOKEN) as server:
+        client = RemoteRewardBackend(
+            server.url, token_env=token_env, timeout_s=0.5, max_retries=1, backoff_s=0.1
+        )
+        started = time.perf_counter()
+        with pytest.raises(RemoteRewardError) as info:
+            client.score(image_request(n=3))
+        elapsed = time.perf_counter() - started
+        release.set()
+        assert client.score(image_request(n=2)).components["hung"].tolist() == [0.0, 0.0]
+    assert 2 * 0.5 + 0.1 <= elapsed < 2 * 0.5 + 0.1 + 3.0, elapsed
+    msg = str(info.value)
+    assert f"{server.url}/v1/score gave no answer after 2 attempt(s)" in msg and "timeout_s=0.5" in msg
+    assert "(scoring 3 sample(s): 's0', 's1', 's2')" in msg
 
 
 def test_no_server_at_all_names_the_url():

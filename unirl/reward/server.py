@@ -13,7 +13,7 @@
   missing bearer token, 413 body over `--max-body-mb`, 422 a scorer rejected the
   data (its `ValueError`, e.g. a sample without the answer key), 500 a scorer
   crashed. Every error is a JSON body with `error`; the server keeps serving.
-- `GET /v1/info`: `weights` (component name -> weight).
+- `GET /v1/info`: `weights` (component name -> weight) and `max_body_bytes`.
 - `GET /health` (no token): `status`, `schema`, and counters (`requests`,
   `samples`, `scorer_calls`, `errors`).
 
@@ -215,7 +215,13 @@ def build_app(backend: RewardBackend, token: str | None, config: ServerConfig) -
         return web.json_response(encode_response(resp, weights))
 
     async def info(request: web.Request) -> web.Response:
-        return web.json_response({"schema": SCHEMA, "weights": {n: float(w) for n, w in weights.items()}})
+        return web.json_response(
+            {
+                "schema": SCHEMA,
+                "weights": {n: float(w) for n, w in weights.items()},
+                "max_body_bytes": config.max_body_bytes,
+            }
+        )
 
     async def health(request: web.Request) -> web.Response:
         calls = request.app[batcher_key].scorer_calls
