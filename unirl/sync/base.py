@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from unirl.sync.frames import pack, tensor_checksum, unpack
+from unirl.sync.frames import frame_capacity, pack, tensor_checksum, unpack
 from unirl.sync.plan import SyncPlan, WeightSyncError, select
 
 
@@ -72,6 +72,9 @@ class WeightSyncSender(ABC):
 
     backend: ClassVar[str] = ""
     in_band: ClassVar[bool] = False
+    # frames are views of one staging buffer kept between syncs, safe when `_put` is done with a
+    # frame when it returns (a copy or a blocking send); False: a fresh frame per bucket
+    reuse_frames: ClassVar[bool] = True
 
     def __init__(
         self, plan: SyncPlan, *, verify: bool = False, device: torch.device | str = "cpu", source: bool = True
@@ -81,6 +84,7 @@ class WeightSyncSender(ABC):
         self.device = torch.device(device)
         self.source = source
         self.stats: dict[str, float] = {}
+        self._staging: torch.Tensor | None = None
 
     def endpoint(self) -> dict[str, Any] | None:
         """What receivers need to reach this sender (a small dict), or None."""
@@ -92,7 +96,7 @@ class WeightSyncSender(ABC):
 
     def close(self) -> None:
         """Release the transport and anything held for receivers."""
-        return None
+        self._staging = None
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncTicket | None:
         """Send the plan's tensors out of `named_tensors` (e.g. `module.named_parameters()`:
@@ -129,7 +133,10 @@ class WeightSyncSender(ABC):
 
         ticket = SyncTicket(version, self.plan.digest)
         self._begin(ticket)
-        for index, frame in enumerate(pack(self.plan, fetch, self.device)):
+        if self.reuse_frames and self._staging is None:  # kept between syncs: no fresh pages per sync
+            self._staging = torch.empty(frame_capacity(self.plan), dtype=torch.uint8, device=self.device)
+        staging = self._staging if self.reuse_frames else None
+        for index, frame in enumerate(pack(self.plan, fetch, self.device, staging)):
             ticket.frames.append(self._put(ticket, index, frame))
         if self.verify:
             ticket.tensor_checksums = torch.stack(sums)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from unirl.distributed.device import process_group_backend
 from unirl.sync.base import SyncTicket, WeightSyncReceiver, WeightSyncSender
-from unirl.sync.frames import TRAILER
+from unirl.sync.frames import TRAILER, frame_capacity
 from unirl.sync.plan import SyncPlan, WeightSyncError
 
 MAGIC = 0x57_53_59_4E_43  # marks a header: a receiver out of step with its sender fails at once
@@ -145,6 +145,7 @@ class BroadcastSender(WeightSyncSender):
 
     def close(self) -> None:
         self.group.close()
+        super().close()
 
     def _begin(self, ticket: SyncTicket) -> None:
         header = torch.tensor(
@@ -186,6 +187,7 @@ class BroadcastReceiver(WeightSyncReceiver):
                 f"receiver index {index} outside the group's {endpoint['world_size'] - 1} receivers"
             )
         self.group = _Group(self.device, timeout_s)
+        self._staging: torch.Tensor | None = None
 
     def connect(self) -> None:
         ep = self.endpoint
@@ -201,6 +203,7 @@ class BroadcastReceiver(WeightSyncReceiver):
 
     def close(self) -> None:
         self.group.close()
+        self._staging = None
 
     def _begin(self, ticket: SyncTicket | None) -> SyncTicket:
         header = torch.empty(4, dtype=torch.int64, device=self.device)
@@ -211,7 +214,9 @@ class BroadcastReceiver(WeightSyncReceiver):
         return SyncTicket(version, digest, tensor_checksums=torch.empty(0) if verify else None)
 
     def _get(self, ticket: SyncTicket, index: int) -> torch.Tensor:
-        frame = torch.empty(self.plan.bucket_sizes[index] + TRAILER, dtype=torch.uint8, device=self.device)
+        if self._staging is None:  # one receive buffer, kept between syncs (each frame is unpacked first)
+            self._staging = torch.empty(frame_capacity(self.plan), dtype=torch.uint8, device=self.device)
+        frame = self._staging[: self.plan.bucket_sizes[index] + TRAILER]
         self.group.broadcast(frame, f"bucket {index} of version {ticket.version}")
         return frame
 

@@ -48,6 +48,7 @@ class CudaIPCSender(WeightSyncSender):
     """Packs buckets on the trainer's GPU; the ticket's `frames` are (IPC handle, GPU UUID) pairs."""
 
     backend = "cuda_ipc"
+    reuse_frames = False  # receivers read the frames after send returns
 
     def __init__(self, plan: SyncPlan, **kwargs: Any) -> None:
         super().__init__(plan, **kwargs)

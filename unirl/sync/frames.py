@@ -63,19 +63,28 @@ def tensor_checksum(tensor: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
 
 
 def pack(
-    plan: SyncPlan, fetch: Callable[[int], torch.Tensor], device: torch.device
+    plan: SyncPlan,
+    fetch: Callable[[int], torch.Tensor],
+    device: torch.device,
+    staging: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the plan's frames, one at a time, allocated on `device`.
+    """Yield the plan's frames, one at a time, on `device`.
 
     `fetch(i)` returns tensor i of the plan (any device, any layout); it is
     called once per tensor, in plan order, and the tensor is dropped after its
     last piece is packed: peak memory is one frame plus one fetched tensor.
     Floating tensors are cast to the wire dtype while being copied in.
+    `staging`: a uint8 buffer of at least `frame_capacity(plan)` bytes that
+    every frame is a view of (the consumer must be done with a frame before
+    asking for the next); None: a fresh allocation per frame.
     """
     current, flat = -1, torch.empty(0)
     for index, pieces in enumerate(plan.buckets):
         size = plan.bucket_sizes[index]
-        frame = torch.empty(size + TRAILER, dtype=torch.uint8, device=device)
+        if staging is None:
+            frame = torch.empty(size + TRAILER, dtype=torch.uint8, device=device)
+        else:
+            frame = staging[: size + TRAILER]
         cursor = 0
         for piece in pieces:
             if piece.tensor != current:
@@ -89,6 +98,11 @@ def pack(
         frame[cursor:size].zero_()
         frame[size:].view(torch.int64).copy_(checksum(frame[:size]))
         yield frame
+
+
+def frame_capacity(plan: SyncPlan) -> int:
+    """Bytes of the largest frame of `plan` (payload and trailer)."""
+    return max(plan.bucket_sizes) + TRAILER
 
 
 def unpack(
