@@ -216,7 +216,7 @@ def main() -> None:
     }
 
     def emit(row: dict) -> None:
-        line = json.dumps({**meta, **row})
+        line = json.dumps({**meta, **row, "load_1min": round(os.getloadavg()[0], 2)})
         print(line, flush=True)
         out.write(line + "\n")
         out.flush()
