@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from unirl.sde.schedules import sigmas_for
+from unirl.trainer.evaluation import EvalSampling, eval_request
 from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
 
@@ -127,3 +128,19 @@ def test_possible_sde_steps() -> None:
 def test_bad_inputs_name_the_key(kw: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         sliding(**kw)
+
+
+def test_evaluation_samples_with_euler_whatever_the_training_layout() -> None:
+    """Every recipe evaluates with Euler ODE steps: no SDE step, no second-order solver, no
+    noise; a training window that does not fit the evaluation's steps is not an error."""
+    train = sliding(ode_solver="dpmpp_2m", same_initial_noise=True)
+    req = eval_request([PromptExample("a red square", "0")], train, EvalSampling(num_steps=3), 64)
+    sp = req.sampling
+    assert req.sde_indices == [] and sp.eta == 0.0 and sp.num_steps == 3
+    assert sp.ode_solver == "euler" and not sp.noise_all_steps and not sp.same_initial_noise
+    dance = DiffusionSamplingParams(
+        num_steps=10, sde_scheduler="random", sde_num_steps=5, sde_window=(0.0, 0.9), noise_all_steps=True
+    )
+    assert not eval_request(
+        [PromptExample("a red square", "0")], dance, EvalSampling(), 64
+    ).sampling.noise_all_steps
