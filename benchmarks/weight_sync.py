@@ -164,6 +164,7 @@ def recipe_step_s(steps: int) -> float:
             )
         validate_rl_config(cfg)
         rows = Trainer(cfg).run()
+    ray.shutdown()  # the trainer joined the private instance RAY_ADDRESS names and leaves it up
     return statistics.median(r["time/step_s"] for r in rows[1:])
 
 
