@@ -141,7 +141,6 @@ def test_a_step_that_fails_before_train_releases_its_graphs(tmp_path, monkeypatc
     "overrides, message",
     [
         (["train.stack.num_updates_per_batch=2"], "train.stack.num_updates_per_batch=2"),
-        (["num_devices=2", "launcher=ray", "transport=ray"], "num_devices=2 shards the model with FSDP2"),
         (["++train.lora.dropout=0.1"], "train.lora.dropout=0.1"),
         (["train.lora=null", "algorithm.config.beta=0.1"], "train.lora: null"),
         (["rollout.keep_graph=false", "++rollout.keep_graph_max_pairs=4"], "has no effect"),
@@ -151,6 +150,10 @@ def test_validation_refuses_what_cannot_keep_graphs(tmp_path, overrides, message
     cfg = recipe(tmp_path, "num_steps=1", *KEEP, *overrides)
     with pytest.raises(ConfigError, match=message):
         validate_rl_config(cfg, expect="diffusion")
+
+
+def test_validation_accepts_keep_graph_on_several_ranks(tmp_path):
+    validate_rl_config(recipe(tmp_path, *KEEP, "num_devices=2", "launcher=ray", "transport=ray"))
 
 
 def test_validation_refuses_keep_graph_on_text_and_nft(tmp_path):

@@ -275,10 +275,10 @@ def _check_keep_graph(cfg: DictConfig, passed: dict[str, Any], modality: str | N
             "set rollout.keep_graph=false"
         )
         return
-    run, stack, algorithm, lora = (passed.get(k) for k in ("", "train.stack", "algorithm", "train.lora"))
-    if run is not None and stack is not None and algorithm is not None and "train" in passed:
+    stack, algorithm, lora = (passed.get(k) for k in ("train.stack", "algorithm", "train.lora"))
+    if stack is not None and algorithm is not None and "train" in passed:
         full_finetune = cfg.train.get("lora") is None
-        problems.extend(keep_graph_problems(algorithm, stack.num_updates_per_batch, run.num_devices, full_finetune))
+        problems.extend(keep_graph_problems(algorithm, stack.num_updates_per_batch, full_finetune))
     if lora is not None and lora.dropout > 0:
         problems.append(
             f"rollout.keep_graph: train.lora.dropout={lora.dropout} differs between sampling (eval mode) and "

@@ -95,6 +95,13 @@ class KeptGraphs:
         """Whether every (sample, step) pair is kept."""
         return all((s, i) in self._where for i in steps for s in sample_ids)
 
+    def layout(self, sample_ids: list[str], steps: list[int]) -> int:
+        """A hash of where each (sample, step) pair sits in the store (or that it is missing),
+        in order. Two ranks with equal layouts find graphs in the same places for the same
+        lookups, so their backward passes run the same collectives."""
+        missing = (-1, -1)
+        return hash(tuple(self._where.get((s, i), missing) for s in sample_ids for i in steps)) % 2**62
+
     def lookup(
         self, sample_ids: list[str], steps: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

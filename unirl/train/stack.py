@@ -39,13 +39,11 @@ class TrainStackConfig:
             )
 
 
-def keep_graph_problems(
-    algorithm: StageAlgorithm, num_updates: int, world_size: int, full_finetune: bool
-) -> list[str]:
+def keep_graph_problems(algorithm: StageAlgorithm, num_updates: int, full_finetune: bool) -> list[str]:
     """Why graphs kept at sampling (`rollout.keep_graph`) cannot stand in for the replay
     forward of this run; empty when they can. The kept graph is the sampling forward's,
     so it must be the forward the loss would replay: the same weights (one update per
-    rollout, no EMA rollouts, no in-place weight swap before the backward) on one rank."""
+    rollout, no EMA rollouts, no in-place weight swap before the backward)."""
     name = type(algorithm).__name__
     problems = []
     if not algorithm.supports_kept_graph:
@@ -62,12 +60,6 @@ def keep_graph_problems(
             f"rollout.keep_graph: {name} samples from the EMA weights, not the trained ones; "
             "set rollout.keep_graph=false"
         )
-    if world_size > 1:
-        problems.append(
-            f"rollout.keep_graph runs on one rank only (num_devices={world_size} shards the model with FSDP2, "
-            "whose backward would run after other forwards of the rollout); set num_devices=1 or "
-            "rollout.keep_graph=false"
-        )
     if full_finetune and algorithm.needs_reference_policy:
         problems.append(
             "rollout.keep_graph: a full fine-tune (train.lora: null) evaluates its KL reference by copying the "
@@ -75,6 +67,13 @@ def keep_graph_problems(
             "coefficient, or rollout.keep_graph=false"
         )
     return problems
+
+
+def same_on_every_rank(value: int, device: torch.device) -> bool:
+    """Whether every data-parallel rank passed this `value` (collective: all ranks call it)."""
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return int(both[0]) == value and int(both[1]) == -value
 
 
 def reduce_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -171,16 +170,25 @@ class TrainStack:
         """One rollout's updates. `kept`: graphs kept at sampling (`rollout.keep_graph`); an
         algorithm with `supports_kept_graph` reads the pairs it covers from them instead of
         replaying and adds those losses to `ctx["deferred"]`, backpropagated together after
-        every micro-batch (a graph spans the micro-batches its sampling forward held)."""
+        every micro-batch (a graph spans the micro-batches its sampling forward held).
+
+        With several ranks (FSDP2) the kept graphs are used only when every rank kept its
+        pairs in the same layout (`KeptGraphs.layout`, one all-reduce), so every rank runs
+        the same collectives; otherwise every rank replays (`keep_graph/kept_fraction` 0)."""
+        offered = kept is not None
         if kept is not None and len(kept):
-            world = dist.get_world_size() if dist.is_initialized() else 1
             problems = keep_graph_problems(
-                self.algorithm, self.config.num_updates_per_batch, world, self.backend.lora is None
+                self.algorithm, self.config.num_updates_per_batch, self.backend.lora is None
             )
             if problems:
                 raise ValueError("; ".join(problems))
         else:
             kept = None
+        if offered and dist.is_initialized() and dist.get_world_size() > 1:
+            layout = kept.layout(track.sample_ids, track.segment.sde_indices) if kept is not None else -1
+            device = next(self.stage.module.parameters()).device
+            if not same_on_every_rank(layout, device):
+                kept = None
         micro, ctx = self.prepare(track, progress, kept)
         rows, backend_rows = [], []
         self.backend.zero_grad()
@@ -193,6 +201,8 @@ class TrainStack:
         out = reduce_metrics(rows)
         if "ratio/mean" in first:
             out["ratio/first_update_mean"] = first["ratio/mean"]
+        if offered and kept is None:
+            out["keep_graph/kept_fraction"] = 0.0
         out.update(reduce_metrics(backend_rows))
         out["train/skipped_step"] = sum(r["train/skipped_step"] for r in backend_rows)
         world = dist.get_world_size() if dist.is_initialized() else 1

@@ -112,7 +112,7 @@ class RLWorker(Worker):
         if self.kept is not None:
             updates = self.stack.config.num_updates_per_batch
             full_finetune = train.get("lora") is None
-            problems = keep_graph_problems(self.algorithm, updates, rank_info.world_size, full_finetune)
+            problems = keep_graph_problems(self.algorithm, updates, full_finetune)
             if problems:
                 raise ValueError("; ".join(problems))
         self.transport = make_transport(cfg["transport"], device=self.device)
@@ -183,8 +183,9 @@ class RLWorker(Worker):
         try:
             track = get_batch(self.transport, meta)
             track.rewards, track.advantages = rewards.to(self.device), advantages.to(self.device)
-            kept = self.kept if self.kept is not None and self.kept.partition == meta.partition else None
-            metrics = self.stack.train_track(track, progress, kept=kept)
+            if self.kept is not None and self.kept.partition != meta.partition:
+                self.kept.clear()  # another step's graphs; every rank still offers its (empty) store
+            metrics = self.stack.train_track(track, progress, kept=self.kept)
         finally:
             if self.kept is not None:
                 self.kept.clear()
