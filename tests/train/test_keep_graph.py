@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model_config
+from unirl.algorithms.ddpo import DDPO, DDPOConfig
 from unirl.algorithms.diffusion_nft import DiffusionNFT
+from unirl.algorithms.dpok import DPOK, DPOKConfig
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from unirl.models.kept import KeptGraphs
 from unirl.models.sd3 import SD3Stage
@@ -30,6 +32,7 @@ PROMPTS = [PromptExample("a red square", "0"), PromptExample("a blue dot", "1")]
 
 def setup(
     algo: FlowGRPOConfig | None = None,
+    cls: type[FlowGRPO] = FlowGRPO,
     guidance: float = 2.0,
     detach_uncond: bool = True,
     lora_dropout: float = 0.0,
@@ -48,7 +51,7 @@ def setup(
         keep_reference=algo.beta > 0,
     )
     stage.module = backend.module
-    stack = TrainStack(stage, backend, FlowGRPO(algo), TrainStackConfig(micro_batch_size=4))
+    stack = TrainStack(stage, backend, cls(algo), TrainStackConfig(micro_batch_size=4))
     sp = DiffusionSamplingParams(
         num_steps=4,
         samples_per_prompt=4,
@@ -95,7 +98,16 @@ def assert_grads_close(got, want, rel: float = 1e-4) -> None:
 
 @pytest.mark.parametrize(
     "kind",
-    ["cfg_detached", "no_cfg", "cfg_through_uncond", "kl_reference", "replayed_pi_old", "checkpointing"],
+    [
+        "cfg_detached",
+        "no_cfg",
+        "cfg_through_uncond",
+        "kl_reference",
+        "replayed_pi_old",
+        "checkpointing",
+        "ddpo",
+        "dpok",
+    ],
 )
 def test_kept_graph_gives_the_replay_loss_metrics_and_gradients(kind):
     kwargs = {
@@ -104,6 +116,9 @@ def test_kept_graph_gives_the_replay_loss_metrics_and_gradients(kind):
         "kl_reference": {"algo": FlowGRPOConfig(clip_range=0.2, beta=0.05)},
         "replayed_pi_old": {"algo": FlowGRPOConfig(clip_range=0.2, old_logp_source="replay")},
         "checkpointing": {"checkpointing": True},
+        # step losses Flow-GRPO drives: DDPO's clip and advantage clip, DPOK's exact KL to the reference
+        "ddpo": {"cls": DDPO, "algo": DDPOConfig(adv_clip_max=0.5)},
+        "dpok": {"cls": DPOK, "algo": DPOKConfig(beta=0.05)},
     }.get(kind, {})
     stage, backend, stack, sp = setup(**kwargs)
     track, engine = kept_rollout(stage, sp)
@@ -243,7 +258,9 @@ def test_keep_graph_problems_name_each_conflict():
 
 def test_stack_refuses_kept_graphs_for_several_updates():
     stage, backend, _, _ = setup()
-    stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig()), TrainStackConfig(4, num_updates_per_batch=2))
+    stack = TrainStack(
+        stage, backend, FlowGRPO(FlowGRPOConfig()), TrainStackConfig(4, num_updates_per_batch=2)
+    )
     kept = KeptGraphs()
     kept.add(0, ["s"], torch.zeros(1), torch.zeros(1, 1), torch.tensor(1.0))
     with pytest.raises(ValueError, match="num_updates_per_batch=2"):
