@@ -91,7 +91,7 @@ def run_one(name: str, budget_s: float, eval_every: int, threads: int, workdir: 
     out_dir = os.path.join(workdir, name)
     cmd = [
         sys.executable, "-m", "unirl.train_diffusion", f"--config-name={recipe}",
-        "launcher=in_process", "transport=inband", f"threads_per_worker={threads}",
+        "++launcher=in_process", "transport=inband", f"threads_per_worker={threads}",
         "num_steps=100000", f"eval.every_n_steps={eval_every}", f"output_dir={out_dir}",
         "logging.save_images_every=0", "logging.progress=false", *extra,
     ]  # fmt: skip
@@ -203,6 +203,8 @@ def main() -> None:
             flush=True,
         )
     print(table(results, args.budget_min * 60))
+    if not any(results.values()):
+        sys.exit("no run produced an evaluation")
     try:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
