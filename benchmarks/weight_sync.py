@@ -6,7 +6,7 @@ One run measures, side by side:
    1 worker) for `--steps` steps; the median `time/step_s` after the first.
 2. **payloads**: `sd3_lora` / `sd3_full` are the tiny recipe's transformer
    (its LoRA: rank 8 on its 9 target modules; or every weight), `large_lora` /
-   `large_full` a random SD3 transformer of about 255 MB (12 blocks, width 384;
+   `large_full` a random SD3 transformer of 251 MB in fp32 (12 blocks, width 384;
    LoRA rank 16 on the same targets).
 3. per payload and wire dtype (the weights' own, fp32, or `bfloat16`):
    - **memcpy** (the reference), in the receiving actor with one torch thread:
