@@ -34,7 +34,7 @@ class _Job:
         self.key = (shape, bool(self.req.metadata), self.req.response_lengths is not None)
 
 
-def _merge(reqs: list[RewardRequest]) -> RewardRequest:
+def merge_requests(reqs: list[RewardRequest]) -> RewardRequest:
     """One request holding every sample of `reqs` (one kind), in order."""
     first = reqs[0]
     return RewardRequest(
@@ -118,7 +118,7 @@ class Batcher:
             return
         if len(jobs) > 1:
             try:
-                resp = await self._call(_merge([j.req for j in jobs]))
+                resp = await self._call(merge_requests([j.req for j in jobs]))
             except Exception:  # noqa: BLE001 - score request by request so only the bad one fails
                 pass
             else:
