@@ -41,7 +41,9 @@ ALLOWED: dict[str, set[str]] = {
     "arith": {"types", "data", "arith"},
     "tracking": {"tracking"},
     "config": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS},
-    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS, ENTRY},
+    # entry points sit on top; one may also use a world it trains a component of
+    # (unirl.train_reward_model: the shapes world's learned reward)
+    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS, "shapes", ENTRY},
     "": set(),  # unirl/__init__.py stays import-free
 }
 # third-party packages the pure layers must not pull in

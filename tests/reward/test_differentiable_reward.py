@@ -74,3 +74,17 @@ def test_misshapen_differentiable_output_is_named():
         ValueError, match=r"reward component 'bad' must return a \[B=3\] tensor, got \[3, 3\]"
     ):
         service.score_differentiable(_images(), ["p"] * 3, [])
+
+
+def test_reward_backprop_algorithms_check_the_reward_when_built():
+    from unirl.algorithms.draft import DRaFT
+
+    bad = RewardService(LocalRewardBackend({"red": ColorTarget([1.0, 0.0, 0.0]), "random": RandomReward()}))
+    with pytest.raises(ValueError, match="reward component 'random'"):
+        bad.check_differentiable()
+    with pytest.raises(ValueError, match="reward component 'random'"):
+        DRaFT(bad)
+    ok = RewardService(
+        LocalRewardBackend({"red": ColorTarget([1.0, 0.0, 0.0]), "random": RandomReward()}, {"random": 0.0})
+    )
+    assert DRaFT(ok).reward is ok

@@ -159,6 +159,9 @@ class RewardBackprop(StageAlgorithm):
                 f"algorithm.reward must be a differentiable reward (score_differentiable), got "
                 f"{type(reward).__name__}; in a recipe use `reward: ${{reward}}` with differentiable components"
             )
+        check = getattr(reward, "check_differentiable", None)
+        if callable(check):  # a reward service: its weighted components, checked when the recipe is built
+            check()
         self.config = config
         self.reward = reward
 

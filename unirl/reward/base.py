@@ -91,16 +91,11 @@ class LocalRewardBackend(RewardBackend):
             scores[name] = out.detach().to(device="cpu", dtype=torch.float32)
         return RewardResponse(components=scores)
 
-    def score_differentiable(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]
-    ) -> torch.Tensor:
-        """[B] fp32 `sum_c weight_c * component_c.score_differentiable(images, prompts, metadata)`
-        over the components of non-zero weight, with the autograd graph back to `images`
-        ([B, 3, H, W] float in [0, 1]; see `unirl.types.reward.DifferentiableReward`).
-        Zero-weight components (monitors such as a strict scorer logged beside the
-        reward) are skipped; a weighted component without `score_differentiable`
-        raises ValueError naming it."""
-        total = None
+    def differentiable_weights(self) -> dict[str, float]:
+        """Name -> weight of the components a differentiable score sums: those of non-zero
+        weight. Raises ValueError naming a weighted component without `score_differentiable`,
+        or when every weight is zero."""
+        out = {}
         for name, scorer in self.components.items():
             weight = self._weights[name]
             if weight == 0.0:
@@ -111,7 +106,23 @@ class LocalRewardBackend(RewardBackend):
                     "differentiable (no score_differentiable): a reward-backprop algorithm needs every "
                     "weighted component differentiable; give it weight 0 or use a differentiable scorer"
                 )
-            out = scorer.score_differentiable(images, prompts, metadata)
+            out[name] = weight
+        if not out:
+            raise ValueError(
+                f"no reward component has a non-zero weight (weights: {self._weights}): nothing to differentiate"
+            )
+        return out
+
+    def score_differentiable(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]
+    ) -> torch.Tensor:
+        """[B] fp32 `sum_c weight_c * component_c.score_differentiable(images, prompts, metadata)`
+        over `differentiable_weights()` (zero-weight monitors, such as a strict scorer logged
+        beside the reward, are skipped), with the autograd graph back to `images` ([B, 3, H, W]
+        float in [0, 1]; see `unirl.types.reward.DifferentiableReward`)."""
+        total = None
+        for name, weight in self.differentiable_weights().items():
+            out = self.components[name].score_differentiable(images, prompts, metadata)
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != (images.shape[0],):
                 got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(
@@ -119,8 +130,4 @@ class LocalRewardBackend(RewardBackend):
                 )
             out = weight * out.to(torch.float32)
             total = out if total is None else total + out
-        if total is None:
-            raise ValueError(
-                f"no reward component has a non-zero weight (weights: {self._weights}): nothing to differentiate"
-            )
         return total

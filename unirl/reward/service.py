@@ -97,13 +97,20 @@ class RewardService:
         skipped (`LocalRewardBackend.score_differentiable`). So a recipe's `reward` serves the
         reward-backprop algorithms too (`algorithm.reward: ${reward}`): the loss differentiates
         the reward the run logs. A backend that scores elsewhere cannot; it raises ValueError."""
-        score = getattr(self.backend, "score_differentiable", None)
-        if score is None:
+        self.check_differentiable()
+        return self.backend.score_differentiable(images, prompts, metadata)
+
+    def check_differentiable(self) -> None:
+        """Raise ValueError unless `score_differentiable` can work: a local backend whose weighted
+        components are all differentiable (reward-backprop algorithms call it when built, so a
+        recipe fails before Ray starts)."""
+        weights = getattr(self.backend, "differentiable_weights", None)
+        if weights is None:
             raise ValueError(
                 f"reward backend {type(self.backend).__name__} cannot differentiate its scores: use "
                 "unirl.reward.LocalRewardBackend with differentiable components for a reward-backprop algorithm"
             )
-        return score(images, prompts, metadata)
+        weights()
 
     @staticmethod
     def _request(track: RolloutTrack) -> RewardRequest:

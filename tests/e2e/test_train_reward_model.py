@@ -1,0 +1,64 @@
+"""`python -m unirl.train_reward_model` end to end at a tiny size: data from the committed base and
+renders, training, export, agreement, and resuming from the cached data and train state."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import run_module
+from unirl.shapes.reward_model import HEADS, ShapesRewardModel
+
+pytestmark = pytest.mark.e2e
+
+TINY = [
+    "--synth", "200", "--chunk", "8", "--base-train", "8", "--base-heldout", "8",
+    "--eval-prompts", "4", "--eval-seeds", "1", "--batch", "16", "--save-every", "10", "--threads", "2",
+]  # fmt: skip
+
+
+def test_train_export_and_resume(tmp_path):
+    out, work = tmp_path / "model", tmp_path / "work"
+    args = ["--out", str(out), "--work", str(work), *TINY]
+    first = run_module("unirl.train_reward_model", *args, "--steps", "20", timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    cached = sorted(os.listdir(work))
+    assert cached == [
+        "base_c8_000.npz",
+        "heldout_eval_p4_s1.npz",
+        "heldout_train_c8_000.npz",
+        "synth_000_n200.npz",
+        "train_state.pt",
+    ]
+    result = json.loads(first.stdout)
+    assert result["heldout_eval"]["n"] == 4 and result["heldout_train"]["n"] == 8
+    assert result["train_pool"]["n"] == 200 + 2 * 8  # renders, and base samples with their near misses
+    assert 0.0 <= result["heldout_train"]["strict/accuracy"] <= 1.0
+    config = json.loads((out / "config.json").read_text())
+    assert config["heads"] == list(HEADS) and config["steps"] == 20 and config["seed"] == 0
+    with np.load(out / "heldout.npz") as z:
+        assert z["heldout_train_images"].shape == (8, 32, 32, 3) and len(z["heldout_eval_prompts"]) == 4
+    state = torch.load(work / "train_state.pt")
+    assert state["step"] == 20
+
+    again = run_module("unirl.train_reward_model", *args, "--steps", "30", timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming reward-model training at step 20" in again.stderr
+    assert sorted(os.listdir(work)) == cached  # no data made twice
+    assert torch.load(work / "train_state.pt")["step"] == 30
+    model = ShapesRewardModel(str(out))
+    score = model.score_differentiable(torch.rand(2, 3, 32, 32), ["a red circle", "two blue squares"])
+    assert score.shape == (2,) and ((score >= 0) & (score <= 1)).all()
+
+
+def test_bad_arguments_exit_with_a_message(tmp_path):
+    res = run_module("unirl.train_reward_model", "--out", str(tmp_path), "--base-train", "10", timeout=120)
+    assert res.returncode == 2 and "--base-train must be a positive multiple of --chunk 64" in res.stderr
+    res = run_module(
+        "unirl.train_reward_model", "--out", str(tmp_path), "--base", str(tmp_path / "no"), timeout=120
+    )
+    assert res.returncode == 2 and "is not a directory" in res.stderr

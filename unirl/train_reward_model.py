@@ -1,0 +1,289 @@
+"""Train the learned shapes reward (`unirl.shapes.reward_model`): one command, resumable.
+
+    python -m unirl.train_reward_model --out checkpoints/shapes_reward [--work DIR] [options]
+
+1. Data (cached under `--work`, chunk by chunk, so a stopped run resumes where it was):
+   `--synth` renders and perturbed renders of training scenes paired with their own, near-miss or
+   random training prompts (`unirl.shapes.reward_data`); `--base-train` samples of the committed
+   base (`--base`) on training prompts (ODE, CFG 3, 10 or 20 steps alternately), each also paired
+   with a near-miss prompt; and two held-out sets never trained on: `--base-heldout` base samples
+   of training prompts from other seeds, and base samples of the 51 held-out (eval) prompts.
+   Every pair is labelled by the weight-free `GenEvalMini`.
+2. Training: AdamW on the masked binary cross-entropy of the verdicts, `--steps` steps of
+   `--batch` pairs drawn with a generator seeded by (seed, step), small Gaussian input noise;
+   the state is saved every `--save-every` steps and a rerun continues from it.
+3. Export to `--out`: `model.safetensors`, `config.json` (widths, heads, data sizes, seed,
+   wall clock), `agreement.json` (accuracy and AUC per verdict and strict accuracy per category on
+   both held-out sets) and `heldout.npz` (the held-out images and prompts, for the pinned test).
+
+Prints the agreement as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from unirl.shapes import CATEGORIES, ShapesDataset, parse_prompt  # noqa: E402
+from unirl.shapes.reward_data import label, pair_prompts, synth_batch  # noqa: E402
+from unirl.shapes.reward_model import (  # noqa: E402
+    HEADS,
+    RewardNet,
+    RewardNetConfig,
+    encode_scene,
+    save_reward_net,
+)
+from unirl.types import PromptExample  # noqa: E402
+
+SYNTH_CHUNK = 2000
+
+
+def _chunk(path: str, make) -> dict[str, np.ndarray]:
+    """Load the cached chunk at `path`, or make it (a dict of arrays) and save it."""
+    if os.path.isfile(path):
+        with np.load(path) as z:
+            return dict(z)
+    data = make()
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, **data)
+    os.replace(tmp, path)
+    return data
+
+
+def _labelled(images: np.ndarray, prompts: list[str]) -> dict[str, np.ndarray]:
+    targets, mask = label(images, prompts)
+    return {"images": images, "prompts": np.array(prompts), "targets": targets, "mask": mask}
+
+
+def _base_prompts(n: int, rng: np.random.Generator, ds: ShapesDataset) -> list[PromptExample]:
+    """n prompts of `ds`, category uniform then prompt uniform (as `sample_batch`)."""
+    cats = sorted({e.metadata["category"] for e in ds.examples})
+    by_cat = {c: [e for e in ds.examples if e.metadata["category"] == c] for c in cats}
+    return [by_cat[c][int(rng.integers(len(by_cat[c])))] for c in rng.choice(cats, n)]
+
+
+class BaseSampler:
+    """Deterministic ODE samples of the committed base (built on first use)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.stage = None
+
+    def __call__(self, examples: list[PromptExample], steps: int, seed: int) -> np.ndarray:
+        from unirl.models.sd3 import SD3Bundle, SD3Stage
+        from unirl.trainer.evaluation import EvalSampling, sample_eval_images
+        from unirl.trainer.worker import quiet_library_logs
+        from unirl.types import DiffusionSamplingParams
+
+        if self.stage is None:
+            quiet_library_logs()
+            self.stage = SD3Stage(SD3Bundle.from_pretrained(self.path))
+        sp = DiffusionSamplingParams(height=32, width=32, shift=1.0, max_sequence_length=12, eta=0.0)
+        ev = EvalSampling(num_steps=steps, guidance_scale=3.0, samples_per_prompt=1, seed=seed)
+        with torch.no_grad():
+            images, _ = sample_eval_images(self.stage, examples, sp, ev)
+        return images.permute(0, 2, 3, 1).numpy()
+
+
+def build_data(args) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """(training pool, {"heldout_train": ..., "heldout_eval": ...}); chunks cached in args.work."""
+    os.makedirs(args.work, exist_ok=True)
+    train_ds, eval_ds = ShapesDataset("train", 0), ShapesDataset("eval", 0)
+    train_prompts = [e.prompt for e in train_ds.examples]
+    sampler = BaseSampler(args.base)
+    parts = []
+    for k in range(-(-args.synth // SYNTH_CHUNK)):
+        n = min(SYNTH_CHUNK, args.synth - k * SYNTH_CHUNK)
+        rng = np.random.default_rng([args.seed, 1, k])
+        parts.append(
+            _chunk(
+                os.path.join(args.work, f"synth_{k:03d}_n{n}.npz"),
+                lambda n=n, rng=rng: _labelled(*synth_batch(n, rng)),
+            )
+        )
+    c = args.chunk
+    for k in range(args.base_train // c):
+        rng = np.random.default_rng([args.seed, 2, k])
+
+        def make_pair(k=k, rng=rng):
+            ex = _base_prompts(c, rng, train_ds)
+            images = sampler(ex, 10 if k % 2 == 0 else 20, 10_000 + k)
+            own = [e.prompt for e in ex]
+            miss = pair_prompts(own, rng, train_prompts, p_near=1.0, p_random=0.0)
+            return _labelled(np.concatenate([images, images]), own + miss)
+
+        parts.append(_chunk(os.path.join(args.work, f"base_c{c}_{k:03d}.npz"), make_pair))
+    heldout = {}
+    chunks = []
+    for k in range(args.base_heldout // c):
+        rng = np.random.default_rng([args.seed, 3, k])
+
+        def make_held(k=k, rng=rng):
+            ex = _base_prompts(c, rng, train_ds)
+            return _labelled(sampler(ex, 10 if k % 2 == 0 else 20, 20_000 + k), [e.prompt for e in ex])
+
+        chunks.append(_chunk(os.path.join(args.work, f"heldout_train_c{c}_{k:03d}.npz"), make_held))
+    heldout["heldout_train"] = {key: np.concatenate([part[key] for part in chunks]) for key in chunks[0]}
+    ex = [e for e in eval_ds.examples[: args.eval_prompts] for _ in range(args.eval_seeds)]
+    heldout["heldout_eval"] = _chunk(
+        os.path.join(args.work, f"heldout_eval_p{args.eval_prompts}_s{args.eval_seeds}.npz"),
+        lambda: _labelled(sampler(ex, 20, 30_000), [e.prompt for e in ex]),
+    )
+    pool = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+    return pool, heldout
+
+
+def tensors(data: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(images [n, 3, 32, 32] fp32 in [0, 1], prompt codes, targets, masks)."""
+    images = torch.from_numpy(data["images"]).permute(0, 3, 1, 2).float() / 255.0
+    codes = torch.stack([encode_scene(parse_prompt(str(p))) for p in data["prompts"]])
+    return images, codes, torch.from_numpy(data["targets"]), torch.from_numpy(data["mask"])
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    """Area under the ROC curve (ties count half); None when one class is absent."""
+    pos, neg = scores[labels > 0.5], scores[labels <= 0.5]
+    if len(pos) == 0 or len(neg) == 0:
+        return None
+    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(greater / (len(pos) * len(neg)))
+
+
+@torch.no_grad()
+def agreement(net: RewardNet, data: dict[str, np.ndarray]) -> dict[str, float]:
+    """Accuracy (threshold 0.5) and AUC of each verdict where it applies, the label base rates, and
+    strict accuracy per category, of `net` against the weight-free scorer's labels."""
+    images, codes, targets, mask = tensors(data)
+    probs = torch.sigmoid(net(images, codes)).numpy()
+    targets, mask = targets.numpy(), mask.numpy()
+    out: dict[str, float] = {"n": int(len(probs))}
+    for j, head in enumerate(HEADS):
+        m = mask[:, j] > 0
+        if not m.any():
+            continue
+        out[f"{head}/accuracy"] = float(((probs[m, j] > 0.5) == (targets[m, j] > 0.5)).mean())
+        out[f"{head}/auc"] = auc(probs[m, j], targets[m, j])
+        out[f"{head}/positive_rate"] = float(targets[m, j].mean())
+        out[f"{head}/n"] = int(m.sum())
+    cats = np.array([parse_prompt(str(p)).category for p in data["prompts"]])
+    for cat in CATEGORIES:
+        m = cats == cat
+        if m.any():
+            out[f"strict_accuracy/{cat}"] = float(((probs[m, 0] > 0.5) == (targets[m, 0] > 0.5)).mean())
+    return out
+
+
+def train(args, pool: dict[str, np.ndarray]) -> tuple[RewardNet, float]:
+    """Train (or resume) the net on `pool`; returns it and the seconds spent training in this call."""
+    images, codes, targets, mask = tensors(pool)
+    torch.manual_seed(args.seed)
+    net = RewardNet(RewardNetConfig())
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=1e-4)
+    state_path = os.path.join(args.work, "train_state.pt")
+    step = 0
+    if os.path.isfile(state_path):
+        state = torch.load(state_path)
+        net.load_state_dict(state["net"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        print(f"resuming reward-model training at step {step}", file=sys.stderr)
+    t0 = time.perf_counter()
+    net.train()
+    while step < args.steps:
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        idx = torch.randint(0, len(images), (args.batch,), generator=gen)
+        x = images[idx] + torch.rand(args.batch, 1, 1, 1, generator=gen) * 0.04 * torch.randn(
+            images[idx].shape, generator=gen
+        )
+        logits = net(x.clamp(0, 1), codes[idx])
+        loss = (
+            F.binary_cross_entropy_with_logits(logits, targets[idx], reduction="none") * mask[idx]
+        ).sum() / mask[idx].sum()
+        opt.zero_grad()
+        loss.backward()
+        for group in opt.param_groups:  # cosine decay to 0 over args.steps, a function of the step
+            group["lr"] = float(args.lr * 0.5 * (1 + np.cos(np.pi * step / args.steps)))
+        opt.step()
+        step += 1
+        if step % 100 == 0:
+            print(f"step {step} loss {loss.item():.4f}", file=sys.stderr)
+        if step % args.save_every == 0 or step == args.steps:
+            torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "step": step}, state_path + ".tmp")
+            os.replace(state_path + ".tmp", state_path)
+    return net.eval(), time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for the trained model")
+    parser.add_argument(
+        "--work", default="outputs/shapes_reward_work", help="cache of data chunks and train state"
+    )
+    parser.add_argument("--base", default="checkpoints/shapes_sd3", help="the pretrained base to sample")
+    parser.add_argument("--synth", type=int, default=24_000, help="rendered / perturbed pairs")
+    parser.add_argument(
+        "--base-train", type=int, default=640, help="base samples to train on (x2 with near misses)"
+    )
+    parser.add_argument(
+        "--base-heldout", type=int, default=256, help="held-out base samples of training prompts"
+    )
+    parser.add_argument("--eval-seeds", type=int, default=4, help="held-out base samples per eval prompt")
+    parser.add_argument(
+        "--eval-prompts", type=int, default=51, help="held-out (eval) prompts sampled, in order"
+    )
+    parser.add_argument("--chunk", type=int, default=64, help="base samples per cached chunk")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--save-every", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    for key in ("synth", "steps", "batch", "save_every", "eval_seeds", "eval_prompts", "chunk", "threads"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    for key in ("base_train", "base_heldout"):
+        if getattr(args, key) < args.chunk or getattr(args, key) % args.chunk:
+            parser.error(f"--{key.replace('_', '-')} must be a positive multiple of --chunk {args.chunk}")
+    if not os.path.isdir(args.base):
+        parser.error(f"--base {args.base!r} is not a directory (the pretrained shapes model)")
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    pool, heldout = build_data(args)
+    t_data = time.perf_counter() - t0
+    net, t_train = train(args, pool)
+    result = {name: agreement(net, data) for name, data in heldout.items()}
+    result["train_pool"] = agreement(net, pool)
+    extra = {
+        "seed": args.seed,
+        "data": {"synth": args.synth, "base_train": 2 * args.base_train, "pool": int(len(pool["prompts"]))},
+        "heldout": {name: int(len(d["prompts"])) for name, d in heldout.items()},
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "threads": args.threads,
+        "seconds": {"data_this_call": round(t_data, 1), "train_this_call": round(t_train, 1)},
+    }
+    save_reward_net(net, args.out, extra)
+    with open(os.path.join(args.out, "agreement.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    np.savez_compressed(
+        os.path.join(args.out, "heldout.npz"),
+        **{f"{name}_{key}": heldout[name][key] for name in heldout for key in ("images", "prompts")},
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
