@@ -1,9 +1,10 @@
 """Entry point: `python -m unirl.train_sft --config-name=sft/<recipe> [key=value ...]`.
 
 Supervised training in this process, chosen by the type of the `sft` node: flow matching
-of a text-to-image bundle (`FlowMatchingSFTConfig`) or completion cross-entropy of a causal
-LM on (prompt, completion) pairs (`CausalLMSFTConfig`); pretraining or the SFT stage before
-RL. Resumes from `output_dir` when a `sft_state.pt` is there; exports the model (fp16) to
+of a text-to-image bundle (`FlowMatchingSFTConfig`), completion cross-entropy of a causal
+LM on (prompt, completion) pairs (`CausalLMSFTConfig`), or offline Diffusion-DPO on
+preference pairs from a file (`OfflineDiffusionDPOConfig`); pretraining or the SFT stage
+before RL. Resumes from `output_dir` when a `sft_state.pt` is there; exports the model (fp16) to
 `export_dir` when `sft.num_steps` is reached. `max_seconds` bounds one invocation's wall
 clock (the next one resumes).
 """
@@ -21,14 +22,16 @@ from unirl.config.validate import ConfigError, validate_sft_config
 
 
 def trainer_class(sft_cfg: object, model_cfg: object) -> type:
-    """The trainer of a built `sft` config (FlowMatchingSFT or CausalLMSFT), after checking
+    """The trainer of a built `sft` config (FlowMatchingSFT, CausalLMSFT or OfflineDiffusionDPO), after checking
     that `model` builds the modality it trains."""
     from unirl.train.lm_sft import CausalLMSFT, CausalLMSFTConfig
+    from unirl.train.preference import OfflineDiffusionDPO, OfflineDiffusionDPOConfig
     from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig
 
     trainers = {
         FlowMatchingSFTConfig: (FlowMatchingSFT, "diffusion"),
         CausalLMSFTConfig: (CausalLMSFT, "text"),
+        OfflineDiffusionDPOConfig: (OfflineDiffusionDPO, "diffusion"),
     }
     if type(sft_cfg) not in trainers:
         raise TypeError(

@@ -44,12 +44,12 @@ class DPOKConfig(StepLossConfig):
     ratio_clip: float = 1e-4
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.beta > 0:
+        if not self.beta > 0:  # before the shared checks: this is the error that says why
             raise ValueError(
                 f"algorithm.config.beta must be > 0 for DPOK, got {self.beta}: DPOK regularises toward the "
                 "frozen reference model (for no KL term use unirl.algorithms.ddpo.DDPO)"
             )
+        super().__post_init__()
         if not self.reward_weight > 0:
             raise ValueError(f"algorithm.config.reward_weight must be > 0, got {self.reward_weight}")
         if not 0 < self.ratio_clip < 1:

@@ -213,6 +213,19 @@ def _check_algorithm(
             problems.append(
                 f"sampling.eta=0 gives no SDE steps, but {name} needs step log-probs; set sampling.eta > 0"
             )
+    if algorithm is not None and getattr(algorithm, "compares_within_groups", False) and sampling is not None:
+        k = sampling.samples_per_prompt
+        if k < 2:
+            problems.append(
+                f"sampling.samples_per_prompt={k}: {name} compares the samples of a prompt group "
+                "(best vs worst by reward); set it to >= 2"
+            )
+        elif stack is not None and stack.micro_batch_size % k:
+            problems.append(
+                f"train.stack.micro_batch_size={stack.micro_batch_size}: {name} compares the samples of a "
+                f"prompt group, so each micro-batch must hold whole groups; set it to a multiple of "
+                f"sampling.samples_per_prompt={k}"
+            )
     if train is None:
         return
     fix = "set train.ema to {_target_: unirl.train.ema.EMAConfig, decay: 0.999}"

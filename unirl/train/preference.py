@@ -1,0 +1,174 @@
+"""Offline Diffusion-DPO: preference pairs loaded from a file, trained through the shared
+resumable supervised loop (`python -m unirl.train_sft`).
+
+The loss is the online one (`unirl.algorithms.diffusion_dpo.diffusion_dpo_loss`) on
+pairs from `unirl.data.PreferencePairsFile` instead of from rollout groups: per pair
+one draw (sigma, eps) shared by its two samples, x_t = (1 - sigma) x0 + sigma eps,
+err = mean (v_theta(x_t) - (eps - x0))^2 under the trained denoiser and under a frozen
+copy of its initial weights (the reference), and
+L = mean -log sigmoid(-beta/2 ((err_w - err_ref_w) - (err_l - err_ref_l))).
+sigma is drawn as the flow-matching pretraining draws it (`sigma_sampling`, `shift`).
+The denoiser is fully fine-tuned (text encoders frozen); resuming restores it while the
+reference stays the initial weights (rebuilt from `model`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from unirl.algorithms.diffusion_dpo import diffusion_dpo_loss, flow_matching_error
+from unirl.models.sd3.bundle import SD3Bundle
+from unirl.train.backend import LR_SCHEDULES
+from unirl.train.sft import SIGMA_SAMPLING, sample_sigmas
+from unirl.train.supervised import SupervisedRun
+
+
+@dataclass
+class OfflineDiffusionDPOConfig:
+    """Settings of an offline Diffusion-DPO run.
+
+    Attributes:
+        num_steps: optimizer steps in total (a resumed run continues to it).
+        batch_size: pairs per step (drawn with replacement).
+        lr, weight_decay, warmup_steps, lr_schedule, max_grad_norm: AdamW and its schedule.
+        beta: the DPO inverse temperature on mean-reduced errors (> 0).
+        sigma_sampling: "logit_normal" or "uniform"; shift: as the sampling schedule's.
+        max_sequence_length: T5 token budget.
+        checkpoint_every, eval_every, log_every: steps between state saves, evaluations
+            (0: none) and log rows.
+        seed: data and noise seed.
+    """
+
+    num_steps: int = 200
+    batch_size: int = 16
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    max_grad_norm: float = 1.0
+    beta: float = 2000.0
+    sigma_sampling: str = "logit_normal"
+    shift: float = 1.0
+    max_sequence_length: int = 16
+    checkpoint_every: int = 50
+    eval_every: int = 0
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sigma_sampling not in SIGMA_SAMPLING:
+            raise ValueError(
+                f"sft.sigma_sampling must be one of {SIGMA_SAMPLING}, got {self.sigma_sampling!r}"
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"sft.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        for key in ("num_steps", "batch_size", "checkpoint_every", "log_every", "max_sequence_length"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"sft.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("weight_decay", "warmup_steps", "eval_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"sft.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("lr", "max_grad_norm", "beta", "shift"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"sft.{key} must be > 0, got {getattr(self, key)}")
+
+
+class PairSource(Protocol):
+    """`sample_batch(n, rng) -> (prompts, chosen [n, C, H, W], rejected [n, C, H, W])`."""
+
+    def sample_batch(
+        self, n: int, rng: np.random.Generator
+    ) -> tuple[list[str], torch.Tensor, torch.Tensor]: ...
+
+
+class OfflineDiffusionDPO(SupervisedRun):
+    """Trains `bundle`'s denoiser on preference pairs from `data` with the Diffusion-DPO loss.
+
+    Args:
+        bundle: an SD3 bundle on the device to train on; the pairs are in its model space
+            (a pixel-space bundle: images; a latent one: latents of its VAE's shape).
+        data: the pair source.
+        config: run settings.
+        out_dir: where `sft_state.pt` and `metrics.jsonl` go.
+        evaluate: optional `evaluate(bundle) -> dict[str, float]`.
+    """
+
+    def __init__(
+        self,
+        bundle: SD3Bundle,
+        data: PairSource,
+        config: OfflineDiffusionDPOConfig,
+        out_dir: str,
+        evaluate: Callable[[SD3Bundle], dict[str, float]] | None = None,
+    ) -> None:
+        self.bundle, self.data = bundle, data
+        self.reference = copy.deepcopy(bundle.transformer).requires_grad_(False).eval()
+        super().__init__([bundle.transformer], config, out_dir, evaluate, bundle)
+
+    def _errors(self, module: torch.nn.Module, x_t, sigma, embeds, pooled, x0, eps) -> torch.Tensor:
+        pred = module(
+            hidden_states=x_t,
+            timestep=sigma * 1000.0,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
+        return flow_matching_error(pred, x0, eps)
+
+    def batch_loss(self) -> tuple[torch.Tensor, dict[str, float]]:
+        """The DPO loss of a fresh batch of pairs (two forwards of 2n samples: policy, reference)."""
+        cfg = self.cfg
+        prompts, chosen, rejected = self.data.sample_batch(cfg.batch_size, self.rng)
+        device = self.bundle.device
+        want = self.bundle.latent_shape(chosen.shape[-2] * self._scale(), chosen.shape[-1] * self._scale())
+        if tuple(chosen.shape[1:]) != tuple(want):
+            raise ValueError(
+                f"the pairs are samples of shape {list(chosen.shape[1:])}, but the model denoises {list(want)} "
+                "(a pixel-space model takes RGB images of its resolution; a latent model latents of its VAE)"
+            )
+        n = len(prompts)
+        x0 = torch.cat([chosen, rejected]).to(device)
+        eps = torch.randn(chosen.shape, generator=self.gen).to(device)
+        sigma = sample_sigmas(n, cfg, self.gen).to(device)
+        eps, sigma = torch.cat([eps, eps]), torch.cat([sigma, sigma])  # one draw per pair
+        s = sigma.view(-1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * eps
+        with torch.no_grad():
+            pe, _, pp, _ = self.bundle.pipeline.encode_prompt(
+                prompt=prompts,
+                prompt_2=None,
+                prompt_3=None,
+                device=device,
+                do_classifier_free_guidance=False,
+                max_sequence_length=cfg.max_sequence_length,
+            )
+        pe, pp = torch.cat([pe, pe]), torch.cat([pp, pp])
+        with torch.no_grad():
+            ref = self._errors(self.reference, x_t, sigma, pe, pp, x0, eps)
+        err = self._errors(self.bundle.transformer, x_t, sigma, pe, pp, x0, eps)
+        per_pair, inside = diffusion_dpo_loss(err[:n], err[n:], ref[:n], ref[n:], cfg.beta)
+        inside = inside.detach()
+        return per_pair.mean(), {
+            "implicit_acc": float((inside > 0).float().mean()),
+            "margin": float(inside.mean()),
+        }
+
+    def _scale(self) -> int:
+        """Pixels per latent cell along a side (1 for a pixel-space bundle)."""
+        return 1 if self.bundle.pixel_space else self.bundle.vae_scale_factor
+
+    def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:
+        """Save the whole bundle (diffusers layout) with weights in `dtype`; the in-memory
+        model keeps its fp32 weights."""
+        pipe = self.bundle.pipeline
+        pipe.to(dtype)
+        try:
+            pipe.save_pretrained(path)
+        finally:
+            pipe.to(torch.float32)
