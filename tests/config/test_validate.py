@@ -203,6 +203,8 @@ def rejection(tree, key, value) -> str:
 ARITH_VARIANTS = ("llm/arith_dapo", "llm/arith_drgrpo", "llm/arith_gspo", "llm/arith_reinforcepp", "llm/arith_rloo")
 # shapes_flowgrpo plus sampling keys; the keys are mutated in their smoke variants (a tiny model)
 SHAPES_VARIANTS = ("diffusion/shapes_dancegrpo", "diffusion/shapes_mixgrpo")
+# shapes_flowgrpo with another algorithm node; its keys are mutated in the tiny_sd3_* variants
+SHAPES_VARIANTS += tuple(f"diffusion/shapes_{n}" for n in ("ddpo", "dpok", "flowdppo", "diffusiondpo"))
 
 
 @pytest.mark.parametrize("name", [r for r in RL_RECIPES if r not in ARITH_VARIANTS + SHAPES_VARIANTS])
