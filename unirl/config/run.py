@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from unirl.sync.config import WeightSyncConfig
+
 LAUNCHERS = ("ray", "in_process")
 
 
@@ -45,6 +47,8 @@ class RunConfig:
         launcher: "ray" (workers are Ray actors) or "in_process" (one worker in
             the driver process, no Ray).
         checkpoint, logging, eval, train: plain sections (see their schemas).
+        weight_sync: how the trainer's weights reach a dedicated rollout engine
+            (`unirl.sync.WeightSyncConfig`); only with a dedicated engine.
         hydra: Hydra's own settings.
         the rest: component sections, each a `_target_` node.
     """
@@ -70,6 +74,7 @@ class RunConfig:
     checkpoint: Any = None
     logging: Any = None
     eval: Any = None
+    weight_sync: Any = None
     hydra: Any = None
 
     def __post_init__(self) -> None:
@@ -155,6 +160,7 @@ RL_SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "eval": EvalConfig,
     "train": TrainConfig,
+    "weight_sync": WeightSyncConfig,
 }
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from unirl.config.engines import check_rollout
 from unirl.config.run import RL_SECTIONS, SFT_SECTIONS
 from unirl.config.schema import check_node, target_parameters
 from unirl.dataplane import TRANSPORTS, transport_problems
@@ -485,6 +486,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
                 f"must be >= 2, got {sampling.samples_per_prompt}"
             )
     _check_distributed(cfg, passed, problems)
+    check_rollout(cfg, passed, problems)
     if problems:
         raise ConfigError(problems)
 

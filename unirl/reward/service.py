@@ -83,8 +83,16 @@ class RewardService:
 
         track.rewards = total
         track.reward_components = components
+        return self.metrics(track)
+
+    @staticmethod
+    def metrics(track: RolloutTrack) -> dict[str, float]:
+        """`reward/mean`, `reward/std` (population) of a scored track's total reward and
+        `reward/<name>/mean`, `reward/<name>/std` per component (what `score_and_attach`
+        returns; a rollout scored chunk by chunk reports its whole batch with this)."""
+        total = track.rewards
         metrics = {"reward/mean": total.mean().item(), "reward/std": total.std(unbiased=False).item()}
-        for name, scores in components.items():
+        for name, scores in track.reward_components.items():
             metrics[f"reward/{name}/mean"] = scores.mean().item()
             metrics[f"reward/{name}/std"] = scores.std(unbiased=False).item()
         return metrics

@@ -30,7 +30,7 @@ import ctypes
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal
 
 import torch
@@ -39,7 +39,7 @@ from annotated_types import Ge
 from unirl.models.stage import DiffusionStage, TextStage
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.types.rollout_req import RolloutReq
-from unirl.types.rollout_resp import RolloutResp
+from unirl.types.rollout_resp import RolloutResp, RolloutTrack
 
 PLACEMENTS = ("colocate", "separate")
 SLEEP_LEVELS = (0, 1, 2)
@@ -123,6 +123,10 @@ class DedicatedEngine:
     # ---- sampling ---------------------------------------------------------------------------
     def generate(self, req: RolloutReq) -> RolloutResp:
         """`TrainsideEngine.generate` over the engine's own stage (see there)."""
+        self._check_ready()
+        return self.sampler.generate(req)
+
+    def _check_ready(self) -> None:
         if self.asleep:
             raise EngineStateError(
                 f"the rollout engine is asleep (level {self.asleep}): call wake_up() first"
@@ -132,7 +136,12 @@ class DedicatedEngine:
                 "the rollout engine has no synced weights: sync the trainer's weights into it before "
                 "sampling (after construction and after sleep(2))"
             )
-        return self.sampler.generate(req)
+
+    def generate_chunks(self, req: RolloutReq) -> Iterator[RolloutTrack]:
+        """`TrainsideEngine.generate_chunks` over the engine's own stage: the track of each
+        forward batch as soon as it is sampled (their concatenation is `generate`'s)."""
+        self._check_ready()
+        yield from self.sampler.generate_chunks(req)
 
     # ---- memory -----------------------------------------------------------------------------
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -211,6 +220,17 @@ class DedicatedEngine:
         for key, t in own.items():
             if source[key] in saved:
                 t.copy_(saved[source[key]])
+
+
+def is_dedicated(rollout: Any) -> bool:
+    """True when a recipe's `rollout` node names a `DedicatedEngine` (or a subclass of it)."""
+    from hydra.utils import get_object
+
+    try:
+        target = get_object(str(rollout["_target_"]))
+    except Exception:  # noqa: BLE001 - an unknown target is reported by the validator
+        return False
+    return isinstance(target, type) and issubclass(target, DedicatedEngine)
 
 
 def modules_of(bundle: Any, module: torch.nn.Module | None) -> dict[str, torch.nn.Module]:

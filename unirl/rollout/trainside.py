@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated
 
 import torch
@@ -9,7 +10,6 @@ from annotated_types import Ge
 
 from unirl.models.kept import KeptGraphs
 from unirl.models.stage import DiffusionStage, TextStage
-from unirl.types.batch import concat
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutResp, RolloutTrack
 
@@ -63,47 +63,47 @@ class TrainsideEngine:
         size = self.forward_batch_size or n
         return [list(range(k, min(k + size, n))) for k in range(0, n, size)]
 
-    @torch.no_grad()
     def generate(self, req: RolloutReq, keep: bool = False) -> RolloutResp:
         """Sample `req`. With `keep` (a training rollout) and `keep_graph`, the SDE
         steps' graphs are added to `self.kept` (within its budget); evaluation
         leaves `keep` off."""
+        track = RolloutTrack.concat(list(self.generate_chunks(req, keep)))
+        return RolloutResp(tracks={self.track_name: track})
+
+    @torch.no_grad()
+    def generate_chunks(self, req: RolloutReq, keep: bool = False) -> Iterator[RolloutTrack]:
+        """`generate` one forward batch at a time: yields the track of each chunk of
+        `forward_batch_size` samples (in order) as soon as it is sampled and decoded;
+        their concatenation is `generate`'s track. A diffusion request's prompts are
+        encoded once for the whole request (a chunk's conditions are its rows), so the
+        samples do not depend on whether they are taken chunk by chunk."""
         was_training = self.stage.module.training
         self.stage.module.eval()
         try:
-            if self.text:
-                parts = [self.stage.generate(req.select(idx)) for idx in self._chunks(len(req))]
-                segment = concat([seg for seg, _ in parts])
-                extra = {"texts": [t for _, texts in parts for t in texts]}
-            else:
+            if not self.text:
                 sp = req.sampling
                 cond = self.stage.encode_prompts(req.prompts, sp.guidance_scale, sp.max_sequence_length)
-                chunks = self._chunks(len(req))
-                segment = concat(
-                    [
-                        self.stage.diffuse(
-                            req.select(idx),
-                            {k: v[idx] for k, v in cond.items()},
-                            kept=self.kept if keep else None,
-                        )
-                        for idx in chunks
-                    ]
+            for idx in self._chunks(len(req)):
+                part = req.select(idx)
+                if self.text:
+                    segment, texts = self.stage.generate(part)
+                    extra = {"texts": texts}
+                else:
+                    rows = {k: v[idx] for k, v in cond.items()}
+                    segment = self.stage.diffuse(part, rows, kept=self.kept if keep else None)
+                    extra = {"conditions": rows, "media": self.stage.decode(segment.final)}
+                yield RolloutTrack(
+                    name=self.track_name,
+                    sample_ids=part.sample_ids,
+                    group_ids=part.group_ids,
+                    prompts=part.prompts,
+                    metadata=part.metadata,
+                    segment=segment,
+                    rollout_id=req.rollout_id,
+                    **extra,
                 )
-                media = torch.cat([self.stage.decode(segment.final[idx]) for idx in chunks])
-                extra = {"conditions": cond, "media": media}
         finally:
             self.stage.module.train(was_training)
-        track = RolloutTrack(
-            name=self.track_name,
-            sample_ids=req.sample_ids,
-            group_ids=req.group_ids,
-            prompts=req.prompts,
-            metadata=req.metadata,
-            segment=segment,
-            rollout_id=req.rollout_id,
-            **extra,
-        )
-        return RolloutResp(tracks={self.track_name: track})
 
 
 def check_keep_graph(stage: DiffusionStage | TextStage) -> None:

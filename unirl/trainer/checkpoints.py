@@ -39,11 +39,18 @@ def _identity(cfg: DictConfig) -> dict[str, Any]:
 
 
 def write_driver_state(
-    path: str, step: int, data_source_state: dict[str, Any], cfg: DictConfig, save_s: float | None = None
+    path: str,
+    step: int,
+    data_source_state: dict[str, Any],
+    cfg: DictConfig,
+    save_s: float | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """`driver_state.json`: step, data-source position, the recipe identity, and
-    `save_s`, the seconds the workers took to write their state."""
+    """`driver_state.json`: step, data-source position, the recipe identity, `save_s`, the
+    seconds the workers took to write their state, and `extra` keys (a run with a rollout in
+    flight records the weight version its engines sample)."""
     state = {"step": step, "data_source": data_source_state, "identity": _identity(cfg), "save_s": save_s}
+    state.update(extra or {})
     with open(os.path.join(path, "driver_state.json"), "w") as f:
         json.dump(state, f, indent=2)
 

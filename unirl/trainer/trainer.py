@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from unirl.dataplane import BatchMeta, get_batch, make_transport, merge_stats
+from unirl.dataplane import BatchMeta, make_transport, merge_stats
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
 from unirl.reward.service import RewardError
@@ -37,6 +37,7 @@ from unirl.trainer.checkpoints import (
     resolve_resume_path,
     write_driver_state,
 )
+from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, RolloutSettings, TrainsideRollouts
 from unirl.trainer.modality import modality_for
 from unirl.trainer.worker import RLWorker, build
 from unirl.types.rollout_resp import RolloutTrack
@@ -77,6 +78,8 @@ class Trainer:
         self.advantage = build(cfg.advantage)
         self.algorithm = build(cfg.algorithm)  # the driver asks it only whether it filters groups
         self.num_steps = int(cfg.num_steps)
+        self.rollout_settings = RolloutSettings.of(cfg)
+        self.rollouts: TrainsideRollouts | DedicatedRollouts | None = None
         self.keep_graph = bool(cfg.rollout.get("keep_graph", False))
         ckpt = cfg.get("checkpoint") or {}
         self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
@@ -87,6 +90,9 @@ class Trainer:
             else os.path.abspath(str(cfg.model.pretrained_path))
         )
         self.last_checkpoint: str | None = None
+        self.step_stats: dict[str, float] = {}  # weight-sync figures of the step, for its row
+        self.ahead_step: int | None = None
+        self.ahead_source_state: dict[str, Any] | None = None
         self.restore_s: float | None = None
         self.transport = make_transport(cfg.transport)
         ev = cfg.get("eval")
@@ -105,10 +111,9 @@ class Trainer:
             f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
         resume = resolve_resume_path(self.cfg)
         local = self.cfg.get("launcher", "ray") == "in_process"
-        started_ray = (
-            False if local else init_ray(num_cpus=max(2 * int(self.cfg.num_devices), os.cpu_count() or 1))
-        )
-        pool = None if local else DevicePool(int(self.cfg.num_devices))
+        devices = self.rollout_settings.pool_devices(int(self.cfg.num_devices))
+        started_ray = False if local else init_ray(num_cpus=max(2 * devices, os.cpu_count() or 1))
+        pool = None if local else DevicePool(devices)
         group = None
         try:
             transport_info = self.transport.start()
@@ -124,18 +129,25 @@ class Trainer:
                 group = in_process(RLWorker, *args)
                 layout = {"num_devices": 1, "num_nodes": 1, "bundle_node_ids": []}
             else:
-                group = remote(RLWorker, placement(pool), *args, env=WORKER_ENV)
+                group = remote(RLWorker, placement(pool, int(self.cfg.num_devices)), *args, env=WORKER_ENV)
                 layout = {
                     "num_devices": pool.num_devices,
                     "num_nodes": pool.num_nodes,
                     "bundle_node_ids": pool.bundle_node_ids(),
                 }
+            if self.rollout_settings.dedicated:
+                self.rollouts = DedicatedRollouts(
+                    self.rollout_settings, plain, pool, group, transport_info, env=WORKER_ENV
+                )
+            else:
+                self.rollouts = TrainsideRollouts(group)
             with open(os.path.join(self.out, "placement.json"), "w") as f:
                 json.dump(
                     {
                         **layout,
                         "ranks": [dataclasses.asdict(r) for r in group.rank_infos],
                         "workers": self._call(group, "process_info", 0),
+                        "engines": self._guard(0, "process_info", self.rollouts.process_info),
                     },
                     f,
                     indent=2,
@@ -152,6 +164,8 @@ class Trainer:
                 self._call(group, "save_weights", self.num_steps - 1, final + "_ema", self.base_model, True)
             return rows
         finally:
+            if self.rollouts is not None:
+                self.rollouts.shutdown()
             if group is not None:
                 try:
                     group.teardown()
@@ -168,12 +182,19 @@ class Trainer:
 
     def _call(self, group, method: str, step: int, *args: Any) -> Any:
         """Call a worker-group method; a worker failure becomes a `TrainingError` naming the step."""
+        return self._guard(step, method, getattr(group, method), *args)
+
+    def _guard(self, step: int, what: str, fn, *args: Any) -> Any:
+        """`fn(*args)`; a worker or engine failure (`WorkerError`) becomes a `TrainingError`
+        naming the step, the phase, the worker (a dedicated engine by its index) and the last
+        complete checkpoint."""
         try:
-            return getattr(group, method)(*args)
+            return fn(*args)
         except WorkerError as exc:
             last = self.last_checkpoint or "none written"
+            who = f"rollout engine {exc.rank} failed: " if exc.worker_cls == "EngineWorker" else ""
             raise TrainingError(
-                f"run stopped at step {step + 1} during '{method}': {exc}. Last complete checkpoint: {last}"
+                f"run stopped at step {step + 1} during '{what}': {who}{exc}. Last complete checkpoint: {last}"
             ) from exc
 
     @staticmethod
@@ -201,6 +222,11 @@ class Trainer:
         state = read_driver_state(path)
         self._call(group, "load_checkpoint", state["step"], path)
         self.data_source.load_state_dict(state["data_source"])
+        behind = state.get("engine_weights_version")
+        if behind is not None and self.rollout_settings.max_staleness:
+            # the checkpoint was taken with the next rollout in flight: the engines get the weights it
+            # sampled, and the resumed run samples that rollout again from them
+            self._guard(state["step"], "restore engine weights", self.rollouts.load_weights, path, behind)
         self.last_checkpoint = path
         metrics = os.path.join(self.out, "metrics.jsonl")
         if os.path.exists(metrics):  # drop rows a stopped run wrote after its last checkpoint
@@ -210,13 +236,19 @@ class Trainer:
                 f.writelines(kept)
         return int(state["step"])
 
-    def _save_checkpoint(self, group, step: int) -> None:
+    def _save_checkpoint(self, group, step: int, ahead: InFlightRollout | None = None) -> None:
+        """Write the workers' state and the driver's. With the next step's rollout in flight
+        (`ahead`, max_staleness 1) the checkpoint also holds the weights that rollout samples
+        (the engines', one version behind the trainer's) and the data source's position
+        before its prompts, so a resumed run samples it again identically."""
         path = checkpoint_dir(self.out, step)
         t0 = time.perf_counter()
         self._call(group, "save_checkpoint", step - 1, path, self.base_model)
-        write_driver_state(
-            path, step, self.data_source.state_dict(), self.cfg, save_s=time.perf_counter() - t0
-        )
+        source, extra = self.data_source.state_dict(), {}
+        if ahead is not None:
+            self._guard(step - 1, "save engine weights", self.rollouts.save_weights, path)
+            source, extra = self.ahead_source_state, {"engine_weights_version": ahead.version}
+        write_driver_state(path, step, source, self.cfg, save_s=time.perf_counter() - t0, extra=extra)
         mark_complete(path)
         self.last_checkpoint = path
 
@@ -237,9 +269,17 @@ class Trainer:
         metrics = modality.evaluate(sample, self.eval_examples, self.eval_scorer, self.eval_sampling)
         return {f"eval/{k}": v for k, v in metrics.items()}
 
-    def _rollout_and_score(self, group, modality, step: int, partition: str, row: dict[str, Any]):
+    def _rollout_and_score(
+        self, group, modality, step: int, partition: str, row: dict[str, Any], ahead: InFlightRollout | None
+    ):
         """Draw prompts, roll out, fetch what scoring needs and score; returns the train batch's
         (meta, scored track, time the first rollout ended) and adds the reward metrics to `row`.
+
+        The rollout runs where the recipe says (`self.rollouts`: the train workers, or dedicated
+        engines synced to this step's weights first); each finished chunk is scored while the
+        rest generates. `ahead`: this step's rollout, submitted during the previous step
+        (`rollout.max_staleness: 1`); its engines then keep their weights for any extra
+        generation, and `rollout/staleness` says how many versions behind they sampled.
 
         With an algorithm that filters groups (DAPO's dynamic sampling: `keep_groups`), groups
         whose rewards are all equal are dropped and more prompts are rolled out into the same
@@ -252,15 +292,27 @@ class Trainer:
         dynamic = keep_groups is not None and bool(getattr(self.algorithm.config, "dynamic_sampling", False))
         metas, tracks, kept, t_first = [], [], [], None
         max_batches = int(self.algorithm.config.max_num_gen_batches) if dynamic else 1
+        stale = self.rollout_settings.max_staleness > 0 and self.rollouts.version is not None
+
+        def score(chunk: RolloutTrack) -> None:
+            self._driver_phase(step, "reward", self.reward.score_and_attach, chunk)
+
         for k in range(max_batches):
-            # extra generations get rollout ids past every step's own, so their seeds and ids are new
-            req = modality.request(self.data_source.next_batch(prompts), step + k * self.num_steps)
-            meta = self._call(group, "rollout", step, req, partition)
-            t_first = t_first or time.perf_counter()
-            track = get_batch(self.transport, meta, modality.reward_fields)
-            scored = self._driver_phase(step, "reward", self.reward.score_and_attach, track)
+            if k == 0 and ahead is not None:
+                flight = ahead
+            else:
+                # extra generations get rollout ids past every step's own, so their seeds and ids are new
+                req = modality.request(self.data_source.next_batch(prompts), step + k * self.num_steps)
+                if not stale:
+                    self.step_stats.update(self._guard(step, "weight sync", self.rollouts.prepare, step))
+                flight = self._guard(step, "rollout", self.rollouts.submit, req, partition)
+            fields = modality.reward_fields
+            meta, track, t_done = self._guard(step, "rollout", flight.collect, self.transport, fields, score)
+            t_first = t_first or t_done
             if k == 0:
-                row.update(scored)
+                row.update(self.reward.metrics(track))
+                if self.rollout_settings.dedicated:
+                    row["rollout/staleness"] = step - flight.version
             offset = sum(len(m) for m in metas)
             metas.append(meta)
             tracks.append(track)
@@ -303,6 +355,7 @@ class Trainer:
             desc="train",
             disable=not log_cfg.get("progress", True),
         )
+        ahead = None  # the next step's rollout, running while this step trains (max_staleness 1)
         try:
             for step in bar:
                 t0 = time.perf_counter()
@@ -310,9 +363,14 @@ class Trainer:
                 trained = False
                 try:
                     row: dict[str, Any] = {"step": step + 1}
-                    meta, track, t1 = self._rollout_and_score(group, modality, step, partition, row)
+                    meta, track, t1 = self._rollout_and_score(group, modality, step, partition, row, ahead)
+                    ahead = None
                     self._driver_phase(step, "advantages", track.compute_advantages, self.advantage)
                     t2 = time.perf_counter()
+                    self._guard(step, "sleep", self.rollouts.release)  # colocated engines free the devices
+                    if self.rollout_settings.max_staleness and step + 1 < self.num_steps:
+                        ahead = self._submit_ahead(modality, step)
+                    t2b = time.perf_counter()
                     shard_meta = self.transport.claim(meta, "train")
                     progress = step / self.num_steps
                     metrics = self._call(
@@ -326,19 +384,31 @@ class Trainer:
                     meta = shard_meta = None
                     if self.keep_graph and not trained:  # graphs kept by rollout for a train that never ran
                         self._release_kept(group, partition)
-                stats = self._call(group, "dataplane_stats", step) + [self.transport.stats.drain()]
+                engine_stats = self._guard(step, "dataplane_stats", self.rollouts.stats)
+                stats = (
+                    self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
+                )
                 row.update(merge_stats(stats))
+                row.update(self.step_stats)
+                self.step_stats = {}
+                if "ratio/first_update_mean" in row and self.rollout_settings.dedicated:
+                    row["off_policy/ratio_mean"] = row["ratio/first_update_mean"]
                 peaks = self._call(group, "peak_memory_mb", step)
                 for kind in peaks[0]:  # rss; device on GPU workers
                     row[f"memory/worker_peak_{kind}_mb"] = max(p[kind] for p in peaks)
+                if self.rollout_settings.dedicated:
+                    engines = self._guard(step, "memory_mb", self.rollouts.memory_mb)
+                    row["memory/engine_rss_mb"] = max(e["rss"] for e in engines)  # after sleep when colocated
                 row.update(
                     {
                         "time/rollout_s": t1 - t0,
                         "time/reward_s": t2 - t1,
-                        "time/train_s": t3 - t2,
+                        "time/train_s": t3 - t2b,
                         "time/step_s": t3 - t0,
                     }
                 )
+                if self.rollout_settings.dedicated:
+                    row["time/engine_release_s"] = t2b - t2  # sleep, and the weight sync of an ahead rollout
                 if self.eval_every and ((step + 1) % self.eval_every == 0 or step + 1 == self.num_steps):
                     row.update(self._evaluate(group, step, modality))
                 if self.restore_s is not None and step == start:
@@ -346,11 +416,24 @@ class Trainer:
                 writer.write(row)
                 rows.append(row)
                 if self.every_n and (step + 1) % self.every_n == 0:
-                    self._save_checkpoint(group, step + 1)
+                    self._save_checkpoint(group, step + 1, ahead)
                 bar.set_postfix(reward=f"{row['reward/mean']:.4f}", loss=f"{row['loss']:.2e}")
                 if every > 0 and ((step + 1) % every == 0 or step + 1 == self.num_steps):
                     modality.save_samples(track, os.path.join(self.out, "samples", f"step_{step + 1:04d}"))
                     write_gallery(self.out)
         finally:
             writer.close()
+            if ahead is not None:  # a failed step leaves the next step's rollout: drop what it put
+                self.transport.clear(f"step_{self.ahead_step}")
         return rows
+
+    def _submit_ahead(self, modality, step: int) -> InFlightRollout:
+        """Sync this step's weights into the engines and start the next step's rollout on them,
+        to run while this step trains (its samples are one weight version behind when trained).
+        Keeps the data source's position before the next batch's prompts for a checkpoint."""
+        self.step_stats.update(self._guard(step, "weight sync", self.rollouts.prepare, step))
+        self.ahead_step = step + 1
+        self.ahead_source_state = self.data_source.state_dict()
+        prompts = int(self.cfg.prompts_per_rollout)
+        req = modality.request(self.data_source.next_batch(prompts), step + 1)
+        return self._guard(step, "rollout", self.rollouts.submit, req, f"step_{step + 1}")

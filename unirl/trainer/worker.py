@@ -30,6 +30,9 @@ from hydra.utils import instantiate
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.device import init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
+from unirl.rollout.dedicated import is_dedicated
+from unirl.rollout.trainside import TrainsideEngine
+from unirl.sync import SyncPlan, SyncTicket, WeightSyncConfig, WeightSyncSender, make_sender, plan_for
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.stack import TrainStack, keep_graph_problems
@@ -106,7 +109,11 @@ class RLWorker(Worker):
         self.stage.module = self.backend.module
         self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
         self.stack = TrainStack(self.stage, self.backend, self.algorithm, build(train["stack"]))
-        self.engine = build(cfg["rollout"], stage=self.stage)
+        if is_dedicated(cfg["rollout"]):  # engines sample the rollouts; this one samples evaluations
+            self.engine = TrainsideEngine(self.stage, cfg["rollout"].get("forward_batch_size"))
+        else:
+            self.engine = build(cfg["rollout"], stage=self.stage)
+        self.sync_sender: WeightSyncSender | None = None
         # rollout.keep_graph: the trained SDE steps' graphs, kept from `rollout` to `train` of one step
         self.kept = getattr(self.engine, "kept", None)
         if self.kept is not None:
@@ -244,10 +251,41 @@ class RLWorker(Worker):
         """This worker's ``dataplane/...`` totals since the last call."""
         return self.transport.stats.drain()
 
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def sync_setup(
+        self, sync_cfg: dict[str, Any], num_engines: int
+    ) -> tuple[SyncPlan, dict[str, Any] | None, bool]:
+        """Make this rank's weight-sync sender (rank 0 transmits) for `num_engines` dedicated
+        engines: a LoRA payload with `train.lora`, else every weight. Returns (the plan, the
+        endpoint engines reach rank 0's sender at, whether the backend sends in band)."""
+        cfg = WeightSyncConfig(**sync_cfg)
+        plan = plan_for(self.backend.module, "lora" if self.backend.lora is not None else "full", cfg)
+        self.sync_sender = make_sender(
+            cfg, plan, num_receivers=num_engines, device=self.device, source=self.rank_info.rank == 0
+        )
+        return plan, self.sync_sender.endpoint(), self.sync_sender.in_band
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def sync_connect(self) -> None:
+        """Join the sync transport (at once with the engines' for in-band backends)."""
+        self.sync_sender.connect()
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def sync_send(self, version: int) -> tuple[SyncTicket | None, dict[str, float]]:
+        """Send the weights rollouts sample (the EMA weights when the algorithm samples from
+        them) as `version`; every rank joins the gathers of sharded weights. Returns rank 0's
+        ticket and `sync/...` stats."""
+        ema = self.algorithm.requires_ema_rollout
+        with self.backend.ema_weights() if ema else contextlib.nullcontext():
+            ticket = self.sync_sender.send(self.backend.module.named_parameters(), version)
+        return ticket, dict(self.sync_sender.stats)
+
     @dispatch(Dispatch.BROADCAST)
     def teardown(self) -> None:
-        """Detach from the transport and leave the process group before the actor is
-        killed (avoids gloo aborts at exit)."""
+        """Detach from the transport and the weight sync and leave the process group before
+        the actor is killed (avoids gloo aborts at exit)."""
         self.transport.close()
+        if self.sync_sender is not None:
+            self.sync_sender.close()
         if dist.is_initialized():
             dist.destroy_process_group()

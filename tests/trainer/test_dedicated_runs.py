@@ -1,0 +1,252 @@
+"""Dedicated rollout engines in real runs (Ray, tiny models): parity with trainside, overlap,
+bounded staleness, exact resume, a killed engine.
+
+Runs shrunken tiny recipes in-process through `Trainer` on one shared local Ray instance (the
+killed-engine test runs the entry point in a subprocess). Equal rows below are equal floats: the
+engines sample with the trainer's weights (a bit-exact sync) through the same stage code and the
+same forward batches as the trainside engine.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import ray
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from tests.conftest import EXAMPLES, REPO, untimed
+from tests.trainer.test_distributed_runs import SMALL
+from unirl.config.validate import validate_rl_config
+from unirl.distributed.group import DevicePool, Worker, WorkerError, placement, remote
+from unirl.trainer.trainer import Trainer, TrainingError
+
+pytestmark = pytest.mark.ray
+
+COLOCATE = "diffusion/tiny_sd3_dedicated_colocate"
+SEPARATE = "diffusion/tiny_sd3_dedicated_separate"
+TRAINSIDE = "diffusion/tiny_sd3_flowgrpo"
+# what differs by construction between engines and trainside: the weight sync's own figures, the
+# engine's rows, and how many transport calls carried the rollout (one per chunk)
+ENGINE_ONLY = ("sync/", "rollout/staleness", "off_policy/", "dataplane/")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+    yield
+    ray.shutdown()
+
+
+def recipe(name: str, out, *overrides: str):
+    small = SMALL if name.startswith("diffusion") else ["logging.progress=false"]
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        cfg = compose(name, overrides=[*small, f"output_dir={out}", *overrides])
+    validate_rl_config(cfg)
+    return cfg
+
+
+def run(name: str, out, *overrides: str) -> list[dict]:
+    Trainer(recipe(name, out, *overrides)).run()
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def training(row: dict) -> dict:
+    """A row's training and reward figures (what must not depend on where rollouts ran)."""
+    return {k: v for k, v in untimed(row).items() if not k.startswith(ENGINE_ONLY)}
+
+
+def exported(out) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's final export (LoRA file, diffusers or transformers layout)."""
+    files = sorted(
+        glob.glob(os.path.join(out, "checkpoints", "final", "**", "*.safetensors"), recursive=True)
+    )
+    return {f"{os.path.relpath(f, out)}:{k}": v for f in files for k, v in load_file(f).items()}
+
+
+def same_weights(a, b) -> bool:
+    wa, wb = exported(a), exported(b)
+    return len(wa) > 0 and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def trainside(tmp_path_factory):
+    """The sequential trainside loop of the tiny recipe, at the engines' forward batch size (2:
+    four forward batches per rollout of 8 samples)."""
+    out = tmp_path_factory.mktemp("trainside")
+    return out, run(TRAINSIDE, out, "num_steps=3", "rollout.forward_batch_size=2")
+
+
+def test_colocated_engine_trains_like_trainside(trainside, tmp_path):
+    """A colocated engine (sleeping while the trainer trains, LoRA synced through the object store
+    and verified after every step) gives the trainside run's rows bit for bit and the same final
+    weights."""
+    ref_dir, ref = trainside
+    rows = run(COLOCATE, tmp_path, "num_steps=3", "rollout.forward_batch_size=2", "weight_sync.verify=true")
+    assert [training(r) for r in rows] == [training(r) for r in ref]
+    assert same_weights(ref_dir, tmp_path)
+    assert [r["rollout/staleness"] for r in rows] == [0, 0, 0]
+    assert all(r["ratio/first_update_mean"] == 1.0 for r in rows)  # engine log-probs = trainer's
+    assert all(r["sync/bytes"] > 0 and r["time/sync_s"] > 0 for r in rows)
+    placed = json.loads((tmp_path / "placement.json").read_text())
+    assert placed["num_devices"] == 1 and [e["engine"] for e in placed["engines"]] == [0]
+
+
+def test_overlapped_loop_without_staleness_equals_the_sequential_one(trainside, tmp_path):
+    """Separate placement, max_staleness 0, each forward batch scored while the next generates
+    (4 chunks per rollout, broadcast sync): the rows and final weights equal the sequential
+    trainside loop's; only the transport's call counts differ (4 puts per rollout, not 1)."""
+    ref_dir, ref = trainside
+    rows = run(SEPARATE, tmp_path, "num_steps=3", "rollout.forward_batch_size=2", "rollout.max_staleness=0")
+    assert [training(r) for r in rows] == [training(r) for r in ref]
+    assert same_weights(ref_dir, tmp_path)
+    assert [r["rollout/staleness"] for r in rows] == [0, 0, 0]
+    assert rows[0]["dataplane/put_calls"] == ref[0]["dataplane/put_calls"] + 3
+    placed = json.loads((tmp_path / "placement.json").read_text())
+    assert placed["num_devices"] == 2  # one training device + the engine's own
+
+
+def test_staleness_one_samples_with_the_previous_weights(tmp_path):
+    """max_staleness 1: step n+1's rollout runs while step n trains, on weights one version behind.
+
+    Independent check of the behaviour policy: a run whose first update changes no weight
+    (lr 1e-30) samples its step-2 rollout with the initial weights on-policy; the stale run,
+    which did train at step 1, samples its step-2 rollout with the initial weights too. Their
+    step-2 rewards are equal, and the stale run's importance ratios (trained weights over the
+    engine's recorded log-probs) are off 1 where the frozen run's are exactly 1."""
+    stale = run(SEPARATE, tmp_path / "stale", "num_steps=3")
+    frozen = run(
+        SEPARATE, tmp_path / "frozen", "num_steps=2", "rollout.max_staleness=0", "train.optim.lr=1e-30"
+    )
+    assert [r["rollout/staleness"] for r in stale] == [0, 1, 1]
+    assert {**training(stale[0]), "train/lr": 0} == {**training(frozen[0]), "train/lr": 0}
+    assert stale[1]["reward/mean"] == frozen[1]["reward/mean"]
+    assert stale[1]["reward/std"] == frozen[1]["reward/std"]
+    assert frozen[1]["ratio/first_update_mean"] == 1.0 and frozen[1]["approx_kl"] == 0.0
+    for r in stale[1:]:
+        assert r["off_policy/ratio_mean"] == r["ratio/first_update_mean"] != 1.0
+        assert r["approx_kl"] > 0 and max(abs(r["ratio/max"] - 1), abs(r["ratio/min"] - 1)) > 1e-5
+
+
+def test_resume_with_a_rollout_in_flight_continues_identically(tmp_path):
+    """A checkpoint taken while the next rollout runs holds the engine's weights (one version
+    behind) and the data position before that rollout's prompts: a run resumed from it writes
+    the uninterrupted run's rows and ends with the same weights."""
+    full = run(SEPARATE, tmp_path / "full", "num_steps=4", "checkpoint.every_n_steps=2")
+    ckpt = tmp_path / "full" / "checkpoints" / "step_000002"
+    state = json.loads((ckpt / "driver_state.json").read_text())
+    assert state["engine_weights_version"] == 1 and (ckpt / "engine_weights.safetensors").exists()
+    resumed = run(SEPARATE, tmp_path / "resumed", "num_steps=4", f"resume_from={ckpt}")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [training(r) for r in resumed] == [training(r) for r in full[2:]]
+    assert [r["rollout/staleness"] for r in resumed] == [1, 1]
+    assert same_weights(tmp_path / "full", tmp_path / "resumed")
+
+
+def test_text_engine_with_dropped_weights_trains_like_trainside(tmp_path):
+    """The LM recipe (full fine-tune, every weight synced and verified, the engine dropping its
+    weights while the trainer trains and rebuilding them on wake-up) gives the trainside rows."""
+    small = ["num_steps=2", "prompts_per_rollout=4", "sampling.samples_per_prompt=4"]
+    ref = run("llm/tiny_lm_grpo", tmp_path / "ref", *small, "rollout.forward_batch_size=16")
+    rows = run("llm/tiny_lm_dedicated", tmp_path / "eng", *small)
+    assert [training(r) for r in rows] == [training(r) for r in ref]
+    assert same_weights(tmp_path / "ref", tmp_path / "eng")
+
+
+class Recorder(Worker):
+    """Appends to a list per call (slowly), so queued calls show their order."""
+
+    def __init__(self, rank_info, *args) -> None:
+        super().__init__(rank_info)
+        self.seen: list[int] = []
+
+    def append(self, value: float) -> list[int]:
+        time.sleep(0.2)
+        self.seen.append(len(self.seen) + 1)
+        return list(self.seen)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_worker_group_submit_runs_calls_in_order_and_names_a_dead_rank(tmp_path):
+    """`WorkerGroup.submit` returns at once; calls queued on an actor run in order; a rank that
+    died raises `WorkerError` naming it from `result()`."""
+    pool = DevicePool(2)
+    group = remote(Recorder, placement(pool))
+    try:
+        first = group.submit("append", 1.0)
+        second = group.submit("append", 2.0)
+        assert second.result() == [[1, 2], [1, 2]] and first.done()
+        pid = group.pid()[1]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerError, match="rank 1"):
+            group.submit("append", 0.0).result()
+    finally:
+        group.shutdown()
+        pool.shutdown()
+
+
+def test_a_killed_engine_stops_the_run_naming_it(tmp_path):
+    """SIGKILL the engine of a running colocated run: the entry point exits 1 within seconds,
+    naming the rollout engine and the step; nothing hangs."""
+    out = tmp_path / "dies"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "unirl.train_diffusion",
+            f"--config-name={COLOCATE}",
+            *SMALL,
+            "num_steps=200",
+            f"output_dir={out}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.time() < deadline, "run did not reach its second step"
+        time.sleep(0.2)
+    engine = json.loads((out / "placement.json").read_text())["engines"][0]
+    assert "EngineWorker" in " ".join(psutil.Process(engine["pid"]).cmdline())
+    os.kill(engine["pid"], signal.SIGKILL)
+    killed = time.time()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "rollout engine 0 failed" in stderr and "run stopped at step" in stderr, stderr[-3000:]
+    assert time.time() - killed < 60
+
+
+def test_engine_failure_message_names_the_engine_and_step(tmp_path):
+    """In-process driver: an engine that dies mid-run becomes a `TrainingError` naming it."""
+
+    class KillsEngine(Trainer):
+        def _submit_ahead(self, modality, step):  # kill the engine just before it gets work
+            ray.kill(self.rollouts.group.actors[0])
+            return super()._submit_ahead(modality, step)
+
+    # whichever driver call meets the dead engine first (the sync, the rollout, its stats) names it
+    with pytest.raises(
+        TrainingError, match=r"run stopped at step 1 during '[\w ]+': rollout engine 0 failed"
+    ):
+        KillsEngine(recipe(SEPARATE, tmp_path, "num_steps=3")).run()

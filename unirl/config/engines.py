@@ -1,0 +1,102 @@
+"""Recipe checks of the rollout engine, its placement and its weight sync (run before Ray).
+
+A trainside engine samples with the trained module: no `weight_sync` block.
+A dedicated engine (`unirl.rollout.dedicated.DedicatedEngine`) needs exactly
+one sync backend, Ray workers, enough devices for its placement, an even
+split of the batch over its engines, and for `max_staleness: 1` a separate
+placement and an algorithm whose importance ratios use the log-probs the
+engine recorded. Each problem names its keys and says what to set.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from unirl.rollout.dedicated import is_dedicated
+from unirl.sync import weight_sync_problems
+
+
+def _device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    """Append the problems of the recipe's engine / placement / weight sync to `problems`.
+
+    `passed` is `check_recipe`'s result: a check runs only when the nodes it reads passed
+    their own type and range checks (their problems are already reported)."""
+    rollout = cfg.get("rollout")
+    if not isinstance(rollout, DictConfig) or "rollout" not in passed:
+        return
+    node = cfg.get("weight_sync")
+    sync = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    dedicated = is_dedicated(rollout)
+    placement = str(rollout.get("placement", "colocate"))
+    if "weight_sync" in passed or sync is None:
+        problems.extend(
+            weight_sync_problems(sync, dedicated=dedicated, placement=placement, device_type=_device_type())
+        )
+    run = passed.get("")
+    if not dedicated or run is None:
+        return
+    engines = int(rollout.get("num_engines", 1))
+    staleness = int(rollout.get("max_staleness", 0))
+    if run.launcher == "in_process":
+        problems.append(
+            "launcher=in_process runs one worker without Ray, but a dedicated rollout engine is a Ray actor; "
+            "use launcher=ray (or the trainside engine)"
+        )
+    if placement == "colocate" and engines > run.num_devices:
+        problems.append(
+            f"rollout.num_engines={engines} with rollout.placement=colocate: colocated engines share the "
+            f"training devices, at most num_devices={run.num_devices}; lower it or use placement=separate"
+        )
+    if placement == "separate":
+        if int(rollout.get("sleep_level", 1)) != 0:
+            problems.append(
+                f"rollout.sleep_level={rollout.sleep_level} with rollout.placement=separate: separate engines "
+                "have devices of their own, nothing to release while the trainer trains; set rollout.sleep_level=0"
+            )
+        if _device_type() == "cuda" and not os.environ.get("RAY_ADDRESS"):
+            import torch
+
+            have, need = torch.cuda.device_count(), run.num_devices + engines
+            if have < need:
+                problems.append(
+                    f"rollout.placement=separate needs num_devices ({run.num_devices}) + rollout.num_engines "
+                    f"({engines}) = {need} GPUs, this machine has {have}; lower them or use placement=colocate"
+                )
+    sampling = passed.get("sampling")
+    if sampling is not None and (run.prompts_per_rollout * sampling.samples_per_prompt) % engines:
+        problems.append(
+            f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x sampling.samples_per_prompt "
+            f"({sampling.samples_per_prompt}) samples do not split evenly over rollout.num_engines={engines}"
+        )
+    advantage = passed.get("advantage")
+    if advantage is not None and float(getattr(advantage, "kl_coef", 0) or 0) > 0:
+        problems.append(
+            f"advantage.kl_coef={advantage.kl_coef} folds the KL to the reference into the reward, which "
+            "the trainside rollout records; a dedicated engine holds no reference policy: use the trainside "
+            "engine, or a KL term in the loss (algorithm.config)"
+        )
+    if staleness > 0:
+        if placement != "separate":
+            problems.append(
+                f"rollout.max_staleness={staleness} runs the next rollout while the trainer trains, which needs "
+                "the engines on devices of their own: set rollout.placement=separate (or max_staleness=0)"
+            )
+        algorithm = cfg.get("algorithm")
+        config = algorithm.get("config") if isinstance(algorithm, DictConfig) else None
+        source = config.get("old_logp_source") if isinstance(config, DictConfig) else None
+        if source != "rollout":
+            problems.append(
+                f"rollout.max_staleness={staleness}: samples come from weights one version behind, so the "
+                "importance ratio must use the behaviour log-probs the engine recorded; set "
+                f"algorithm.config.old_logp_source=rollout (got {source!r}"
+                + (")" if source is not None else ": this algorithm has no importance ratio)")
+            )

@@ -1,0 +1,214 @@
+"""`EngineWorker`: one dedicated rollout engine as a Ray actor (`rollout: DedicatedEngine`).
+
+The worker builds its own copy of the model from the resolved recipe (the
+same `model` and `stage` nodes the train workers build, with the same LoRA
+adapter injected, so parameter names match the trainer's), wraps the stage in
+a `unirl.rollout.dedicated.DedicatedEngine`, and joins the run's transport:
+a rollout puts its track into the transport exactly as a train worker's
+trainside rollout does, and returns the meta. It never trains and joins no
+process group of the trainer's; the trainer's weights reach it through
+weight sync (`unirl.sync`).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import torch
+from safetensors.torch import load_file, save_file
+
+from unirl.dataplane import BatchMeta, make_transport, put_batch
+from unirl.distributed.device import resolve_device
+from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
+from unirl.rollout.dedicated import EngineStateError
+from unirl.sync import (
+    SyncPlan,
+    SyncTicket,
+    WeightSyncConfig,
+    WeightSyncError,
+    WeightSyncReceiver,
+    bind,
+    make_receiver,
+)
+from unirl.train.backend import inject_lora
+from unirl.trainer.worker import build, quiet_library_logs
+from unirl.types.rollout_req import RolloutReq
+from unirl.types.rollout_resp import RolloutTrack
+
+WEIGHTS_FILE = "engine_weights.safetensors"
+
+
+def engine_threads(cfg: dict[str, Any]) -> int:
+    """Torch threads of an engine: `threads_per_worker` when set; else the machine's cores over
+    the processes that compute at once (the train workers, plus the engines when separate)."""
+    if cfg.get("threads_per_worker"):
+        return int(cfg["threads_per_worker"])
+    rollout = cfg["rollout"]
+    busy = int(cfg["num_devices"])
+    if rollout.get("placement", "colocate") == "separate":
+        busy += int(rollout.get("num_engines", 1))
+    return max(1, (os.cpu_count() or 1) // busy)
+
+
+class EngineWorker(Worker):
+    """A dedicated rollout engine: its own bundle, stage and transport client.
+
+    Args:
+        rank_info: this engine's index among the engines (`rank`) and their count.
+        cfg: the resolved recipe as a plain dict (its `rollout` node is a
+            `DedicatedEngine`).
+        transport_info: what the driver's transport `start()` returned.
+        device: the device to sample on; None decides from what Ray assigned.
+    """
+
+    def __init__(
+        self,
+        rank_info: RankInfo,
+        cfg: dict[str, Any],
+        transport_info: dict[str, Any] | None = None,
+        device: str | None = None,
+    ) -> None:
+        super().__init__(rank_info)
+        quiet_library_logs()
+        torch.set_num_threads(engine_threads(cfg))
+        torch.manual_seed(cfg["seed"])
+        self.device = resolve_device(device)
+        model_cfg = build(cfg["model"])
+        bundle = model_cfg.build().to(self.device)
+        stage = build(cfg["stage"], bundle=bundle)
+        lora = build(cfg["train"].get("lora"))
+        if lora is not None:
+            inject_lora(stage.module, lora)
+        stage.module.requires_grad_(False)
+        self.engine = build(cfg["rollout"], stage=stage, rebuild=model_cfg.build)
+        self.transport = make_transport(cfg["transport"], device=self.device)
+        self.transport.attach(transport_info or {})
+        self.receiver: WeightSyncReceiver | None = None
+        self.chunks: Iterator[RolloutTrack] = iter(())
+        self.partition = ""
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def rollout(self, req: RolloutReq, partition: str, chunked: bool) -> None:
+        """Start generating this engine's shard `req` into `partition`: each `rollout_next` call
+        then samples and puts the next chunk, one forward batch when `chunked`, else the whole
+        shard. The prompts are encoded once for the shard, as a single call would, so the
+        chunks are the rows of the one-call rollout."""
+        self.partition = partition
+        if chunked:
+            self.chunks = self.engine.generate_chunks(req)
+        else:
+            self.chunks = iter([self.engine.generate(req).track(self.engine.track_name)])
+
+    @dispatch(Dispatch.BROADCAST)
+    def rollout_next(self) -> BatchMeta:
+        """Sample the next chunk of the started rollout, put it into the transport and return
+        its meta (the driver queues these calls, so each engine runs ahead of the scoring)."""
+        track = next(self.chunks, None)
+        if track is None:
+            raise RuntimeError(f"rollout_next: the rollout into {self.partition!r} has no chunk left")
+        return put_batch(self.transport, self.partition, track)
+
+    @dispatch(Dispatch.BROADCAST)
+    def sleep(self, level: int | None = None) -> None:
+        """Release the weights' memory (`DedicatedEngine.sleep`)."""
+        self.engine.sleep(level)
+
+    @dispatch(Dispatch.BROADCAST)
+    def wake_up(self) -> None:
+        """Restore what `sleep` released (`DedicatedEngine.wake_up`)."""
+        self.engine.wake_up()
+
+    @dispatch(Dispatch.BROADCAST)
+    def sync_setup(self, sync_cfg: dict[str, Any], plan: SyncPlan, endpoint: dict[str, Any] | None) -> None:
+        """Make this engine's receiver of the trainer's sync `plan` (`weight_sync` block) and
+        check that the plan binds to the engine's module (`unirl.sync.bind` names every
+        mismatch, and a LoRA plan that would bind zero modules)."""
+        cfg = WeightSyncConfig(**sync_cfg)
+        bind(self.engine.stage.module, plan)
+        self.receiver = make_receiver(cfg, plan, endpoint, self.rank_info.rank, device=self.device)
+
+    @dispatch(Dispatch.BROADCAST)
+    def sync_connect(self) -> None:
+        """Join the sync transport (at once with the trainer's `sync_connect` for in-band backends)."""
+        self.receiver.connect()
+
+    @dispatch(Dispatch.BROADCAST)
+    def sync_receive(self, ticket: SyncTicket | None) -> dict[str, float]:
+        """Receive one sync into the engine's own parameters (in place) and sample those
+        weights from now on; returns the receiver's `sync/...` stats."""
+        if self.engine.asleep:
+            raise EngineStateError("a sync into an asleep engine: wake_up() first")
+        plan = self.receiver.plan
+        self.receiver.receive(ticket, into=bind(self.engine.stage.module, plan))
+        self.engine.weights_version = self.receiver.version
+        return dict(self.receiver.stats)
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def save_weights(self, path: str) -> None:
+        """Write the synced tensors this engine samples with (the sync plan's payload, by
+        canonical name) to `<path>/engine_weights.safetensors`, with their version."""
+        tensors = bind(self.engine.stage.module, self.receiver.plan)
+        meta = {"version": str(self.engine.weights_version)}
+        save_file(
+            {k: v.contiguous().cpu() for k, v in tensors.items()}, os.path.join(path, WEIGHTS_FILE), meta
+        )
+
+    @dispatch(Dispatch.BROADCAST)
+    def load_weights(self, path: str, version: int) -> None:
+        """Load what `save_weights` wrote into the engine's parameters and sample them as weight
+        `version` (a later sync must be newer). Names, shapes and dtypes must match the plan."""
+        plan = self.receiver.plan
+        saved = load_file(os.path.join(path, WEIGHTS_FILE))
+        problems = plan.mismatches(saved, "checkpoint")
+        if problems:
+            raise WeightSyncError(
+                f"{path}/{WEIGHTS_FILE} does not fit the sync plan:\n  " + "\n  ".join(problems)
+            )
+        with torch.no_grad():
+            for name, tensor in bind(self.engine.stage.module, plan).items():
+                tensor.copy_(saved[name])
+        self.engine.weights_version = self.receiver.version = version
+
+    @dispatch(Dispatch.BROADCAST)
+    def weights_version(self) -> int | None:
+        """The version (trainer step) of the weights this engine samples, None if none synced."""
+        return self.engine.weights_version
+
+    @dispatch(Dispatch.BROADCAST)
+    def process_info(self) -> dict[str, Any]:
+        """Host and process id of this engine (recorded in the run's placement.json)."""
+        return {
+            "engine": self.rank_info.rank,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(self.device),
+        }
+
+    @dispatch(Dispatch.BROADCAST)
+    def memory_mb(self) -> dict[str, float]:
+        """Resident memory of this engine now (`rss`) and its peak so far (`peak_rss`), in MiB;
+        on a GPU also the tensors allocated on its device now (`device`)."""
+        out = {
+            "rss": psutil.Process().memory_info().rss / 2**20,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        if self.device.type == "cuda":
+            out["device"] = torch.cuda.memory_allocated(self.device) / 2**20
+        return out
+
+    @dispatch(Dispatch.BROADCAST)
+    def dataplane_stats(self) -> dict[str, float]:
+        """This engine's ``dataplane/...`` totals since the last call."""
+        return self.transport.stats.drain()
+
+    @dispatch(Dispatch.BROADCAST)
+    def teardown(self) -> None:
+        """Detach from the transport and the sync before the actor is killed."""
+        self.transport.close()
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,258 @@
+"""Where a run's rollouts happen, as the driver sees it: trainside or dedicated engines.
+
+`RolloutSettings.of(cfg)` reads the recipe's `rollout` node: the trainside
+engine (the train workers sample with the module they train) or a
+`unirl.rollout.dedicated.DedicatedEngine` (engine actors with their own
+weights, placed `colocate` on the training devices or `separate` after them,
+fed by weight sync). Both give the trainer the same calls:
+
+- `prepare(version)`: make the samplers hold the trainer's weights of
+  `version` (dedicated: wake colocated engines, then sync if they are behind);
+- `submit(req, partition) -> InFlightRollout`: start a rollout and return at
+  once; the tracks go into the transport exactly as a trainside rollout's;
+- `release()`: after a rollout, colocated engines sleep (their memory goes
+  back while the trainer trains);
+- `InFlightRollout.collect(...)`: wait chunk by chunk, scoring each chunk
+  as it arrives (reward scoring overlaps the rest of the rollout), and return
+  the meta and the scored reward view in request order.
+
+With `overlap_reward`, a dedicated rollout is submitted as one call per
+forward batch of every engine (chunk k = the k-th forward batch of each
+engine's shard), so every forward is the forward a single call would run and
+the samples, rewards and advantages are those of the one-call rollout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from unirl.dataplane import BatchMeta, get_batch
+from unirl.distributed.group import PendingCall, WorkerError, placement, remote
+from unirl.rollout.dedicated import is_dedicated
+from unirl.sync import WeightSyncConfig
+from unirl.trainer.engine_worker import EngineWorker
+from unirl.types.rollout_req import RolloutReq
+from unirl.types.rollout_resp import RolloutTrack
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The driver's view of the recipe's rollout engine (see `DedicatedEngine` for the fields)."""
+
+    dedicated: bool
+    placement: str = "colocate"
+    num_engines: int = 0
+    max_staleness: int = 0
+    sleep_level: int = 0
+    overlap_reward: bool = False
+    forward_batch_size: int | None = None
+
+    @classmethod
+    def of(cls, cfg: Any) -> RolloutSettings:
+        node = cfg["rollout"]
+        if not is_dedicated(node):
+            return cls(dedicated=False)
+        return cls(
+            dedicated=True,
+            placement=str(node.get("placement", "colocate")),
+            num_engines=int(node.get("num_engines", 1)),
+            max_staleness=int(node.get("max_staleness", 0)),
+            sleep_level=int(node.get("sleep_level", 1)),
+            overlap_reward=bool(node.get("overlap_reward", True)),
+            forward_batch_size=node.get("forward_batch_size"),
+        )
+
+    def pool_devices(self, num_devices: int) -> int:
+        """Devices the run reserves: the training devices, plus the engines' own when separate."""
+        return num_devices + (self.num_engines if self.placement == "separate" and self.dedicated else 0)
+
+
+def request_order(chunks: list[Any], parts: int) -> Any:
+    """Reassemble per-sample chunks into request order.
+
+    Chunk k holds `parts` equal pieces, piece e being the k-th forward batch of
+    engine e's shard; the request is engine-major (engine e's shard whole, then
+    engine e + 1's). Works for anything with `split` and `concat` (metas, tracks).
+    """
+    if len(chunks) == 1:
+        return chunks[0]
+    pieces = [c.split(parts) for c in chunks]
+    return type(chunks[0]).concat([pieces[k][e] for e in range(parts) for k in range(len(chunks))])
+
+
+class InFlightRollout:
+    """A rollout in flight: `chunks` are called in order, each waiting for the next chunk's
+    meta (every engine's next forward batch, in engine order); `version` is the weights'
+    version the rollout samples."""
+
+    def __init__(self, chunks: list[Callable[[], BatchMeta]], parts: int, version: int) -> None:
+        self.chunks = chunks
+        self.parts = parts
+        self.version = version
+
+    def collect(
+        self, transport: Any, fields: list[str], score: Callable[[RolloutTrack], Any]
+    ) -> tuple[BatchMeta, RolloutTrack, float]:
+        """Wait for each chunk in turn, fetch its `fields` and `score` it (while later chunks
+        still generate); returns (meta, scored view) in request order and the time
+        (`time.perf_counter()`) the last chunk arrived. A failed chunk raises its `WorkerError`."""
+        metas, tracks = [], []
+        for chunk in self.chunks:
+            meta = chunk()
+            arrived = time.perf_counter()
+            track = get_batch(transport, meta, fields)
+            score(track)
+            metas.append(meta)
+            tracks.append(track)
+        return request_order(metas, self.parts), request_order(tracks, self.parts), arrived
+
+
+class TrainsideRollouts:
+    """The train workers sample with the module they train: one call per rollout, nothing to sync."""
+
+    settings = RolloutSettings(dedicated=False)
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.version = 0
+
+    def prepare(self, version: int) -> dict[str, float]:
+        self.version = version
+        return {}
+
+    def submit(self, req: RolloutReq, partition: str) -> InFlightRollout:
+        return InFlightRollout([self.group.submit("rollout", req, partition).result], 1, self.version)
+
+    def release(self) -> None:
+        return None
+
+    def process_info(self) -> list[dict[str, Any]]:
+        return []
+
+    def stats(self) -> list[dict[str, float]]:
+        return []
+
+    def shutdown(self) -> None:
+        return None
+
+
+class DedicatedRollouts:
+    """Engine actors with their own weights, synced from the train workers.
+
+    Args:
+        settings: the recipe's rollout settings (dedicated).
+        cfg: the resolved recipe as a plain dict.
+        pool: the run's `DevicePool` (`settings.pool_devices(num_devices)` devices).
+        trainer: the train workers' group (the weight-sync senders).
+        transport_info: what the driver's transport `start()` returned.
+        env: environment exported in the engine actors.
+
+    Builds the engines (colocate: on the first `num_engines` training devices;
+    separate: on the devices after the training ones), then the sync: the
+    trainer's rank 0 plans the payload (LoRA or full) and every engine binds it
+    to its own module (a LoRA sync that would bind zero modules fails here,
+    before the first step).
+    """
+
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        cfg: dict[str, Any],
+        pool: Any,
+        trainer: Any,
+        transport_info: dict[str, Any],
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.trainer = trainer
+        self.sync_cfg = WeightSyncConfig(**cfg["weight_sync"])
+        first = int(cfg["num_devices"]) if settings.placement == "separate" else 0
+        where = placement(pool, settings.num_engines, first)
+        self.group = remote(EngineWorker, where, cfg, transport_info, env=env)
+        self.version: int | None = None
+        self.asleep = False
+        plan, endpoint, self.in_band = trainer.sync_setup(cfg["weight_sync"], settings.num_engines)
+        self.group.sync_setup(cfg["weight_sync"], plan, endpoint)
+        connecting = self.group.submit("sync_connect")  # in-band backends connect collectively
+        trainer.sync_connect()
+        connecting.result()
+
+    def prepare(self, version: int) -> dict[str, float]:
+        """Wake colocated engines, then sync the trainer's weights of `version` into every
+        engine if they hold another; returns `time/sync_s` and the sync's `sync/...` stats."""
+        if self.asleep:
+            self.group.wake_up()
+            self.asleep = False
+        if self.version == version:
+            return {}
+        start = time.perf_counter()
+        if self.in_band:  # send and receive are one collective: start the receivers first
+            receiving = self.group.submit("sync_receive", None)
+            ticket, stats = self.trainer.sync_send(version)
+            received = receiving.result()
+        else:
+            ticket, stats = self.trainer.sync_send(version)
+            received = self.group.sync_receive(ticket)
+        self.version = version
+        out = {k: v for k, v in stats.items() if k != "sync/version"}
+        out["sync/receive_s"] = max(r["sync/receive_s"] for r in received)
+        out["time/sync_s"] = time.perf_counter() - start
+        return out
+
+    def submit(self, req: RolloutReq, partition: str) -> InFlightRollout:
+        """Start `req` on the engines (split evenly, in engine order) and queue one
+        `rollout_next` call per chunk on every engine; with `overlap_reward` a chunk is one
+        forward batch of each engine's shard, so the engines sample ahead of the scoring."""
+        if self.version is None:
+            raise RuntimeError("DedicatedRollouts.submit before prepare(): the engines hold no weights")
+        parts = self.settings.num_engines
+        size, step = len(req) // parts, self.settings.forward_batch_size
+        chunked = bool(self.settings.overlap_reward and step and step < size)
+        started = self.group.submit("rollout", req, partition, chunked)
+        calls = [self.group.submit("rollout_next") for _ in range(-(-size // step) if chunked else 1)]
+
+        def chunk(call: PendingCall, first: bool) -> Callable[[], BatchMeta]:
+            def wait() -> BatchMeta:
+                if first:
+                    started.result()
+                return BatchMeta.concat(call.result())
+
+            return wait
+
+        return InFlightRollout([chunk(c, i == 0) for i, c in enumerate(calls)], parts, self.version)
+
+    def release(self) -> None:
+        """After a rollout: colocated engines with a sleep level release their weights' memory."""
+        if self.settings.placement == "colocate" and self.settings.sleep_level > 0 and not self.asleep:
+            self.group.sleep()
+            self.asleep = True
+
+    def save_weights(self, path: str) -> None:
+        """Engine 0 writes the synced weights it samples into checkpoint directory `path` (after
+        the rollouts queued on it)."""
+        self.group.save_weights(path)
+
+    def load_weights(self, path: str, version: int) -> None:
+        """Every engine loads the weights `save_weights` wrote, as weight version `version`."""
+        self.group.load_weights(path, version)
+        self.version = version
+
+    def process_info(self) -> list[dict[str, Any]]:
+        return self.group.process_info()
+
+    def stats(self) -> list[dict[str, float]]:
+        """Each engine's `dataplane/...` totals since the last call."""
+        return self.group.dataplane_stats()
+
+    def memory_mb(self) -> list[dict[str, float]]:
+        return self.group.memory_mb()
+
+    def shutdown(self) -> None:
+        try:
+            self.group.teardown()
+        except WorkerError:
+            pass  # a dead engine has nothing left to close
+        self.group.shutdown()
