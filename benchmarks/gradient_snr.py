@@ -14,6 +14,12 @@ that is signal, and N / mean_cos is about the number of samples an update
 needs for a cosine of 0.5 with the true gradient.
 
     python benchmarks/gradient_snr.py --recipe diffusion/shapes_flowgrpo [--repeats 4] [key=value ...]
+    python benchmarks/gradient_snr.py --recipe diffusion/shapes_draft sampling.samples_per_prompt=8
+
+The same construction serves the reward-backprop losses (DRaFT, AlignProp, ReFL): their
+gradient is the differentiable reward's, taken through the re-run sampling steps (the
+advantages are computed and unused), so the cosine compares a pathwise estimator with the
+policy-gradient rows at the same sample count.
 
 Prints one JSON line (and appends it to `--out`): the recipe, overrides,
 samples per estimate, mean / min / max pairwise cosine, each estimate's

@@ -165,7 +165,8 @@ RL_RECIPES = sorted(
     for f in os.listdir(os.path.join(EXAMPLES, domain))
 )
 NEEDS_MODEL_DIR = ("diffusion/sd3_flowgrpo", "llm/qwen3_grpo")  # a real model directory (own tests)
-SIGNED_FLOATS = ("reward.backend.weights.",)  # a negative weight flips a reward on purpose
+# a negative weight flips a reward on purpose (the reward-backprop recipes hand theirs to the algorithm too)
+SIGNED_FLOATS = ("reward.backend.weights.", "algorithm.reward.backend.weights.")
 
 
 def leaves(node, path=""):
@@ -471,3 +472,41 @@ def test_pretrained_lm_directory_checks(tmp_path, monkeypatch):
     monkeypatch.setenv("PRETRAINED_MODEL", str(bad))
     msg = problems_of([], name="llm/qwen3_grpo")
     assert "the tokenizer has 269 tokens but config.json's vocab_size is 259" in msg and str(bad) in msg
+
+
+# ---- reward backpropagation (DRaFT, AlignProp, ReFL) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, override, expected",
+    [
+        (
+            "diffusion/shapes_draft",
+            "stage.store_trajectory=false",
+            "stage.store_trajectory: DRaFT restarts the sampler",
+        ),
+        ("diffusion/shapes_draft", "sampling.eta=0.7", "sampling.eta=0.7: DRaFT re-runs ODE rollouts"),
+        (
+            "diffusion/shapes_draft",
+            "algorithm.config.steps=11",
+            "algorithm.config.steps=11 exceeds sampling.num_steps=10",
+        ),
+        (
+            "diffusion/shapes_alignprop",
+            "algorithm.config.max_steps=12",
+            "algorithm.config.max_steps=12 exceeds",
+        ),
+        (
+            "diffusion/shapes_refl",
+            "reward.backend.weights.strict=1.0",
+            "reward component 'strict' (GenEvalMini) has weight 1.0 but is not differentiable",
+        ),
+        (
+            "diffusion/shapes_refl",
+            "train.stack.num_updates_per_batch=2",
+            "ReFL does not support several updates",
+        ),
+    ],
+)
+def test_reward_backprop_recipes_refuse_what_the_loss_cannot_do(name, override, expected):
+    assert expected in problems_of([override], name=name)

@@ -301,6 +301,36 @@ def _check_keep_graph(cfg: DictConfig, passed: dict[str, Any], modality: str | N
         )
 
 
+def _check_reward_backprop(
+    cfg: DictConfig, algorithm: type | None, built: Any, sampling: Any, problems: list[str]
+) -> None:
+    """Reward-backprop algorithms (DRaFT, AlignProp, ReFL) re-run an ODE rollout's stored steps:
+    the stage must store the trajectory, sampling must be ODE, and their step counts fit it."""
+    if algorithm is None or not isinstance(sampling, DiffusionSamplingParams):
+        return
+    name = algorithm.__name__
+    stage = cfg.get("stage")
+    if getattr(algorithm, "requires_trajectory", False) and not (
+        stage is not None and stage.get("store_trajectory")
+    ):
+        problems.append(
+            f"stage.store_trajectory: {name} restarts the sampler from stored latents; set stage.store_trajectory: true"
+        )
+    if getattr(algorithm, "requires_ode_rollout", False):
+        if sampling.eta != 0:
+            problems.append(f"sampling.eta={sampling.eta}: {name} re-runs ODE rollouts; set sampling.eta: 0")
+        if getattr(sampling, "ode_solver", "euler") != "euler":
+            problems.append(
+                f"sampling.ode_solver={sampling.ode_solver}: {name} re-runs the rollout's Euler steps; set it to euler"
+            )
+    check = getattr(built, "check_sampling", None)
+    if callable(check):
+        try:
+            check(sampling)
+        except ValueError as exc:
+            problems.append(str(exc))
+
+
 def _check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     """World size vs sharding, FSDP block names vs the model, resume keys."""
     from unirl.train.fsdp import unmatched_block_classes
@@ -467,6 +497,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
     _check_keep_graph(cfg, passed, modality, problems)
     if modality == "diffusion":
         _check_sde(cfg, sampling, problems)
+    _check_reward_backprop(cfg, algorithm, passed.get("algorithm"), sampling, problems)
     check_advantage = getattr(passed.get("algorithm"), "check_advantage", None)
     advantage = passed.get("advantage")
     if callable(check_advantage) and advantage is not None:
