@@ -1,0 +1,55 @@
+"""Validation of the rollout engine, its placement and its weight sync, before any Ray work."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.config.test_validate import problems_of, recipe
+from unirl.config.validate import validate_rl_config
+from unirl.trainer.engines import RolloutSettings
+
+COLOCATE = "diffusion/tiny_sd3_dedicated_colocate"
+SEPARATE = "diffusion/tiny_sd3_dedicated_separate"
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "expected"),
+    [
+        (COLOCATE, ["~weight_sync"], "a dedicated rollout engine needs one sync backend"),
+        (COLOCATE, ["weight_sync.backend=nccl"], "weight_sync.backend must be exactly one of"),
+        ("diffusion/tiny_sd3_flowgrpo", ["+weight_sync.backend=broadcast"], "nothing to sync"),
+        (COLOCATE, ["weight_sync.backend=cuda_ipc"], "cuda_ipc needs GPUs"),
+        (SEPARATE, ["weight_sync.backend=cuda_ipc"], "needs the engine colocated"),
+        (COLOCATE, ["rollout.num_engines=2"], "at most num_devices=1"),
+        (
+            COLOCATE,
+            ["rollout.num_engines=3", "num_devices=3", "train.stack.micro_batch_size=1"],
+            "rollout.num_engines=3",
+        ),
+        (COLOCATE, ["rollout.max_staleness=1"], "set rollout.placement=separate"),
+        (
+            SEPARATE,
+            ["algorithm.config.old_logp_source=replay"],
+            "set algorithm.config.old_logp_source=rollout",
+        ),
+        (SEPARATE, ["rollout.sleep_level=1"], "set rollout.sleep_level=0"),
+        (COLOCATE, ["launcher=in_process", "transport=inband"], "a dedicated rollout engine is a Ray actor"),
+        (COLOCATE, ["rollout.placement=nearby"], "rollout.placement: expected 'colocate' or 'separate'"),
+        (COLOCATE, ["rollout.max_staleness=2"], "rollout.max_staleness: expected 0 or 1"),
+        (COLOCATE, ["rollout.sleep_level=3"], "rollout.sleep_level: expected 0, 1 or 2"),
+        (COLOCATE, ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb must be > 0"),
+        (COLOCATE, ["+weight_sync.compress=true"], "weight_sync.compress: unknown key"),
+        ("llm/tiny_lm_dedicated", ["advantage.kl_coef=0.1"], "a dedicated engine holds no reference policy"),
+    ],
+)
+def test_bad_engine_settings_are_named(name, overrides, expected):
+    assert expected in problems_of(overrides, name)
+
+
+def test_dedicated_recipes_validate_and_settle_their_layout():
+    for name, devices in ((COLOCATE, 1), (SEPARATE, 2), ("llm/tiny_lm_dedicated", 1)):
+        cfg = recipe(name)
+        validate_rl_config(cfg)
+        settings = RolloutSettings.of(cfg)
+        assert settings.dedicated and settings.pool_devices(1) == devices
+    assert not RolloutSettings.of(recipe("diffusion/tiny_sd3_flowgrpo")).dedicated
