@@ -88,3 +88,24 @@ def test_reward_backprop_algorithms_check_the_reward_when_built():
         LocalRewardBackend({"red": ColorTarget([1.0, 0.0, 0.0]), "random": RandomReward()}, {"random": 0.0})
     )
     assert DRaFT(ok).reward is ok
+
+
+def test_random_direction_control_gradient_by_hand_and_one_direction_per_image():
+    from unirl.reward.local.control import RandomDirectionReward
+
+    control = RandomDirectionReward(seed=3)
+    assert isinstance(control, DifferentiableReward)
+    u8 = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    images = (u8.float() / 255).requires_grad_(True)
+    score = control.score_differentiable(images, ["p", "q"], [])
+    d = images[0].numel()
+    w = torch.stack([control.direction(img) for img in images.detach()])
+    s = torch.sigmoid((w * (2 * images.detach() - 1)).flatten(1).sum(1) / d**0.5)
+    torch.testing.assert_close(score, s)
+    score.sum().backward()
+    torch.testing.assert_close(images.grad, w * (2 * s * (1 - s) / d**0.5).view(-1, 1, 1, 1))
+    req = RewardRequest(sample_ids=["a", "b"], prompts=["p", "q"], images=u8)
+    torch.testing.assert_close(control(req), s)  # the scorer hashes the same pixels
+    cos = torch.nn.functional.cosine_similarity(w[0].flatten(), w[1].flatten(), dim=0)
+    assert abs(float(cos)) < 0.2  # a direction per image
+    assert not torch.equal(RandomDirectionReward(seed=4).direction(images[0].detach()), w[0])

@@ -1,7 +1,7 @@
 """In-process, weight-free scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor."""
 
 from unirl.reward.local.color import ColorTarget
-from unirl.reward.local.control import RandomReward
+from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, TargetCharFraction
 
@@ -12,6 +12,7 @@ __all__ = [
     "JpegCompressibility",
     "JpegIncompressibility",
     "OverlongPenalty",
+    "RandomDirectionReward",
     "RandomReward",
     "TargetCharFraction",
     "jpeg_size_kb",
