@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 LM_SMALL = ["prompts_per_rollout=4", "sampling.samples_per_prompt=4", "logging.progress=false"]
 CASES = {
     "diffusion/tiny_sd3_dedicated_colocate": ("unirl.train_diffusion", SMALL, [0, 0]),
-    "diffusion/tiny_sd3_dedicated_separate": ("unirl.train_diffusion", SMALL, [0, 1, 1]),
+    "diffusion/tiny_sd3_dedicated_separate": ("unirl.train_diffusion", SMALL, [0, 1]),
     "llm/tiny_lm_dedicated": ("unirl.train_vlm", LM_SMALL, [0, 0]),
 }
 

@@ -138,49 +138,47 @@ def test_overlapped_loop_without_staleness_equals_the_sequential_one(trainside, 
     assert placed["num_devices"] == 4  # two training devices + the engines' own two
 
 
-def test_staleness_one_samples_with_the_previous_weights(tmp_path):
+def test_staleness_one_samples_behind_and_resumes_exactly(tmp_path):
     """max_staleness 1: step n+1's rollout runs while step n trains, on weights one version behind.
 
-    Independent check of the behaviour policy: a run whose first update changes no weight
-    (lr 1e-30) samples its step-2 rollout with the initial weights on-policy; the stale run,
-    which did train at step 1, samples its step-2 rollout with the initial weights too. Their
-    step-2 rewards are equal, and the stale run's importance ratios (trained weights over the
-    engine's recorded log-probs) are off 1 where the frozen run's are exactly 1."""
-    stale = run(SEPARATE, tmp_path / "stale", "num_steps=3")
+    The behaviour policy, checked independently: a run whose first update changes no weight
+    (lr 1e-30) samples its step-2 rollout on-policy with the initial weights; the stale run,
+    which did train at step 1, samples its step-2 rollout with the initial weights too, so their
+    step-2 rewards are equal, while the stale run's importance ratios (trained weights over the
+    engine's recorded log-probs) are off 1 where the frozen run's are exactly 1.
+
+    Resume: the step-2 checkpoint is taken while step 3's rollout runs; it holds the engine's
+    weights (version 1) and the data position before that rollout's prompts, so a run resumed
+    from it writes the uninterrupted run's rows and ends with the same weights."""
+    full = run(SEPARATE, tmp_path / "full", "num_steps=4", "checkpoint.every_n_steps=2")
+    assert [r["rollout/staleness"] for r in full] == [0, 1, 1, 1]
     frozen = run(
         SEPARATE, tmp_path / "frozen", "num_steps=2", "rollout.max_staleness=0", "train.optim.lr=1e-30"
     )
-    assert [r["rollout/staleness"] for r in stale] == [0, 1, 1]
-    assert {**training(stale[0]), "train/lr": 0} == {**training(frozen[0]), "train/lr": 0}
-    assert stale[1]["reward/mean"] == frozen[1]["reward/mean"]
-    assert stale[1]["reward/std"] == frozen[1]["reward/std"]
+    assert {**training(full[0]), "train/lr": 0} == {**training(frozen[0]), "train/lr": 0}
+    assert full[1]["reward/mean"] == frozen[1]["reward/mean"]
+    assert full[1]["reward/std"] == frozen[1]["reward/std"]
     assert frozen[1]["ratio/first_update_mean"] == 1.0 and frozen[1]["approx_kl"] == 0.0
-    for r in stale[1:]:
+    for r in full[1:]:
         assert r["off_policy/ratio_mean"] == r["ratio/first_update_mean"] != 1.0
         assert r["approx_kl"] > 0 and max(abs(r["ratio/max"] - 1), abs(r["ratio/min"] - 1)) > 1e-5
 
-
-def test_resume_with_a_rollout_in_flight_continues_identically(tmp_path):
-    """A checkpoint taken while the next rollout runs holds the engine's weights (one version
-    behind) and the data position before that rollout's prompts: a run resumed from it writes
-    the uninterrupted run's rows and ends with the same weights."""
-    full = run(SEPARATE, tmp_path / "full", "num_steps=4", "checkpoint.every_n_steps=2")
     ckpt = tmp_path / "full" / "checkpoints" / "step_000002"
     state = json.loads((ckpt / "driver_state.json").read_text())
     assert state["engine_weights_version"] == 1 and (ckpt / "engine_weights.safetensors").exists()
     resumed = run(SEPARATE, tmp_path / "resumed", "num_steps=4", f"resume_from={ckpt}")
     assert [r["step"] for r in resumed] == [3, 4]
     assert [training(r) for r in resumed] == [training(r) for r in full[2:]]
-    assert [r["rollout/staleness"] for r in resumed] == [1, 1]
     assert same_weights(tmp_path / "full", tmp_path / "resumed")
 
 
 def test_text_engine_with_dropped_weights_trains_like_trainside(tmp_path):
     """The LM recipe (full fine-tune, every weight synced and verified, the engine dropping its
-    weights while the trainer trains and rebuilding them on wake-up) gives the trainside rows."""
+    weights while the trainer trains and rebuilding them on wake-up; 4 chunks per rollout, each
+    scored while the next generates) gives the trainside rows and weights."""
     small = ["num_steps=2", "prompts_per_rollout=4", "sampling.samples_per_prompt=4"]
-    ref = run("llm/tiny_lm_grpo", tmp_path / "ref", *small, "rollout.forward_batch_size=16")
-    rows = run("llm/tiny_lm_dedicated", tmp_path / "eng", *small)
+    ref = run("llm/tiny_lm_grpo", tmp_path / "ref", *small, "rollout.forward_batch_size=4")
+    rows = run("llm/tiny_lm_dedicated", tmp_path / "eng", *small, "rollout.forward_batch_size=4")
     assert [training(r) for r in rows] == [training(r) for r in ref]
     assert same_weights(tmp_path / "ref", tmp_path / "eng")
 
