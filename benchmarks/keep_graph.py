@@ -14,20 +14,23 @@ recipe both ways in one process, side by side:
   first: rollout (`rollout`), reward (fetch the media, score, advantages) and
   train (`train`: replay or kept graphs, backward, optimizer step), the same
   worker calls the trainer makes;
-- the first `--warmup` steps are dropped; the ratio is keep_graph / replay of
-  each step's wall time, reported as the median over steps (and of the phase
-  medians).
+- each phase is timed in wall time and in this process's CPU time (all
+  threads; less disturbed than wall time when other jobs share the cores);
+- the first `--warmup` steps are dropped; a ratio is keep_graph / replay,
+  as the median over steps of each step pair's ratio, of the medians and of
+  the minima.
 
 Memory, measured apart (peak RSS is per process): `--memory` runs each side
-in a subprocess for `--memory-steps` steps and reports its peak RSS
-(`ru_maxrss`), and one extra rollout of the keep_graph side counts the bytes
-autograd saved for backward (`saved_tensors_hooks`), i.e. what the kept graphs
-hold, per kept (sample, step) pair.
+in a subprocess, resets the peak-RSS mark after a warm-up step and reports the
+RSS before and the peak during `--memory-steps` steps; and one extra rollout
+of the keep_graph side here counts the bytes autograd saves for backward
+(`saved_tensors_hooks`; weights excluded, they are not copied), i.e. what the
+kept graphs hold, per kept (sample, step) pair.
 
-    python benchmarks/keep_graph.py [--recipe diffusion/tiny_sd3_flowgrpo] [--steps 10] [--memory] [key=value ...]
+    python benchmarks/keep_graph.py [--recipe diffusion/tiny_sd3_flowgrpo] [--steps 12] [--memory] [key=value ...]
 
-Writes JSON lines (stdout and `--out`): one per phase (medians, ratio), one
-summary (the step-time ratio against the 0.75 goal, memory).
+Writes JSON lines (stdout and `--out`): one per phase, one summary (the step
+ratio against the 0.75 goal, loss and reward per step of both sides, memory).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -101,34 +103,36 @@ class Side:
         self.num_steps = num_steps
 
     def step(self, step: int) -> dict[str, float]:
-        """One driver step (rollout, reward, advantages, train); phase wall times and metrics."""
+        """One driver step (rollout, reward, advantages, train): phase wall and CPU times, metrics."""
         partition = f"{self.name}_step_{step}"
         prompts = int(self.cfg.prompts_per_rollout)
-        t0 = time.perf_counter()
+        marks = [(time.perf_counter(), time.process_time())]
         try:
             req = self.modality.request(self.data_source.next_batch(prompts), step)
             meta = self.group.rollout(req, partition)
-            t1 = time.perf_counter()
+            marks.append((time.perf_counter(), time.process_time()))
             track = get_batch(self.transport, meta, self.modality.reward_fields)
             self.reward.score_and_attach(track)
             track.compute_advantages(self.advantage)
-            t2 = time.perf_counter()
+            marks.append((time.perf_counter(), time.process_time()))
             metrics = self.group.train(
                 self.transport.claim(meta, "train"), track.rewards, track.advantages, step / self.num_steps
             )
-            t3 = time.perf_counter()
+            marks.append((time.perf_counter(), time.process_time()))
         finally:
             self.transport.clear(partition)
-        row = metrics[0] if isinstance(metrics, list) else metrics
-        return {
-            "rollout": t1 - t0,
-            "reward": t2 - t1,
-            "train": t3 - t2,
-            "step": t3 - t0,
-            "loss": float(row["loss"]),
-            "reward_mean": float(track.rewards.mean()),
-            "kept_fraction": float(row.get("keep_graph/kept_fraction", 0.0)),
-        }
+        out = {}
+        for k, phase in enumerate(PHASES[:3]):
+            out[phase] = marks[k + 1][0] - marks[k][0]
+            out[f"{phase}_cpu"] = marks[k + 1][1] - marks[k][1]
+        out["step"], out["step_cpu"] = marks[-1][0] - marks[0][0], marks[-1][1] - marks[0][1]
+        row = metrics[0]
+        out.update(
+            loss=float(row["loss"]),
+            reward_mean=float(track.rewards.mean()),
+            kept_fraction=float(row.get("keep_graph/kept_fraction", 0.0)),
+        )
+        return out
 
     def close(self) -> None:
         self.group.teardown()
@@ -138,18 +142,20 @@ class Side:
 
 def saved_bytes_per_pair(side: Side, step: int) -> dict[str, float]:
     """Bytes autograd saves for backward during one training rollout of `side` (what the kept
-    graphs hold), in total and per kept (sample, step) pair; the graphs are dropped after."""
+    graphs hold; weights excluded), in total and per kept (sample, step) pair; the graphs
+    are dropped after."""
     seen: dict[tuple[int, int], int] = {}
+    module = side.group.worker.stage.module
+    weights = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            seen[key] = t.untyped_storage().nbytes()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:  # a saved weight costs no memory of its own
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
         return t
 
     partition = f"memory_{step}"
-    prompts = int(side.cfg.prompts_per_rollout)
-    req = side.modality.request(side.data_source.next_batch(prompts), step)
+    req = side.modality.request(side.data_source.next_batch(int(side.cfg.prompts_per_rollout)), step)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         side.group.rollout(req, partition)
     pairs = len(side.group.worker.kept)
@@ -163,8 +169,34 @@ def saved_bytes_per_pair(side: Side, step: int) -> dict[str, float]:
     }
 
 
-def peak_rss_of(side: str, args: argparse.Namespace) -> float:
-    """Peak RSS (MiB) of a subprocess that runs `side` for `--memory-steps` steps."""
+def _status_mb(key: str) -> float:
+    """A kB field of /proc/self/status (VmRSS, VmHWM), in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+
+
+def run_memory_side(args: argparse.Namespace) -> int:
+    """Child of `--memory`: build one side, run a warm-up step, reset the peak-RSS mark (Linux:
+    5 into /proc/self/clear_refs), run `--memory-steps` steps; print the RSS before the steps
+    and the peak during them."""
+    quiet_library_logs()
+    side = Side(
+        args.memory_side, compose_side(args.recipe, args.overrides, args.memory_side), 1 + args.memory_steps
+    )
+    side.step(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_mb("VmRSS")
+    for step in range(1, 1 + args.memory_steps):
+        side.step(step)
+    peak = _status_mb("VmHWM")
+    side.close()
+    print(json.dumps({"rss_before_steps_mb": round(before, 1), "peak_rss_mb": round(peak, 1)}))
+    return 0
+
+
+def memory_of(side: str, args: argparse.Namespace) -> dict[str, float]:
+    """`run_memory_side`'s figures for `side`, from a subprocess."""
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -176,35 +208,26 @@ def peak_rss_of(side: str, args: argparse.Namespace) -> float:
         str(args.memory_steps),
         *args.overrides,
     ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}).stdout
-    return float(json.loads(out.strip().splitlines()[-1])["peak_rss_mb"])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
-def run_memory_side(args: argparse.Namespace) -> int:
-    """Child of `--memory`: run one side, print its peak RSS."""
-    quiet_library_logs()
-    cfg = compose_side(args.recipe, args.overrides, args.memory_side)
-    side = Side(args.memory_side, cfg, args.memory_steps)
-    for step in range(args.memory_steps):
-        side.step(step)
-    side.close()
-    print(
-        json.dumps(
-            {
-                "side": args.memory_side,
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            }
-        )
-    )
-    return 0
+def ratios(rows: dict[str, list[dict[str, float]]], key: str) -> dict[str, float]:
+    """keep_graph / replay of `key`: median of the step pairs' ratios, of the medians, of the minima."""
+    keep, replay = [r[key] for r in rows["keep_graph"]], [r[key] for r in rows["replay"]]
+    return {
+        "median_of_pairs": round(statistics.median(k / r for k, r in zip(keep, replay, strict=True)), 3),
+        "of_medians": round(statistics.median(keep) / statistics.median(replay), 3),
+        "of_minima": round(min(keep) / min(replay), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="diffusion/tiny_sd3_flowgrpo")
-    parser.add_argument("--steps", type=int, default=10, help="steps per side, warm-up included")
+    parser.add_argument("--steps", type=int, default=12, help="steps per side, warm-up included")
     parser.add_argument("--warmup", type=int, default=2, help="first steps dropped")
-    parser.add_argument("--memory", action="store_true", help="also measure each side's peak RSS apart")
+    parser.add_argument("--memory", action="store_true", help="also measure each side's RSS apart")
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--memory-side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=DEFAULT_OUT)
@@ -217,14 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_logs()
     sides = {name: Side(name, compose_side(args.recipe, args.overrides, name), args.steps) for name in SIDES}
     per_step: dict[str, list[dict[str, float]]] = {name: [] for name in SIDES}
+    load = [os.getloadavg()[0]]
     for step in range(args.steps):
-        order = SIDES if step % 2 == 0 else SIDES[::-1]
-        for name in order:
+        for name in SIDES if step % 2 == 0 else SIDES[::-1]:
             per_step[name].append(sides[name].step(step))
+    load.append(os.getloadavg()[0])
     memory = saved_bytes_per_pair(sides["keep_graph"], args.steps)
     for side in sides.values():
         side.close()
-    kept = {name: rows[args.warmup :] for name, rows in per_step.items()}
+    timed = {name: rows[args.warmup :] for name, rows in per_step.items()}
     common = {
         "bench": "keep_graph",
         "recipe": args.recipe,
@@ -236,36 +260,30 @@ def main(argv: list[str] | None = None) -> int:
     }
     lines = []
     for phase in PHASES:
-        replay = [r[phase] for r in kept["replay"]]
-        keep = [r[phase] for r in kept["keep_graph"]]
-        lines.append(
-            {
-                **common,
-                "phase": phase,
-                "replay_s": round(statistics.median(replay), 4),
-                "keep_graph_s": round(statistics.median(keep), 4),
-                "ratio": round(statistics.median(keep) / statistics.median(replay), 3),
-                "replay_per_step_s": [round(v, 4) for v in replay],
-                "keep_graph_per_step_s": [round(v, 4) for v in keep],
-            }
-        )
-    pair_ratios = [k["step"] / r["step"] for k, r in zip(kept["keep_graph"], kept["replay"], strict=True)]
+        row: dict[str, Any] = {**common, "phase": phase}
+        for unit, key in (("s", phase), ("cpu_s", f"{phase}_cpu")):
+            for name in SIDES:
+                values = [r[key] for r in timed[name]]
+                row[f"{name}_median_{unit}"] = round(statistics.median(values), 4)
+                row[f"{name}_per_step_{unit}"] = [round(v, 4) for v in values]
+            row[f"ratio_{unit}"] = ratios(timed, key)
+        lines.append(row)
+    step_ratio = ratios(timed, "step")["median_of_pairs"]
     summary: dict[str, Any] = {
         **common,
         "phase": "summary",
-        "step_ratio_median_of_pairs": round(statistics.median(pair_ratios), 3),
-        "step_ratio_of_medians": lines[-1]["ratio"],
+        "step_ratio": step_ratio,
+        "step_cpu_ratio": ratios(timed, "step_cpu")["median_of_pairs"],
         "goal": GOAL,
-        "goal_met": statistics.median(pair_ratios) <= GOAL,
-        "kept_fraction": statistics.mean(r["kept_fraction"] for r in kept["keep_graph"]),
-        "loss_replay": [round(r["loss"], 6) for r in per_step["replay"]],
-        "loss_keep_graph": [round(r["loss"], 6) for r in per_step["keep_graph"]],
-        "reward_replay": [round(r["reward_mean"], 4) for r in per_step["replay"]],
-        "reward_keep_graph": [round(r["reward_mean"], 4) for r in per_step["keep_graph"]],
+        "goal_met": step_ratio <= GOAL,
+        "load_average_1min_start_end": load,
+        "kept_fraction": statistics.mean(r["kept_fraction"] for r in timed["keep_graph"]),
+        **{f"loss_{name}": [round(r["loss"], 6) for r in per_step[name]] for name in SIDES},
+        **{f"reward_{name}": [round(r["reward_mean"], 4) for r in per_step[name]] for name in SIDES},
         **memory,
     }
     if args.memory:
-        summary["peak_rss_mb"] = {name: round(peak_rss_of(name, args), 1) for name in SIDES}
+        summary["memory"] = {name: memory_of(name, args) for name in SIDES}
     lines.append(summary)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "a") as f:
