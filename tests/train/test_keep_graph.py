@@ -38,13 +38,14 @@ def setup(
     lora_dropout: float = 0.0,
     autocast: str | None = None,
     checkpointing: bool = False,
+    lora: bool = True,
 ):
     algo = algo or FlowGRPOConfig(clip_range=0.2)
     bundle = tiny_model_config().build()
     stage = SD3Stage(bundle, replay_steps_per_forward=2, detach_uncond=detach_uncond, autocast_dtype=autocast)
     backend = TrainBackend(
         stage.module,
-        LoRAConfig(rank=4, alpha=8, dropout=lora_dropout),
+        LoRAConfig(rank=4, alpha=8, dropout=lora_dropout) if lora else None,
         OptimConfig(lr=1e-2, weight_decay=0.0),
         10,
         fsdp=FSDPConfig(activation_checkpointing=True) if checkpointing else None,
@@ -107,6 +108,7 @@ def assert_grads_close(got, want, rel: float = 1e-4) -> None:
         "checkpointing",
         "ddpo",
         "dpok",
+        "full_finetune",
     ],
 )
 def test_kept_graph_gives_the_replay_loss_metrics_and_gradients(kind):
@@ -119,6 +121,7 @@ def test_kept_graph_gives_the_replay_loss_metrics_and_gradients(kind):
         # step losses Flow-GRPO drives: DDPO's clip and advantage clip, DPOK's exact KL to the reference
         "ddpo": {"cls": DDPO, "algo": DDPOConfig(adv_clip_max=0.5)},
         "dpok": {"cls": DPOK, "algo": DPOKConfig(beta=0.05)},
+        "full_finetune": {"lora": False},
     }.get(kind, {})
     stage, backend, stack, sp = setup(**kwargs)
     track, engine = kept_rollout(stage, sp)
