@@ -32,7 +32,6 @@ from typing import Any
 from unirl.dataplane import BatchMeta, get_batch
 from unirl.distributed.group import PendingCall, WorkerError, placement, remote
 from unirl.rollout.dedicated import is_dedicated
-from unirl.sync import WeightSyncConfig
 from unirl.trainer.engine_worker import EngineWorker
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutTrack
@@ -113,8 +112,6 @@ class InFlightRollout:
 class TrainsideRollouts:
     """The train workers sample with the module they train: one call per rollout, nothing to sync."""
 
-    settings = RolloutSettings(dedicated=False)
-
     def __init__(self, group: Any) -> None:
         self.group = group
         self.version = 0
@@ -168,17 +165,20 @@ class DedicatedRollouts:
     ) -> None:
         self.settings = settings
         self.trainer = trainer
-        self.sync_cfg = WeightSyncConfig(**cfg["weight_sync"])
         first = int(cfg["num_devices"]) if settings.placement == "separate" else 0
         where = placement(pool, settings.num_engines, first)
         self.group = remote(EngineWorker, where, cfg, transport_info, env=env)
         self.version: int | None = None
         self.asleep = False
-        plan, endpoint, self.in_band = trainer.sync_setup(cfg["weight_sync"], settings.num_engines)
-        self.group.sync_setup(cfg["weight_sync"], plan, endpoint)
-        connecting = self.group.submit("sync_connect")  # in-band backends connect collectively
-        trainer.sync_connect()
-        connecting.result()
+        try:
+            plan, endpoint, self.in_band = trainer.sync_setup(cfg["weight_sync"], settings.num_engines)
+            self.group.sync_setup(cfg["weight_sync"], plan, endpoint)
+            connecting = self.group.submit("sync_connect")  # in-band backends connect collectively
+            trainer.sync_connect()
+            connecting.result()
+        except BaseException:
+            self.shutdown()  # the caller never gets this object: leave no engine behind
+            raise
 
     def prepare(self, version: int) -> dict[str, float]:
         """Wake colocated engines, then sync the trainer's weights of `version` into every

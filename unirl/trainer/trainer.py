@@ -136,8 +136,17 @@ class Trainer:
                     "bundle_node_ids": pool.bundle_node_ids(),
                 }
             if self.rollout_settings.dedicated:
-                self.rollouts = DedicatedRollouts(
-                    self.rollout_settings, plain, pool, group, transport_info, env=WORKER_ENV
+                settings = self.rollout_settings
+                self.rollouts = self._guard(
+                    0,
+                    "engine setup",
+                    DedicatedRollouts,
+                    settings,
+                    plain,
+                    pool,
+                    group,
+                    transport_info,
+                    WORKER_ENV,
                 )
             else:
                 self.rollouts = TrainsideRollouts(group)
