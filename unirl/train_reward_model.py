@@ -3,18 +3,22 @@
     python -m unirl.train_reward_model --out checkpoints/shapes_reward [--work DIR] [options]
 
 1. Data (cached under `--work`, chunk by chunk, so a stopped run resumes where it was):
-   `--synth` renders and perturbed renders of training scenes paired with their own, near-miss or
-   random training prompts (`unirl.shapes.reward_data`); `--base-train` samples of the committed
-   base (`--base`) on training prompts (ODE, CFG 3, 10 or 20 steps alternately), each also paired
-   with a near-miss prompt; and two held-out sets never trained on: `--base-heldout` base samples
-   of training prompts from other seeds, and base samples of the 51 held-out (eval) prompts.
-   Every pair is labelled by the weight-free `GenEvalMini`.
-2. Training: AdamW on the masked binary cross-entropy of the verdicts, `--steps` steps of
-   `--batch` pairs drawn with a generator seeded by (seed, step), small Gaussian input noise;
-   the state is saved every `--save-every` steps and a rerun continues from it.
-3. Export to `--out`: `model.safetensors`, `config.json` (widths, heads, data sizes, seed,
-   wall clock), `agreement.json` (accuracy and AUC per verdict and strict accuracy per category on
-   both held-out sets) and `heldout.npz` (the held-out images and prompts, for the pinned test).
+   `--synth` renders and perturbed renders of training scenes (`unirl.shapes.reward_data`, each
+   paired with its own, a near-miss or a random training prompt); `--base-train` samples of the
+   committed base (`--base`) on training prompts (ODE, CFG 3, 10 or 20 steps alternately), each
+   also paired with a near-miss prompt; and two held-out sets never trained on: `--base-heldout`
+   base samples of training prompts from other seeds, and base samples of the held-out (eval)
+   prompts. Every (image, prompt) pair gets `GenEvalMini`'s verdicts (for the agreement).
+2. Training: the detector (`SceneNet`) learns `GenEvalMini`'s detections of the images (cell
+   classes and centre heat, `reward_data.targets`; prompts are not used), AdamW with a cosine
+   learning rate, `--steps` steps of `--batch` images drawn with a generator seeded by (seed,
+   step), small Gaussian input noise; the state is saved every `--save-every` steps and a rerun
+   continues from it.
+3. Export to `--out`: `model.safetensors`, `config.json` (widths, classes, data sizes, seed,
+   wall clock), `agreement.json` (the model's verdicts vs the scorer's on both held-out sets and
+   the training pool: accuracy per verdict, AUC of the differentiable score for strict, strict
+   accuracy per category, exact object counts) and `heldout.npz` (the held-out images and
+   prompts, for the pinned test).
 
 Prints the agreement as JSON.
 """
@@ -35,14 +39,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from unirl.shapes import CATEGORIES, ShapesDataset, parse_prompt  # noqa: E402
-from unirl.shapes.reward_data import label, pair_prompts, synth_batch  # noqa: E402
+from unirl.shapes.reward_data import detection_labels, label, pair_prompts, synth_batch, targets  # noqa: E402
 from unirl.shapes.reward_model import (  # noqa: E402
+    CLASSES,
     HEADS,
-    RewardNet,
-    RewardNetConfig,
-    encode_scene,
-    save_reward_net,
+    HEAT_MAX,
+    SceneNet,
+    SceneNetConfig,
+    predicted_detections,
+    save_scene_net,
+    scene_score,
 )
+from unirl.shapes.scorer import score_scene  # noqa: E402
 from unirl.types import PromptExample  # noqa: E402
 
 SYNTH_CHUNK = 2000
@@ -143,11 +151,9 @@ def build_data(args) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndar
     return pool, heldout
 
 
-def tensors(data: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(images [n, 3, 32, 32] fp32 in [0, 1], prompt codes, targets, masks)."""
-    images = torch.from_numpy(data["images"]).permute(0, 3, 1, 2).float() / 255.0
-    codes = torch.stack([encode_scene(parse_prompt(str(p))) for p in data["prompts"]])
-    return images, codes, torch.from_numpy(data["targets"]), torch.from_numpy(data["mask"])
+def images_of(data: dict[str, np.ndarray]) -> torch.Tensor:
+    """[n, 3, 32, 32] fp32 images in [0, 1]."""
+    return torch.from_numpy(data["images"]).permute(0, 3, 1, 2).float() / 255.0
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
@@ -160,34 +166,54 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
 
 
 @torch.no_grad()
-def agreement(net: RewardNet, data: dict[str, np.ndarray]) -> dict[str, float]:
-    """Accuracy (threshold 0.5) and AUC of each verdict where it applies, the label base rates, and
-    strict accuracy per category, of `net` against the weight-free scorer's labels."""
-    images, codes, targets, mask = tensors(data)
-    probs = torch.sigmoid(net(images, codes)).numpy()
-    targets, mask = targets.numpy(), mask.numpy()
-    out: dict[str, float] = {"n": int(len(probs))}
+def agreement(net: SceneNet, data: dict[str, np.ndarray]) -> dict[str, float]:
+    """The model's verdicts (`score_scene` of its predicted detections) against the weight-free
+    scorer's labels: accuracy of each verdict where it applies, with the label base rate; the AUC
+    of the differentiable score for the strict verdict; strict accuracy per category; and how
+    often the predicted object counts equal the scorer's detections exactly."""
+    images = images_of(data)
+    prompts = [str(p) for p in data["prompts"]]
+    heat = torch.cat([net(images[i : i + 256])[1] for i in range(0, len(images), 256)])
+    specs = [parse_prompt(p) for p in prompts]
+    verdicts = [score_scene(s, d) for s, d in zip(specs, predicted_detections(heat), strict=True)]
+    scores = scene_score(heat, specs).numpy()
+    targets, mask = data["targets"], data["mask"]
+    out: dict[str, float] = {"n": len(prompts)}
     for j, head in enumerate(HEADS):
         m = mask[:, j] > 0
         if not m.any():
             continue
-        out[f"{head}/accuracy"] = float(((probs[m, j] > 0.5) == (targets[m, j] > 0.5)).mean())
-        out[f"{head}/auc"] = auc(probs[m, j], targets[m, j])
+        pred = np.array([float(v[head]) for v, keep in zip(verdicts, m, strict=True) if keep])
+        out[f"{head}/accuracy"] = float((pred == targets[m, j]).mean())
         out[f"{head}/positive_rate"] = float(targets[m, j].mean())
         out[f"{head}/n"] = int(m.sum())
-    cats = np.array([parse_prompt(str(p)).category for p in data["prompts"]])
+    out["strict/auc"] = auc(scores, targets[:, 0])
+    cats = np.array([s.category for s in specs])
+    strict_pred = np.array([v["strict"] for v in verdicts])
     for cat in CATEGORIES:
         m = cats == cat
         if m.any():
-            out[f"strict_accuracy/{cat}"] = float(((probs[m, 0] > 0.5) == (targets[m, 0] > 0.5)).mean())
+            out[f"strict_accuracy/{cat}"] = float((strict_pred[m] == targets[m, 0]).mean())
+    _, objects = detection_labels(data["images"])
+    true_counts = np.zeros((len(prompts), len(CLASSES)))
+    for n, row in enumerate(objects):
+        for k in row[row[:, 0] >= 0, 0].astype(int):
+            true_counts[n, k] += 1
+    pred_counts = torch.round(heat.sum(dim=(2, 3))).clamp(min=0).numpy()
+    out["counts_exact"] = float((pred_counts == true_counts).all(axis=1).mean())
     return out
 
 
-def train(args, pool: dict[str, np.ndarray]) -> tuple[RewardNet, float]:
-    """Train (or resume) the net on `pool`; returns it and the seconds spent training in this call."""
-    images, codes, targets, mask = tensors(pool)
+def train(args, pool: dict[str, np.ndarray]) -> tuple[SceneNet, float]:
+    """Train (or resume) the detector on `pool`'s images; returns it and the seconds spent
+    training in this call. Loss per batch: cross-entropy of the cell classes, binary
+    cross-entropy of the centre heat (as a fraction of `HEAT_MAX`, clipped at 1 where two
+    objects' centres overlap; weighted 30) and the squared error of each class's total heat
+    (its object count)."""
+    images = images_of(pool)
+    classes, objects = (torch.from_numpy(a) for a in detection_labels(pool["images"]))
     torch.manual_seed(args.seed)
-    net = RewardNet(RewardNetConfig())
+    net = SceneNet(SceneNetConfig())
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=1e-4)
     state_path = os.path.join(args.work, "train_state.pt")
     step = 0
@@ -205,10 +231,13 @@ def train(args, pool: dict[str, np.ndarray]) -> tuple[RewardNet, float]:
         x = images[idx] + torch.rand(args.batch, 1, 1, 1, generator=gen) * 0.04 * torch.randn(
             images[idx].shape, generator=gen
         )
-        logits = net(x.clamp(0, 1), codes[idx])
+        cells, heat_target = targets(classes[idx], objects[idx])
+        logits, heat = net(x.clamp(0, 1))
         loss = (
-            F.binary_cross_entropy_with_logits(logits, targets[idx], reduction="none") * mask[idx]
-        ).sum() / mask[idx].sum()
+            -(cells * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
+            + 30 * F.binary_cross_entropy(heat / HEAT_MAX, (heat_target / HEAT_MAX).clamp(max=1.0))
+            + ((heat.sum(dim=(2, 3)) - heat_target.sum(dim=(2, 3))) ** 2).mean()
+        )
         opt.zero_grad()
         loss.backward()
         for group in opt.param_groups:  # cosine decay to 0 over args.steps, a function of the step
@@ -242,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-prompts", type=int, default=51, help="held-out (eval) prompts sampled, in order"
     )
     parser.add_argument("--chunk", type=int, default=64, help="base samples per cached chunk")
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--save-every", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
@@ -274,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "seconds": {"data_this_call": round(t_data, 1), "train_this_call": round(t_train, 1)},
     }
-    save_reward_net(net, args.out, extra)
+    save_scene_net(net, args.out, extra)
     with open(os.path.join(args.out, "agreement.json"), "w") as f:
         json.dump(result, f, indent=2)
     np.savez_compressed(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import run_module
-from unirl.shapes.reward_model import HEADS, ShapesRewardModel
+from unirl.shapes.reward_model import CLASSES, ShapesRewardModel
 
 pytestmark = pytest.mark.e2e
 
@@ -38,8 +38,13 @@ def test_train_export_and_resume(tmp_path):
     assert result["heldout_eval"]["n"] == 4 and result["heldout_train"]["n"] == 8
     assert result["train_pool"]["n"] == 200 + 2 * 8  # renders, and base samples with their near misses
     assert 0.0 <= result["heldout_train"]["strict/accuracy"] <= 1.0
+    assert 0.0 <= result["heldout_train"]["counts_exact"] <= 1.0
     config = json.loads((out / "config.json").read_text())
-    assert config["heads"] == list(HEADS) and config["steps"] == 20 and config["seed"] == 0
+    assert (
+        [tuple(c) for c in config["classes"]] == list(CLASSES)
+        and config["steps"] == 20
+        and config["seed"] == 0
+    )
     with np.load(out / "heldout.npz") as z:
         assert z["heldout_train_images"].shape == (8, 32, 32, 3) and len(z["heldout_eval_prompts"]) == 4
     state = torch.load(work / "train_state.pt")

@@ -5,8 +5,11 @@ Everything here is numpy and deterministic given a generator. Images are uint8 [
 `synth_batch` draws training scenes (never an eval scene: prompts stay in the training split),
 renders them, perturbs some (noise, blur, ghosting of another render, colour bleed, erosion or
 dilation of one object, a dropped or an extra object, a shift) and pairs each image with its own
-prompt, a near miss (one attribute changed) or another training prompt. `label` scores any
-(image, prompt) pairs with `GenEvalMini` into the `reward_model.HEADS` verdicts and their masks.
+prompt, a near miss (one attribute changed) or another training prompt. `detection_labels` gives
+the detector's training targets (the scorer's per-pixel objects and their centres), `targets`
+turns a batch of them into the 16x16 cell classes and centre heat the network predicts, and
+`label` scores (image, prompt) pairs with `GenEvalMini` into the `reward_model.HEADS` verdicts
+(and where each applies), against which the model's agreement is measured.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
-from unirl.shapes.reward_model import HEADS
-from unirl.shapes.scorer import GenEvalMini, classify_pixels, connected_components
+from unirl.shapes.reward_model import BACKGROUND_CLASS, CLASSES, GRID, HEADS, class_index
+from unirl.shapes.scorer import GenEvalMini, classify_pixels, connected_components, detect_with_labels
 from unirl.shapes.world import (
     BACKGROUND,
     COLORS,
@@ -194,3 +199,45 @@ def label(images: np.ndarray, prompts: Sequence[str]) -> tuple[np.ndarray, np.nd
                 targets[i, j] = float(r[head])
                 mask[i, j] = 1.0
     return targets, mask
+
+
+MAX_OBJECTS = 8
+HEAT_SIGMA = 1.0  # grid cells (2 px)
+
+
+def detection_labels(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The scorer's detections of uint8 images [n, 32, 32, 3] as the detector's targets:
+    (pixel classes int8 [n, 32, 32]: the `CLASSES` index of the detection a pixel belongs to,
+    else `BACKGROUND_CLASS`; objects float32 [n, MAX_OBJECTS, 3]: (class, cx, cy) of each
+    detection, largest first, class -1 past the last)."""
+    classes = np.full(images.shape[:3], BACKGROUND_CLASS, dtype=np.int8)
+    objects = np.zeros((len(images), MAX_OBJECTS, 3), dtype=np.float32)
+    objects[:, :, 0] = -1
+    for n, img in enumerate(images):
+        dets, index = detect_with_labels(img)
+        for i, d in enumerate(dets[:MAX_OBJECTS]):
+            k = class_index(d.color, d.shape)
+            classes[n][index == i] = k
+            objects[n, i] = (k, d.cx, d.cy)
+    return classes, objects
+
+
+def targets(classes: torch.Tensor, objects: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch targets of the detector from `detection_labels` (as tensors): (cell class
+    distributions [B, 13, 16, 16], the pixel one-hots averaged over each 2x2 cell; centre heat
+    [B, 12, 16, 16], a normalised Gaussian of `HEAT_SIGMA` cells at each detection's centre, so
+    a class's map sums to its number of detections)."""
+    b = classes.shape[0]
+    onehot = F.one_hot(classes.long(), BACKGROUND_CLASS + 1).permute(0, 3, 1, 2).float()
+    cells = F.avg_pool2d(onehot, 2)
+    heat = torch.zeros(b * len(CLASSES), GRID, GRID)
+    rows, slots = torch.nonzero(objects[:, :, 0] >= 0, as_tuple=True)
+    if len(rows):
+        obj = objects[rows, slots]
+        pos = torch.arange(GRID, dtype=torch.float32) + 0.5
+        gx = torch.exp(-((pos[None, :] - obj[:, 1:2] / 2) ** 2) / (2 * HEAT_SIGMA**2))
+        gy = torch.exp(-((pos[None, :] - obj[:, 2:3] / 2) ** 2) / (2 * HEAT_SIGMA**2))
+        g = gy[:, :, None] * gx[:, None, :]
+        g = g / g.sum(dim=(1, 2), keepdim=True)
+        heat.index_add_(0, rows * len(CLASSES) + obj[:, 0].long(), g)
+    return cells, heat.view(b, len(CLASSES), GRID, GRID)

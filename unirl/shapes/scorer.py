@@ -166,6 +166,15 @@ def detect(
     widest row/column (stray pixels touching the shape), then its shape is
     classified by `classify_shape`.
     """
+    return detect_with_labels(image, min_area, max_distance)[0]
+
+
+def detect_with_labels(
+    image: np.ndarray | torch.Tensor, min_area: int | None = None, max_distance: float = 100.0
+) -> tuple[list[Detection], np.ndarray]:
+    """`detect`'s detections (largest first) and an int [H, W] map of the detection each pixel
+    belongs to (its index in that list; -1 for background, edge blends and dropped components):
+    the per-pixel targets of the learned reward (`reward_model`)."""
     img = _to_hwc_uint8(image)
     h, w = img.shape[:2]
     if min_area is None:
@@ -173,7 +182,7 @@ def detect(
     cls = classify_pixels(img, max_distance)
     lab = connected_components(cls, _BG)
     ids, counts = np.unique(lab[lab >= 0], return_counts=True)
-    out: list[Detection] = []
+    found: list[tuple[Detection, int]] = []
     for comp, area in zip(ids.tolist(), counts.tolist(), strict=True):
         if area < min_area:
             continue
@@ -181,19 +190,21 @@ def detect(
         y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
         mask = lab[y0:y1, x0:x1] == comp
         mask = _trim(mask)
-        out.append(
-            Detection(
-                color=_COLORS[int(cls.flat[comp])],
-                shape=classify_shape(mask),
-                cx=float(xs.mean() + 0.5),
-                cy=float(ys.mean() + 0.5),
-                area=int(area),
-                bbox=(int(x0), int(y0), int(x1), int(y1)),
-                fit=shape_fit(mask),
-            )
+        det = Detection(
+            color=_COLORS[int(cls.flat[comp])],
+            shape=classify_shape(mask),
+            cx=float(xs.mean() + 0.5),
+            cy=float(ys.mean() + 0.5),
+            area=int(area),
+            bbox=(int(x0), int(y0), int(x1), int(y1)),
+            fit=shape_fit(mask),
         )
-    out.sort(key=lambda d: -d.area)
-    return out
+        found.append((det, comp))
+    found.sort(key=lambda dc: -dc[0].area)
+    index = np.full((h, w), -1, dtype=np.int64)
+    for i, (_, comp) in enumerate(found):
+        index[lab == comp] = i
+    return [d for d, _ in found], index
 
 
 def _trim(mask: np.ndarray, frac: float = 0.2) -> np.ndarray:
