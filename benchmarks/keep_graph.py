@@ -46,6 +46,9 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# as in the trainer's Ray workers (unirl.trainer.trainer.WORKER_ENV; read when torch loads): large
+# CPU tensors, such as the kept graphs' activations, on transparent huge pages
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -75,7 +78,7 @@ def compose_side(recipe: str, overrides: list[str], side: str) -> DictConfig:
             config_name=recipe,
             overrides=[
                 *overrides,
-                "launcher=in_process",
+                "++launcher=in_process",
                 "transport=inband",
                 "num_devices=1",
                 "logging.progress=false",
