@@ -258,6 +258,12 @@ def test_keep_graph_problems_name_each_conflict():
     nft = keep_graph_problems(DiffusionNFT(), 1, full_finetune=False)
     assert any("DiffusionNFT cannot train from graphs kept" in p for p in nft)
 
+    class EMARollouts(FlowGRPO):
+        requires_ema_rollout = True
+
+    (ema,) = keep_graph_problems(EMARollouts(FlowGRPOConfig()), 1, full_finetune=False)
+    assert "samples from the EMA weights" in ema
+
 
 def test_stack_refuses_kept_graphs_for_several_updates():
     stage, backend, _, _ = setup()
