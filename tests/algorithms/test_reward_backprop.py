@@ -334,3 +334,28 @@ def test_errors_name_what_to_set(setup, tiny_bundle):
     noisy = TrainsideEngine(stage).generate(req).track("diffusion")
     with pytest.raises(ValueError, match="set sampling.eta: 0"):
         DRaFT(QuadraticReward()).compute_loss_and_backward(stage, noisy, {"loss_scale": 1.0})
+
+
+class PositiveReward:
+    """exp(-mean((image - 0.3)^2) * 5): a smooth reward in (0, 1]."""
+
+    def score_differentiable(self, images, prompts, metadata):
+        return torch.exp(-5 * ((images - 0.3) ** 2).mean(dim=(1, 2, 3)))
+
+
+def test_log_transform_differentiates_the_log_reward(setup):
+    stage, track = setup
+    seg = track.segment
+    algo = DRaFT(PositiveReward(), DRaFTConfig(steps=2, reward_transform="log", reward_scale=2.0))
+    grads, metrics = grad_of(algo, stage, track)
+
+    def loss():
+        images = (euler_chain(stage, track, seg.at(T - 2), T - 2).clamp(-1, 1) + 1) / 2
+        return -2.0 * PositiveReward().score_differentiable(images, [], []).clamp(min=1e-30).log().mean()
+
+    with torch.no_grad():
+        assert metrics["loss"] == pytest.approx(float(loss()), rel=1e-5)
+    d, fd = directional_fd(stage, loss, grads, seed=4)
+    assert dot(grads, d) == pytest.approx(fd, rel=2e-2)
+    with pytest.raises(ValueError, match="algorithm.config.reward_transform must be one of"):
+        DRaFTConfig(reward_transform="sqrt")

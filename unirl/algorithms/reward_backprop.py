@@ -40,6 +40,8 @@ from unirl.types.reward import DifferentiableReward
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import LatentSegment
 
+REWARD_TRANSFORMS = ("identity", "log")
+
 
 @dataclass
 class RewardBackpropConfig:
@@ -47,6 +49,9 @@ class RewardBackpropConfig:
 
     Attributes:
         reward_scale: lambda, the loss is -lambda * mean reward (> 0).
+        reward_transform: "identity" (the reward itself) or "log" (log max(r, 1e-30), for a
+            reward in (0, 1]: a product of terms becomes a sum, and a sample far from the
+            optimum keeps a gradient its small reward would scale away).
         kl_coef: weight of the velocity-L2 regulariser to the reference policy (0: off,
             no reference forward).
         kl_steps: stored trajectory positions per sample the regulariser is evaluated at.
@@ -56,6 +61,7 @@ class RewardBackpropConfig:
     """
 
     reward_scale: float = 1.0
+    reward_transform: str = "identity"
     kl_coef: float = 0.0
     kl_steps: int = 1
     checkpoint: bool = False
@@ -64,6 +70,10 @@ class RewardBackpropConfig:
     def __post_init__(self) -> None:
         if not self.reward_scale > 0:
             raise ValueError(f"algorithm.config.reward_scale must be > 0, got {self.reward_scale}")
+        if self.reward_transform not in REWARD_TRANSFORMS:
+            raise ValueError(
+                f"algorithm.config.reward_transform must be one of {REWARD_TRANSFORMS}, got {self.reward_transform!r}"
+            )
         if self.kl_coef < 0:
             raise ValueError(f"algorithm.config.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_steps < 1:
@@ -210,7 +220,8 @@ class RewardBackprop(StageAlgorithm):
         scores = self.reward.score_differentiable(
             images, [track.prompts[r] for r in rows], [metadata[r] for r in rows]
         )
-        loss = -cfg.reward_scale * scores.mean()
+        objective = scores.clamp(min=1e-30).log() if cfg.reward_transform == "log" else scores
+        loss = -cfg.reward_scale * objective.mean()
         out = {"backprop/reward_mean": float(scores.detach().mean())}
         if cfg.kl_coef > 0:
             kl = velocity_kl(stage, track, ctx["reference"], cfg.kl_steps, cfg.seed)
