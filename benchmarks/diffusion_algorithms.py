@@ -67,19 +67,29 @@ def control_overrides(recipe_yaml: str) -> list[str]:
 
 
 def eval_rows(metrics_path: str) -> list[dict]:
-    """(step, training seconds so far, eval/...) of every evaluated row of a run's metrics.jsonl."""
+    """One dict per evaluated row of a run's metrics.jsonl: its step, the training seconds so
+    far, its `eval/...` values, and `train_reward/<component>`: the mean over the training steps
+    since the previous evaluation of every logged reward component (`reward/<c>/mean`; a
+    zero-weight monitor such as the weight-free scorer included, so a learned reward can be
+    read against the true one)."""
     if not os.path.exists(metrics_path):
         return []
-    out, train_s = [], 0.0
+    out, train_s, since = [], 0.0, {}
     with open(metrics_path) as f:
         for line in f:
             if not line.strip():
                 continue
             row = json.loads(line)
             train_s += float(row.get("time/step_s", 0.0))
+            for k, v in row.items():
+                parts = k.split("/")
+                if len(parts) == 3 and parts[0] == "reward" and parts[2] == "mean":
+                    since.setdefault(parts[1], []).append(float(v))
             ev = {k[len("eval/") :]: v for k, v in row.items() if k.startswith("eval/")}
             if ev:
-                out.append({"step": row["step"], "train_s": train_s, **ev})
+                rewards = {f"train_reward/{c}": sum(v) / len(v) for c, v in since.items()}
+                out.append({"step": row["step"], "train_s": train_s, **ev, **rewards})
+                since = {}
     return out
 
 
@@ -126,29 +136,43 @@ def at(rows: list[dict], seconds: float) -> dict:
 
 def table(results: dict[str, list[dict]], budget_s: float) -> str:
     lines = [
-        "| algorithm | steps | strict: base | at half budget | at budget | change |",
-        "|---|---|---|---|---|---|",
+        "| algorithm | steps | strict: base | at half budget | at budget | change "
+        "| two_objects | counting | position |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rows in results.items():
         if not rows:
-            lines.append(f"| {name} | - | - | - | - | failed |")
+            lines.append(f"| {name} | - | - | - | - | failed | - | - | - |")
             continue
         base, half, end = rows[0], at(rows, budget_s / 2), rows[-1]
         lines.append(
             f"| {name} | {end['step']} | {base['accuracy_strict']:.3f} | {half['accuracy_strict']:.3f} "
             f"| {end['accuracy_strict']:.3f} ({end['train_s'] / 60:.1f} min) "
-            f"| {end['accuracy_strict'] - base['accuracy_strict']:+.3f} |"
+            f"| {end['accuracy_strict'] - base['accuracy_strict']:+.3f} | "
+            + " | ".join(
+                f"{base.get(f'accuracy/{c}', float('nan')):.3f} -> {end.get(f'accuracy/{c}', float('nan')):.3f}"
+                for c in ("two_objects", "counting", "position")
+            )
+            + " |"
         )
     return "\n".join(lines)
 
 
 def plot(results: dict[str, list[dict]], path: str) -> None:
+    """Left: held-out strict accuracy vs training wall clock, every run. Right, for the runs
+    trained on the learned reward (a `train_reward/learned` column): that reward and the
+    weight-free scorer (`train_reward/strict`) on the same training samples, so reward hacking
+    shows as the two curves parting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    learned = {n: rows for n, rows in results.items() if rows and "train_reward/learned" in rows[-1]}
+    fig, axes = plt.subplots(
+        1, 2 if learned else 1, figsize=(13 if learned else 7, 4.5), dpi=120, squeeze=False
+    )
+    ax = axes[0][0]
     for name, rows in results.items():
         if rows:
             style = "--" if name.startswith("control") else "-"
@@ -159,6 +183,21 @@ def plot(results: dict[str, list[dict]], path: str) -> None:
     ax.set_title("Shapes world: diffusion algorithms on one budget")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    if learned:
+        ax = axes[0][1]
+        for name, rows in learned.items():
+            rows = [r for r in rows if "train_reward/learned" in r]
+            t = [r["train_s"] / 60 for r in rows]
+            (line,) = ax.plot(t, [r["train_reward/learned"] for r in rows], "-", marker="o", markersize=3,
+                              label=f"{name}: learned reward")  # fmt: skip
+            if all("train_reward/strict" in r for r in rows):
+                ax.plot(t, [r["train_reward/strict"] for r in rows], ":", marker="x", markersize=3,
+                        color=line.get_color(), label=f"{name}: weight-free scorer")  # fmt: skip
+        ax.set_xlabel("training wall clock (min, 2 CPU cores)")
+        ax.set_ylabel("mean reward on the training samples")
+        ax.set_title("Learned reward vs the true scorer (reward hacking shows as a gap)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
 
