@@ -22,7 +22,7 @@ from unirl.sync import (
     select,
     weight_sync_problems,
 )
-from unirl.sync.frames import TRAILER, pack, unpack
+from unirl.sync.frames import TRAILER, pack, piece_checksums, unpack
 from unirl.sync.plan import ALIGN
 
 # ---- names ----------------------------------------------------------------------------------------
@@ -229,6 +229,29 @@ def test_checksum_sees_flips_swaps_and_shifts() -> None:
         assert not torch.equal(checksum(swapped.view(torch.uint8)), base)
     shifted = torch.cat([words[1:], words[:1]]).view(torch.uint8)
     assert not torch.equal(checksum(shifted), base)
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+@pytest.mark.parametrize("bucket_bytes", [64, 8 * 1500, 1 << 20])
+def test_piece_checksums_are_each_pieces_checksum(wire: torch.dtype | None, bucket_bytes: int) -> None:
+    """The vectorised per-piece checksums of a packed frame equal the Python reference applied to
+    each piece's own bytes: pieces of odd length (bf16), pieces over 1024 words (several rows),
+    tensors split between buckets."""
+    gen = torch.Generator().manual_seed(1)
+    sources = [
+        torch.randn(3000, generator=gen),
+        torch.randn(5, 3, generator=gen),
+        torch.randn(7, generator=gen),
+    ]
+    sources[0][:4] = torch.tensor([float("nan"), -1.0, 2.0**100, -(2.0**-100)])  # big words: the sums wrap
+    plan = SyncPlan("full", _specs([tuple(t.shape) for t in sources]), wire, bucket_bytes)
+    for index, frame in enumerate(pack(plan, lambda i: sources[i], torch.device("cpu"))):
+        got = piece_checksums(plan, index, frame)
+        assert got.shape == (len(plan.buckets[index]), 3)
+        for row, piece in zip(got.tolist(), plan.buckets[index], strict=True):
+            itemsize = plan.wire_of(piece.tensor).itemsize
+            data = bytes(frame[piece.offset : piece.offset + piece.count * itemsize].tolist())
+            assert row == _reference_checksum(data)
 
 
 # ---- plans and binding ----------------------------------------------------------------------------

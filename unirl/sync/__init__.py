@@ -10,7 +10,7 @@ import torch
 
 from unirl.sync.base import SyncTicket, WeightSyncReceiver, WeightSyncSender
 from unirl.sync.config import BACKEND_NAMES, WeightSyncConfig, weight_sync_problems
-from unirl.sync.frames import checksum, tensor_checksum
+from unirl.sync.frames import checksum, piece_checksums
 from unirl.sync.plan import (
     SyncPlan,
     TensorSpec,
@@ -95,11 +95,11 @@ __all__ = [
     "bind",
     "canonical_name",
     "checksum",
+    "piece_checksums",
     "is_lora_name",
     "make_receiver",
     "make_sender",
     "plan_for",
     "select",
-    "tensor_checksum",
     "weight_sync_problems",
 ]

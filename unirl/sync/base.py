@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from unirl.sync.frames import frame_capacity, pack, tensor_checksum, unpack
+from unirl.sync.frames import frame_capacity, pack, piece_checksums, unpack
 from unirl.sync.plan import SyncPlan, WeightSyncError, select
 
 
@@ -39,15 +39,16 @@ class SyncTicket:
         plan_digest: `SyncPlan.digest` of the sender's plan.
         frames: per bucket, the backend's handle (an ObjectRef, a CUDA IPC
             handle); empty for in-band backends.
-        tensor_checksums: verify mode: int64 [num tensors, 3], each planned
-            tensor's `tensor_checksum` at its wire dtype, computed by the sender
-            from its source tensors; None otherwise.
+        piece_checksums: verify mode: int64 [num pieces, 3], the `checksum` of
+            every piece of every bucket (`plan.buckets`, in order) at its wire
+            dtype, computed by the sender from the frames it packed; None
+            otherwise.
     """
 
     version: int
     plan_digest: int
     frames: list[Any] = field(default_factory=list)
-    tensor_checksums: torch.Tensor | None = None
+    piece_checksums: torch.Tensor | None = None
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,8 +61,8 @@ class WeightSyncSender(ABC):
 
     Args:
         plan: the sync plan (built from this trainer's module, `SyncPlan.for_module`).
-        verify: compute every tensor's checksum and put them on the ticket, so
-            receivers check what landed in their tensors against the source.
+        verify: checksum every piece of every packed frame and put the checksums on the
+            ticket, so receivers check what landed in their tensors against the source.
         device: where frames are packed (backends that move host memory pack on the CPU).
         source: True on the rank that transmits (trainer rank 0); other ranks only
             join the gathers of sharded parameters.
@@ -126,10 +127,7 @@ class WeightSyncSender(ABC):
         sums: list[torch.Tensor] = []
 
         def fetch(index: int) -> torch.Tensor:
-            tensor = _full(sources[index]).detach()
-            if self.verify:
-                sums.append(tensor_checksum(tensor, self.plan.wire_of(index)).cpu())
-            return tensor
+            return _full(sources[index]).detach()
 
         ticket = SyncTicket(version, self.plan.digest)
         self._begin(ticket)
@@ -137,9 +135,11 @@ class WeightSyncSender(ABC):
             self._staging = torch.empty(frame_capacity(self.plan), dtype=torch.uint8, device=self.device)
         staging = self._staging if self.reuse_frames else None
         for index, frame in enumerate(pack(self.plan, fetch, self.device, staging)):
+            if self.verify:
+                sums.append(piece_checksums(self.plan, index, frame).cpu())
             ticket.frames.append(self._put(ticket, index, frame))
         if self.verify:
-            ticket.tensor_checksums = torch.stack(sums)
+            ticket.piece_checksums = torch.cat(sums)
         self._end(ticket)
         self.stats = {
             "sync/version": float(version),
@@ -208,8 +208,10 @@ class WeightSyncReceiver(ABC):
         written in place) or into fresh tensors on `self.device`; returns them by name.
 
         `ticket`: the sender's ticket (None for in-band backends, which receive it in band).
-        Every bucket is checked (size, checksum) before it is unpacked; in verify mode every
-        tensor is then checksummed at its wire dtype and compared with the sender's. On an
+        Every bucket is checked (size, checksum) before it is unpacked; in verify mode the
+        received tensors are then packed again, after every bucket has landed, and every
+        piece's checksum at its wire dtype is compared with the sender's (so a tensor
+        overwritten after its bucket, e.g. two names aliasing one storage, is caught too). On an
         error `into` may be partly written and `version` does not advance: do not sample
         with those weights.
 
@@ -252,14 +254,24 @@ class WeightSyncReceiver(ABC):
         ticket = self._end(ticket)
         if errors:
             raise WeightSyncError("\n".join(errors))
-        if ticket.tensor_checksums is not None:
-            wrong = [
-                spec.name
-                for i, spec in enumerate(self.plan.tensors)
-                if not torch.equal(
-                    tensor_checksum(into[spec.name], self.plan.wire_of(i)).cpu(), ticket.tensor_checksums[i]
+        if ticket.piece_checksums is not None:
+            with torch.no_grad():
+                got = torch.cat([
+                    piece_checksums(self.plan, index, frame).cpu()
+                    for index, frame in enumerate(pack(self.plan, lambda i: dests[i], self.device))
+                ])  # fmt: skip
+            pieces = [piece for bucket in self.plan.buckets for piece in bucket]
+            if ticket.piece_checksums.shape != got.shape:
+                raise WeightSyncError(
+                    f"verify: sync version {ticket.version} carries {tuple(ticket.piece_checksums.shape)} "
+                    f"checksums, the plan has {len(pieces)} pieces: the sender used another plan"
                 )
-            ]
+            differs = (got != ticket.piece_checksums).any(dim=1).tolist()
+            wrong = list(
+                dict.fromkeys(
+                    self.plan.names[p.tensor] for p, bad in zip(pieces, differs, strict=True) if bad
+                )
+            )
             if wrong:
                 raise WeightSyncError(
                     f"verify: after sync version {ticket.version}, {len(wrong)} tensor(s) of the engine differ "

@@ -157,9 +157,9 @@ class BroadcastSender(WeightSyncSender):
         self.group.broadcast(frame, f"bucket {index} of version {ticket.version}")
 
     def _end(self, ticket: SyncTicket) -> None:
-        if ticket.tensor_checksums is not None:
+        if ticket.piece_checksums is not None:
             self.group.broadcast(
-                ticket.tensor_checksums.to(self.device), f"the checksums of version {ticket.version}"
+                ticket.piece_checksums.to(self.device), f"the checksums of version {ticket.version}"
             )
 
 
@@ -211,7 +211,7 @@ class BroadcastReceiver(WeightSyncReceiver):
         magic, version, digest, verify = header.tolist()
         if magic != MAGIC:
             raise WeightSyncError(f"weight sync stream out of step: expected a header, got {header.tolist()}")
-        return SyncTicket(version, digest, tensor_checksums=torch.empty(0) if verify else None)
+        return SyncTicket(version, digest, piece_checksums=torch.empty(0) if verify else None)
 
     def _get(self, ticket: SyncTicket, index: int) -> torch.Tensor:
         if self._staging is None:  # one receive buffer, kept between syncs (each frame is unpacked first)
@@ -221,8 +221,9 @@ class BroadcastReceiver(WeightSyncReceiver):
         return frame
 
     def _end(self, ticket: SyncTicket) -> SyncTicket:
-        if ticket.tensor_checksums is not None:
-            sums = torch.empty(len(self.plan.tensors), 3, dtype=torch.int64, device=self.device)
+        if ticket.piece_checksums is not None:
+            num_pieces = sum(len(bucket) for bucket in self.plan.buckets)
+            sums = torch.empty(num_pieces, 3, dtype=torch.int64, device=self.device)
             self.group.broadcast(sums, f"the checksums of version {ticket.version}")
-            ticket.tensor_checksums = sums.cpu()
+            ticket.piece_checksums = sums.cpu()
         return ticket
