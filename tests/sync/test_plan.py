@@ -231,27 +231,62 @@ def test_checksum_sees_flips_swaps_and_shifts() -> None:
     assert not torch.equal(checksum(shifted), base)
 
 
+def _reference_piece_checksum(data: bytes) -> list[int]:
+    """`piece_checksums`' definition written out with Python integers (mod 2^64, as signed int64)."""
+    data += bytes(-len(data) % 8)
+    words = [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+
+    def wrap(x: int) -> int:
+        x %= 1 << 64
+        return x - (1 << 64) if x >= 1 << 63 else x
+
+    return [
+        wrap(sum(words)),
+        wrap(sum((2 * k + 1) * w for k, w in enumerate(words))),
+        wrap(sum(k * k * w for k, w in enumerate(words))),
+    ]
+
+
 @pytest.mark.parametrize("wire", [None, torch.bfloat16])
 @pytest.mark.parametrize("bucket_bytes", [64, 8 * 1500, 1 << 20])
-def test_piece_checksums_are_each_pieces_checksum(wire: torch.dtype | None, bucket_bytes: int) -> None:
-    """The vectorised per-piece checksums of a packed frame equal the Python reference applied to
-    each piece's own bytes: pieces of odd length (bf16), pieces over 1024 words (several rows),
-    tensors split between buckets."""
+def test_piece_checksums_match_a_python_reference(wire: torch.dtype | None, bucket_bytes: int) -> None:
+    """Each piece's checksum from the frame's prefix sums equals the definition applied to the
+    piece's own bytes: pieces of odd byte length (bf16), long pieces, tensors split between
+    buckets, sums that wrap."""
     gen = torch.Generator().manual_seed(1)
     sources = [
         torch.randn(3000, generator=gen),
         torch.randn(5, 3, generator=gen),
         torch.randn(7, generator=gen),
     ]
-    sources[0][:4] = torch.tensor([float("nan"), -1.0, 2.0**100, -(2.0**-100)])  # big words: the sums wrap
+    sources[0][:4] = torch.tensor([float("nan"), -1.0, 2.0**100, -(2.0**-100)])
     plan = SyncPlan("full", _specs([tuple(t.shape) for t in sources]), wire, bucket_bytes)
     for index, frame in enumerate(pack(plan, lambda i: sources[i], torch.device("cpu"))):
         got = piece_checksums(plan, index, frame)
         assert got.shape == (len(plan.buckets[index]), 3)
         for row, piece in zip(got.tolist(), plan.buckets[index], strict=True):
             itemsize = plan.wire_of(piece.tensor).itemsize
-            data = bytes(frame[piece.offset : piece.offset + piece.count * itemsize].tolist())
-            assert row == _reference_checksum(data)
+            assert row == _reference_piece_checksum(
+                bytes(frame[piece.offset : piece.offset + piece.count * itemsize].tolist())
+            )
+
+
+def test_piece_checksums_see_a_changed_swapped_or_shifted_word() -> None:
+    gen = torch.Generator().manual_seed(2)
+    sources = [torch.randn(600, generator=gen), torch.randn(600, generator=gen)]
+    plan = SyncPlan("full", _specs([(600,), (600,)]), None, 1 << 20)
+    base = piece_checksums(plan, 0, next(pack(plan, lambda i: sources[i], torch.device("cpu"))))
+
+    def sums_with(first: torch.Tensor) -> torch.Tensor:
+        frame = next(pack(plan, lambda i: first if i == 0 else sources[1], torch.device("cpu")))
+        return piece_checksums(plan, 0, frame)
+
+    changed, swapped, shifted = sources[0].clone(), sources[0].clone(), sources[0].roll(2)
+    changed[17] += 1.0
+    swapped[[3, 400]] = swapped[[400, 3]]
+    for variant in (changed, swapped, shifted):
+        got = sums_with(variant)
+        assert not torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
 
 
 # ---- plans and binding ----------------------------------------------------------------------------
