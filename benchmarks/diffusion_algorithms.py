@@ -173,6 +173,7 @@ def plot(results: dict[str, list[dict]], path: str) -> None:
         1, 2 if learned else 1, figsize=(13 if learned else 7, 4.5), dpi=120, squeeze=False
     )
     ax = axes[0][0]
+    ax.set_prop_cycle(color=plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2])  # 20 distinct colours
     for name, rows in results.items():
         if rows:
             style = "--" if name.startswith("control") else "-"
