@@ -186,21 +186,27 @@ def test_a_corrupted_or_truncated_bucket_is_refused() -> None:
 # ---- checksum -------------------------------------------------------------------------------------
 
 
-def _reference_checksum(data: bytes) -> list[int]:
-    """The checksum written out with Python integers (mod 2^64, as signed int64)."""
+def _words(data: bytes) -> list[int]:
+    """`data` as little-endian signed int64 words, a short tail zero-padded."""
     data += bytes(-len(data) % 8)
-    words = [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+    return [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+
+
+def _wrap(x: int) -> int:
+    """`x` mod 2^64, as a signed int64."""
+    x %= 1 << 64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _reference_checksum(data: bytes) -> list[int]:
+    """The checksum written out with Python integers."""
+    words = _words(data)
     rows = [sum(words[i : i + 1024]) for i in range(0, len(words), 1024)]
     cols = [sum(words[j::1024]) for j in range(1024)]
-
-    def wrap(x: int) -> int:
-        x %= 1 << 64
-        return x - (1 << 64) if x >= 1 << 63 else x
-
     return [
-        wrap(sum(rows)),
-        wrap(sum((2 * i + 1) * r for i, r in enumerate(rows))),
-        wrap(sum((2 * j + 1) * c for j, c in enumerate(cols))),
+        _wrap(sum(rows)),
+        _wrap(sum((2 * i + 1) * r for i, r in enumerate(rows))),
+        _wrap(sum((2 * j + 1) * c for j, c in enumerate(cols))),
     ]
 
 
@@ -232,18 +238,12 @@ def test_checksum_sees_flips_swaps_and_shifts() -> None:
 
 
 def _reference_piece_checksum(data: bytes) -> list[int]:
-    """`piece_checksums`' definition written out with Python integers (mod 2^64, as signed int64)."""
-    data += bytes(-len(data) % 8)
-    words = [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, len(data), 8)]
-
-    def wrap(x: int) -> int:
-        x %= 1 << 64
-        return x - (1 << 64) if x >= 1 << 63 else x
-
+    """`piece_checksums`' definition written out with Python integers."""
+    words = _words(data)
     return [
-        wrap(sum(words)),
-        wrap(sum((2 * k + 1) * w for k, w in enumerate(words))),
-        wrap(sum(k * k * w for k, w in enumerate(words))),
+        _wrap(sum(words)),
+        _wrap(sum((2 * k + 1) * w for k, w in enumerate(words))),
+        _wrap(sum(k * k * w for k, w in enumerate(words))),
     ]
 
 

@@ -39,10 +39,9 @@ class SyncTicket:
         plan_digest: `SyncPlan.digest` of the sender's plan.
         frames: per bucket, the backend's handle (an ObjectRef, a CUDA IPC
             handle); empty for in-band backends.
-        piece_checksums: verify mode: int64 [num pieces, 3], the `checksum` of
-            every piece of every bucket (`plan.buckets`, in order) at its wire
-            dtype, computed by the sender from the frames it packed; None
-            otherwise.
+        piece_checksums: verify mode: int64 [len(plan.pieces), 3], every
+            bucket's `piece_checksums` (its pieces at their wire dtype), computed
+            by the sender from the frames it packed; None otherwise.
     """
 
     version: int
@@ -260,7 +259,7 @@ class WeightSyncReceiver(ABC):
                     piece_checksums(self.plan, index, frame).cpu()
                     for index, frame in enumerate(pack(self.plan, lambda i: dests[i], self.device))
                 ])  # fmt: skip
-            pieces = [piece for bucket in self.plan.buckets for piece in bucket]
+            pieces = self.plan.pieces
             if ticket.piece_checksums.shape != got.shape:
                 raise WeightSyncError(
                     f"verify: sync version {ticket.version} carries {tuple(ticket.piece_checksums.shape)} "

@@ -222,8 +222,7 @@ class BroadcastReceiver(WeightSyncReceiver):
 
     def _end(self, ticket: SyncTicket) -> SyncTicket:
         if ticket.piece_checksums is not None:
-            num_pieces = sum(len(bucket) for bucket in self.plan.buckets)
-            sums = torch.empty(num_pieces, 3, dtype=torch.int64, device=self.device)
+            sums = torch.empty(len(self.plan.pieces), 3, dtype=torch.int64, device=self.device)
             self.group.broadcast(sums, f"the checksums of version {ticket.version}")
             ticket.piece_checksums = sums.cpu()
         return ticket

@@ -289,6 +289,11 @@ class SyncPlan:
         """Bytes on the wire (bucket payloads, alignment padding included)."""
         return sum(self.bucket_sizes)
 
+    @property
+    def pieces(self) -> list[Piece]:
+        """Every piece of every bucket, bucket after bucket: the rows of verify's checksums."""
+        return [piece for bucket in self.buckets for piece in bucket]
+
     def bucket_tensors(self, bucket: int) -> list[str]:
         """Names of the tensors with bytes in `bucket`."""
         return list(dict.fromkeys(self.tensors[p.tensor].name for p in self.buckets[bucket]))
