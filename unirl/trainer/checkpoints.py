@@ -28,7 +28,18 @@ def mark_complete(path: str) -> None:
 
 
 def _identity(cfg: DictConfig) -> dict[str, Any]:
-    """What a checkpoint must agree on with the recipe that resumes it."""
+    """What a checkpoint must agree on with the recipe that resumes it (a composed recipe: per
+    track, its model, whether it is trained and its LoRA)."""
+    if "tracks" in cfg:
+        tracks = {}
+        for name, node in cfg.tracks.items():
+            lora = node.get("train", {}).get("lora") if node.get("train") else None
+            tracks[name] = {
+                "model": OmegaConf.to_container(node.model, resolve=True),
+                "trained": bool(node.get("trained", True)),
+                "lora": OmegaConf.to_container(lora, resolve=True) if lora else None,
+            }
+        return {"tracks": tracks, "num_devices": int(cfg.num_devices)}
     return {
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "num_devices": int(cfg.num_devices),

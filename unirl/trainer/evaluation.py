@@ -53,7 +53,14 @@ def eval_request(
 ) -> RolloutReq:
     """The deterministic evaluation request: every example x `samples_per_prompt`,
     Euler sampling (eta 0) with the evaluation steps, guidance and seeds."""
-    sp = replace(
+    sp = eval_params(base, cfg)
+    return RolloutReq.from_prompts(examples, sp, sigmas_for(sp, image_seq_len), rollout_id=0)
+
+
+def eval_params(base: DiffusionSamplingParams, cfg: EvalSampling) -> DiffusionSamplingParams:
+    """`base` made deterministic for evaluation: Euler ODE (eta 0) with `cfg`'s steps, guidance,
+    samples per prompt and seed."""
+    return replace(
         base,
         num_steps=cfg.num_steps,
         guidance_scale=cfg.guidance_scale,
@@ -65,7 +72,6 @@ def eval_request(
         ode_solver="euler",  # one sampler for every recipe's evaluation
         noise_all_steps=False,
     )
-    return RolloutReq.from_prompts(examples, sp, sigmas_for(sp, image_seq_len), rollout_id=0)
 
 
 def sample_eval_images(

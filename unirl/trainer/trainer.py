@@ -119,17 +119,13 @@ class Trainer:
             transport_info = self.transport.start()
             plain = OmegaConf.to_container(self.cfg, resolve=True)
             plain.pop("hydra", None)
-            args = (
-                plain,
-                self.num_steps * int(self.cfg.train.stack.num_updates_per_batch),
-                self.base_model if self.tiny else None,
-                transport_info,
-            )
+            args = self._worker_args(plain, transport_info)
             if local:  # one worker in this process, no Ray (validated: 1 device, inband transport)
-                group = in_process(RLWorker, *args)
+                group = in_process(self.worker_class, *args)
                 layout = {"num_devices": 1, "num_nodes": 1, "bundle_node_ids": []}
             else:
-                group = remote(RLWorker, placement(pool, int(self.cfg.num_devices)), *args, env=WORKER_ENV)
+                where = placement(pool, int(self.cfg.num_devices))
+                group = remote(self.worker_class, where, *args, env=WORKER_ENV)
                 layout = {
                     "num_devices": pool.num_devices,
                     "num_nodes": pool.num_nodes,
@@ -167,10 +163,7 @@ class Trainer:
                 start = self._restore(group, resume)
                 self.restore_s = time.perf_counter() - t0
             rows = self._loop(group, start)
-            final = os.path.join(self.out, "checkpoints", "final")
-            self._call(group, "save_weights", self.num_steps - 1, final, self.base_model)
-            if self.cfg.train.get("ema"):
-                self._call(group, "save_weights", self.num_steps - 1, final + "_ema", self.base_model, True)
+            self._export(group)
             return rows
         finally:
             if self.rollouts is not None:
@@ -188,6 +181,20 @@ class Trainer:
                 import ray
 
                 ray.shutdown()
+
+    worker_class: type = RLWorker
+
+    def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
+        """Arguments of every worker after its `RankInfo` (the resolved recipe first)."""
+        updates = self.num_steps * int(self.cfg.train.stack.num_updates_per_batch)
+        return (plain, updates, self.base_model if self.tiny else None, transport_info)
+
+    def _export(self, group) -> None:
+        """Write `checkpoints/final/` (and `final_ema/` with `train.ema`) after the last step."""
+        final = os.path.join(self.out, "checkpoints", "final")
+        self._call(group, "save_weights", self.num_steps - 1, final, self.base_model)
+        if self.cfg.train.get("ema"):
+            self._call(group, "save_weights", self.num_steps - 1, final + "_ema", self.base_model, True)
 
     def _call(self, group, method: str, step: int, *args: Any) -> Any:
         """Call a worker-group method; a worker failure becomes a `TrainingError` naming the step."""

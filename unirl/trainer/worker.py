@@ -56,7 +56,50 @@ def build(node: Any, **kwargs: Any) -> Any:
     return None if node is None else instantiate(node, _convert_="all", **kwargs)
 
 
-class RLWorker(Worker):
+class ProcessWorker(Worker):
+    """What every train worker process answers, whatever it trains: where it runs, its peak
+    memory, its data-plane counters, and an orderly teardown. Subclasses set `device`,
+    `transport` and `sync_sender` (None without a weight-sync sender)."""
+
+    device: torch.device
+    sync_sender: WeightSyncSender | None = None
+
+    @dispatch(Dispatch.BROADCAST)
+    def process_info(self) -> dict[str, Any]:
+        """Host and process id of this worker (recorded in the run's placement.json)."""
+        return {
+            "rank": self.rank_info.rank,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(self.device),
+        }
+
+    @dispatch(Dispatch.BROADCAST)
+    def peak_memory_mb(self) -> dict[str, float]:
+        """Peak resident memory of this worker process so far (`rss`), and on a GPU the
+        peak of tensors allocated on its device (`device`), in MiB."""
+        peak = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if self.device.type == "cuda":
+            peak["device"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return peak
+
+    @dispatch(Dispatch.BROADCAST)
+    def dataplane_stats(self) -> dict[str, float]:
+        """This worker's ``dataplane/...`` totals since the last call."""
+        return self.transport.stats.drain()
+
+    @dispatch(Dispatch.BROADCAST)
+    def teardown(self) -> None:
+        """Detach from the transport and the weight sync and leave the process group before
+        the actor is killed (avoids gloo aborts at exit)."""
+        self.transport.close()
+        if self.sync_sender is not None:
+            self.sync_sender.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RLWorker(ProcessWorker):
     """A train + rollout rank of a diffusion run (colocated, trainside sampling).
 
     Args:
@@ -227,30 +270,6 @@ class RLWorker(Worker):
         with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
             self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
 
-    @dispatch(Dispatch.BROADCAST)
-    def process_info(self) -> dict[str, Any]:
-        """Host and process id of this worker (recorded in the run's placement.json)."""
-        return {
-            "rank": self.rank_info.rank,
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "device": str(self.device),
-        }
-
-    @dispatch(Dispatch.BROADCAST)
-    def peak_memory_mb(self) -> dict[str, float]:
-        """Peak resident memory of this worker process so far (`rss`), and on a GPU the
-        peak of tensors allocated on its device (`device`), in MiB."""
-        peak = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-        if self.device.type == "cuda":
-            peak["device"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        return peak
-
-    @dispatch(Dispatch.BROADCAST)
-    def dataplane_stats(self) -> dict[str, float]:
-        """This worker's ``dataplane/...`` totals since the last call."""
-        return self.transport.stats.drain()
-
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def sync_setup(
         self, sync_cfg: dict[str, Any], num_engines: int
@@ -279,13 +298,3 @@ class RLWorker(Worker):
         with self.backend.ema_weights() if ema else contextlib.nullcontext():
             ticket = self.sync_sender.send(self.backend.module.named_parameters(), version)
         return ticket, dict(self.sync_sender.stats)
-
-    @dispatch(Dispatch.BROADCAST)
-    def teardown(self) -> None:
-        """Detach from the transport and the weight sync and leave the process group before
-        the actor is killed (avoids gloo aborts at exit)."""
-        self.transport.close()
-        if self.sync_sender is not None:
-            self.sync_sender.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -35,8 +35,12 @@ class RolloutTrack:
         reward_components: name -> [B] fp32 unweighted component scores.
         advantages: fp32 once computed: [B] per sample, or [B, Rmax] per response
             token (right-padded with 0) from a token-level estimator.
-        parent_ids: per-sample ids of the samples this one was derived from
-            (composed rollouts); None for a root stage.
+        parent_ids: per sample, the id of the parent track's sample this one was derived
+            from (a composed rollout's image names the rewrite it rendered); None for a
+            root track.
+        root_ids: per sample, the group id of the root prompt the sample descends from
+            (the user prompt of a composed rollout); None for a root track, whose own
+            `group_ids` are the roots.
         rollout_id: the rollout that produced the track.
     """
 
@@ -53,6 +57,7 @@ class RolloutTrack:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
     advantages: torch.Tensor | None = None
     parent_ids: list[str] | None = None
+    root_ids: list[str] | None = None
     rollout_id: int = 0
 
     PER_SAMPLE = (
@@ -68,6 +73,7 @@ class RolloutTrack:
         "reward_components",
         "advantages",
         "parent_ids",
+        "root_ids",
     )
 
     def __len__(self) -> int:

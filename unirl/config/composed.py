@@ -1,0 +1,288 @@
+"""Validation of a composed (multi-track) recipe, run before any Ray work: `unirl.train_pe`.
+
+A composed recipe has `tracks.<name>` nodes (each a model, stage and sampling, and when
+`trained` an algorithm, advantage and train stack), a `rollout` whose `tracks` list is the
+chain (root first), and `rewards.<name>` scoring tracks (the leaf's is required; a parent's
+own reward is optional and adds to the aggregate of its children's). Phase 1 type-checks
+every node (`check_recipe`); phase 2 checks the tracks against each other and each track on
+its own with the single-track rules, every problem naming its key (`tracks.<name>....`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from unirl.config.run import LAUNCHERS, CheckpointConfig, LoggingConfig, TrainConfig, _at_least, _components
+from unirl.config.validate import (
+    SAMPLING_MODALITY,
+    ConfigError,
+    _check_algorithm,
+    _check_geometry,
+    _check_sde,
+    _check_text,
+    _target_class,
+    _transport_check,
+    check_recipe,
+)
+from unirl.types.lineage import AGGREGATES
+from unirl.types.sampling import TextSamplingParams
+
+
+@dataclass
+class ComposedRunConfig:
+    """The top level of a composed recipe (see `RunConfig` for the shared keys).
+
+    Attributes:
+        prompts_per_rollout: user prompts drawn per step (each rewritten
+            `tracks.<root>.sampling.samples_per_prompt` times, each rewrite rendered
+            `tracks.<leaf>.sampling.samples_per_prompt` times).
+        tracks: track name -> `TrackConfig` node.
+        rewards: track name -> a `RewardService` node scoring that track.
+        rollout: a `unirl.rollout.composed.ComposedEngine` node naming the chain.
+    """
+
+    num_devices: int
+    num_steps: int
+    seed: int
+    output_dir: str
+    prompts_per_rollout: int
+    rollout: Any
+    tracks: dict[str, Any]
+    rewards: dict[str, Any]
+    data_source: Any
+    transport: Any
+    threads_per_worker: int | None = None
+    resume_from: str | None = None
+    launcher: str = "ray"
+    checkpoint: Any = None
+    logging: Any = None
+    eval: Any = None
+    hydra: Any = None
+
+    def __post_init__(self) -> None:
+        for key in ("num_devices", "num_steps", "prompts_per_rollout", "threads_per_worker"):
+            _at_least("", key, getattr(self, key), 1)
+        _components("", self, ("rollout", "data_source"))
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
+        transport = (self.transport or {}).get("name") if isinstance(self.transport, dict) else None
+        if self.launcher == "in_process" and (self.num_devices != 1 or transport != "inband"):
+            raise ValueError(
+                f"launcher=in_process runs one worker in this process without Ray: it needs num_devices=1 "
+                f"and transport=inband, got num_devices={self.num_devices}, transport={transport}"
+            )
+
+
+@dataclass
+class TrackConfig:
+    """`tracks.<name>`: one model of the chain.
+
+    Attributes:
+        model, stage, sampling: `_target_` nodes, as in a single-track recipe.
+        trained: train this track (it then needs `algorithm`, `advantage` and `train`), or
+            keep it frozen (no optimizer; its weights never change).
+        algorithm, advantage: `_target_` nodes (trained tracks only).
+        train: the track's own train stack (`TrainConfig`: optimizer, schedule, LoRA, FSDP2).
+        aggregate: a parent track's reward from its children's: mean | max | min.
+    """
+
+    model: Any
+    stage: Any
+    sampling: Any
+    trained: bool = True
+    algorithm: Any = None
+    advantage: Any = None
+    train: Any = None
+    aggregate: str = "mean"
+
+    def __post_init__(self) -> None:
+        _components("tracks.<name>.", self, ("model", "stage", "sampling"), ("algorithm", "advantage"))
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
+
+
+@dataclass
+class ComposedEvalConfig:
+    """`eval` of a composed recipe (run by `unirl.trainer.composed_eval.ComposedEval`).
+
+    Attributes:
+        examples: held-out user prompts (a `_target_` node: a list of `PromptExample`s or a
+            dataset holding them in `.examples`); each carries `metadata[intent_key]`.
+        scorer: the image scorer (`evaluate(images, prompts) -> dict`), e.g. `GenEvalMini`.
+        text_sampling: how the root stage decodes (`TextEvalSampling`; greedy is used).
+        sampling: how the image stage samples (`EvalSampling`).
+        every_n_steps: evaluate every this many steps (0: never) and at the end.
+        intent_key: metadata key of the scene the user asked for (scored against).
+        rewrite_scorer: optional text scorer of the rewrites (`scorer(RewardRequest) -> [B]`).
+        group_by: metadata keys to break the strict accuracy down by.
+        references: also measure the floor and the ceiling at step 0.
+    """
+
+    examples: Any
+    scorer: Any
+    text_sampling: Any
+    sampling: Any
+    every_n_steps: int = 0
+    intent_key: str = "canonical"
+    rewrite_scorer: Any = None
+    group_by: list[str] = field(default_factory=list)
+    references: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least("eval.", "every_n_steps", self.every_n_steps, 0)
+        _components("eval.", self, ("examples", "scorer", "text_sampling", "sampling"), ("rewrite_scorer",))
+
+
+def _sections(cfg: DictConfig) -> dict[str, type]:
+    sections: dict[str, type] = {
+        "": ComposedRunConfig,
+        "checkpoint": CheckpointConfig,
+        "logging": LoggingConfig,
+        "eval": ComposedEvalConfig,
+    }
+    tracks = cfg.get("tracks")
+    if isinstance(tracks, DictConfig):
+        for name, node in tracks.items():
+            sections[f"tracks.{name}"] = TrackConfig
+            if isinstance(node, DictConfig) and node.get("train") is not None:
+                sections[f"tracks.{name}.train"] = TrainConfig
+    return sections
+
+
+def _prefixed(prefix: str, found: list[str]) -> list[str]:
+    return [f"{prefix}{p}" for p in found]
+
+
+def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    run = passed.get("")
+    tracks = cfg.get("tracks")
+    chain = list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
+    if not isinstance(tracks, DictConfig) or not chain:
+        return
+    names = list(tracks.keys())
+    if sorted(names) != sorted(chain):
+        problems.append(
+            f"rollout.tracks {chain} and the tracks.<name> nodes {names} disagree: name every track once in the "
+            "chain (root first) and give each a tracks.<name> node"
+        )
+        return
+    rewards = cfg.get("rewards") or {}
+    for name in rewards:
+        if name not in names:
+            problems.append(f"rewards.{name}: scores track {name!r}, which does not exist; tracks: {names}")
+    leaf = chain[-1]
+    if leaf not in rewards:
+        problems.append(
+            f"rewards.{leaf}: the leaf track {leaf!r} needs a reward (the rewards of its parents derive from it)"
+        )
+    samplings: dict[str, Any] = {}
+    for depth, name in enumerate(chain):
+        key = f"tracks.{name}"
+        node = tracks[name]
+        sampling, model = passed.get(f"{key}.sampling"), passed.get(f"{key}.model")
+        samplings[name] = sampling
+        modality = next((m for kind, m in SAMPLING_MODALITY.items() if isinstance(sampling, kind)), None)
+        if depth < len(chain) - 1 and sampling is not None and not isinstance(sampling, TextSamplingParams):
+            problems.append(
+                f"{key}.sampling: track {name!r} feeds track {chain[depth + 1]!r}, so it must be a text track "
+                "(its texts are the next stage's prompts)"
+            )
+        if depth == len(chain) - 1 and node.get("aggregate", "mean") != "mean":
+            problems.append(f"{key}.aggregate: the leaf track has no children to aggregate; remove it")
+        if model is not None and modality is not None and getattr(model, "modality", modality) != modality:
+            problems.append(f"{key}.model: a {model.modality} model under {modality} sampling; pair them")
+        trained = bool(node.get("trained", True))
+        algorithm = _target_class(node, "algorithm") if node.get("algorithm") is not None else None
+        if trained:
+            for part in ("algorithm", "advantage", "train"):
+                if node.get(part) is None:
+                    what = (
+                        "exactly one algorithm of its modality" if part == "algorithm" else f"a {part} node"
+                    )
+                    problems.append(
+                        f"{key}.{part}: track {name!r} is trained (tracks.{name}.trained: true) and needs {what}"
+                    )
+        else:
+            extra = [p for p in ("algorithm", "advantage", "train") if node.get(p) is not None]
+            if extra:
+                problems.append(
+                    f"{key}: track {name!r} is frozen (trained: false) but sets {extra}: a frozen track holds no "
+                    "optimizer; remove them or set trained: true"
+                )
+        if (
+            algorithm is not None
+            and modality is not None
+            and getattr(algorithm, "modality", modality) != modality
+        ):
+            problems.append(
+                f"{key}.algorithm: {node.algorithm._target_} is a {algorithm.modality} algorithm but track {name!r} "
+                f"is a {modality} track; use a {modality} algorithm"
+            )
+        stack, train = passed.get(f"{key}.train.stack"), passed.get(f"{key}.train")
+        found: list[str] = []
+        if trained:
+            _check_algorithm(algorithm, sampling, stack, train, None, found)
+        if modality == "text":
+            _check_text(node, sampling, model, found)
+        if modality == "diffusion":
+            _check_geometry(None, sampling, None, model, found)
+            _check_sde(node, sampling, found)
+        problems.extend(_prefixed(f"{key}.", found))
+        if run is not None and trained and train is not None and run.num_devices > 1 and train.fsdp is None:
+            problems.append(
+                f"{key}.train.fsdp: num_devices={run.num_devices} needs FSDP2 settings for a trained track"
+            )
+    _check_batches(run, chain, samplings, passed, problems)
+
+
+def _check_batches(
+    run: Any, chain: list[str], samplings: dict[str, Any], passed: dict[str, Any], problems: list[str]
+) -> None:
+    """The root request (prompts x N) splits evenly over the workers; every trained track's
+    micro-batch divides its per-rank batch (a child track's is its parents' x its own fan-out)."""
+    if run is None or any(s is None for s in samplings.values()):
+        return
+    world = run.num_devices
+    total = run.prompts_per_rollout
+    for depth, name in enumerate(chain):
+        total *= samplings[name].samples_per_prompt
+        if depth == 0 and total % world:
+            problems.append(
+                f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x tracks.{name}.sampling."
+                f"samples_per_prompt ({samplings[name].samples_per_prompt}) = {total} root samples do not split "
+                f"evenly over num_devices={world}"
+            )
+            return
+        stack = passed.get(f"tracks.{name}.train.stack")
+        if stack is not None and (total // world) % stack.micro_batch_size:
+            problems.append(
+                f"tracks.{name}.train.stack.micro_batch_size={stack.micro_batch_size} does not divide the per-rank "
+                f"batch of track {name!r}: {total // world} samples ({total} over num_devices={world})"
+            )
+
+
+def validate_composed_config(cfg: DictConfig) -> None:
+    """Raise `ConfigError` listing every problem of a composed (`unirl.train_pe`) recipe."""
+    from unirl.trainer.checkpoints import resolve_resume_path
+
+    problems: list[str] = []
+    if "tracks" not in cfg:
+        raise ConfigError(
+            [
+                "tracks: missing; a composed recipe names its tracks (tracks.<name>: model, stage, sampling, ...). "
+                "A single-model recipe runs with unirl.train_diffusion or unirl.train_vlm"
+            ]
+        )
+    passed = check_recipe(cfg, _sections(cfg), problems)
+    _transport_check(cfg, problems)
+    _check_tracks(cfg, passed, problems)
+    if "" in passed:
+        try:
+            resolve_resume_path(cfg)
+        except (ValueError, OSError, KeyError) as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,40 @@
+"""Entry point: `python -m unirl.train_pe --config-name=pe/<recipe> [key=value ...]`.
+
+A composed run: a prompt enhancer (causal LM) rewrites user prompts, a diffusion model
+renders the rewrites, the images are scored against the user's intent and the reward is
+credited back to the rewrites; each track trains with its own algorithm (or stays frozen).
+Validates the recipe before any Ray work (exit 2 listing every problem), then runs
+`unirl.trainer.composed.ComposedTrainer` (exit 1 naming the step when a run stops).
+`--cfg job --resolve` prints the composed recipe and exits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from unirl.config.composed import validate_composed_config
+from unirl.config.validate import ConfigError
+
+
+@hydra.main(config_path="../examples", config_name=None, version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        validate_composed_config(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    from unirl.trainer.composed import ComposedTrainer  # after validation: no heavy imports first
+    from unirl.trainer.trainer import TrainingError
+
+    try:
+        ComposedTrainer(cfg).run()
+    except TrainingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

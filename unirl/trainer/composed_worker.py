@@ -1,0 +1,231 @@
+"""`ComposedWorker`: one data-parallel rank of a multi-track run (a prompt enhancer feeding a
+diffusion model), holding one model, stage and train stack per track.
+
+Every track of the recipe (`tracks.<name>`) gets its own bundle and stage on this
+worker. A `trained` track gets its own `TrainBackend` (optimizer, LR schedule, LoRA
+or full fine-tune, FSDP2 plan), algorithm and `TrainStack`; a frozen track holds
+no optimizer, its parameters do not require grad and never change. Sampling runs
+the `ComposedEngine` over the tracks' stages on this rank's shard of user prompts,
+so a user prompt's rewrites and their images are sampled on one rank with no
+round trip through the driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from unirl.algorithms.base import StageAlgorithm
+from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
+from unirl.distributed.device import init_process_group, resolve_device
+from unirl.distributed.group import Dispatch, RankInfo, dispatch
+from unirl.train.backend import TrainBackend
+from unirl.train.checkpoint import load_train_state, save_train_state
+from unirl.train.stack import TrainStack
+from unirl.trainer.worker import ProcessWorker, build, quiet_library_logs
+from unirl.types.rollout_req import RolloutReq
+
+
+def track_partition(partition: str, track: str) -> str:
+    """The data-plane partition of one track of a step (each track is put on its own)."""
+    return f"{partition}/{track}"
+
+
+@dataclass
+class TrackParts:
+    """One track on one worker: its bundle and stage, and when trained its backend,
+    algorithm and stack (None for a frozen track)."""
+
+    name: str
+    bundle: Any
+    stage: Any
+    backend: TrainBackend | None = None
+    algorithm: StageAlgorithm | None = None
+    stack: TrainStack | None = None
+
+    @property
+    def trained(self) -> bool:
+        return self.backend is not None
+
+
+def build_track(
+    name: str, cfg: dict[str, Any], total_optimizer_steps: int, base_dir: str | None, rank: int, device
+) -> TrackParts:
+    """Build track `name` from its recipe node `cfg` (`tracks.<name>`) on `device`; rank 0 writes
+    the untrained bundle to `base_dir` (tiny models) before LoRA is injected."""
+    bundle = build(cfg["model"]).build().to(device)
+    if base_dir and rank == 0:
+        bundle.save_pretrained(base_dir)
+    stage = build(cfg["stage"], bundle=bundle)
+    if not cfg.get("trained", True):
+        stage.module.requires_grad_(False)
+        stage.module.eval()
+        return TrackParts(name, bundle, stage)
+    algorithm = build(cfg["algorithm"])
+    train = cfg["train"]
+    backend = TrainBackend(
+        stage.module,
+        build(train.get("lora")),
+        build(train["optim"]),
+        total_optimizer_steps,
+        fsdp=build(train.get("fsdp")),
+        ema=build(train.get("ema")),
+        keep_reference=algorithm.needs_reference_policy,
+        writer=bundle.write_weights,
+    )
+    stage.module = backend.module
+    stack = TrainStack(stage, backend, algorithm, build(train["stack"]))
+    return TrackParts(name, bundle, stage, backend, algorithm, stack)
+
+
+class ComposedWorker(ProcessWorker):
+    """A train + rollout rank of a composed run.
+
+    Args:
+        rank_info: this rank.
+        cfg: the resolved recipe as a plain dict (`tracks`, `rollout`, `transport`, ...).
+        total_optimizer_steps: track name -> optimizer steps of the run (LR schedule length).
+        base_model_dirs: track name -> where rank 0 writes the untrained bundle (tiny models;
+            None for a pretrained one).
+        transport_info: what the driver's transport `start()` returned.
+        device: the device to compute on (None: what Ray assigned, else the CPU).
+    """
+
+    def __init__(
+        self,
+        rank_info: RankInfo,
+        cfg: dict[str, Any],
+        total_optimizer_steps: dict[str, int],
+        base_model_dirs: dict[str, str | None],
+        transport_info: dict[str, Any] | None = None,
+        device: str | None = None,
+    ) -> None:
+        super().__init__(rank_info)
+        quiet_library_logs()
+        threads = cfg.get("threads_per_worker") or max(1, (os.cpu_count() or 1) // cfg["num_devices"])
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg["seed"])
+        self.device = resolve_device(device)
+        if rank_info.world_size > 1:
+            init_process_group(self.device)
+        order = list(cfg["rollout"]["tracks"])
+        self.tracks = {
+            name: build_track(
+                name,
+                cfg["tracks"][name],
+                total_optimizer_steps[name],
+                base_model_dirs[name],
+                rank_info.rank,
+                self.device,
+            )
+            for name in order
+        }
+        self.engine = build(cfg["rollout"]).bind(
+            {n: t.stage for n, t in self.tracks.items()}, {n: build(cfg["tracks"][n]["sampling"]) for n in order}
+        )
+        self.transport = make_transport(cfg["transport"], device=self.device)
+        self.transport.attach(transport_info or {})
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def model_info(self) -> dict[str, dict[str, Any]]:
+        """Per track: the stage's `model_info()`, its trainable parameter count and the device."""
+        return {
+            name: {
+                **t.stage.model_info(),
+                "num_trainable": t.backend.num_trainable if t.trained else 0,
+                "device": str(self.device),
+            }
+            for name, t in self.tracks.items()
+        }
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def rollout(self, req: RolloutReq, partition: str) -> dict[str, BatchMeta]:
+        """Sample this rank's shard of the root request through every stage and put each track
+        into the transport under `track_partition(partition, name)`; returns the metas by track."""
+        resp = self.engine.generate(req)
+        return {
+            name: put_batch(self.transport, track_partition(partition, name), track)
+            for name, track in resp.tracks.items()
+        }
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def sample_eval(self, req: RolloutReq, samplings: dict, feed: str = "rewrite") -> dict[str, Any]:
+        """This rank's shard of an evaluation: the root texts and the leaf's images ([n, 3, H, W]
+        uint8 on the CPU) of the deterministic request `req` with the child `samplings`.
+        `feed`: what the image model renders: "rewrite" (the root stage's texts), "user" (the
+        user prompt itself: the floor) or "canonical" (`metadata["canonical"]`: the ceiling)."""
+        root = self.engine.tracks[0]
+        override = None
+        if feed == "user":
+            override = {root: list(req.prompts)}
+        elif feed == "canonical":
+            override = {root: [m["canonical"] for m in req.metadata]}
+        elif feed != "rewrite":
+            raise ValueError(f"feed must be rewrite, user or canonical, got {feed!r}")
+        resp = self.engine.generate(req, samplings=samplings, texts_override=override)
+        leaf = resp.track(self.engine.tracks[-1])
+        return {"texts": list(resp.track(root).texts), "images": leaf.media.cpu()}
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def train(
+        self, meta: BatchMeta, rewards: torch.Tensor, advantages: torch.Tensor, progress: float, track: str
+    ) -> dict[str, float]:
+        """Fetch this rank's shard of `track` from the transport, attach the driver's rewards and
+        advantages, and run the track's train stack; returns this rank's metrics."""
+        parts = self.tracks[track]
+        if not parts.trained:
+            raise ValueError(
+                f"track {track!r} is frozen (tracks.{track}.trained: false); it has nothing to train"
+            )
+        batch = get_batch(self.transport, meta)
+        batch.rewards, batch.advantages = rewards.to(self.device), advantages.to(self.device)
+        metrics = parts.stack.train_track(batch, progress)
+        parts.backend.end_of_rollout()
+        return metrics
+
+    @dispatch(Dispatch.BROADCAST)
+    def frozen_digest(self, track: str) -> str:
+        """A hash of `track`'s parameters (bit for bit): a frozen track's must never change."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, p in sorted(self.tracks[track].stage.module.state_dict().items()):
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def save_checkpoint(self, path: str, base_models: dict[str, str]) -> None:
+        """Write every trained track's sharded train state under `path/<track>` and its exported
+        weights under `path/weights/<track>` (all ranks at once)."""
+        for name, t in self.tracks.items():
+            if t.trained:
+                os.makedirs(os.path.join(path, name), exist_ok=True)
+                save_train_state(os.path.join(path, name), t.backend, self.rank_info.rank, t.algorithm)
+                t.backend.save_weights(
+                    os.path.join(path, "weights", name), base_models[name], write=self.rank_info.rank == 0
+                )
+
+    @dispatch(Dispatch.BROADCAST)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore every trained track's state written by `save_checkpoint` (all ranks at once)."""
+        for name, t in self.tracks.items():
+            if t.trained:
+                load_train_state(os.path.join(path, name), t.backend, self.rank_info.rank, t.algorithm)
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def save_weights(self, path: str, base_models: dict[str, str], use_ema: bool = False) -> None:
+        """Export every track to `path/<track>`: a trained track's weights in its family's library
+        format (LoRA or full, the EMA weights with `use_ema`), a frozen track's whole bundle."""
+        rank0 = self.rank_info.rank == 0
+        for name, t in self.tracks.items():
+            out = os.path.join(path, name)
+            if t.trained:
+                with t.backend.ema_weights() if use_ema else contextlib.nullcontext():
+                    t.backend.save_weights(out, base_models[name], write=rank0)
+            elif rank0:
+                t.bundle.save_pretrained(out)

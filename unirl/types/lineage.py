@@ -1,0 +1,118 @@
+"""Lineage of composed rollouts: children derived from parent samples, rewards flowing back up.
+
+A composed rollout (a prompt enhancer feeding a diffusion model) has a parent
+track (the rewrites, one group per user prompt) and a child track (the images,
+one group per rewrite). Each child sample names its parent sample
+(`RolloutTrack.parent_ids`) and the root user prompt (`root_ids`). The reward
+scores the leaf; a parent receives an aggregate of its children's rewards.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from unirl.types.rollout_req import RolloutReq
+from unirl.types.rollout_resp import RolloutTrack
+from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
+
+AGGREGATES = ("mean", "max", "min")
+
+
+def child_seed(base: int, rollout_id: int, sample_id: str) -> int:
+    """A 31-bit noise seed from the run seed, the rollout and the child's id: stable across
+    processes (crc32, not Python's salted `hash`) and independent of how a batch is split."""
+    return zlib.crc32(f"{base}/{rollout_id}/{sample_id}".encode()) & 0x7FFF_FFFF
+
+
+def child_request(
+    parent: RolloutTrack,
+    texts: list[str],
+    sampling: DiffusionSamplingParams | TextSamplingParams,
+    sigmas: torch.Tensor | None,
+    rollout_id: int,
+    prompt_key: str = "user_prompt",
+) -> RolloutReq:
+    """The child stage's request: `sampling.samples_per_prompt` children of every parent sample,
+    prompted with that sample's output text (`texts[i]`, the rewrite).
+
+    Child j of parent sample `p` has id `f"{p}/{j}"` and group id `p` (a rewrite's images form a
+    group); its metadata is the parent's, plus `metadata[prompt_key]` = the parent's prompt (the
+    user prompt, for scoring against the user's intent) unless the parent metadata already has
+    it, and `rewrite` = the text it renders. Seeds come from `child_seed`, so a child's noise
+    depends only on its id, not on the data-parallel split.
+    """
+    if len(texts) != len(parent):
+        raise ValueError(f"child_request: {len(texts)} texts for {len(parent)} parent samples")
+    k = sampling.samples_per_prompt
+    sample_ids, group_ids, prompts, metadata, seeds, init_seeds = [], [], [], [], [], []
+    for i, pid in enumerate(parent.sample_ids):
+        meta = dict(parent.metadata[i])
+        meta.setdefault(prompt_key, parent.prompts[i])
+        meta["rewrite"] = texts[i]
+        for j in range(k):
+            sid = f"{pid}/{j}"
+            sample_ids.append(sid)
+            group_ids.append(pid)
+            prompts.append(texts[i])
+            metadata.append(dict(meta))
+            seeds.append(child_seed(sampling.seed, rollout_id, sid))
+            same = getattr(sampling, "same_initial_noise", False)
+            init_seeds.append(seeds[i * k] if same else seeds[-1])
+    text = isinstance(sampling, TextSamplingParams)
+    return RolloutReq(
+        sample_ids=sample_ids,
+        group_ids=group_ids,
+        prompts=prompts,
+        metadata=metadata,
+        seeds=seeds,
+        init_seeds=init_seeds,
+        sampling=sampling,
+        sigmas=sigmas,
+        rollout_id=rollout_id,
+        sde_indices=[] if text else sampling.resolve_sde_indices(rollout_id),
+    )
+
+
+def link_child(child: RolloutTrack, parent: RolloutTrack) -> RolloutTrack:
+    """Set `child.parent_ids` (its group ids: one group per parent sample, see `child_request`)
+    and `child.root_ids` (the parent's root: its `root_ids`, or its group id for a root track)."""
+    roots = parent.root_ids or parent.group_ids
+    root_of = dict(zip(parent.sample_ids, roots, strict=True))
+    child.parent_ids = list(child.group_ids)
+    child.root_ids = [root_of[p] for p in child.parent_ids]
+    return child
+
+
+def aggregate_children(parent: RolloutTrack, child: RolloutTrack, how: str) -> torch.Tensor:
+    """[Bp] fp32: for each parent sample, the `how` ("mean" | "max" | "min") of its children's
+    `rewards`.
+
+    Raises ValueError naming the ids when a child's parent is not in `parent` (naming both),
+    when a parent has no child, or when the child track has no rewards or no lineage.
+    """
+    if how not in AGGREGATES:
+        raise ValueError(f"parent reward aggregate must be one of {AGGREGATES}, got {how!r}")
+    if child.rewards is None:
+        raise ValueError(f"track {child.name!r} has no rewards to propagate to track {parent.name!r}")
+    if child.parent_ids is None:
+        raise ValueError(f"track {child.name!r} has no parent_ids: it is not a child of {parent.name!r}")
+    index = {sid: i for i, sid in enumerate(parent.sample_ids)}
+    rows: list[list[int]] = [[] for _ in parent.sample_ids]
+    for j, pid in enumerate(child.parent_ids):
+        if pid not in index:
+            raise ValueError(
+                f"sample {child.sample_ids[j]!r} of track {child.name!r} names parent {pid!r}, which is not in "
+                f"the batch of track {parent.name!r}"
+            )
+        rows[index[pid]].append(j)
+    empty = [parent.sample_ids[i] for i, r in enumerate(rows) if not r]
+    if empty:
+        raise ValueError(
+            f"sample(s) {empty[:3]}{' ...' if len(empty) > 3 else ''} of track {parent.name!r} have no child "
+            f"in track {child.name!r}"
+        )
+    rewards = child.rewards.float().cpu()
+    reduce = {"mean": torch.mean, "max": torch.amax, "min": torch.amin}[how]
+    return torch.stack([reduce(rewards[torch.tensor(r)]) for r in rows]).to(child.rewards.device)
