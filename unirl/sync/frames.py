@@ -2,8 +2,8 @@
 
 A frame is one bucket of a `SyncPlan`: a 1-D uint8 tensor of
 `plan.bucket_sizes[i]` payload bytes (each piece at its planned offset, in its
-wire dtype, gaps zeroed) followed by a 16-byte trailer, the `checksum` of the
-payload. The same code packs on CPU or GPU and unpacks from a Ray
+wire dtype, gaps zeroed) followed by a 24-byte trailer (`TRAILER`: three int64),
+the `checksum` of the payload. The same code packs on CPU or GPU and unpacks from a Ray
 shared-memory buffer, a broadcast buffer or a CUDA IPC handle.
 """
 

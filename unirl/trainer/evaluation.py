@@ -1,5 +1,6 @@
-"""Deterministic evaluation of a diffusion model on held-out prompts (images only so far: a text
-recipe with an `eval` block is refused by validation).
+"""Deterministic evaluation of a diffusion model on held-out prompts. A causal LM's held-out
+evaluation is `text_eval.py`; each modality (`modality.py`) builds its own eval requests, and
+`unirl.evaluate` scores a checkpoint with either.
 
 Sampling is an ODE (eta = 0) from fixed per-sample seeds, so the same weights
 always give the same images and the same numbers; a scorer's `evaluate(images,

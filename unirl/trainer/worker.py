@@ -100,7 +100,7 @@ class ProcessWorker(Worker):
 
 
 class RLWorker(ProcessWorker):
-    """A train + rollout rank of a diffusion run (colocated, trainside sampling).
+    """A train rank of a single-track run of any modality; it also samples when the rollout is trainside.
 
     Args:
         rank_info: this rank.
