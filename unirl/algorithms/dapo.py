@@ -1,7 +1,9 @@
 """DAPO: GRPO with clip-higher, token-mean aggregation and dynamic sampling.
 
 The loss is GRPO's (`GRPO.policy_loss`) with eps_high 0.28 > eps_low 0.2 ("clip
-higher", room for low-probability tokens to grow) and token-mean over the batch.
+higher", room for low-probability tokens to grow) and token-mean over the batch. It keeps
+GRPO's dual clip (`clip_ratio_c` 3.0), which the DAPO paper and TRL's DAPO do not have;
+`clip_ratio_c: null` drops it.
 Dynamic sampling is the driver's job: it keeps generating batches (at most
 `max_num_gen_batches`) and keeps only the groups `keep_groups` returns, those whose
 rewards are not all equal (an all-equal group has zero advantage and no gradient),
