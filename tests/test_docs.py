@@ -6,7 +6,7 @@ checkpoints' TRAINING.md and every page under docs/:
 - every relative markdown link resolves to a file (and its `#anchor`, when given, to a heading of
   that file);
 - every code symbol named in backticks exists: a dotted path `unirl.a.b.Name[.attr]`, a file
-  `name.py` or `path/to/name.py`, a recipe `--config-name=<domain>/<name>` (in prose or in a code
+  `name.py` or `path/to/name.py`, a committed path `dir/name.md|yaml|sh|toml` (globs allowed), a recipe `--config-name=<domain>/<name>` (in prose or in a code
   block), a module run as `python -m unirl.x`, and a bare class name (`CamelCase`, or
   `CamelCase.attr`) that the repository defines.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import fnmatch
 import functools
 import re
 from pathlib import Path
@@ -269,6 +270,8 @@ def _file_exists(ref: str, doc: Path) -> bool:
 # --- what the docs name ---------------------------------------------------------------------------
 
 DOTTED = re.compile(r"(?<![\w./\"'-])(unirl(?:\.\w+)+)")
+# a committed file by path: `unirl/rollout/README.md`, `examples/diffusion/shapes_*.yaml` (globs allowed)
+PATHREF = re.compile(r"(?<![\w/.<{-])((?:[\w.*-]+/)+[\w.*-]+\.(?:md|yaml|sh|toml|jinja))(?![\w/])")
 PYFILE = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.py)\b")
 CONFIG_NAME = re.compile(r"--config-name[= ](\w+/\w+)")
 RECIPE_ARG = re.compile(r"--recipe[= ](\w+/\w+)")
@@ -287,7 +290,7 @@ def _expand(ref: str) -> list[str]:
 def _problems(doc: Path) -> list[str]:
     text = doc.read_text()
     prose = _prose(text)
-    where = doc.relative_to(ROOT)
+    where = doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc
     out: list[str] = []
 
     for match in LINK.finditer(prose):
@@ -324,6 +327,9 @@ def _problems(doc: Path) -> list[str]:
             for name in _expand(ref):
                 if name not in ALLOWED and not _file_exists(name, doc):
                     out.append(f"{where}: file `{name}` does not exist")
+        for ref in PATHREF.findall(span):
+            if not any(fnmatch.fnmatch(p, ref.lstrip("./")) for p in REPO_PATHS) and not _file_exists(ref, doc):
+                out.append(f"{where}: file `{ref}` does not exist")
         bare = BARE_CLASS.match(span)
         if bare and bare.group(1) not in ALLOWED:
             names = [bare.group(1), *[n for n in bare.group(2).split(".") if n]]
@@ -336,6 +342,41 @@ def _problems(doc: Path) -> list[str]:
 def test_doc_is_true(doc: Path) -> None:
     problems = _problems(doc)
     assert not problems, "\n".join(problems)
+
+
+def test_checker_catches_false_claims(tmp_path: Path) -> None:
+    """The check is not vacuous: each kind of false claim in a doc is reported, true ones are not."""
+    doc = tmp_path / "README.md"
+    doc.write_text(
+        "[ok](../../README.md) is not checked here; [gone](missing.md) is.\n"
+        "`unirl.types.segments.TokenSegment` `unirl.types.segments.TextSegment` "
+        "`unirl.trainer.worker.RLWorker.build` `TokenSegment.response_ids` `TextSegment` "
+        "`unirl/trainer/worker.py` `worker.py` `nowhere.py` `examples/llm/tiny_lm_grpo.yaml` "
+        "`examples/llm/missing.yaml` `ValueError` `StableDiffusion3Pipeline`\n"
+        "```bash\npython -m unirl.train_nothing --config-name=llm/tiny_lm_grpo\n"
+        "python -m unirl.train_vlm --config-name=llm/no_such_recipe\n```\n"
+    )
+    problems = "\n".join(_problems(doc))
+    for false in (
+        "(missing.md)",
+        "`unirl.types.segments.TextSegment`",
+        "`unirl.trainer.worker.RLWorker.build`",
+        "`TextSegment`",
+        "`nowhere.py`",
+        "`examples/llm/missing.yaml`",
+        "unirl.train_nothing",
+        "`llm/no_such_recipe`",
+    ):
+        assert false in problems, f"{false} was not reported:\n{problems}"
+    for true in (
+        "TokenSegment`",
+        "`worker.py`",
+        "tiny_lm_grpo",
+        "ValueError",
+        "StableDiffusion3Pipeline",
+        "`unirl/trainer/worker.py`",
+    ):
+        assert f"{true} " not in problems and f"`{true}`" not in problems, problems
 
 
 def test_allow_list_is_needed() -> None:
