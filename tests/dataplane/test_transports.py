@@ -60,6 +60,9 @@ class Peer:
     def get_track(self, meta: BatchMeta):
         return get_batch(self.transport, meta)
 
+    def put_obj(self, partition: str, obj) -> BatchMeta:
+        return put_batch(self.transport, partition, obj)
+
     def stats(self) -> dict:
         return self.transport.stats.drain()
 
@@ -202,6 +205,27 @@ def test_token_segment_track_round_trip(plane) -> None:
         assert view.texts == want.texts and view.segment is None  # a partial segment is left out
     finally:
         driver.clear("p_text")
+
+
+def test_lineage_round_trip(plane) -> None:
+    """A composed rollout's child track keeps its lineage (parent and root ids) through the plane,
+    whole, by rank shard, and in the driver's scoring view."""
+    from tests.dataplane.test_codec import make_track
+
+    driver, (a, b) = plane
+    child = make_track(4)
+    child.parent_ids = ["u0::sample:0", "u0::sample:0", "u0::sample:1", "u0::sample:1"]
+    child.root_ids = ["r0/g0:u0"] * 4
+    try:
+        meta = ray.get(a.put_obj.remote("p_lineage", child))
+        got = ray.get(b.get_track.remote(meta))
+        assert got.parent_ids == child.parent_ids and got.root_ids == child.root_ids
+        shard = ray.get(b.get_track.remote(meta.split(2)[1]))
+        assert shard.parent_ids == child.parent_ids[2:] and shard.sample_ids == child.sample_ids[2:]
+        view = get_batch(driver, meta, ["sample_ids", "parent_ids", "root_ids"])
+        assert view.parent_ids == child.parent_ids and view.root_ids == child.root_ids
+    finally:
+        driver.clear("p_lineage")
 
 
 def test_misuse_errors_name_what_is_wrong(plane) -> None:

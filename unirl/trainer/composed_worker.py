@@ -117,7 +117,7 @@ class ComposedWorker(ProcessWorker):
             name: build_track(
                 name,
                 cfg["tracks"][name],
-                total_optimizer_steps[name],
+                total_optimizer_steps.get(name, 0),
                 base_model_dirs[name],
                 rank_info.rank,
                 self.device,
@@ -125,7 +125,8 @@ class ComposedWorker(ProcessWorker):
             for name in order
         }
         self.engine = build(cfg["rollout"]).bind(
-            {n: t.stage for n, t in self.tracks.items()}, {n: build(cfg["tracks"][n]["sampling"]) for n in order}
+            {n: t.stage for n, t in self.tracks.items()},
+            {n: build(cfg["tracks"][n]["sampling"]) for n in order},
         )
         self.transport = make_transport(cfg["transport"], device=self.device)
         self.transport.attach(transport_info or {})
@@ -186,17 +187,6 @@ class ComposedWorker(ProcessWorker):
         metrics = parts.stack.train_track(batch, progress)
         parts.backend.end_of_rollout()
         return metrics
-
-    @dispatch(Dispatch.BROADCAST)
-    def frozen_digest(self, track: str) -> str:
-        """A hash of `track`'s parameters (bit for bit): a frozen track's must never change."""
-        import hashlib
-
-        h = hashlib.sha256()
-        for name, p in sorted(self.tracks[track].stage.module.state_dict().items()):
-            h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def save_checkpoint(self, path: str, base_models: dict[str, str]) -> None:

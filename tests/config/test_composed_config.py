@@ -1,0 +1,84 @@
+"""A composed recipe's bad input is refused before Ray, every problem naming its key."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import EXAMPLES
+from unirl.config.composed import validate_composed_config
+from unirl.config.validate import ConfigError
+
+
+def recipe(*overrides: str):
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        return compose("pe/tiny_pe_smoke", overrides=list(overrides))
+
+
+def problems(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate_composed_config(recipe(*overrides))
+    return info.value.problems
+
+
+def test_smoke_recipe_is_valid() -> None:
+    validate_composed_config(recipe())
+    validate_composed_config(
+        recipe(
+            "tracks.diffusion.trained=false",
+            "~tracks.diffusion.algorithm",
+            "~tracks.diffusion.advantage",
+            "~tracks.diffusion.train",
+        )
+    )
+
+
+def test_tracks_that_disagree() -> None:
+    (p,) = problems("rollout.tracks=[ar,image]")
+    assert "rollout.tracks ['ar', 'image']" in p and "['ar', 'diffusion']" in p
+
+
+def test_trained_track_without_algorithm() -> None:
+    found = problems("~tracks.ar.algorithm")
+    assert any(p.startswith("tracks.ar.algorithm:") and "exactly one algorithm" in p for p in found)
+
+
+def test_frozen_track_with_an_optimizer() -> None:
+    found = problems("tracks.diffusion.trained=false")
+    assert any(p.startswith("tracks.diffusion:") and "frozen" in p and "train" in p for p in found)
+
+
+def test_unknown_aggregate() -> None:
+    found = problems("tracks.ar.aggregate=median")
+    assert any("tracks.ar" in p and "aggregate" in p and "median" in p for p in found)
+
+
+def test_reward_for_a_track_that_does_not_exist() -> None:
+    found = problems("+rewards.critic=${rewards.diffusion}")
+    assert any(p.startswith("rewards.critic:") and "does not exist" in p for p in found)
+
+
+def test_leaf_without_reward() -> None:
+    found = problems("~rewards.diffusion", "+rewards.ar=${tracks.ar.advantage}")
+    assert any(p.startswith("rewards.diffusion:") and "leaf" in p for p in found)
+
+
+def test_algorithm_of_the_wrong_modality() -> None:
+    found = problems("tracks.ar.algorithm=${tracks.diffusion.algorithm}")
+    assert any(p.startswith("tracks.ar.algorithm:") and "diffusion algorithm" in p for p in found)
+
+
+def test_root_must_be_text_and_geometry_per_track() -> None:
+    found = problems("rollout.tracks=[diffusion,ar]")
+    assert any(p.startswith("tracks.diffusion.sampling:") and "text track" in p for p in found)
+    found = problems("num_devices=2", "prompts_per_rollout=1", "tracks.ar.sampling.samples_per_prompt=1")
+    assert any("do not split evenly over num_devices=2" in p for p in found)
+    found = problems("tracks.diffusion.train.stack.micro_batch_size=3")
+    assert any(p.startswith("tracks.diffusion.train.stack.micro_batch_size=3") for p in found)
+
+
+def test_single_track_rules_apply_per_track() -> None:
+    found = problems("tracks.diffusion.sampling.eta=0")
+    assert any(p.startswith("tracks.diffusion.sampling.eta=0") for p in found)
+    found = problems("tracks.ar.sampling.max_new_tokens=60")
+    assert any(p.startswith("tracks.ar.sampling.max_prompt_length") for p in found)
