@@ -1,9 +1,22 @@
 """The shapes world: a tiny text-to-image task where learning is visible.
 
 Procedurally rendered 32x32 scenes of coloured shapes (`world`) and a
-weight-free GenEval-in-miniature scorer (`scorer`). See README.md.
+weight-free GenEval-in-miniature scorer (`scorer`); user prompts in other surface forms for a
+prompt enhancer (`paraphrase`) and its rewrite reward (`rewrite`). See README.md.
 """
 
+from unirl.shapes.paraphrase import (
+    COLOR_FORMS,
+    COUNT_FORMS,
+    PREFIX_FORMS,
+    RELATION_FORMS,
+    SHAPE_FORMS,
+    TEMPLATES,
+    ShapesPEDataset,
+    ShapesPESFTSource,
+    paraphrase,
+)
+from unirl.shapes.rewrite import RewriteMatchesScene, normalize_scene, same_scene
 from unirl.shapes.scorer import (
     Detection,
     GenEvalMini,
@@ -45,9 +58,18 @@ __all__ = [
     "BACKGROUND",
     "CATEGORIES",
     "COLORS",
+    "COLOR_FORMS",
+    "COUNT_FORMS",
     "PALETTE",
+    "PREFIX_FORMS",
     "RELATIONS",
+    "RELATION_FORMS",
     "SHAPES",
+    "SHAPE_FORMS",
+    "TEMPLATES",
+    "RewriteMatchesScene",
+    "ShapesPEDataset",
+    "ShapesPESFTSource",
     "Detection",
     "GenEvalMini",
     "SceneSpec",
@@ -63,11 +85,14 @@ __all__ = [
     "held_out_pairs",
     "object_pairs",
     "is_eval_scene",
+    "normalize_scene",
+    "paraphrase",
     "parse_prompt",
     "prompt_id",
     "relation_holds",
     "relation_margin",
     "render",
+    "same_scene",
     "scene_to_prompt",
     "score_scene",
     "shape_credit",

@@ -371,28 +371,47 @@ class GenEvalMini:
         min_area: see `detect` (None: 12 px at 32x32, scaled).
         max_distance: see `classify_pixels`.
 
-    `__call__(req)` parses each prompt with `parse_prompt` (a prompt outside
-    the grammar raises ValueError naming it and its sample id) and returns [B]
+        intent_key: None: each image is judged against its prompt. A metadata key: against the
+            scene of `metadata[intent_key]` instead (a canonical prompt: the user's intent when the
+            prompts are a prompt enhancer's rewrites, e.g. "canonical" of `ShapesPEDataset`).
+
+    `__call__(req)` parses each prompt (or intent) with `parse_prompt` (one outside
+    the grammar, or a missing intent, raises ValueError naming it and its sample id) and returns [B]
     fp32 scores in [0, 1], in request order.
     """
 
-    def __init__(self, mode: str = "dense", min_area: int | None = None, max_distance: float = 100.0) -> None:
+    def __init__(
+        self,
+        mode: str = "dense",
+        min_area: int | None = None,
+        max_distance: float = 100.0,
+        intent_key: str | None = None,
+    ) -> None:
         if mode not in _MODES:
             raise ValueError(f"GenEvalMini mode must be one of {_MODES}, got {mode!r}")
         if min_area is not None and min_area < 1:
             raise ValueError(f"GenEvalMini min_area must be >= 1, got {min_area}")
         if not max_distance > 0:
             raise ValueError(f"GenEvalMini max_distance must be > 0, got {max_distance}")
+        if intent_key is not None and (not isinstance(intent_key, str) or not intent_key):
+            raise ValueError(f"GenEvalMini intent_key must be a non-empty string or null, got {intent_key!r}")
         self.mode = mode
         self.min_area = min_area
         self.max_distance = max_distance
+        self.intent_key = intent_key
 
-    def score_all(self, images: np.ndarray | torch.Tensor, prompts: Sequence[str]) -> list[dict[str, Any]]:
-        """`score_scene` results for each image ([B, 3, H, W] or [B, H, W, 3] uint8) and prompt."""
+    def score_all(
+        self, images: np.ndarray | torch.Tensor, prompts: Sequence[str], intents: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """`score_scene` results for each image ([B, 3, H, W] or [B, H, W, 3] uint8) and prompt, or,
+        given `intents` (canonical prompts, one per image), against the intents' scenes."""
         arr = _images_hwc(images)
         if len(prompts) != arr.shape[0]:
             raise ValueError(f"got {arr.shape[0]} images but {len(prompts)} prompts")
-        specs = [parse_prompt(p) for p in prompts]
+        if intents is not None and len(intents) != arr.shape[0]:
+            raise ValueError(f"got {arr.shape[0]} images but {len(intents)} intents")
+        wanted = prompts if intents is None else intents
+        specs = [parse_prompt(p) for p in wanted]
         return [
             score_scene(spec, detect(img, self.min_area, self.max_distance))
             for spec, img in zip(specs, arr, strict=True)
@@ -401,17 +420,34 @@ class GenEvalMini:
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8) against `req.prompts`."""
         images = req.require_images("GenEvalMini")
-        for sid, p in zip(req.sample_ids, req.prompts, strict=True):
+        intents = None if self.intent_key is None else self.intents(req)
+        for sid, p in zip(req.sample_ids, req.prompts if intents is None else intents, strict=True):
             try:
                 parse_prompt(p)
             except ValueError as e:
                 raise ValueError(f"sample {sid!r}: {e}") from e
-        results = self.score_all(images, req.prompts)
+        results = self.score_all(images, req.prompts, intents)
         return torch.tensor([r[self.mode] for r in results], dtype=torch.float32)
 
-    def evaluate(self, images: np.ndarray | torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:
-        """Accuracy summary: see module function `evaluate`."""
-        return summarize(self.score_all(images, prompts), [parse_prompt(p).category for p in prompts])
+    def intents(self, req: RewardRequest) -> list[str]:
+        """`metadata[intent_key]` of each sample; a sample without it raises ValueError naming it."""
+        metadata = req.metadata or [{} for _ in req.sample_ids]
+        out = []
+        for sid, meta in zip(req.sample_ids, metadata, strict=True):
+            if self.intent_key not in meta:
+                raise ValueError(
+                    f"GenEvalMini: sample {sid!r} has no metadata key {self.intent_key!r} (intent_key; keys: "
+                    f"{sorted(meta)}); give the prompts their canonical scene or set intent_key: null"
+                )
+            out.append(str(meta[self.intent_key]))
+        return out
+
+    def evaluate(
+        self, images: np.ndarray | torch.Tensor, prompts: Sequence[str], intents: Sequence[str] | None = None
+    ) -> dict[str, float]:
+        """Accuracy summary (see module function `evaluate`), against `intents` when given."""
+        wanted = prompts if intents is None else intents
+        return summarize(self.score_all(images, prompts, intents), [parse_prompt(p).category for p in wanted])
 
 
 def summarize(results: Sequence[dict[str, Any]], categories: Sequence[str]) -> dict[str, float]:
