@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from unirl.config.composed import ComposedEvalConfig
-from unirl.trainer.evaluation import EvalSampling, eval_params
+from unirl.trainer.evaluation import eval_params
 from unirl.trainer.text_eval import TextEvalSampling
 from unirl.trainer.worker import build
 from unirl.types.reward import RewardRequest
@@ -64,23 +64,15 @@ class ComposedEval:
     @classmethod
     def from_config(cls, node: Any, order: list[str], samplings: dict) -> ComposedEval:
         """Build from the recipe's `eval` node; `order`: the chain's tracks, `samplings`: theirs."""
-        plain = OmegaConf.to_container(node, resolve=True)
-        built = {
-            k: build(plain[k])
-            for k in ("examples", "scorer", "text_sampling", "sampling", "rewrite_scorer")
-            if plain.get(k) is not None
-        }
-        cfg = ComposedEvalConfig(**{**plain, **built})
-        examples = list(getattr(cfg.examples, "examples", cfg.examples))
-        image: EvalSampling = cfg.sampling
-        leaf = order[-1]
+        cfg = ComposedEvalConfig(**OmegaConf.to_container(node, resolve=True))
+        examples = build(cfg.examples)
         return cls(
-            examples,
-            cfg.scorer,
-            cfg.text_sampling,
-            {leaf: eval_params(samplings[leaf], image)},
+            list(getattr(examples, "examples", examples)),
+            build(cfg.scorer),
+            build(cfg.text_sampling),
+            {order[-1]: eval_params(samplings[order[-1]], build(cfg.sampling))},
             cfg.intent_key,
-            cfg.rewrite_scorer,
+            build(cfg.rewrite_scorer),
             cfg.group_by,
             cfg.references,
         )
