@@ -26,7 +26,7 @@ from unirl.shapes import (
     render,
     split_scenes,
 )
-from unirl.shapes.paraphrase import END, SLICES, Tiers, plural
+from unirl.shapes.paraphrase import END, KNOWN_WORDS, SLICES, Tiers, plural
 from unirl.types.reward import RewardRequest
 
 WORD_CLASSES: dict[str, dict] = {
@@ -57,25 +57,32 @@ def _contains(text: str, form: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(form)}(?!\w)", text) is not None
 
 
-def _alt(forms: set[str]) -> str:
-    return "(?:" + "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)) + ")"
+def _alt(forms: set[str], nonce: str = "") -> str:
+    """Any of `forms`, or (SFT's word dropout) a nonce word matching `nonce`."""
+    alts = [re.escape(f) for f in sorted(forms, key=len, reverse=True)] + ([nonce] if nonce else [])
+    return "(?:" + "|".join(alts) + ")"
 
 
 def _template_regex(fmt: str) -> re.Pattern[str]:
-    """Full-match regex of a template with any form of any tier in its slots (and any prefix)."""
+    """Full-match regex of a template with any form of any tier, or a nonce word, in its slots
+    (and any prefix)."""
     every = ("sft", "rl", "unseen")
-    colors = _alt({w for e in COLOR_FORMS.values() for t in every for w in getattr(e, t)})
-    shapes = _alt({w for e in SHAPE_FORMS.values() for t in every for w in getattr(e, t)})
-    plurals = _alt({plural(w) for e in SHAPE_FORMS.values() for t in every for w in getattr(e, t)})
+    word = rf"(?!{_alt(set(KNOWN_WORDS))}(?!\w))[a-z]{{4,7}}"  # a nonce word: no known one
+    colors = _alt({w for e in COLOR_FORMS.values() for t in every for w in getattr(e, t)}, word)
+    shapes = _alt({w for e in SHAPE_FORMS.values() for t in every for w in getattr(e, t)}, word)
+    plurals = _alt(
+        {plural(w) for e in SHAPE_FORMS.values() for t in every for w in getattr(e, t)}, word + "e?s"
+    )
+    relations = _alt({w for e in RELATION_FORMS.values() for t in every for w in getattr(e, t)}, word)
     slots = {
         "{a}": f"an? {colors} {shapes}",
         "{b}": f"an? {colors} {shapes}",
         "{c}": colors,
         "{s}": shapes,
         "{p}": plurals,
-        "{n}": _alt({w for e in COUNT_FORMS.values() for t in every for w in getattr(e, t)}),
-        "{r}": _alt({w for e in RELATION_FORMS.values() for t in every for w in getattr(e, t)}),
-        "{ri}": _alt({w for e in RELATION_FORMS.values() for t in every for w in getattr(e, t)}),
+        "{n}": _alt({w for e in COUNT_FORMS.values() for t in every for w in getattr(e, t)}, word),
+        "{r}": relations,
+        "{ri}": relations,
     }
     words = [slots.get(w, "an?" if w == "a" else re.escape(w)) for w in fmt.split()]
     prefix = (
@@ -95,7 +102,7 @@ def _templates_matching(text: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def sft_pairs() -> list[tuple[str, str]]:
-    return ShapesPESFTSource(seed=0).sample_batch(3000, np.random.default_rng(0))
+    return ShapesPESFTSource(seed=0).sample_batch(1500, np.random.default_rng(0))
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +144,16 @@ def test_template_regexes_recognise_every_prompt(sft_pairs, rl_examples, eval_ex
         assert len(found) == 1 or found == same, text
 
 
+def test_sft_nonce_words() -> None:
+    """SFT's word dropout: about nonce_rate of the word slots hold a word of no form or template."""
+    pairs = ShapesPESFTSource(nonce_rate=0.15).sample_batch(400, np.random.default_rng(1))
+    unknown = [w for text, _ in pairs for w in text.removesuffix(END).split() if w not in KNOWN_WORDS]
+    assert 0.05 < len(unknown) / sum(len(t.split()) for t, _ in pairs) < 0.15
+    assert all(w.isalpha() and 4 <= len(w) <= 9 for w in unknown)
+    clean = ShapesPESFTSource(nonce_rate=0.0).sample_batch(400, np.random.default_rng(1))
+    assert all(w in KNOWN_WORDS for text, _ in clean for w in text.removesuffix(END).split())
+
+
 def test_sft_prompts_hold_sft_forms_only(sft_pairs) -> None:
     later = _forms(("rl", "unseen"))
     for text, canonical in sft_pairs:
@@ -146,8 +163,13 @@ def test_sft_prompts_hold_sft_forms_only(sft_pairs) -> None:
         spec = parse_prompt(canonical)
         assert not is_eval_scene(spec)
         if found == {"position/plain"}:  # not position/swapped: the objects in canonical order
-            first = next(w for w in text.split() if any(w in e.sft for e in COLOR_FORMS.values()))
-            assert first in COLOR_FORMS[spec.objects[0].color].sft, text
+            body = text
+            for prefix in PREFIX_FORMS.sft:
+                body = body.removeprefix(prefix + " ") if prefix else body
+            color, shape = body.split()[1:3]  # the first object: "a <color> <shape>"
+            obj = spec.objects[0]
+            assert color in COLOR_FORMS[obj.color].sft or color not in KNOWN_WORDS, text
+            assert shape in SHAPE_FORMS[obj.shape].sft or shape not in KNOWN_WORDS, text
     # and they cover every SFT form
     assert all(any(_contains(t, f) for t, _ in sft_pairs) for f in _forms(("sft",)))
 

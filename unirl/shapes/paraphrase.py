@@ -140,21 +140,57 @@ def _articles(text: str) -> str:
     return " ".join(words)
 
 
+def _known_words() -> frozenset[str]:
+    words: set[str] = set()
+    for table in (COLOR_FORMS, SHAPE_FORMS, COUNT_FORMS, RELATION_FORMS):
+        for tiers in table.values():
+            words.update(w for forms in tiers for form in forms for w in form.split())
+    words.update(w for forms in PREFIX_FORMS for form in forms for w in form.split())
+    words.update(w for _, fmt in TEMPLATES.values() for w in fmt.split() if not w.startswith("{"))
+    return frozenset(words | {plural(w) for w in words} | {"an", "one", "two", "three"})
+
+
+KNOWN_WORDS: frozenset[str] = _known_words()
+"""Every word of every form and template: a nonce word is none of them."""
+
+
+def nonce_word(rng: random.Random) -> str:
+    """A random lower-case word of 4-7 letters outside `KNOWN_WORDS` (and not ending in "s")."""
+    while True:
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 7)))
+        if word not in KNOWN_WORDS and not word.endswith("s"):
+            return word
+
+
 class _Drawer:
     """Chooses one surface form per slot.
 
     `rl_share`: the chance that a word, prefix or template slot takes an RL-only form (else an SFT
     form); 0 draws SFT forms only. `unseen_slot`: the word slot that takes an unseen form (None:
-    none). `unseen_template`: draw the template from the unseen tier.
+    none). `unseen_template`: draw the template from the unseen tier. `nonce_rate`: the chance
+    that a word slot takes a `nonce_word` instead.
     """
 
-    def __init__(self, rng: random.Random, rl_share: float, unseen_slot: str | None, unseen_template: bool):
-        self.rng, self.rl_share = rng, rl_share
+    def __init__(
+        self,
+        rng: random.Random,
+        rl_share: float,
+        unseen_slot: str | None,
+        unseen_template: bool,
+        nonce_rate: float = 0.0,
+    ):
+        self.rng, self.rl_share, self.nonce_rate = rng, rl_share, nonce_rate
         self.unseen_slot, self.unseen_template = unseen_slot, unseen_template
         self.used: set[str] = set()  # tiers used: "sft", "rl", "unseen"
 
     def _tier(self) -> str:
         return "rl" if self.rl_share > 0 and self.rng.random() < self.rl_share else "sft"
+
+    def nonce(self, slot: str) -> str | None:
+        """A nonce word for a word slot, drawn with probability `nonce_rate`, else None."""
+        if slot != "prefix" and self.nonce_rate > 0 and self.rng.random() < self.nonce_rate:
+            return nonce_word(self.rng)
+        return None
 
     def pick(self, forms: Tiers, slot: str) -> tuple[str, int]:
         """(tier, index) of the form of `slot`."""
@@ -163,6 +199,9 @@ class _Drawer:
         return tier, self.rng.randrange(len(getattr(forms, tier)))
 
     def form(self, forms: Tiers, slot: str) -> str:
+        nonce = self.nonce(slot)
+        if nonce is not None:
+            return nonce
         tier, i = self.pick(forms, slot)
         return getattr(forms, tier)[i]
 
@@ -197,10 +236,13 @@ def _write(scene: SceneSpec, d: _Drawer) -> tuple[str, str]:
             color = d.form(COLOR_FORMS[obj.color], f"color_{key}")
             slots[key] = f"a {color} {d.form(SHAPE_FORMS[obj.shape], f'shape_{key}')}"
         if scene.relation is not None:
-            # one draw serves {r} and {ri}: the same tier and index of the two relations' forms
-            tier, i = d.pick(RELATION_FORMS[scene.relation], "relation")
-            slots["r"] = getattr(RELATION_FORMS[scene.relation], tier)[i]
-            slots["ri"] = getattr(RELATION_FORMS[INVERSE_RELATION[scene.relation]], tier)[i]
+            nonce = d.nonce("relation")
+            if nonce is not None:
+                slots["r"] = slots["ri"] = nonce
+            else:  # one draw serves {r} and {ri}: the same tier and index of the two relations' forms
+                tier, i = d.pick(RELATION_FORMS[scene.relation], "relation")
+                slots["r"] = getattr(RELATION_FORMS[scene.relation], tier)[i]
+                slots["ri"] = getattr(RELATION_FORMS[INVERSE_RELATION[scene.relation]], tier)[i]
     text = fmt.format(**slots)
     if not fmt.startswith("there"):
         text = f"{d.form(PREFIX_FORMS, 'prefix')} {text}"
@@ -213,6 +255,7 @@ def paraphrase(
     rl_share: float = 0.0,
     unseen_slot: str | None = None,
     unseen_template: bool = False,
+    nonce_rate: float = 0.0,
 ) -> tuple[str, dict[str, str]]:
     """One user prompt for `scene`, and its metadata.
 
@@ -224,6 +267,8 @@ def paraphrase(
         unseen_slot: a word slot taking an unseen form ("color", "shape", "count" for
             single/counting, "color_a", "shape_a", "color_b", "shape_b", "relation" for the pairs).
         unseen_template: draw the template from the unseen tier.
+        nonce_rate: chance that each word slot takes a `nonce_word` (SFT: a word the PE does not
+            know could be any colour, shape, count or relation).
 
     Returns:
         (prompt ending in `END`, metadata) with metadata {"category", "canonical": scene_to_prompt(scene),
@@ -233,7 +278,7 @@ def paraphrase(
         raise ValueError(
             f"unseen_slot {unseen_slot!r} is not a word slot of {scene.category}: {_word_slots(scene)}"
         )
-    d = _Drawer(rng, rl_share, unseen_slot, unseen_template)
+    d = _Drawer(rng, rl_share, unseen_slot, unseen_template, nonce_rate)
     text, template = _write(scene, d)
     forms = max(d.used, key=TIERS.index)
     return text, {
@@ -323,26 +368,36 @@ def _scene_examples(
     return out
 
 
+NONCE_RATE = 0.15
+"""The default chance that a word slot of an SFT prompt is a nonce word."""
+
+
 class ShapesPESFTSource:
     """(paraphrase, canonical prompt) pairs for supervised pretraining of the PE: training scenes
     (`split_scenes(seed)[0]`) written in SFT forms only.
 
     A category is drawn uniformly, then a scene of it uniformly (as `ShapesDataset.sample_batch`).
+    Each word slot (colour, shape, count, relation) is a random `nonce_word` with probability
+    `nonce_rate`, the target unchanged: the PE learns that a word it does not know could be any
+    colour (shape, ...) and samples among them, so that on an RL-only synonym its samples hold
+    the right rewrite often enough for a reward to find it (word dropout).
     """
 
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+    def __init__(self, seed: int = 0, nonce_rate: float = NONCE_RATE) -> None:
+        if not 0.0 <= nonce_rate < 1.0:
+            raise ValueError(f"ShapesPESFTSource nonce_rate must be in [0, 1), got {nonce_rate}")
+        self.seed, self.nonce_rate = seed, nonce_rate
         train = split_scenes(seed)[0]
         self._by_category = {c: [s for s in train if s.category == c] for c in CATEGORIES}
 
     def sample_batch(self, n: int, rng: np.random.Generator) -> list[tuple[str, str]]:
-        """`n` pairs like ("a crimson ball left of a navy box", "a red circle left of a blue square");
+        """`n` pairs like ("a crimson ball left of a navy box.", "a red circle left of a blue square");
         deterministic given `rng`'s state, which it advances."""
         py_rng = random.Random(int(rng.integers(2**63)))
         pairs = []
         for _ in range(n):
             group = self._by_category[py_rng.choice(CATEGORIES)]
             scene = py_rng.choice(group)
-            text, meta = paraphrase(scene, py_rng)
+            text, meta = paraphrase(scene, py_rng, nonce_rate=self.nonce_rate)
             pairs.append((text, meta["canonical"]))
         return pairs
