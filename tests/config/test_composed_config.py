@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -19,6 +21,14 @@ def problems(*overrides: str) -> list[str]:
     with pytest.raises(ConfigError) as info:
         validate_composed_config(recipe(*overrides))
     return info.value.problems
+
+
+@pytest.mark.parametrize(
+    "name", sorted(os.path.splitext(f)[0] for f in os.listdir(os.path.join(EXAMPLES, "pe")) if f.endswith(".yaml"))
+)
+def test_every_pe_recipe_is_valid(name: str) -> None:
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        validate_composed_config(compose(f"pe/{name}"))
 
 
 def test_smoke_recipe_is_valid() -> None:
