@@ -158,11 +158,11 @@ class ComposedWorker(ProcessWorker):
         """This rank's shard of an evaluation: the root texts and the leaf's images ([n, 3, H, W]
         uint8 on the CPU) of the deterministic request `req` with the child `samplings`.
         `feed`: what the image model renders: "rewrite" (the root stage's texts), "user" (the
-        user prompt itself: the floor) or "canonical" (`metadata["canonical"]`: the ceiling)."""
+        user prompt itself, without a closing full stop: the floor) or "canonical" (`metadata["canonical"]`: the ceiling)."""
         root = self.engine.tracks[0]
         override = None
-        if feed == "user":
-            override = {root: list(req.prompts)}
+        if feed == "user":  # as written, less surrounding blanks and a closing full stop (not content)
+            override = {root: [p.strip().removesuffix(".").strip() for p in req.prompts]}
         elif feed == "canonical":
             override = {root: [m["canonical"] for m in req.metadata]}
         elif feed != "rewrite":
