@@ -92,3 +92,11 @@ def test_single_track_rules_apply_per_track() -> None:
     assert any(p.startswith("tracks.diffusion.sampling.eta=0") for p in found)
     found = problems("tracks.ar.sampling.max_new_tokens=60")
     assert any(p.startswith("tracks.ar.sampling.max_prompt_length") for p in found)
+
+
+def test_lora_targets_that_match_nothing() -> None:
+    found = problems("tracks.diffusion.train.lora.target_modules=[nope]")
+    assert any(
+        p.startswith("tracks.diffusion.train.lora.target_modules ['nope'] match no module") and "to_q" in p
+        for p in found
+    )

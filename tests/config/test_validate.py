@@ -272,6 +272,12 @@ def test_unmodified_recipes_validate():
         ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0, got -1"),
         ("+train.ema.decay=0.9", "train.ema must be a _target_ node naming its class, got {'decay': 0.9}"),
         ("launcher=slurm", "launcher must be one of ('ray', 'in_process'), got 'slurm'"),
+        (
+            "train.lora.target_modules=[to_q,nope]",
+            "train.lora.target_modules ['nope'] match no module of SD3Transformer2DModel; its linear layers "
+            "are named [",
+        ),
+        ("train.lora.target_modules=[]", "train.lora.target_modules must name at least one module suffix"),
     ],
 )
 def test_specific_bad_values(override, expected):

@@ -231,6 +231,20 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
             _check_geometry(None, sampling, None, model, found)
             _check_sde(node, sampling, found)
         problems.extend(_prefixed(f"{key}.", found))
+        lora = passed.get(f"{key}.train.lora")
+        if trained and lora is not None and model is not None and hasattr(model, "trainable_on_meta"):
+            from unirl.train.backend import lora_target_problem
+
+            try:
+                problem = lora_target_problem(
+                    model.trainable_on_meta(), lora.target_modules, f"{key}.train.lora.target_modules"
+                )
+            except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
+                problem = (
+                    f"{key}.model: cannot read the trainable model's config ({type(exc).__name__}: {exc})"
+                )
+            if problem:
+                problems.append(problem)
         if run is not None and trained and train is not None and run.num_devices > 1 and train.fsdp is None:
             problems.append(
                 f"{key}.train.fsdp: num_devices={run.num_devices} needs FSDP2 settings for a trained track"

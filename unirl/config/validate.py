@@ -268,7 +268,9 @@ def _check_sde(cfg: DictConfig, sampling: DiffusionSamplingParams, problems: lis
         )
 
 
-def _check_keep_graph(cfg: DictConfig, passed: dict[str, Any], modality: str | None, problems: list[str]) -> None:
+def _check_keep_graph(
+    cfg: DictConfig, passed: dict[str, Any], modality: str | None, problems: list[str]
+) -> None:
     """`rollout.keep_graph`: a diffusion recipe whose kept sampling graphs are the forwards the
     loss would replay (`unirl.train.stack.keep_graph_problems`), with no LoRA dropout."""
     from unirl.train.stack import keep_graph_problems
@@ -355,12 +357,20 @@ def _check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[s
             f"{fsdp.param_dtype} for low-precision compute on one rank, or train.fsdp.param_dtype=float32"
         )
     model_readable = model is not None and (not model.pretrained_path or os.path.isdir(model.pretrained_path))
-    if fsdp is not None and model_readable and hasattr(model, "trainable_on_meta"):
+    lora = passed.get("train.lora")
+    if (fsdp is not None or lora is not None) and model_readable and hasattr(model, "trainable_on_meta"):
         try:
             denoiser = model.trainable_on_meta()
         except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
             problems.append(f"model: cannot read the trainable model's config ({type(exc).__name__}: {exc})")
-        else:
+            denoiser = None
+        if denoiser is not None and lora is not None:
+            from unirl.train.backend import lora_target_problem
+
+            problem = lora_target_problem(denoiser, lora.target_modules)
+            if problem:
+                problems.append(problem)
+        if denoiser is not None and fsdp is not None:
             missing = unmatched_block_classes(denoiser, fsdp.block_classes)
             if missing:
                 present = sorted(
@@ -448,7 +458,6 @@ def _check_text(cfg: DictConfig, sampling: TextSamplingParams, model: Any, probl
                     f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
                     f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={context} ({path})"
                 )
-
 
 
 EVAL_SAMPLING = {

@@ -98,6 +98,29 @@ def lr_factor(schedule: str, step: int, total_steps: int, warmup_steps: int) -> 
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def lora_target_problem(
+    module: torch.nn.Module, targets: list[str], key: str = "train.lora.target_modules"
+) -> str | None:
+    """Why `targets` (module-name suffixes, peft's matching) cannot all be LoRA targets of
+    `module`, naming `key` and the linear-layer names that do exist; None when every target
+    matches a module. Works on a meta-device module tree (validation reads no weights)."""
+    names = [n for n, _ in module.named_modules()]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not unmatched:
+        return None
+    linear = sorted(
+        {
+            ".".join(n.split(".")[-2:]) if n.split(".")[-1].isdigit() else n.split(".")[-1]
+            for n, m in module.named_modules()
+            if isinstance(m, torch.nn.Linear)
+        }
+    )
+    return (
+        f"{key} {unmatched} match no module of {type(module).__name__}; its linear layers are named "
+        f"{linear} (give name suffixes)"
+    )
+
+
 def inject_lora(module: torch.nn.Module, cfg: LoRAConfig) -> None:
     """Freeze `module` and add a peft LoRA adapter ("default") on the modules named by
     `cfg.target_modules` (name suffixes); a suffix matching no module is an error. The
@@ -105,13 +128,9 @@ def inject_lora(module: torch.nn.Module, cfg: LoRAConfig) -> None:
     the engine's module has the trainer's parameter names."""
     from peft import LoraConfig
 
-    names = [n for n, _ in module.named_modules()]
-    unmatched = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
-    if unmatched:
-        raise ValueError(
-            f"train.lora.target_modules {unmatched} match no module of {type(module).__name__}; "
-            "use module-name suffixes such as to_q, to_k, to_v, to_out.0"
-        )
+    problem = lora_target_problem(module, cfg.target_modules)
+    if problem:
+        raise ValueError(problem)
     module.requires_grad_(False)
     module.add_adapter(
         LoraConfig(
