@@ -49,6 +49,17 @@ class StageAlgorithm(ABC):
     supports_kept_graph: ClassVar[bool] = False
     compares_within_groups: ClassVar[bool] = False
 
+    def dynamic_sampling_limit(self) -> int | None:
+        """Dynamic sampling: None (the default) trains on every sampled group; an int n lets the
+        driver generate up to n rollouts per step, keeping the samples `keep_groups` returns,
+        until the train batch is full (DAPO)."""
+        return None
+
+    def keep_groups(self, rewards, group_ids: list[str]) -> list[int]:
+        """With dynamic sampling: the indices of the samples to keep from one generation
+        (rewards [B], group ids per sample). The default keeps every sample."""
+        return list(range(len(group_ids)))
+
     @property
     def needs_reference_policy(self) -> bool:
         """Whether the loss evaluates the reference policy (the backend then keeps it)."""

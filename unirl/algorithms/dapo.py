@@ -4,8 +4,9 @@ The loss is GRPO's (`GRPO.policy_loss`) with eps_high 0.28 > eps_low 0.2 ("clip
 higher", room for low-probability tokens to grow) and token-mean over the batch. It keeps
 GRPO's dual clip (`clip_ratio_c` 3.0), which the DAPO paper and TRL's DAPO do not have;
 `clip_ratio_c: null` drops it.
-Dynamic sampling is the driver's job: it keeps generating batches (at most
-`max_num_gen_batches`) and keeps only the groups `keep_groups` returns, those whose
+Dynamic sampling is a hook the driver calls (`dynamic_sampling_limit`, `keep_groups`): it
+keeps generating batches (at most `max_num_gen_batches`) and keeps only the groups
+`keep_groups` returns, those whose
 rewards are not all equal (an all-equal group has zero advantage and no gradient),
 until the train batch is full. Overlong shaping (a linear penalty over the last
 L_cache tokens before L_max) is a reward component, not part of this loss.
@@ -47,6 +48,10 @@ class DAPO(GRPO):
 
     def __init__(self, config: DAPOConfig | None = None) -> None:
         super().__init__(config or DAPOConfig())
+
+    def dynamic_sampling_limit(self) -> int | None:
+        """`max_num_gen_batches` with `dynamic_sampling`, else None (train on every group)."""
+        return self.config.max_num_gen_batches if self.config.dynamic_sampling else None
 
     @staticmethod
     def keep_groups(rewards: torch.Tensor, group_ids: list[str]) -> list[int]:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from unirl.dataplane import BatchMeta, get_batch, make_transport, merge_stats
+from unirl.dataplane import BatchMeta, get_batch, make_transport
 from unirl.reward.service import RewardService
 from unirl.tracking.gallery import write_gallery
 from unirl.tracking.metrics import JsonlWriter, save_image_grid
@@ -34,6 +33,7 @@ from unirl.trainer.composed_eval import ComposedEval
 from unirl.trainer.composed_worker import ComposedWorker, track_partition
 from unirl.trainer.engines import RolloutSettings
 from unirl.trainer.modality import ImageModality, TextModality
+from unirl.trainer.step_record import StepRecord
 from unirl.trainer.trainer import Trainer
 from unirl.trainer.worker import build
 from unirl.types.lineage import aggregate_children
@@ -133,27 +133,29 @@ class ComposedTrainer(Trainer):
         row["reward/mean"] = row[f"{self.leaf}/reward/mean"]
         return views
 
-    def _step(self, group, step: int, partition: str, row: dict[str, Any]) -> tuple[dict, float, float]:
-        """Rollout, rewards, advantages and training of one step; returns (the scored views,
-        the time the rollout ended, the time training began)."""
+    def _step(self, group, step: int, partition: str, record: StepRecord) -> dict[str, RolloutTrack]:
+        """Rollout, rewards, advantages and training of one step, marked on `record`; returns the
+        scored views of every track."""
+        row = record.row
         examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
         req = RolloutReq.from_prompts(examples, self.samplings[self.root], None, rollout_id=step)
         per_rank = self._call(group, "rollout", step, req, partition)
         metas = {n: BatchMeta.concat([m[n] for m in per_rank]) for n in self.order}
-        t1 = time.perf_counter()
+        record.mark("rollout")
         views = self._score(step, metas, row)
         for name in self.trained:
             self._driver_phase(
                 step, f"advantages ({name})", views[name].compute_advantages, self.advantage[name]
             )
-        t2 = time.perf_counter()
+        record.mark("reward")
         progress = step / self.num_steps
         for name in self.trained:
             shard = self.transport.claim(metas[name], "train")
             view = views[name]
             metrics = self._call(group, "train", step, shard, view.rewards, view.advantages, progress, name)
             row.update({f"{name}/{k}": v for k, v in reduce_metrics(metrics).items()})
-        return views, t1, t2
+        record.mark("trained")
+        return views
 
     def _loop(self, group, start: int) -> list[dict[str, Any]]:
         log_cfg = self.cfg.get("logging") or {}
@@ -173,29 +175,17 @@ class ComposedTrainer(Trainer):
         )
         try:
             for step in bar:
-                t0 = time.perf_counter()
+                record = StepRecord(step)
+                row = record.row
                 partition = f"step_{step}"
-                row: dict[str, Any] = {"step": step + 1}
                 try:
-                    views, t1, t2 = self._step(group, step, partition, row)
+                    views = self._step(group, step, partition, record)
                 finally:  # a failed step leaks nothing: its partitions go either way
                     for name in self.order:
                         self.transport.clear(track_partition(partition, name))
-                t3 = time.perf_counter()
-                row.update(
-                    merge_stats(self._call(group, "dataplane_stats", step) + [self.transport.stats.drain()])
-                )
-                peaks = self._call(group, "peak_memory_mb", step)
-                for kind in peaks[0]:
-                    row[f"memory/worker_peak_{kind}_mb"] = max(p[kind] for p in peaks)
-                row.update(
-                    {
-                        "time/rollout_s": t1 - t0,
-                        "time/reward_s": t2 - t1,
-                        "time/train_s": t3 - t2,
-                        "time/step_s": t3 - t0,
-                    }
-                )
+                dataplane = self._call(group, "dataplane_stats", step) + [self.transport.stats.drain()]
+                record.add_resources(dataplane, self._call(group, "peak_memory_mb", step))
+                record.add_timings()
                 if self.eval_every and ((step + 1) % self.eval_every == 0 or step + 1 == self.num_steps):
                     row.update(self._evaluate(group, step))
                 if self.restore_s is not None and step == start:

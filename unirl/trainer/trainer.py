@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from unirl.dataplane import BatchMeta, make_transport, merge_stats
+from unirl.dataplane import BatchMeta, make_transport
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
 from unirl.reward.service import RewardError
@@ -39,6 +39,7 @@ from unirl.trainer.checkpoints import (
 )
 from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, RolloutSettings, TrainsideRollouts
 from unirl.trainer.modality import modality_for
+from unirl.trainer.step_record import StepRecord
 from unirl.trainer.worker import RLWorker, build
 from unirl.types.rollout_resp import RolloutTrack
 
@@ -76,7 +77,7 @@ class Trainer:
         self.data_source = build(cfg.data_source)
         self.reward = build(cfg.reward)
         self.advantage = build(cfg.advantage)
-        self.algorithm = build(cfg.algorithm)  # the driver asks it only whether it filters groups
+        self.algorithm = build(cfg.algorithm)  # the driver asks it only for its dynamic-sampling hook
         self.num_steps = int(cfg.num_steps)
         self.rollout_settings = RolloutSettings.of(cfg)
         self.rollouts: TrainsideRollouts | DedicatedRollouts | None = None
@@ -297,17 +298,17 @@ class Trainer:
         (`rollout.max_staleness: 1`); its engines then keep their weights for any extra
         generation, and `rollout/staleness` says how many versions behind they sampled.
 
-        With an algorithm that filters groups (DAPO's dynamic sampling: `keep_groups`), groups
-        whose rewards are all equal are dropped and more prompts are rolled out into the same
+        With an algorithm that samples dynamically (`dynamic_sampling_limit()` not None: DAPO),
+        the groups its `keep_groups` drops (DAPO: those whose rewards are all equal) are dropped and more prompts are rolled out into the same
         partition until `prompts_per_rollout` groups with signal are kept (the first ones, in
         order), at most `max_num_gen_batches` generations. The row's reward metrics are the
         first generation's (the policy's reward as sampled); `dynamic/...` counts the rest.
         """
         prompts = int(self.cfg.prompts_per_rollout)
-        keep_groups = getattr(self.algorithm, "keep_groups", None)
-        dynamic = keep_groups is not None and bool(getattr(self.algorithm.config, "dynamic_sampling", False))
+        limit = self.algorithm.dynamic_sampling_limit()
+        dynamic = limit is not None
         metas, tracks, kept, t_first = [], [], [], None
-        max_batches = int(self.algorithm.config.max_num_gen_batches) if dynamic else 1
+        max_batches = limit if dynamic else 1
         stale = self.rollout_settings.max_staleness > 0 and self.rollouts.version is not None
 
         def score(chunk: RolloutTrack) -> None:
@@ -334,7 +335,7 @@ class Trainer:
             tracks.append(track)
             if not dynamic:
                 return meta, track, t_first
-            kept += [offset + i for i in keep_groups(track.rewards, track.group_ids)]
+            kept += [offset + i for i in self.algorithm.keep_groups(track.rewards, track.group_ids)]
             if len(kept) >= prompts * modality.sampling.samples_per_prompt:
                 break
         need = prompts * modality.sampling.samples_per_prompt
@@ -374,19 +375,20 @@ class Trainer:
         ahead = None  # the next step's rollout, running while this step trains (max_staleness 1)
         try:
             for step in bar:
-                t0 = time.perf_counter()
+                record = StepRecord(step)
+                row = record.row
                 partition = f"step_{step}"
                 trained = False
                 try:
-                    row: dict[str, Any] = {"step": step + 1}
-                    meta, track, t1 = self._rollout_and_score(group, modality, step, partition, row, ahead)
+                    meta, track, t_rollout = self._rollout_and_score(group, modality, step, partition, row, ahead)
+                    record.mark("rollout", t_rollout)
                     ahead = None
                     self._driver_phase(step, "advantages", track.compute_advantages, self.advantage)
-                    t2 = time.perf_counter()
+                    record.mark("reward")
                     self._guard(step, "sleep", self.rollouts.release)  # colocated engines free the devices
                     if self.rollout_settings.max_staleness and step + 1 < self.num_steps:
                         ahead = self._submit_ahead(modality, step)
-                    t2b = time.perf_counter()
+                    record.mark("train")
                     shard_meta = self.transport.claim(meta, "train")
                     progress = step / self.num_steps
                     metrics = self._call(
@@ -394,37 +396,25 @@ class Trainer:
                     )
                     trained = True
                     row.update(reduce_metrics(metrics))
-                    t3 = time.perf_counter()
+                    record.mark("trained")
                 finally:  # a failed step leaks nothing: its partition goes either way
                     self.transport.clear(partition)
                     meta = shard_meta = None
                     if self.keep_graph and not trained:  # graphs kept by rollout for a train that never ran
                         self._release_kept(group, partition)
                 engine_stats = self._guard(step, "dataplane_stats", self.rollouts.stats)
-                stats = (
-                    self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
-                )
-                row.update(merge_stats(stats))
+                dataplane = self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
+                record.add_resources(dataplane, self._call(group, "peak_memory_mb", step))
                 row.update(self.step_stats)
                 self.step_stats = {}
                 if "ratio/first_update_mean" in row and self.rollout_settings.dedicated:
                     row["off_policy/ratio_mean"] = row["ratio/first_update_mean"]
-                peaks = self._call(group, "peak_memory_mb", step)
-                for kind in peaks[0]:  # rss; device on GPU workers
-                    row[f"memory/worker_peak_{kind}_mb"] = max(p[kind] for p in peaks)
                 if self.rollout_settings.dedicated:
                     engines = self._guard(step, "memory_mb", self.rollouts.memory_mb)
                     row["memory/engine_rss_mb"] = max(e["rss"] for e in engines)  # after sleep when colocated
-                row.update(
-                    {
-                        "time/rollout_s": t1 - t0,
-                        "time/reward_s": t2 - t1,
-                        "time/train_s": t3 - t2b,
-                        "time/step_s": t3 - t0,
-                    }
-                )
-                if self.rollout_settings.dedicated:
-                    row["time/engine_release_s"] = t2b - t2  # sleep, and the weight sync of an ahead rollout
+                    # sleep, and the weight sync of an ahead rollout
+                    row["time/engine_release_s"] = record.marks["train"] - record.marks["reward"]
+                record.add_timings()
                 if self.eval_every and ((step + 1) % self.eval_every == 0 or step + 1 == self.num_steps):
                     row.update(self._evaluate(group, step, modality))
                 if self.restore_s is not None and step == start:
