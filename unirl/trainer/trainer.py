@@ -14,10 +14,12 @@ resume.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -111,6 +113,22 @@ class Trainer:
         with open(os.path.join(self.out, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
         resume = resolve_resume_path(self.cfg)
+        with self._workers() as group:
+            start = 0
+            if resume is not None:
+                t0 = time.perf_counter()
+                start = self._restore(group, resume)
+                self.restore_s = time.perf_counter() - t0
+            rows = self._loop(group, start)
+            self._export(group)
+            return rows
+
+    @contextlib.contextmanager
+    def _workers(self) -> Iterator[Any]:
+        """The run's processes, up for the `with` block and torn down after it whatever happens:
+        Ray (started here unless already running or joined), the device pool, the transport, the
+        worker group (in this process with `launcher: in_process`) and the rollout engines
+        (`self.rollouts`); writes `placement.json`. Yields the worker group."""
         local = self.cfg.get("launcher", "ray") == "in_process"
         devices = self.rollout_settings.pool_devices(int(self.cfg.num_devices))
         started_ray = False if local else init_ray(num_cpus=max(2 * devices, os.cpu_count() or 1))
@@ -133,12 +151,11 @@ class Trainer:
                     "bundle_node_ids": pool.bundle_node_ids(),
                 }
             if self.rollout_settings.dedicated:
-                settings = self.rollout_settings
                 self.rollouts = self._guard(
                     0,
                     "engine setup",
                     DedicatedRollouts,
-                    settings,
+                    self.rollout_settings,
                     plain,
                     pool,
                     group,
@@ -158,14 +175,7 @@ class Trainer:
                     f,
                     indent=2,
                 )
-            start = 0
-            if resume is not None:
-                t0 = time.perf_counter()
-                start = self._restore(group, resume)
-                self.restore_s = time.perf_counter() - t0
-            rows = self._loop(group, start)
-            self._export(group)
-            return rows
+            yield group
         finally:
             if self.rollouts is not None:
                 self.rollouts.shutdown()
@@ -380,7 +390,9 @@ class Trainer:
                 partition = f"step_{step}"
                 trained = False
                 try:
-                    meta, track, t_rollout = self._rollout_and_score(group, modality, step, partition, row, ahead)
+                    meta, track, t_rollout = self._rollout_and_score(
+                        group, modality, step, partition, row, ahead
+                    )
                     record.mark("rollout", t_rollout)
                     ahead = None
                     self._driver_phase(step, "advantages", track.compute_advantages, self.advantage)
@@ -403,7 +415,9 @@ class Trainer:
                     if self.keep_graph and not trained:  # graphs kept by rollout for a train that never ran
                         self._release_kept(group, partition)
                 engine_stats = self._guard(step, "dataplane_stats", self.rollouts.stats)
-                dataplane = self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
+                dataplane = (
+                    self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
+                )
                 record.add_resources(dataplane, self._call(group, "peak_memory_mb", step))
                 row.update(self.step_stats)
                 self.step_stats = {}
