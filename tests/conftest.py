@@ -12,7 +12,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.ray_loopback import _ray_on_loopback  # noqa: E402,F401  (session-wide loopback for Ray)
+from tests.ray_loopback import (  # noqa: E402,F401  (session-wide loopback and the shared Ray instance)
+    _ray_on_loopback,
+    _shared_ray_ends_with_the_session,
+    ray_cluster,
+    shared_ray_address,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
@@ -21,14 +26,17 @@ EXAMPLES = os.path.join(REPO, "examples")
 def run_module(
     module: str, *args: str, timeout: float = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m <module> <args>` from the repository root, offline, output captured as text."""
+    """`python -m <module> <args>` from the repository root, offline, output captured as text.
+    While this process holds the shared Ray instance (`ray_cluster`), a run joins it through
+    ``RAY_ADDRESS`` instead of starting its own (unless `env` names another)."""
+    joined = {"RAY_ADDRESS": address} if (address := shared_ray_address()) else {}
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **joined, **(env or {})},
     )
 
 

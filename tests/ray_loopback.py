@@ -1,4 +1,4 @@
-"""Ray tests run on loopback only (fixture imported by tests/conftest.py for the whole session).
+"""Ray tests run on loopback only, on one shared local cluster (fixtures imported by tests/conftest.py).
 
 Ray rewrites 127.0.0.1 addresses (e.g. ``ray.init(address="127.0.0.1:port")``
 and the address a `ray.cluster_utils.Cluster` node advertises) to the
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import ray
 import ray._private.ray_constants as ray_constants
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -26,3 +27,48 @@ def _ray_on_loopback() -> Iterator[None]:
         mp.setenv(LOOPBACK_ENV, "0")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
         yield
+
+
+SHARED_NUM_CPUS = 8  # logical CPUs: room for the largest test geometry (workers + separate engines)
+_shared: dict[str, str] = {}
+
+
+def shared_ray_address() -> str | None:
+    """The GCS address of the shared instance when this process is connected to it, else None."""
+    if ray.is_initialized() and _shared.get("address"):
+        return _shared["address"]
+    return None
+
+
+def ensure_shared_ray() -> str:
+    """Connect this process to the shared local instance, starting it if needed; its address."""
+    if not ray.is_initialized():
+        info = ray.init(
+            address="local",
+            num_cpus=SHARED_NUM_CPUS,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
+        _shared["address"] = info.address_info["gcs_address"]
+    return _shared["address"]
+
+
+def release_shared_ray() -> None:
+    """Stop the shared instance (before a test builds a cluster of its own)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    _shared.clear()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """The shared local Ray instance for a module (started on first use, kept for the next
+    module); yields its address."""
+    yield ensure_shared_ray()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_ray_ends_with_the_session() -> Iterator[None]:
+    yield
+    release_shared_ray()

@@ -102,10 +102,9 @@ def assert_same(got: dict, want: dict, rows: list[int] | None = None) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def cluster(ray_cluster) -> str:
+    """The session's shared Ray instance (tests/ray_loopback.py)."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 
+from tests.ray_loopback import SHARED_NUM_CPUS
 from unirl.distributed.group import (
     DevicePool,
     Dispatch,
@@ -102,12 +103,10 @@ class EchoWorker(Worker):
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[DevicePool]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+def pool(ray_cluster) -> Iterator[DevicePool]:
     p = DevicePool(2, cpus_per_device=1.0, use_gpu=False, timeout_s=30)
     yield p
     p.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -209,5 +208,5 @@ def test_device_pool_too_many_devices_fails_fast(pool: DevicePool) -> None:
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"reserve 64 CPU-slot devices.*Lower num_devices") as exc:
         DevicePool(64, use_gpu=False, timeout_s=1.0)
-    assert "CPU: 4" in str(exc.value)
+    assert f"CPU: {SHARED_NUM_CPUS}" in str(exc.value)
     assert time.monotonic() - start < 10

@@ -20,6 +20,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
+from tests.ray_loopback import release_shared_ray
 from unirl.distributed.group import DevicePool, Worker, WorkerGroup, init_ray, placement, remote
 from unirl.distributed.group import cluster as cluster_mod
 
@@ -59,6 +60,7 @@ def alive_node_ids_by_ip() -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Cluster:
+    release_shared_ray()  # this module needs a cluster of its own
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
 
     def finish() -> None:

@@ -43,10 +43,9 @@ CASES: dict[str, tuple[tuple, tuple, str]] = {
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def cluster(ray_cluster) -> str:
+    """The session's shared Ray instance (tests/ray_loopback.py)."""
+    return ray_cluster
 
 
 def new_actor() -> Any:

@@ -8,7 +8,6 @@ import json
 import os
 
 import pytest
-import ray
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
@@ -81,21 +80,8 @@ def test_entry_point_smoke(tmp_path) -> None:
     assert bad.returncode == 2 and "tracks.ar" in bad.stderr and "median" in bad.stderr
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.ray
-def test_two_workers_both_tracks_resume_exactly(tmp_path, local_ray) -> None:
+def test_two_workers_both_tracks_resume_exactly(tmp_path, ray_cluster) -> None:
     """Both tracks trained (GRPO on the prompt enhancer, Flow-GRPO with LoRA on the diffusion
     model) on 2 workers with FSDP2: stopped at a step-3 checkpoint and resumed, the run writes the
     rows of the run that never stopped and ends with bit-equal weights of both tracks."""

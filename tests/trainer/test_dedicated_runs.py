@@ -19,7 +19,6 @@ import time
 
 import psutil
 import pytest
-import ray
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
@@ -41,16 +40,9 @@ ENGINE_ONLY = ("sync/", "rollout/staleness", "off_policy/", "dataplane/")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
-    yield
-    ray.shutdown()
+def local_ray(ray_cluster):
+    """The session's shared Ray instance (tests/ray_loopback.py)."""
+    return ray_cluster
 
 
 def recipe(name: str, out, *overrides: str):

@@ -69,16 +69,9 @@ def final_weights(out, name: str = "final") -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
-    yield
-    ray.shutdown()
+def local_ray(ray_cluster):
+    """The session's shared Ray instance (tests/ray_loopback.py)."""
+    return ray_cluster
 
 
 # a full fine-tune with Flow-GRPO's KL term keeps a copy of the initial weights as its reference

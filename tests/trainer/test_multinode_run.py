@@ -9,6 +9,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from tests.ray_loopback import release_shared_ray
 from tests.trainer.test_distributed_runs import small_recipe
 from unirl.trainer.trainer import Trainer
 
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def two_nodes():
+    release_shared_ray()  # this module needs a cluster of its own
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

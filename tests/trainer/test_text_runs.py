@@ -10,7 +10,6 @@ import json
 import os
 
 import pytest
-import ray
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
@@ -63,16 +62,9 @@ def lm_weights(out, name: str = "final") -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
-    yield
-    ray.shutdown()
+def local_ray(ray_cluster):
+    """The session's shared Ray instance (tests/ray_loopback.py)."""
+    return ray_cluster
 
 
 RESUME_CASES = {"full-1-worker": ["num_devices=1"], "lora-kl-2-workers": ["num_devices=2", *LORA_KL]}
