@@ -336,3 +336,12 @@ def test_geneval_intent_key_judges_against_metadata() -> None:
         GenEvalMini(intent_key="canonical")(req)
     summary = GenEvalMini().evaluate(images, rewrites, intents=intents)
     assert summary["accuracy_strict"] == 1.0 and set(summary) >= {"accuracy/position", "accuracy/counting"}
+
+
+def test_canonical_format_rewards_only_the_grammar() -> None:
+    from unirl.shapes import CanonicalFormat
+    from unirl.types.reward import RewardRequest
+
+    texts = ["a red circle", " two blue squares ", "a red trianglue abo", "a blue square right of a red circle", ""]
+    req = RewardRequest(sample_ids=[str(i) for i in range(5)], prompts=[""] * 5, texts=texts, metadata=[{}] * 5)
+    assert CanonicalFormat()(req).tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]

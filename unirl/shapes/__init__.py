@@ -16,7 +16,7 @@ from unirl.shapes.paraphrase import (
     ShapesPESFTSource,
     paraphrase,
 )
-from unirl.shapes.rewrite import RewriteMatchesScene, normalize_scene, same_scene
+from unirl.shapes.rewrite import CanonicalFormat, RewriteMatchesScene, normalize_scene, same_scene
 from unirl.shapes.scorer import (
     Detection,
     GenEvalMini,
@@ -67,6 +67,7 @@ __all__ = [
     "SHAPES",
     "SHAPE_FORMS",
     "TEMPLATES",
+    "CanonicalFormat",
     "RewriteMatchesScene",
     "ShapesPEDataset",
     "ShapesPESFTSource",

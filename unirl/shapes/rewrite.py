@@ -80,3 +80,21 @@ class RewriteMatchesScene:
                 continue
             scores.append(1.0 if same_scene(got, want) else 0.0)
         return torch.tensor(scores, dtype=torch.float32)
+
+
+class CanonicalFormat:
+    """Scorer: 1.0 when a response, stripped, is a prompt of the canonical grammar (`parse_prompt`
+    accepts it), else 0.0. A format reward: it never looks at what the user asked for, only at
+    whether the image model can read the rewrite (the PE's own reward beside its images')."""
+
+    def __call__(self, req: RewardRequest) -> torch.Tensor:
+        """[B] fp32 scores of `req.texts`."""
+        scores = []
+        for text in req.require_texts("CanonicalFormat"):
+            try:
+                parse_prompt(text.strip())
+            except ValueError:
+                scores.append(0.0)
+            else:
+                scores.append(1.0)
+        return torch.tensor(scores, dtype=torch.float32)
