@@ -329,7 +329,8 @@ def test_memory_does_not_grow_over_many_steps(plane) -> None:
 def _plasma_objects() -> int:
     from ray._private.internal_api import memory_summary
 
-    summary = memory_summary(stats_only=True)
+    # this process's instance by address: another Ray instance on the machine would make it ambiguous
+    summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
     return int(re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", summary).group(1))
 
 
