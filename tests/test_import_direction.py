@@ -1,7 +1,8 @@
 """Dependencies point one way.
 
-types <- sde <- models <- (rollout, reward, algorithms) <- train <- distributed <- trainer <- entry points.
-`data`, `tracking` and `config` are leaf utilities. Every module under unirl/ is parsed with `ast`; nothing
+types <- sde <- models <- (rollout, reward, algorithms) <- train <- distributed <- trainer <- config
+<- entry points. `config` (the recipe validators) checks every component, so it sits above them all
+and nothing but an entry point imports it; `data` and `tracking` are leaf utilities. Every module under unirl/ is parsed with `ast`; nothing
 is imported, so the check is fast and cannot be fooled by import side effects.
 """
 
@@ -17,9 +18,9 @@ PKG = ROOT / "unirl"
 
 CORE = ["types", "sde", "models"]
 MIDDLE = ["rollout", "reward", "algorithms"]
-UTILS = {"data", "tracking", "config"}
-ENTRY = "<entry>"  # unirl/train_*.py and unirl/evaluate.py
-ENTRY_MODULES = ("evaluate",)
+UTILS = {"data", "tracking"}
+ENTRY = "<entry>"  # unirl/train_*.py, unirl/evaluate.py and unirl/entry.py (what the RL entry points share)
+ENTRY_MODULES = ("evaluate", "entry")
 
 ALLOWED: dict[str, set[str]] = {
     "types": {"types"},
@@ -40,10 +41,10 @@ ALLOWED: dict[str, set[str]] = {
     # the arithmetic world (problems, split, verifier) is a leaf over the typed boundary and data sources
     "arith": {"types", "data", "arith"},
     "tracking": {"tracking"},
-    "config": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS},
+    "config": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS, "config"},
     # entry points sit on top; one may also use a world it trains a component of
     # (unirl.train_reward_model: the shapes world's learned reward)
-    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS, "shapes", ENTRY},
+    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", "config", *UTILS, "shapes", ENTRY},
     "": set(),  # unirl/__init__.py stays import-free
 }
 # third-party packages the pure layers must not pull in

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from unirl.trainer.entry import run_recipe
+from unirl.entry import run_recipe
 
 
 @hydra.main(config_path="../examples", config_name=None, version_base=None)

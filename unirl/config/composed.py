@@ -10,7 +10,7 @@ its own with the single-track rules, every problem naming its key (`tracks.<name
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
@@ -104,39 +104,9 @@ class TrackConfig:
             raise ValueError(f"aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
 
 
-@dataclass
-class ComposedEvalConfig:
-    """`eval` of a composed recipe (run by `unirl.trainer.composed_eval.ComposedEval`).
-
-    Attributes:
-        examples: held-out user prompts (a `_target_` node: a list of `PromptExample`s or a
-            dataset holding them in `.examples`); each carries `metadata[intent_key]`.
-        scorer: the image scorer (`evaluate(images, prompts) -> dict`), e.g. `GenEvalMini`.
-        text_sampling: how the root stage decodes (`TextEvalSampling`; greedy is used).
-        sampling: how the image stage samples (`EvalSampling`).
-        every_n_steps: evaluate every this many steps (0: never) and at the end.
-        intent_key: metadata key of the scene the user asked for (scored against).
-        rewrite_scorer: optional text scorer of the rewrites (`scorer(RewardRequest) -> [B]`).
-        group_by: metadata keys to break the strict accuracy down by.
-        references: also measure the floor and the ceiling at step 0.
-    """
-
-    examples: Any
-    scorer: Any
-    text_sampling: Any
-    sampling: Any
-    every_n_steps: int = 0
-    intent_key: str = "canonical"
-    rewrite_scorer: Any = None
-    group_by: list[str] = field(default_factory=list)
-    references: bool = True
-
-    def __post_init__(self) -> None:
-        _at_least("eval.", "every_n_steps", self.every_n_steps, 0)
-        _components("eval.", self, ("examples", "scorer", "text_sampling", "sampling"), ("rewrite_scorer",))
-
-
 def _sections(cfg: DictConfig) -> dict[str, type]:
+    from unirl.trainer.composed_eval import ComposedEvalConfig  # its consumer's schema
+
     sections: dict[str, type] = {
         "": ComposedRunConfig,
         "checkpoint": CheckpointConfig,

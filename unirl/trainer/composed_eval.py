@@ -17,17 +17,56 @@ give the same numbers. Keys (the driver prefixes `eval/`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
-from unirl.config.composed import ComposedEvalConfig
 from unirl.trainer.evaluation import eval_params
 from unirl.trainer.text_eval import TextEvalSampling
 from unirl.trainer.worker import build
 from unirl.types.reward import RewardRequest
 from unirl.types.rollout_req import PromptExample, RolloutReq
+
+
+@dataclass
+class ComposedEvalConfig:
+    """`eval` of a composed recipe (run by `unirl.trainer.composed_eval.ComposedEval`).
+
+    Attributes:
+        examples: held-out user prompts (a `_target_` node: a list of `PromptExample`s or a
+            dataset holding them in `.examples`); each carries `metadata[intent_key]`.
+        scorer: the image scorer (`evaluate(images, prompts) -> dict`), e.g. `GenEvalMini`.
+        text_sampling: how the root stage decodes (`TextEvalSampling`; greedy is used).
+        sampling: how the image stage samples (`EvalSampling`).
+        every_n_steps: evaluate every this many steps (0: never) and at the end.
+        intent_key: metadata key of the scene the user asked for (scored against).
+        rewrite_scorer: optional text scorer of the rewrites (`scorer(RewardRequest) -> [B]`).
+        group_by: metadata keys to break the strict accuracy down by.
+        references: also measure the floor and the ceiling at step 0.
+    """
+
+    examples: Any
+    scorer: Any
+    text_sampling: Any
+    sampling: Any
+    every_n_steps: int = 0
+    intent_key: str = "canonical"
+    rewrite_scorer: Any = None
+    group_by: list[str] = field(default_factory=list)
+    references: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 0:
+            raise ValueError(f"eval.every_n_steps must be >= 0, got {self.every_n_steps}")
+        for key in ("examples", "scorer", "text_sampling", "sampling", "rewrite_scorer"):
+            value = getattr(self, key)
+            if (value is not None or key != "rewrite_scorer") and not (
+                isinstance(value, dict) and "_target_" in value
+            ):
+                raise ValueError(f"eval.{key} must be a _target_ node naming its class, got {value!r}")
+
 
 FEEDS = {"rewrite": "", "user": "floor/", "canonical": "ceiling/"}
 
