@@ -10,30 +10,16 @@ Validates the recipe before any Ray work (exit 2 listing every problem), then ru
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
 from unirl.config.composed import validate_composed_config
-from unirl.config.validate import ConfigError
+from unirl.entry import validate_then_run
 
 
 @hydra.main(config_path="../examples", config_name=None, version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        validate_composed_config(cfg)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    from unirl.trainer.composed import ComposedTrainer  # after validation: no heavy imports first
-    from unirl.trainer.trainer import TrainingError
-
-    try:
-        ComposedTrainer(cfg).run()
-    except TrainingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    validate_then_run(cfg, validate_composed_config, "unirl.trainer.composed.ComposedTrainer")
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ class ComposedTrainer(Trainer):
     Writes what `Trainer` writes, per track: `checkpoints/step_XXXXXX/<track>/` (train
     state of each trained track), `checkpoints/final/<track>/` (a trained track's weights in
     its family's format; a frozen track's whole bundle), `base_model/<track>/` for tiny
-    models, and `samples/step_XXXX.json` (user prompt -> rewrites -> image rewards) with
-    the leaf's image grid.
+    models, and with every sample grid `samples/lineage_step_XXXX.json` (user prompt ->
+    rewrites -> image rewards).
     """
 
     worker_class = ComposedWorker
