@@ -32,6 +32,7 @@ supervised pretraining).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -247,23 +248,36 @@ def holdout_of(problem: Problem) -> str:
     return "expression" if is_reserved(problem.expression) else "none"
 
 
-def split_problems(split: str, seed: int = 0, size: int | None = None) -> list[Problem]:
-    """The problems of a split: "train" draws `size` (default 20000) with `sample_train_problem`
-    from `random.Random("arith/train/{seed}")` (repeats possible: add 1x1 has 100
-    expressions); the eval splits are `eval_problems` (default size 200 and 260)."""
+def _split_size(split: str, size: int | None) -> int:
+    """`size`, or the split's default; raises ValueError for an unknown split or a bad size."""
     if split not in SPLITS:
         raise ValueError(f"arith split must be one of {SPLITS}, got {split!r}")
     size = _DEFAULT_SIZE[split] if size is None else size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"arith {split} size must be an int >= 1, got {size!r}")
+    return size
+
+
+def split_problems(split: str, seed: int = 0, size: int | None = None) -> list[Problem]:
+    """The problems of a split: "train" draws `size` (default 20000) with `sample_train_problem`
+    from `random.Random("arith/train/{seed}")` (repeats possible: add 1x1 has 100
+    expressions); the eval splits are `eval_problems` (default size 200 and 260).
+
+    A pure function of its arguments: each list is drawn once per process (recipe validation
+    builds the same data sources many times) and every call returns a fresh copy."""
+    return list(_drawn_problems(split, seed, _split_size(split, size)))
+
+
+@functools.lru_cache(maxsize=8)
+def _drawn_problems(split: str, seed: int, size: int) -> tuple[Problem, ...]:
     if split == "eval_all":  # both held-out kinds, told apart by the examples' "holdout" metadata
-        return eval_problems("eval", seed, _DEFAULT_SIZE["eval"]) + eval_problems(
+        return _drawn_problems("eval", seed, _DEFAULT_SIZE["eval"]) + _drawn_problems(
             "eval_trained", seed, _DEFAULT_SIZE["eval_trained"]
         )
     if split != "train":
-        return eval_problems(split, seed, size)
+        return tuple(eval_problems(split, seed, size))
     rng = random.Random(f"arith/train/{seed}")
-    return [sample_train_problem(rng) for _ in range(size)]
+    return tuple(sample_train_problem(rng) for _ in range(size))
 
 
 def to_example(problem: Problem, prompt_id: str) -> PromptExample:
@@ -276,6 +290,13 @@ def to_example(problem: Problem, prompt_id: str) -> PromptExample:
         "holdout": holdout_of(problem),
     }
     return PromptExample(prompt=problem.prompt, prompt_id=prompt_id, metadata=metadata)
+
+
+@functools.lru_cache(maxsize=8)
+def _split_examples(split: str, seed: int, size: int) -> tuple[PromptExample, ...]:
+    return tuple(
+        to_example(p, f"arith/{split}/{i}") for i, p in enumerate(_drawn_problems(split, seed, size))
+    )
 
 
 class ArithDataset:
@@ -291,15 +312,17 @@ class ArithDataset:
     Attributes:
         problems: the `Problem`s, in order.
         examples: one `PromptExample` per problem, id "arith/{split}/{i}", metadata
-            {"answer": "168", "op": "add", "digits": "3x2", "holdout": "combination"}.
+            {"answer": "168", "op": "add", "digits": "3x2", "holdout": "combination"}
+            (each dataset holds its own examples and metadata dicts).
     """
 
     def __init__(self, split: str = "train", seed: int = 0, size: int | None = None) -> None:
         self.split = split
         self.seed = seed
-        self.problems: list[Problem] = split_problems(split, seed, size)
+        size = _split_size(split, size)
+        self.problems: list[Problem] = list(_drawn_problems(split, seed, size))
         self.examples: list[PromptExample] = [
-            to_example(p, f"arith/{split}/{i}") for i, p in enumerate(self.problems)
+            PromptExample(e.prompt, e.prompt_id, dict(e.metadata)) for e in _split_examples(split, seed, size)
         ]
 
     def __len__(self) -> int:
@@ -317,12 +340,12 @@ class ArithDataSource(ListDataSource):
     """
 
     def __init__(self, split: str = "train", seed: int = 0, size: int | None = None, shuffle: bool = True):
-        dataset = ArithDataset(split, seed, size)
+        examples = _split_examples(split, seed, _split_size(split, size))  # shared: next_batch copies
         super().__init__(
-            dataset.examples,
+            list(examples),
             shuffle=shuffle,
             seed=seed,
-            source=f"<arith split={split} seed={seed} size={len(dataset)}>",
+            source=f"<arith split={split} seed={seed} size={len(examples)}>",
         )
 
 
