@@ -1,22 +1,19 @@
 """Composed runs (a prompt enhancer feeding a diffusion model) through `ComposedTrainer` and
 `python -m unirl.train_pe`: a frozen track stays bit-identical, both tracks export, and a run
-with both tracks trained on 2 Ray workers resumes exactly (3 + 3 steps == 6)."""
+with both tracks trained on 2 Ray workers resumes exactly (2 + 2 steps == 4)."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES, run_module, untimed
-from unirl.config.composed import validate_composed_config
-from unirl.trainer.composed import ComposedTrainer
+from tests.conftest import run_module, untimed
+from tests.recipes import IN_PROCESS, QUIET, run, same_weights
 
-QUIET = ["logging.progress=false", "logging.save_images_every=0"]
+PE = "pe/tiny_pe_smoke"
 FROZEN = [
     "tracks.diffusion.trained=false",
     "~tracks.diffusion.algorithm",
@@ -25,23 +22,15 @@ FROZEN = [
 ]
 
 
-def run(out, *overrides: str) -> list[dict]:
-    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        cfg = compose("pe/tiny_pe_smoke", overrides=[*QUIET, f"output_dir={out}", *overrides])
-    validate_composed_config(cfg)
-    ComposedTrainer(cfg).run()
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-
-
 def transformer(path) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(path, "transformer", "diffusion_pytorch_model.safetensors"))
+    return load_file(path / "transformer" / "diffusion_pytorch_model.safetensors")
 
 
 def test_frozen_track_is_bit_identical_and_both_tracks_export(tmp_path) -> None:
     """The diffusion track is frozen: after 3 steps its exported weights equal the base bit for bit
     and its rows hold no training metrics; the trained prompt enhancer's weights moved."""
     out = tmp_path / "frozen"
-    rows = run(out, "num_steps=3", "launcher=in_process", "transport=inband", *FROZEN)
+    rows = run(PE, out, "num_steps=3", *IN_PROCESS, *FROZEN)
     assert all("ar/loss" in r and not any(k.startswith("diffusion/train") for k in r) for r in rows)
     assert all(
         r["ar/reward/mean"] == pytest.approx(r["diffusion/reward/mean"]) for r in rows
@@ -56,7 +45,8 @@ def test_frozen_track_is_bit_identical_and_both_tracks_export(tmp_path) -> None:
     assert any(not torch.equal(ar_base[k], ar_final[k]) for k in ar_base)
 
 
-def test_entry_point_smoke(tmp_path) -> None:
+@pytest.mark.ray
+def test_entry_point_smoke(tmp_path, ray_cluster) -> None:
     """`python -m unirl.train_pe` runs the smoke recipe (both tracks trained, Ray, 2 steps) and
     writes the lineage samples; a bad recipe exits 2 naming the key, before Ray."""
     out = tmp_path / "smoke"
@@ -83,19 +73,16 @@ def test_entry_point_smoke(tmp_path) -> None:
 @pytest.mark.ray
 def test_two_workers_both_tracks_resume_exactly(tmp_path, ray_cluster) -> None:
     """Both tracks trained (GRPO on the prompt enhancer, Flow-GRPO with LoRA on the diffusion
-    model) on 2 workers with FSDP2: stopped at a step-3 checkpoint and resumed, the run writes the
+    model) on 2 workers with FSDP2: stopped at a step-2 checkpoint and resumed, the run writes the
     rows of the run that never stopped and ends with bit-equal weights of both tracks."""
     two = ["num_devices=2", "threads_per_worker=1"]
-    full = run(tmp_path / "full", "num_steps=6", *two)
+    full = run(PE, tmp_path / "full", "num_steps=4", *two)
     part = tmp_path / "part"
-    run(part, "num_steps=3", "checkpoint.every_n_steps=3", *two)
-    assert (part / "checkpoints/step_000003/ar").is_dir() and (
-        part / "checkpoints/step_000003/diffusion"
+    run(PE, part, "num_steps=2", "checkpoint.every_n_steps=2", *two)
+    assert (part / "checkpoints/step_000002/ar").is_dir() and (
+        part / "checkpoints/step_000002/diffusion"
     ).is_dir()
-    resumed = run(part, "num_steps=6", "resume_from=latest", *two)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    assert [untimed(r) for r in resumed[3:]] == [untimed(r) for r in full[3:]]
-    for name, file in (("ar", "model.safetensors"), ("diffusion", "pytorch_lora_weights.safetensors")):
-        a = load_file(tmp_path / "full/checkpoints/final" / name / file)
-        b = load_file(part / "checkpoints/final" / name / file)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    resumed = run(PE, part, "num_steps=4", "resume_from=latest", *two)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
+    assert same_weights(tmp_path / "full", part)  # both tracks: ar/ and diffusion/

@@ -9,7 +9,6 @@ same forward batches as the trainside engine.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -19,15 +18,10 @@ import time
 
 import psutil
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
-from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES, REPO, untimed
-from tests.trainer.test_distributed_runs import SMALL
-from unirl.config.validate import validate_rl_config
+from tests.conftest import REPO, untimed
+from tests.recipes import SD3, run, same_weights
 from unirl.distributed.group import DevicePool, Worker, WorkerError, placement, remote
-from unirl.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.ray
 
@@ -45,35 +39,9 @@ def local_ray(ray_cluster):
     return ray_cluster
 
 
-def recipe(name: str, out, *overrides: str):
-    small = SMALL if name.startswith("diffusion") else ["logging.progress=false"]
-    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        cfg = compose(name, overrides=[*small, f"output_dir={out}", *overrides])
-    validate_rl_config(cfg)
-    return cfg
-
-
-def run(name: str, out, *overrides: str) -> list[dict]:
-    Trainer(recipe(name, out, *overrides)).run()
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-
-
 def training(row: dict) -> dict:
     """A row's training and reward figures (what must not depend on where rollouts ran)."""
     return {k: v for k, v in untimed(row).items() if not k.startswith(ENGINE_ONLY)}
-
-
-def exported(out) -> dict[str, torch.Tensor]:
-    """Every tensor of the run's final export (LoRA file, diffusers or transformers layout)."""
-    files = sorted(
-        glob.glob(os.path.join(out, "checkpoints", "final", "**", "*.safetensors"), recursive=True)
-    )
-    return {f"{os.path.relpath(f, out)}:{k}": v for f in files for k, v in load_file(f).items()}
-
-
-def same_weights(a, b) -> bool:
-    wa, wb = exported(a), exported(b)
-    return len(wa) > 0 and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +136,8 @@ def test_text_engine_with_dropped_weights_trains_like_trainside(tmp_path):
     """The LM recipe (full fine-tune, every weight synced and verified, the engine dropping its
     weights while the trainer trains and rebuilding them on wake-up; 4 chunks per rollout, each
     scored while the next generates) gives the trainside rows and weights."""
-    small = ["num_steps=2", "prompts_per_rollout=4", "sampling.samples_per_prompt=4"]
-    ref = run("llm/tiny_lm_grpo", tmp_path / "ref", *small, "rollout.forward_batch_size=4")
-    rows = run("llm/tiny_lm_dedicated", tmp_path / "eng", *small, "rollout.forward_batch_size=4")
+    ref = run("llm/tiny_lm_grpo", tmp_path / "ref", "num_steps=2", "rollout.forward_batch_size=4")
+    rows = run("llm/tiny_lm_dedicated", tmp_path / "eng", "num_steps=2", "rollout.forward_batch_size=4")
     assert [training(r) for r in rows] == [training(r) for r in ref]
     assert same_weights(tmp_path / "ref", tmp_path / "eng")
 
@@ -209,9 +176,10 @@ def test_worker_group_submit_runs_calls_in_order_and_names_a_dead_rank(tmp_path)
         pool.shutdown()
 
 
-def test_a_killed_engine_stops_the_run_naming_it(tmp_path):
-    """SIGKILL the engine of a running colocated run: the entry point exits 1 within seconds,
-    naming the rollout engine and the step; nothing hangs."""
+def test_a_killed_engine_stops_the_run_naming_it(tmp_path, local_ray):
+    """The colocated recipe through its entry point writes on-policy rows (a weight sync before
+    each rollout after the first) from its one engine; SIGKILL that engine and the entry point
+    exits 1 within seconds, naming the rollout engine and the step; nothing hangs."""
     out = tmp_path / "dies"
     proc = subprocess.Popen(
         [
@@ -219,7 +187,7 @@ def test_a_killed_engine_stops_the_run_naming_it(tmp_path):
             "-m",
             "unirl.train_diffusion",
             f"--config-name={COLOCATE}",
-            *SMALL,
+            *SD3,
             "num_steps=200",
             f"output_dir={out}",
         ],
@@ -227,14 +195,16 @@ def test_a_killed_engine_stops_the_run_naming_it(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": local_ray},  # the shared instance
     )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.time() < deadline, "run did not reach its second step"
         time.sleep(0.2)
-    engine = json.loads((out / "placement.json").read_text())["engines"][0]
+    placed = json.loads((out / "placement.json").read_text())
+    assert [e["engine"] for e in placed["engines"]] == [0]
+    engine = placed["engines"][0]
     assert "EngineWorker" in " ".join(psutil.Process(engine["pid"]).cmdline())
     os.kill(engine["pid"], signal.SIGKILL)
     killed = time.time()
@@ -242,3 +212,5 @@ def test_a_killed_engine_stops_the_run_naming_it(tmp_path):
     assert proc.returncode == 1, stderr[-3000:]
     assert "rollout engine 0 failed" in stderr and "run stopped at step" in stderr, stderr[-3000:]
     assert time.time() - killed < 60
+    first = [json.loads(line) for line in metrics.read_text().splitlines()[:2]]
+    assert [r["rollout/staleness"] for r in first] == [0, 0] and first[0]["sync/bytes"] > 0

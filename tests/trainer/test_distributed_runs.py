@@ -18,54 +18,25 @@ import psutil
 import pytest
 import ray
 import torch
-from hydra import compose, initialize_config_dir
-from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES, REPO, run_module, untimed
+from tests.conftest import REPO, untimed
 from tests.dataplane.backends import BACKENDS, transport_cfg
+from tests.recipes import SD3, exported_weights, recipe, same_weights
+from tests.recipes import run as run_recipe
 from unirl.algorithms.flow_grpo import FlowGRPO
-from unirl.config.validate import ConfigError, validate_rl_config
+from unirl.config.validate import ConfigError
 from unirl.dataplane import make_transport
+from unirl.evaluate import main as evaluate_main
 from unirl.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.ray
 
-SMALL = [
-    "prompts_per_rollout=2",
-    "sampling.samples_per_prompt=4",
-    "sampling.num_steps=4",
-    "sampling.sde_num_steps=2",
-    "sampling.height=16",
-    "sampling.width=16",
-    "sampling.max_sequence_length=8",
-    "model.tiny.resolution=16",
-    "model.tiny.num_layers=2",
-    "model.tiny.clip_max_length=8",
-    "train.stack.micro_batch_size=2",
-    "logging.progress=false",
-    "logging.save_images_every=0",
-]
-
-
-def small_recipe(out, *overrides: str):
-    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        cfg = compose("diffusion/tiny_sd3_flowgrpo", overrides=[*SMALL, f"output_dir={out}", *overrides])
-    validate_rl_config(cfg)
-    return cfg
+TINY = "diffusion/tiny_sd3_flowgrpo"
+SHAPES = "diffusion/shapes_flowgrpo_smoke"
 
 
 def run(out, *overrides: str) -> list[dict]:
-    Trainer(small_recipe(out, *overrides)).run()
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-
-
-def final_weights(out, name: str = "final") -> dict[str, torch.Tensor]:
-    """The exported weights in `checkpoints/<name>/`: the LoRA file, or a full fine-tune's transformer."""
-    path = os.path.join(out, "checkpoints", name)
-    lora = os.path.join(path, "pytorch_lora_weights.safetensors")
-    if os.path.exists(lora):
-        return load_file(lora)
-    return load_file(os.path.join(path, "transformer", "diffusion_pytorch_model.safetensors"))
+    return run_recipe(TINY, out, *overrides)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,22 +56,22 @@ RESUME_CASES = {
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_resume_continues_identically(tmp_path, case):
-    """Stopped at a step-3 checkpoint and resumed, a run writes the rows of the run that never
+    """Stopped at a step-2 checkpoint and resumed, a run writes the rows of the run that never
     stopped (apart from measurements of the machine) and ends with bit-equal weights. With a
     full fine-tune and a KL term, equal `kl` rows say the reference came back as the initial
-    weights. The full fine-tune runs on 2 workers (FSDP2-sharded weights, optimizer and
-    reference); one process's plain-module round trip is tests/train/test_checkpoint.py."""
+    weights. 1 worker trains the plain module, 2 workers FSDP2-sharded weights, optimizer and
+    reference; one process's plain-module round trip is tests/train/test_checkpoint.py."""
     overrides = RESUME_CASES[case]
-    full = run(tmp_path / "full", "num_steps=6", *overrides)
+    full = run(tmp_path / "full", "num_steps=4", *overrides)
     part = tmp_path / "part"
-    run(part, "num_steps=3", "checkpoint.every_n_steps=3", *overrides)
-    resumed = run(part, "num_steps=6", "resume_from=latest", *overrides)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    assert [untimed(r) for r in resumed[3:]] == [untimed(r) for r in full[3:]]
-    a, b = final_weights(tmp_path / "full"), final_weights(part)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    run(part, "num_steps=2", "checkpoint.every_n_steps=2", *overrides)
+    resumed = run(part, "num_steps=4", "resume_from=latest", *overrides)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
+    assert same_weights(tmp_path / "full", part)
     if "train.lora=null" in overrides:
-        assert len(a) > 50 and not any("lora" in k for k in a)  # every weight of the transformer
+        weights = exported_weights(part)
+        assert len(weights) > 50 and not any("lora" in k for k in weights)  # every weight of the transformer
         assert resumed[0]["kl"] == 0.0 and all(r["kl"] > 0.0 for r in resumed[1:])
 
 
@@ -115,33 +86,14 @@ class MeanPixel:
         return {"mean_pixel": float(images.to(torch.float64).mean())}
 
 
-MEAN_PIXEL = ["eval.scorer._target_=tests.trainer.test_distributed_runs.MeanPixel", "~eval.scorer.mode"]
+MEAN_PIXEL = [f"eval.scorer._target_={__name__}.MeanPixel", "~eval.scorer.mode"]
+# the shapes smoke recipe (held-out prompts) with an EMA and the mean-pixel scorer, evaluated every step, on 2 workers
+SHAPES_EMA = [EMA, *MEAN_PIXEL, "num_devices=2", "eval.every_n_steps=1"]
 
 
-def shapes_run(out, *overrides: str) -> list[dict]:
-    """The shapes smoke recipe (held-out prompts) with an EMA and the mean-pixel scorer, on 2 workers."""
-    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        cfg = compose(
-            "diffusion/shapes_flowgrpo_smoke",
-            overrides=[
-                EMA,
-                *MEAN_PIXEL,
-                "num_devices=2",
-                "eval.every_n_steps=2",
-                "logging.progress=false",
-                "logging.save_images_every=0",
-                f"output_dir={out}",
-                *overrides,
-            ],
-        )
-    validate_rl_config(cfg)
-    Trainer(cfg).run()
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-
-
-def test_ema_evaluation_export_and_resume(tmp_path):
+def test_ema_evaluation_export_and_resume(tmp_path, capsys):
     """With `train.ema`, `eval.use_ema` evaluates the EMA weights, `checkpoints/final_ema/` exports
-    them, and a run stopped at a step-2 checkpoint and resumed keeps them exactly.
+    them, and a run stopped at a step-1 checkpoint and resumed keeps them exactly.
 
     Two runs of one recipe that differ only in `eval.use_ema`: the EMA does not touch training,
     so their training rows are equal, as are their step-0 evaluations (the EMA starts as a copy
@@ -149,43 +101,36 @@ def test_ema_evaluation_export_and_resume(tmp_path):
     one: its rows after the checkpoint equal the uninterrupted run's and both its exports are
     bit-equal to the uninterrupted run's (FSDP2-sharded EMA shadows through the checkpoint).
     The evaluate command on `final_ema` scores what the run's last EMA evaluation scored."""
-    live = shapes_run(tmp_path / "live", "num_steps=4", "eval.use_ema=false")
+    live = run_recipe(SHAPES, tmp_path / "live", *SHAPES_EMA, "num_steps=2", "eval.use_ema=false")
     part = tmp_path / "ema"
-    shapes_run(part, "num_steps=2", "checkpoint.every_n_steps=2", "eval.use_ema=true")
-    ema = shapes_run(part, "num_steps=4", "resume_from=latest", "eval.use_ema=true")
-    assert [r["step"] for r in ema] == [r["step"] for r in live] == [0, 1, 2, 3, 4]
+    run_recipe(SHAPES, part, *SHAPES_EMA, "num_steps=1", "checkpoint.every_n_steps=1", "eval.use_ema=true")
+    ema = run_recipe(SHAPES, part, *SHAPES_EMA, "num_steps=2", "resume_from=latest", "eval.use_ema=true")
+    assert [r["step"] for r in ema] == [r["step"] for r in live] == [0, 1, 2]
 
     def training(row: dict) -> dict:
         return {k: v for k, v in untimed(row).items() if not k.startswith("eval/")}
 
     assert [training(r) for r in ema] == [training(r) for r in live]
     pixel = "eval/mean_pixel"
-    assert [pixel in r for r in ema] == [True, False, True, False, True]
+    assert all(pixel in r for r in ema + live)
     assert ema[0][pixel] == live[0][pixel]
-    assert ema[2][pixel] != live[2][pixel] and ema[4][pixel] != live[4][pixel]
+    assert ema[1][pixel] != live[1][pixel] and ema[2][pixel] != live[2][pixel]
 
     for name in ("final", "final_ema"):
-        a, b = final_weights(tmp_path / "live", name), final_weights(part, name)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    weights, averaged = final_weights(part), final_weights(part, "final_ema")
+        assert same_weights(tmp_path / "live", part, name), name
+    weights, averaged = exported_weights(part), exported_weights(part, "final_ema")
     assert weights.keys() == averaged.keys()
     assert not all(torch.equal(weights[k], averaged[k]) for k in weights)
 
-    res = run_module(
-        "unirl.evaluate",
-        "--recipe",
-        "diffusion/shapes_flowgrpo_smoke",
-        "--checkpoint",
-        str(part / "checkpoints" / "final_ema"),
-        *MEAN_PIXEL,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    scored = json.loads(res.stdout)[pixel]
+    # the evaluate command (`python -m unirl.evaluate`; its own process in tests/e2e/test_shapes_smoke.py)
+    argv = ["--recipe", SHAPES, "--checkpoint", str(part / "checkpoints" / "final_ema"), *MEAN_PIXEL]
+    capsys.readouterr()
+    assert evaluate_main(argv) == 0
+    scored = json.loads(capsys.readouterr().out)[pixel]
     # the exported LoRA file on the base matches the run's weights to float rounding, which may
     # flip a pixel's rounding: far less than what separates the EMA from the live weights
-    tol = abs(ema[4][pixel] - live[4][pixel]) / 10
-    assert scored == pytest.approx(ema[4][pixel], abs=tol)
+    tol = abs(ema[2][pixel] - live[2][pixel]) / 10
+    assert scored == pytest.approx(ema[2][pixel], abs=tol)
 
 
 class FlowGRPOFromEMA(FlowGRPO):
@@ -204,17 +149,27 @@ def test_ema_rollouts_sample_from_the_ema_weights(tmp_path):
     def ratio_spread(row: dict) -> float:
         return max(abs(row["ratio/max"] - 1.0), abs(row["ratio/min"] - 1.0))
 
-    plain = run(tmp_path / "plain", "num_steps=3", EMA)
-    ema = run(tmp_path / "ema", "num_steps=3", EMA, f"algorithm._target_={__name__}.FlowGRPOFromEMA")
+    plain = run(tmp_path / "plain", "num_steps=2", EMA)
+    ema = run(tmp_path / "ema", "num_steps=2", EMA, f"algorithm._target_={__name__}.FlowGRPOFromEMA")
     assert untimed(ema[0]) == untimed(plain[0])
-    for p, e in zip(plain[1:], ema[1:], strict=True):
-        assert ratio_spread(p) < 1e-5 and ratio_spread(e) > 100 * max(ratio_spread(p), 1e-7), (p, e)
-        assert e["approx_kl"] > 100 * max(p["approx_kl"], 1e-12)
+    p, e = plain[1], ema[1]
+    assert ratio_spread(p) < 1e-5 and ratio_spread(e) > 100 * max(ratio_spread(p), 1e-7), (p, e)
+    assert e["approx_kl"] > 100 * max(p["approx_kl"], 1e-12)
 
 
-def test_one_and_two_workers_agree(tmp_path):
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory) -> dict[str, tuple]:
+    """2 steps on 2 workers through each transport: {transport: (output dir, rows)}."""
+    out = tmp_path_factory.mktemp("two_workers")
+    return {
+        name: (out / name, run(out / name, "num_steps=2", "num_devices=2", f"transport={name}"))
+        for name in BACKENDS
+    }
+
+
+def test_one_and_two_workers_agree(tmp_path, two_workers):
     one = run(tmp_path / "one", "num_steps=2", "num_devices=1")
-    two = run(tmp_path / "two", "num_steps=2", "num_devices=2")
+    two_dir, two = two_workers["ray"]  # the recipe's transport
     for r1, r2 in zip(one, two, strict=True):
         assert r1["reward/mean"] == pytest.approx(r2["reward/mean"], abs=1e-6)
         assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-6)
@@ -222,23 +177,20 @@ def test_one_and_two_workers_agree(tmp_path):
     # The two runs reduce gradients in different orders (fp32 sums differ in the last bits); Adam's
     # first step is g / (|g| + eps), so an element whose gradient is near eps can move its weight by a
     # visible fraction of a step. Equal within 1% of one lr step (lr 3e-3 -> 3e-5).
-    a, b = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    a, b = exported_weights(tmp_path / "one"), exported_weights(two_dir)
+    assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=3e-5)
 
 
-def test_every_transport_trains_identically(tmp_path):
+def test_every_transport_trains_identically(two_workers):
     """Same metrics (bytes moved included) and bit-equal final weights whichever transport moves the data."""
-    runs = {
-        name: run(tmp_path / name, "num_steps=2", "num_devices=2", f"transport={name}") for name in BACKENDS
-    }
-    ref = [untimed(r) for r in runs["inband"]]
+    ref_dir, ref = two_workers["inband"]
+    ref = [untimed(r) for r in ref]
     assert ref[0]["dataplane/put_bytes"] > 0 and ref[0]["dataplane/get_calls"] == 3  # driver + 2 ranks
-    weights = final_weights(tmp_path / "inband")
-    for name, rows in runs.items():
+    for name, (out, rows) in two_workers.items():
         assert [untimed(r) for r in rows] == ref, name
-        got = final_weights(tmp_path / name)
-        assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in got), name
+        assert same_weights(out, ref_dir), name
 
 
 def test_failed_step_leaks_nothing_and_spares_a_running_controller(tmp_path):
@@ -247,7 +199,7 @@ def test_failed_step_leaks_nothing_and_spares_a_running_controller(tmp_path):
     outer = make_transport(transport_cfg("tq_simple"))
     outer.start()
     try:
-        trainer = Trainer(small_recipe(tmp_path, "num_steps=2", "transport=tq_simple"))
+        trainer = Trainer(recipe(TINY, tmp_path, "num_steps=2", "transport=tq_simple"))
 
         def reward_down(track):
             assert len(outer.get(outer.put("probe", ["p"], {"x": torch.ones(1)}))["x"]) == 1
@@ -268,15 +220,15 @@ def test_failed_step_leaks_nothing_and_spares_a_running_controller(tmp_path):
 
 def test_resume_validation_errors(tmp_path):
     with pytest.raises(ConfigError, match="resume_from=latest: no complete checkpoint"):
-        small_recipe(tmp_path / "empty", "resume_from=latest")
+        recipe(TINY, tmp_path / "empty", "resume_from=latest")
     with pytest.raises(ConfigError, match="does not exist"):
-        small_recipe(tmp_path, f"resume_from={tmp_path / 'nope'}")
+        recipe(TINY, tmp_path, f"resume_from={tmp_path / 'nope'}")
     out = tmp_path / "ck"
     run(out, "num_steps=1", "checkpoint.every_n_steps=1")
     with pytest.raises(ConfigError, match="does not match the recipe"):
-        small_recipe(out, "resume_from=latest", "model.tiny.num_layers=1")
+        recipe(TINY, out, "resume_from=latest", "model.tiny.num_layers=1")
     with pytest.raises(ConfigError, match="num_devices"):
-        small_recipe(out, "resume_from=latest", "num_devices=2")
+        recipe(TINY, out, "resume_from=latest", "num_devices=2")
 
 
 def ray_pids() -> set[int]:
@@ -296,8 +248,8 @@ def test_worker_death_stops_the_run_cleanly(tmp_path):
             sys.executable,
             "-m",
             "unirl.train_diffusion",
-            "--config-name=diffusion/tiny_sd3_flowgrpo",
-            *SMALL,
+            f"--config-name={TINY}",
+            *SD3,
             "num_steps=200",
             "checkpoint.every_n_steps=1",
             f"output_dir={out}",

@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import EXAMPLES, untimed
+from tests.recipes import IN_PROCESS, composed
 from unirl.config.validate import ConfigError, validate_rl_config
 from unirl.dataplane import make_transport
 from unirl.distributed.group import RankInfo
@@ -18,30 +19,12 @@ from unirl.trainer.trainer import Trainer, TrainingError
 from unirl.trainer.worker import RLWorker, build
 from unirl.types import RolloutReq
 
-SMALL = [  # the shrunken tiny recipe of tests/trainer/test_pinned_rows.py
-    "prompts_per_rollout=2",
-    "sampling.samples_per_prompt=4",
-    "sampling.num_steps=4",
-    "sampling.sde_num_steps=2",
-    "sampling.height=16",
-    "sampling.width=16",
-    "sampling.max_sequence_length=8",
-    "model.tiny.resolution=16",
-    "model.tiny.clip_max_length=8",
-    "train.stack.micro_batch_size=2",
-    "logging.progress=false",
-    "logging.save_images_every=0",
-    "launcher=in_process",
-    "transport=inband",
-    "num_devices=1",
-    "threads_per_worker=1",
-]
 KEEP = ["++rollout.keep_graph=true"]
 
 
-def recipe(tmp_path, *overrides: str, name: str = "diffusion/tiny_sd3_flowgrpo"):
-    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        return compose(name, overrides=[*SMALL, f"output_dir={tmp_path}", *overrides])
+def recipe(out, *overrides: str):
+    """The shrunk tiny recipe in this process (tests/recipes.py), not validated."""
+    return composed("diffusion/tiny_sd3_flowgrpo", out, *IN_PROCESS, "threads_per_worker=1", *overrides)
 
 
 def test_a_kept_graph_run_trains_as_the_replay_run(tmp_path):

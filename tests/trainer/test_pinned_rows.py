@@ -13,39 +13,18 @@ import json
 import os
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from tests.conftest import EXAMPLES, untimed
-from unirl.config.validate import validate_rl_config
+from tests.conftest import untimed
+from tests.recipes import IN_PROCESS, recipe
 from unirl.trainer.trainer import Trainer
 
 PINNED = os.path.join(os.path.dirname(__file__), "data", "tiny_flowgrpo_rows.json")
-RECIPE = [
-    "prompts_per_rollout=2",
-    "sampling.samples_per_prompt=4",
-    "sampling.num_steps=4",
-    "sampling.sde_num_steps=2",
-    "sampling.height=16",
-    "sampling.width=16",
-    "sampling.max_sequence_length=8",
-    "model.tiny.resolution=16",
-    "model.tiny.num_layers=2",
-    "model.tiny.clip_max_length=8",
-    "train.stack.micro_batch_size=2",
-    "logging.progress=false",
-    "logging.save_images_every=0",
-    "num_steps=3",
-    "launcher=in_process",
-    "transport=inband",
-    "num_devices=1",
-    "threads_per_worker=1",
-]
+# the shrunk tiny recipe (tests/recipes.py) in this process, 3 steps
+RECIPE = [*IN_PROCESS, "num_steps=3", "threads_per_worker=1"]
 
 
 def test_tiny_flowgrpo_rows_are_unchanged(tmp_path):
-    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        cfg = compose("diffusion/tiny_sd3_flowgrpo", overrides=[*RECIPE, f"output_dir={tmp_path}"])
-    validate_rl_config(cfg, expect="diffusion")
+    cfg = recipe("diffusion/tiny_sd3_flowgrpo", tmp_path, *RECIPE, expect="diffusion")
     rows = [untimed(r) for r in Trainer(cfg).run()]
     with open(PINNED) as f:
         pinned = json.load(f)

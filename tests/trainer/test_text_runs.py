@@ -7,30 +7,20 @@ Runs a shrunken `llm/tiny_lm_grpo` (a tiny random Qwen3) in-process through `Tra
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES, run_module, untimed
+from tests.conftest import untimed
 from tests.dataplane.backends import BACKENDS
-from unirl.config.validate import validate_rl_config
+from tests.recipes import IN_PROCESS, LM, exported_weights, same_weights
+from tests.recipes import run as run_recipe
+from unirl.evaluate import main as evaluate_main
 from unirl.trainer.trainer import Trainer, TrainingError
 
 pytestmark = pytest.mark.ray
 
-SMALL = [
-    "prompts_per_rollout=4",
-    "sampling.samples_per_prompt=4",
-    "sampling.max_new_tokens=8",
-    "train.stack.micro_batch_size=4",
-    "logging.progress=false",
-    "logging.save_images_every=0",
-    "threads_per_worker=1",
-]
-IN_PROCESS = ["launcher=in_process", "transport=inband", "num_devices=1"]
+TEXT = "llm/tiny_lm_grpo"
 LORA_KL = [
     "train.lora={_target_: unirl.train.backend.LoRAConfig, rank: 4, alpha: 8, "
     "target_modules: [q_proj, k_proj, v_proj, o_proj]}",
@@ -38,27 +28,12 @@ LORA_KL = [
 ]
 
 
-def text_recipe(out, *overrides: str, name: str = "llm/tiny_lm_grpo"):
-    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        cfg = compose(name, overrides=[*SMALL, f"output_dir={out}", *overrides])
-    validate_rl_config(cfg, expect="text")
-    return cfg
-
-
-def text_run(out, *overrides: str, name: str = "llm/tiny_lm_grpo") -> list[dict]:
-    Trainer(text_recipe(out, *overrides, name=name)).run()
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+def text_run(out, *overrides: str) -> list[dict]:
+    return run_recipe(TEXT, out, *overrides)
 
 
 def dapo_run(out, *overrides: str) -> list[dict]:
-    return text_run(out, *overrides, name="llm/tiny_lm_dapo")
-
-
-def lm_weights(out, name: str = "final") -> dict[str, torch.Tensor]:
-    """The exported weights in `checkpoints/<name>/`: a peft adapter or a transformers model."""
-    path = os.path.join(out, "checkpoints", name)
-    adapter = os.path.join(path, "adapter_model.safetensors")
-    return load_file(adapter if os.path.exists(adapter) else os.path.join(path, "model.safetensors"))
+    return run_recipe("llm/tiny_lm_dapo", out, *overrides)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,51 +47,57 @@ RESUME_CASES = {"full-1-worker": ["num_devices=1"], "lora-kl-2-workers": ["num_d
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_text_resume_continues_identically(tmp_path, case):
-    """3 steps, a checkpoint, 3 resumed steps == 6 uninterrupted steps: rows (apart from machine
+    """2 steps, a checkpoint, 2 resumed steps == 4 uninterrupted steps: rows (apart from machine
     measurements) and bit-equal exported weights; the first on-policy ratio is exactly 1."""
     overrides = RESUME_CASES[case]
-    full = text_run(tmp_path / "full", "num_steps=6", *overrides)
+    full = text_run(tmp_path / "full", "num_steps=4", *overrides)
     part = tmp_path / "part"
-    text_run(part, "num_steps=3", "checkpoint.every_n_steps=3", *overrides)
-    resumed = text_run(part, "num_steps=6", "resume_from=latest", *overrides)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    assert [untimed(r) for r in resumed[3:]] == [untimed(r) for r in full[3:]]
+    text_run(part, "num_steps=2", "checkpoint.every_n_steps=2", *overrides)
+    resumed = text_run(part, "num_steps=4", "resume_from=latest", *overrides)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
     assert all(r["ratio/first_update_mean"] == 1.0 for r in full)  # pi_old replayed: exactly on-policy
-    a, b = lm_weights(tmp_path / "full"), lm_weights(part)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(tmp_path / "full", part)
     if "num_devices=2" in overrides:
-        assert all(k.startswith("base_model.model.") and "lora_" in k for k in a)
+        names = [k.split(":", 1)[1] for k in exported_weights(part)]
+        assert all(k.startswith("base_model.model.") and "lora_" in k for k in names)
         assert full[0]["kl"] == pytest.approx(0.0, abs=1e-6) and full[-1]["kl"] > 0.0
 
 
-def test_text_one_and_two_workers_agree(tmp_path):
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory) -> dict[str, tuple]:
+    """2 steps on 2 workers through each transport: {transport: (output dir, rows)}."""
+    out = tmp_path_factory.mktemp("text_two_workers")
+    return {
+        name: (out / name, text_run(out / name, "num_steps=2", "num_devices=2", f"transport={name}"))
+        for name in BACKENDS
+    }
+
+
+def test_text_one_and_two_workers_agree(tmp_path, two_workers):
     """The same 2 steps on 1 and 2 workers: identical rollouts (per-sample seeds), and the loss
     aggregated over the global batch whatever the split (token-mean over all ranks' tokens)."""
     one = text_run(tmp_path / "one", "num_steps=2", "num_devices=1")
-    two = text_run(tmp_path / "two", "num_steps=2", "num_devices=2")
+    two_dir, two = two_workers["ray"]  # the recipe's transport
     for r1, r2 in zip(one, two, strict=True):
         assert r1["reward/mean"] == pytest.approx(r2["reward/mean"], abs=1e-6)
         assert r1["response_length/mean"] == r2["response_length/mean"]
         assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-6)
         assert r1["train/grad_norm"] == pytest.approx(r2["train/grad_norm"], rel=1e-4)
-    a, b = lm_weights(tmp_path / "one"), lm_weights(tmp_path / "two")
+    a, b = exported_weights(tmp_path / "one"), exported_weights(two_dir)
+    assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4)  # lr 3e-3: within 3% of a step
 
 
-def test_every_transport_trains_text_identically(tmp_path):
+def test_every_transport_trains_text_identically(two_workers):
     """Jagged token segments through every transport on 2 workers: the same rows (bytes moved
     included) and bit-equal weights."""
-    runs = {
-        name: text_run(tmp_path / name, "num_steps=2", "num_devices=2", f"transport={name}")
-        for name in BACKENDS
-    }
-    ref = [untimed(r) for r in runs["inband"]]
-    weights = lm_weights(tmp_path / "inband")
-    for name, rows in runs.items():
+    ref_dir, ref = two_workers["inband"]
+    ref = [untimed(r) for r in ref]
+    for name, (out, rows) in two_workers.items():
         assert [untimed(r) for r in rows] == ref, name
-        got = lm_weights(tmp_path / name)
-        assert all(torch.equal(got[k], weights[k]) for k in weights), name
+        assert same_weights(out, ref_dir), name
 
 
 def test_dapo_dynamic_sampling_trains_only_groups_with_signal(tmp_path, monkeypatch):
@@ -210,7 +191,7 @@ TEXT_EVAL = [
 ]
 
 
-def test_text_evaluation_in_the_loop_and_from_the_checkpoint(tmp_path):
+def test_text_evaluation_in_the_loop_and_from_the_checkpoint(tmp_path, capsys):
     """A text recipe with an eval block logs greedy accuracy and pass@k (overall and per metadata
     group) at step 0, every `every_n_steps` and at the end; the evaluate command on the exported
     checkpoint reproduces the run's last evaluation exactly."""
@@ -221,16 +202,9 @@ def test_text_evaluation_in_the_loop_and_from_the_checkpoint(tmp_path):
     assert {"eval/accuracy/greedy/verb=Tell", "eval/accuracy/pass@4/verb=Write"} <= set(rows[0])
     for r in (rows[0], rows[2], rows[3]):
         assert 0 <= r["eval/accuracy/pass@1"] <= r["eval/accuracy/pass@2"] <= r["eval/accuracy/pass@4"] <= 1
-    res = run_module(
-        "unirl.evaluate",
-        "--recipe",
-        "llm/tiny_lm_grpo",
-        "--checkpoint",
-        str(tmp_path / "checkpoints" / "final"),
-        *SMALL,
-        *TEXT_EVAL,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    scored = json.loads(res.stdout)
+    # the evaluate command (`python -m unirl.evaluate`; its own process in tests/e2e/test_shapes_smoke.py)
+    argv = ["--recipe", TEXT, "--checkpoint", str(tmp_path / "checkpoints" / "final"), *LM, *TEXT_EVAL]
+    capsys.readouterr()
+    assert evaluate_main(argv) == 0
+    scored = json.loads(capsys.readouterr().out)
     assert {k: scored[k] for k in keys} == {k: rows[3][k] for k in keys}
