@@ -15,18 +15,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from unirl.config.algorithm import check_algorithm, check_sde
+from unirl.config.distributed import check_transport, meta_module
+from unirl.config.geometry import check_geometry
+from unirl.config.modality import check_text, modality_of
 from unirl.config.run import LAUNCHERS, CheckpointConfig, LoggingConfig, TrainConfig, _at_least, _components
-from unirl.config.validate import (
-    SAMPLING_MODALITY,
-    ConfigError,
-    _check_algorithm,
-    _check_geometry,
-    _check_sde,
-    _check_text,
-    _target_class,
-    _transport_check,
-    check_recipe,
-)
+from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.types.lineage import AGGREGATES
 from unirl.types.sampling import TextSamplingParams
 
@@ -154,7 +148,7 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
         node = tracks[name]
         sampling, model = passed.get(f"{key}.sampling"), passed.get(f"{key}.model")
         samplings[name] = sampling
-        modality = next((m for kind, m in SAMPLING_MODALITY.items() if isinstance(sampling, kind)), None)
+        modality = modality_of(sampling)
         if depth < len(chain) - 1 and sampling is not None and not isinstance(sampling, TextSamplingParams):
             problems.append(
                 f"{key}.sampling: track {name!r} feeds track {chain[depth + 1]!r}, so it must be a text track "
@@ -165,7 +159,7 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
         if model is not None and modality is not None and getattr(model, "modality", modality) != modality:
             problems.append(f"{key}.model: a {model.modality} model under {modality} sampling; pair them")
         trained = bool(node.get("trained", True))
-        algorithm = _target_class(node, "algorithm") if node.get("algorithm") is not None else None
+        algorithm = target_class(node, "algorithm") if node.get("algorithm") is not None else None
         if trained:
             for part in ("algorithm", "advantage", "train"):
                 if node.get(part) is None:
@@ -194,12 +188,12 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
         stack, train = passed.get(f"{key}.train.stack"), passed.get(f"{key}.train")
         found: list[str] = []
         if trained:
-            _check_algorithm(algorithm, sampling, stack, train, None, found)
+            check_algorithm(algorithm, sampling, stack, train, None, found)
         if modality == "text":
-            _check_text(node, sampling, model, found)
+            check_text(node, sampling, model, found)
         if modality == "diffusion":
-            _check_geometry(None, sampling, None, model, found)
-            _check_sde(node, sampling, found)
+            check_geometry(None, sampling, None, model, found)
+            check_sde(node, sampling, found)
         problems.extend(_prefixed(f"{key}.", found))
         lora = passed.get(f"{key}.train.lora")
         if trained and lora is not None and model is not None and hasattr(model, "trainable_on_meta"):
@@ -207,7 +201,7 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
 
             try:
                 problem = lora_target_problem(
-                    model.trainable_on_meta(), lora.target_modules, f"{key}.train.lora.target_modules"
+                    meta_module(model), lora.target_modules, f"{key}.train.lora.target_modules"
                 )
             except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
                 problem = (
@@ -261,7 +255,7 @@ def validate_composed_config(cfg: DictConfig) -> None:
             ]
         )
     passed = check_recipe(cfg, _sections(cfg), problems)
-    _transport_check(cfg, problems)
+    check_transport(cfg, problems)
     _check_tracks(cfg, passed, problems)
     if "" in passed:
         try:

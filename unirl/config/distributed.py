@@ -1,0 +1,108 @@
+"""Rules of how a run spreads over devices and what it trains there.
+
+num_devices vs FSDP sharding and its mixed-precision policy; the FSDP block classes and the
+LoRA target modules vs the module tree of the trained model (built on the meta device, no
+weights read); the data-plane transport; the checkpoint a run resumes from.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+
+from unirl.config.schema import check_node
+from unirl.dataplane import TRANSPORTS, transport_problems
+
+_META_MODULES: dict[str, Any] = {}
+
+
+def meta_module(model: Any) -> Any:
+    """`model.trainable_on_meta()`: the trained module tree on the meta device, for reading names.
+
+    A model built from the recipe alone (no `pretrained_path`) is a function of its config, so
+    its tree is built once per config and shared (validating a recipe many times, as the tests
+    do, would otherwise rebuild it each time); callers only read it. A pretrained directory is
+    read every time, as its files may change."""
+    if getattr(model, "pretrained_path", None):
+        return model.trainable_on_meta()
+    key = f"{type(model).__module__}.{type(model).__qualname__}:{model!r}"
+    if key not in _META_MODULES:
+        if len(_META_MODULES) >= 8:
+            _META_MODULES.pop(next(iter(_META_MODULES)))
+        _META_MODULES[key] = model.trainable_on_meta()
+    return _META_MODULES[key]
+
+
+def check_transport(cfg: DictConfig, problems: list[str]) -> None:
+    """The data-plane transport: a known name (`unirl.dataplane.TRANSPORTS`) whose options its class
+    takes, and whose extra is installed."""
+    node = cfg.get("transport")
+    name = node.get("name") if isinstance(node, DictConfig) else None
+    if name in TRANSPORTS:
+        options = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "name"}
+        _, found = check_node("transport", get_object(TRANSPORTS[name]), options)
+        if found:
+            problems.extend(found)
+            return
+    problems.extend(transport_problems(node))
+
+
+def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    """World size vs sharding, FSDP block names vs the model, resume keys."""
+    from unirl.train.fsdp import unmatched_block_classes
+    from unirl.trainer.checkpoints import resolve_resume_path
+
+    run, train, model, fsdp = (passed.get(k) for k in ("", "train", "model", "train.fsdp"))
+    if run is None or train is None:
+        return
+    if run.num_devices > 1 and train.fsdp is None:
+        problems.append(
+            f"num_devices={run.num_devices} needs train.fsdp (FSDP2 sharding settings); see the tiny recipe"
+        )
+    if (
+        run.num_devices == 1
+        and fsdp is not None
+        and fsdp.param_dtype != "float32"
+        and cfg.stage.get("autocast_dtype") is None
+    ):
+        problems.append(
+            f"train.fsdp.param_dtype={fsdp.param_dtype}: FSDP2's mixed-precision policy acts only when sharded "
+            "(num_devices > 1); one rank trains the plain module in its own dtype. Set stage.autocast_dtype="
+            f"{fsdp.param_dtype} for low-precision compute on one rank, or train.fsdp.param_dtype=float32"
+        )
+    model_readable = model is not None and (not model.pretrained_path or os.path.isdir(model.pretrained_path))
+    lora = passed.get("train.lora")
+    if (fsdp is not None or lora is not None) and model_readable and hasattr(model, "trainable_on_meta"):
+        try:
+            denoiser = meta_module(model)
+        except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
+            problems.append(f"model: cannot read the trainable model's config ({type(exc).__name__}: {exc})")
+            denoiser = None
+        if denoiser is not None and lora is not None:
+            from unirl.train.backend import lora_target_problem
+
+            problem = lora_target_problem(denoiser, lora.target_modules)
+            if problem:
+                problems.append(problem)
+        if denoiser is not None and fsdp is not None:
+            missing = unmatched_block_classes(denoiser, fsdp.block_classes)
+            if missing:
+                present = sorted(
+                    {
+                        type(m).__name__
+                        for m in denoiser.modules()
+                        if "Block" in type(m).__name__ or "Layer" in type(m).__name__
+                    }
+                )
+                problems.append(
+                    f"train.fsdp.block_classes {missing} match no module of {type(denoiser).__name__} "
+                    f"(block classes present: {present}); sharding would silently not happen"
+                )
+    if "model" in passed:
+        try:
+            resolve_resume_path(cfg)
+        except (ValueError, OSError, KeyError) as exc:
+            problems.append(str(exc))
