@@ -24,7 +24,8 @@ def problems(*overrides: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "name", sorted(os.path.splitext(f)[0] for f in os.listdir(os.path.join(EXAMPLES, "pe")) if f.endswith(".yaml"))
+    "name",
+    sorted(os.path.splitext(f)[0] for f in os.listdir(os.path.join(EXAMPLES, "pe")) if f.endswith(".yaml")),
 )
 def test_every_pe_recipe_is_valid(name: str) -> None:
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
@@ -100,3 +101,39 @@ def test_lora_targets_that_match_nothing() -> None:
         p.startswith("tracks.diffusion.train.lora.target_modules ['nope'] match no module") and "to_q" in p
         for p in found
     )
+
+
+def test_a_tracks_model_path_and_stop_tokens_are_checked() -> None:
+    (p,) = problems("+tracks.ar.sampling.stop_tokens=[nope_tok]")
+    assert p.startswith("tracks.ar.sampling.stop_tokens: 'nope_tok' is 8 tokens")
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        cfg = compose("pe/shapes_pe_grpo", overrides=["tracks.ar.model.pretrained_path=/no/such/lm"])
+    with pytest.raises(ConfigError) as info:
+        validate_composed_config(cfg)
+    assert any(
+        p.startswith("tracks.ar.model.pretrained_path: '/no/such/lm' is not a directory")
+        for p in info.value.problems
+    )
+
+
+def test_metadata_keys_the_prompts_lack() -> None:
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        cfg = compose(
+            "pe/shapes_pe_grpo",
+            overrides=[
+                "eval.group_by=[nope1]",
+                "eval.intent_key=nope2",
+                "rewards.diffusion.backend.components.geneval.intent_key=nope3",
+                "+eval.rewrite_scorer.canonical_key=nope4",
+            ],
+        )
+    with pytest.raises(ConfigError) as info:
+        validate_composed_config(cfg)
+    for key, value in [
+        ("eval.group_by", "nope1"),
+        ("eval.intent_key", "nope2"),
+        ("rewards.diffusion.backend.components.geneval.intent_key", "nope3"),
+        ("eval.rewrite_scorer.canonical_key", "nope4"),
+    ]:
+        (p,) = [p for p in info.value.problems if p.startswith(f"{key}={value!r}:")]
+        assert "no metadata key" in p and "'canonical'" in p

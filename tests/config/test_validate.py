@@ -200,8 +200,14 @@ def rejection(tree, key, value) -> str:
 
 
 # the arithmetic algorithm variants change a few keys of llm/arith_grpo, whose leaves are all
-# mutated here (each validation builds the world's data sets: about a minute per recipe)
-ARITH_VARIANTS = ("llm/arith_dapo", "llm/arith_drgrpo", "llm/arith_gspo", "llm/arith_reinforcepp", "llm/arith_rloo")
+# mutated here
+ARITH_VARIANTS = (
+    "llm/arith_dapo",
+    "llm/arith_drgrpo",
+    "llm/arith_gspo",
+    "llm/arith_reinforcepp",
+    "llm/arith_rloo",
+)
 # shapes_flowgrpo plus sampling keys; the keys are mutated in their smoke variants (a tiny model)
 SHAPES_VARIANTS = ("diffusion/shapes_dancegrpo", "diffusion/shapes_mixgrpo")
 # shapes_flowgrpo with another algorithm node; its keys are mutated in the tiny_sd3_* variants
@@ -516,3 +522,41 @@ def test_pretrained_lm_directory_checks(tmp_path, monkeypatch):
 )
 def test_reward_backprop_recipes_refuse_what_the_loss_cannot_do(name, override, expected):
     assert expected in problems_of([override], name=name)
+
+
+# ---- names and paths a recipe refers to ------------------------------------------------------
+
+ARITH = "llm/arith_grpo_smoke"
+
+
+@pytest.mark.parametrize(
+    "name, override, key, value",
+    [
+        (LM, "sampling.stop_tokens=[nope_tok]", "sampling.stop_tokens", "'nope_tok' is 8 tokens"),
+        (ARITH, "eval.sampling.stop_tokens=[xx]", "eval.sampling.stop_tokens", "'xx' is 2 tokens"),
+        (ARITH, "eval.sampling.group_by=[op,nope]", "eval.sampling.group_by", "'nope'"),
+        (
+            ARITH,
+            "+reward.backend.components.answer.answer_key=nope",
+            "reward.backend.components.answer.answer_key",
+            "'nope'",
+        ),
+        (ARITH, "+eval.scorer.answer_key=nope", "eval.scorer.answer_key", "'nope'"),
+    ],
+)
+def test_names_that_select_nothing_are_rejected_before_ray(name, override, key, value):
+    """A stop token that is not one token of the model's tokenizer, and a metadata key that the
+    prompts do not carry (eval grouping, a scorer's reference), fail inside a worker: the validator
+    names the key, the value and what exists instead."""
+    (problem,) = [p for p in problems_of([override], name=name).splitlines() if key in p]
+    assert value in problem
+    assert (
+        "special tokens are ['<|endoftext|>'" in problem
+        or "their metadata keys are ['answer', 'digits'" in problem
+    )
+
+
+def test_sft_model_path_must_exist():
+    with pytest.raises(ConfigError) as info:
+        validate_sft_config(recipe("sft/shapes_pretrain_continue", ["model.pretrained_path=/no/such/model"]))
+    assert "model.pretrained_path: '/no/such/model' is not a directory" in str(info.value)

@@ -19,6 +19,7 @@ from unirl.config.algorithm import check_algorithm, check_sde
 from unirl.config.distributed import check_transport, meta_module
 from unirl.config.geometry import check_geometry
 from unirl.config.modality import check_text, modality_of
+from unirl.config.references import check_metadata_key, check_model_path, check_scorer_keys, examples_of
 from unirl.config.run import LAUNCHERS, CheckpointConfig, LoggingConfig, TrainConfig, _at_least, _components
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.types.lineage import AGGREGATES
@@ -187,6 +188,7 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
             )
         stack, train = passed.get(f"{key}.train.stack"), passed.get(f"{key}.train")
         found: list[str] = []
+        check_model_path(model, found)
         if trained:
             check_algorithm(algorithm, sampling, stack, train, None, found)
         if modality == "text":
@@ -242,6 +244,24 @@ def _check_batches(
             )
 
 
+def _check_prompt_keys(passed: dict[str, Any], problems: list[str]) -> None:
+    """Metadata keys: every track's reward components vs the user prompts (`data_source`; a child
+    track's samples carry their root prompt's metadata); the eval scorers, `eval.intent_key` and
+    `eval.group_by` vs the eval prompts (`eval.examples`)."""
+    train = examples_of(passed.get("data_source"))
+    for path in passed:
+        if path.startswith("rewards.") and path.count(".") == 1:
+            check_scorer_keys(passed, path, train, "data_source", problems)
+    held_out = examples_of(passed.get("eval.examples"))
+    for scorer in ("eval.scorer", "eval.rewrite_scorer"):
+        check_scorer_keys(passed, scorer, held_out, "eval.examples", problems)
+    ev = passed.get("eval")
+    if ev is not None:
+        check_metadata_key("eval.intent_key", ev.intent_key, held_out, "eval.examples", problems)
+        for name in ev.group_by:
+            check_metadata_key("eval.group_by", name, held_out, "eval.examples", problems)
+
+
 def validate_composed_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every problem of a composed (`unirl.train_pe`) recipe."""
     from unirl.trainer.checkpoints import resolve_resume_path
@@ -257,6 +277,7 @@ def validate_composed_config(cfg: DictConfig) -> None:
     passed = check_recipe(cfg, _sections(cfg), problems)
     check_transport(cfg, problems)
     _check_tracks(cfg, passed, problems)
+    _check_prompt_keys(passed, problems)
     if "" in passed:
         try:
             resolve_resume_path(cfg)

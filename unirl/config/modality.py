@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from unirl.config.references import check_stop_tokens
 from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
 
 SAMPLING_MODALITY = {DiffusionSamplingParams: "diffusion", TextSamplingParams: "text"}
@@ -56,8 +57,12 @@ def check_modality(
     return modality
 
 
-def check_text(cfg: DictConfig, sampling: TextSamplingParams, model: Any, problems: list[str]) -> None:
-    """Text recipes: the token budget fits the model's context; no image-only sections."""
+def check_text(
+    cfg: DictConfig, sampling: TextSamplingParams, model: Any, problems: list[str], eval_sampling: Any = None
+) -> None:
+    """Text recipes: the token budget fits the model's context, a pretrained directory's tokenizer
+    fits its embedding, and every stop token (`sampling.stop_tokens`, and `eval.sampling.stop_tokens`
+    of a built `eval_sampling`) is one token of the model's tokenizer."""
     tiny = getattr(model, "tiny", None) if model is not None else None
     context = getattr(tiny, "max_position_embeddings", None)
     if context is not None and sampling.max_prompt_length + sampling.max_new_tokens > context:
@@ -65,15 +70,18 @@ def check_text(cfg: DictConfig, sampling: TextSamplingParams, model: Any, proble
             f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
             f"({sampling.max_new_tokens}) exceeds model.tiny.max_position_embeddings={context}, the model's context"
         )
+    tokenizer = None
     path = getattr(model, "pretrained_path", None)
     if path and os.path.isfile(os.path.join(path, "config.json")):
         try:
             from transformers import AutoConfig, AutoTokenizer
 
             config = AutoConfig.from_pretrained(path, local_files_only=True)
-            tokens = len(AutoTokenizer.from_pretrained(path, local_files_only=True))
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokens = len(tokenizer)
         except Exception as exc:  # noqa: BLE001 - an unreadable directory is reported, not raised
             problems.append(f"model.pretrained_path {path!r}: cannot read its config or tokenizer ({exc})")
+            tokenizer = None
         else:
             rows = getattr(config, "vocab_size", None)
             if rows is not None and tokens > rows:
@@ -88,6 +96,15 @@ def check_text(cfg: DictConfig, sampling: TextSamplingParams, model: Any, proble
                     f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
                     f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={context} ({path})"
                 )
+    elif not path and tiny is not None and getattr(model, "modality", None) == "text":
+        from unirl.models.causal_lm import tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()
+    if tokenizer is not None:
+        check_stop_tokens("sampling.stop_tokens", sampling.stop_tokens, tokenizer, problems)
+        eval_stops = getattr(eval_sampling, "stop_tokens", None)  # an image EvalSampling has none
+        if eval_stops:
+            check_stop_tokens("eval.sampling.stop_tokens", eval_stops, tokenizer, problems)
 
 
 def check_eval_sampling(cfg: DictConfig, modality: str | None, problems: list[str]) -> None:

@@ -32,7 +32,7 @@ from unirl.config.distributed import check_distributed, check_transport
 from unirl.config.engines import check_rollout
 from unirl.config.geometry import check_geometry
 from unirl.config.modality import check_eval_sampling, check_modality, check_text
-from unirl.config.references import check_model_path
+from unirl.config.references import check_model_path, check_prompt_keys
 from unirl.config.run import RL_SECTIONS, SFT_SECTIONS
 from unirl.config.tree import ConfigError, check_recipe, target_class
 
@@ -56,7 +56,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
     modality = check_modality(cfg, sampling, model, algorithm, expect, problems)
     check_geometry(passed.get(""), sampling, stack, model, problems)
     if modality == "text":
-        check_text(cfg, sampling, model, problems)
+        check_text(cfg, sampling, model, problems, passed.get("eval.sampling"))
     check_eval_sampling(cfg, modality, problems)
     check_algorithm(algorithm, sampling, stack, passed.get("train"), passed.get("eval"), problems)
     check_keep_graph(cfg, passed, modality, problems)
@@ -66,6 +66,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
     check_advantage(passed.get("algorithm"), passed.get("advantage"), sampling, modality, problems)
     check_distributed(cfg, passed, problems)
     check_rollout(cfg, passed, problems)
+    check_prompt_keys(passed, problems)
     if problems:
         raise ConfigError(problems)
 
@@ -73,6 +74,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
 def validate_sft_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every problem of a supervised (`unirl.train_sft`) recipe."""
     problems: list[str] = []
-    check_recipe(cfg, SFT_SECTIONS, problems)
+    passed = check_recipe(cfg, SFT_SECTIONS, problems)
+    check_model_path(passed.get("model"), problems)
     if problems:
         raise ConfigError(problems)
