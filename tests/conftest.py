@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import ray
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,7 +51,11 @@ def untimed(row: dict) -> dict:
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests need CUDA: skipped, with the reason, where torch sees no GPU."""
+    """A test on the shared Ray instance carries the `ray` marker (else the run stops here, naming
+    it); `gpu`-marked tests need CUDA: skipped, with the reason, where torch sees no GPU."""
+    unmarked = [i.nodeid for i in items if "ray_cluster" in i.fixturenames and "ray" not in i.keywords]
+    if unmarked:
+        raise pytest.UsageError(f"tests on the shared Ray instance need @pytest.mark.ray: {unmarked}")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (the GPU tier: bash scripts/gpu_tier.sh)")
@@ -65,6 +70,26 @@ def tiny_model_config(**overrides):
     tiny = dict(resolution=16, patch_size=4, num_layers=1, clip_max_length=8, seed=0)
     tiny.update(overrides)
     return SD3ModelConfig(tiny=TinySD3Config(**tiny))
+
+
+def _ray_refused(*args, **kwargs):
+    raise RuntimeError(
+        "this test starts Ray: mark it @pytest.mark.ray (pytest -m 'not ray' runs without Ray)"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_in_ray_tests(request: pytest.FixtureRequest):
+    """Outside `ray`-marked tests `ray.init` raises and Ray reads as not started (even while the
+    shared instance is up), so a test that starts or joins Ray in this process without the marker
+    fails, naming the marker."""
+    if request.node.get_closest_marker("ray") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ray, "init", _ray_refused)
+        mp.setattr(ray, "is_initialized", lambda: False)
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -23,6 +23,8 @@ from unirl.dataplane import BatchMeta, DataPlaneError, Transport, get_batch, mak
 from unirl.dataplane.codec import to_padded
 from unirl.types.segments import TokenSegment
 
+pytestmark = pytest.mark.ray
+
 
 @ray.remote(num_cpus=0.1)
 class Peer:

@@ -1,4 +1,5 @@
-"""End-to-end recipe runs join the session's shared Ray instance (see tests/ray_loopback.py).
+"""End-to-end recipe runs in `ray`-marked modules join the session's shared Ray instance (see
+tests/ray_loopback.py); a `ray`-marked test in another module asks for `ray_cluster` itself.
 
 The launcher tests start Ray through the launch scripts (`ray start`), not through a
 recipe's driver, so they keep to themselves."""
@@ -12,5 +13,6 @@ OWN_RAY = {"test_launchers"}
 
 @pytest.fixture(scope="module", autouse=True)
 def _e2e_on_shared_ray(request: pytest.FixtureRequest) -> None:
-    if request.module.__name__.rsplit(".", 1)[-1] not in OWN_RAY:
+    marked = request.node.get_closest_marker("ray") is not None
+    if marked and request.module.__name__.rsplit(".", 1)[-1] not in OWN_RAY:
         request.getfixturevalue("ray_cluster")

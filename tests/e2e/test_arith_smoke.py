@@ -1,5 +1,6 @@
-"""The arithmetic world's RL recipe wiring through its entry point (real Ray): a random tiny LM,
-3 steps, held-out evaluation at steps 0, 2 and 3, text samples and per-operation curves in the gallery."""
+"""The arithmetic world's RL recipe wiring on real Ray (trained in this process; `python -m
+unirl.train_vlm` runs in tests/e2e/test_tiny_lm.py): a random tiny LM, 3 steps, held-out
+evaluation at steps 0, 2 and 3, text samples and per-operation curves in the gallery."""
 
 from __future__ import annotations
 
@@ -7,23 +8,14 @@ import json
 
 import pytest
 
-from tests.conftest import run_module
+from tests.recipes import run
 from unirl.arith import HELD_OUT_COMBOS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 
 def test_arith_smoke_recipe_runs_and_evaluates(tmp_path):
-    res = run_module(
-        "unirl.train_vlm",
-        "--config-name=llm/arith_grpo_smoke",
-        "logging.progress=false",
-        "logging.save_images_every=1",
-        f"output_dir={tmp_path}",
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = run("llm/arith_grpo_smoke", tmp_path, "logging.save_images_every=1")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in (rows[0], rows[2], rows[3]):
         assert {"eval/accuracy/greedy", "eval/accuracy/pass@1", "eval/accuracy/pass@4"} <= set(r)

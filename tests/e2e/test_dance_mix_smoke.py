@@ -1,28 +1,19 @@
-"""The DanceGRPO and MixGRPO smoke recipes through their entry point (in this process: no Ray),
-and their bad inputs refused before any worker starts."""
+"""The DanceGRPO and MixGRPO smoke recipes trained in this process (no Ray), and their bad
+inputs refused by the entry point before any worker starts."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
 from tests.conftest import run_module
+from tests.recipes import run
 
 pytestmark = [pytest.mark.e2e]
 
 
 @pytest.mark.parametrize("name", ["shapes_dancegrpo_smoke", "shapes_mixgrpo_smoke"])
 def test_smoke_recipe_trains(name: str, tmp_path) -> None:
-    res = run_module(
-        "unirl.train_diffusion",
-        f"--config-name=diffusion/{name}",
-        "logging.progress=false",
-        f"output_dir={tmp_path}",
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = run(f"diffusion/{name}", tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0.0 <= r["reward/geneval/mean"] <= 1.0

@@ -1,4 +1,7 @@
-"""The dedicated-engine recipes through their entry points, a few steps each on shrunken sizes."""
+"""The dedicated-engine recipes through their entry points, a few steps each on shrunken sizes.
+
+The colocated recipe's entry point runs in tests/trainer/test_dedicated_runs.py (the killed-engine
+test: its rows and placement up to the kill); its full run, in-process, in the same module."""
 
 from __future__ import annotations
 
@@ -7,15 +10,13 @@ import json
 import pytest
 
 from tests.conftest import run_module
-from tests.trainer.test_distributed_runs import SMALL
+from tests.recipes import LM, SD3
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
-LM_SMALL = ["prompts_per_rollout=4", "sampling.samples_per_prompt=4", "logging.progress=false"]
 CASES = {
-    "diffusion/tiny_sd3_dedicated_colocate": ("unirl.train_diffusion", SMALL, [0, 0]),
-    "diffusion/tiny_sd3_dedicated_separate": ("unirl.train_diffusion", SMALL, [0, 1]),
-    "llm/tiny_lm_dedicated": ("unirl.train_vlm", LM_SMALL, [0, 0]),
+    "diffusion/tiny_sd3_dedicated_separate": ("unirl.train_diffusion", SD3, [0, 1]),
+    "llm/tiny_lm_dedicated": ("unirl.train_vlm", LM, [0, 0]),
 }
 
 

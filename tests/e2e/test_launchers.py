@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.trainer.test_distributed_runs import SMALL
+from tests.recipes import SD3
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -94,7 +94,7 @@ def assert_final_checkpoint(out: Path, optimizer_steps: int) -> None:
 def test_single_node_launcher_trains(tmp_path: Path) -> None:
     env = launcher_env(NUM_STEPS="2", OUTPUT_DIR=str(tmp_path))
     res = subprocess.run(
-        ["bash", SINGLE, "diffusion/tiny_sd3_flowgrpo", *SMALL],
+        ["bash", SINGLE, "diffusion/tiny_sd3_flowgrpo", *SD3],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -123,7 +123,7 @@ def test_multinode_launcher_head_runs_the_recipe(tmp_path: Path) -> None:
     log = tmp_path / "head.log"
     with open(log, "w") as f:
         head = subprocess.Popen(
-            ["bash", MULTI, "diffusion/tiny_sd3_flowgrpo", *SMALL],
+            ["bash", MULTI, "diffusion/tiny_sd3_flowgrpo", *SD3],
             cwd=REPO,
             stdout=f,
             stderr=subprocess.STDOUT,

@@ -10,7 +10,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO, run_module
+from tests.recipes import run
 from unirl.config.validate import validate_rl_config
+from unirl.evaluate import main as evaluate_main
 from unirl.models.sd3 import SD3Bundle
 
 pytestmark = pytest.mark.e2e
@@ -23,10 +25,10 @@ def test_shapes_recipe_validates_with_the_committed_model():
     assert (Path(REPO) / cfg.model.pretrained_path / "model_index.json").is_file()
 
 
-def test_committed_base_leaves_rl_room():
-    res = run_module("unirl.evaluate", "--recipe", "diffusion/shapes_flowgrpo", timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    m = json.loads(res.stdout)
+def test_committed_base_leaves_rl_room(capsys):
+    capsys.readouterr()
+    assert evaluate_main(["--recipe", "diffusion/shapes_flowgrpo"]) == 0  # `python -m unirl.evaluate`
+    m = json.loads(capsys.readouterr().out)
     assert 0.10 <= m["eval/accuracy_strict"] <= 0.60, m
     cats = [m[f"eval/accuracy/{c}"] for c in ("two_objects", "counting", "position")]
     assert m["eval/accuracy_strict"] == pytest.approx(sum(cats) / 3)
@@ -63,14 +65,13 @@ def test_stage_two_continues_from_the_committed_export(tmp_path):
 
 
 @pytest.mark.ray
-def test_nft_recipe_trains_the_committed_model_on_policy(tmp_path):
-    """`diffusion/shapes_nft` (ODE rollouts, DiffusionNFT) runs through the entry point on the
-    committed model: its first update of every rollout is on-policy (v_new == v_old exactly)
-    and the run exports weights that the evaluate command loads."""
-    res = run_module(
-        "unirl.train_diffusion",
-        "--config-name=diffusion/shapes_nft",
-        f"output_dir={tmp_path}",
+def test_nft_recipe_trains_the_committed_model_on_policy(tmp_path, ray_cluster, capsys):
+    """`diffusion/shapes_nft` (ODE rollouts, DiffusionNFT) trains the committed model on Ray: its
+    first update of every rollout is on-policy (v_new == v_old exactly) and the run exports
+    weights that the evaluate command loads."""
+    rows = run(
+        "diffusion/shapes_nft",
+        tmp_path,
         "num_steps=2",
         "prompts_per_rollout=2",
         "sampling.samples_per_prompt=4",
@@ -78,26 +79,17 @@ def test_nft_recipe_trains_the_committed_model_on_policy(tmp_path):
         "eval.every_n_steps=2",
         "eval.sampling.samples_per_prompt=1",
         "eval.sampling.num_steps=4",
-        "logging.progress=false",
     )
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert row["nft/v_drift_mse"] == 0.0 and row["nft/optimality_mean"] == pytest.approx(0.5, abs=1e-5)
         assert row["train/grad_norm"] > 0.0
     assert "eval/accuracy_strict" in rows[0] and "eval/accuracy_strict" in rows[2]
-    ev = run_module(
-        "unirl.evaluate",
-        "--recipe",
-        "diffusion/shapes_nft",
-        "--checkpoint",
-        str(tmp_path / "checkpoints" / "final"),
-        "eval.sampling.samples_per_prompt=1",
-        "eval.sampling.num_steps=4",
-    )
-    assert ev.returncode == 0, ev.stderr[-3000:]
-    scores = json.loads(ev.stdout)
+    capsys.readouterr()
+    checkpoint = str(tmp_path / "checkpoints" / "final")
+    argv = ["--recipe", "diffusion/shapes_nft", "--checkpoint", checkpoint]
+    assert evaluate_main([*argv, "eval.sampling.samples_per_prompt=1", "eval.sampling.num_steps=4"]) == 0
+    scores = json.loads(capsys.readouterr().out)
     # the exported LoRA file, loaded onto the base, matches the run's adapted weights to float
     # rounding; an image's pixels may then round differently and flip one prompt's verdict
     assert scores["eval/accuracy_strict"] == pytest.approx(rows[2]["eval/accuracy_strict"], abs=0.04)

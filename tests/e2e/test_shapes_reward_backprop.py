@@ -1,14 +1,14 @@
 """The reward-backprop recipes (DRaFT, AlignProp, ReFL on the shapes base with the learned reward)
-run a few steps through their entry point: in-process launcher, inband data plane, small batches."""
+train a few steps in this process: in-process launcher, inband data plane, small batches.
+(`python -m unirl.train_diffusion` runs in tests/e2e/test_tiny_recipe.py.)"""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
-from tests.conftest import run_module
+from tests.recipes import run
 
 pytestmark = pytest.mark.e2e
 
@@ -36,16 +36,8 @@ RECIPES = {
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_recipe_trains_through_the_entry_point(name, tmp_path):
-    res = run_module(
-        "unirl.train_diffusion",
-        f"--config-name=diffusion/{name}",
-        *SMALL,
-        *RECIPES[name],
-        f"output_dir={tmp_path}",
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def test_recipe_trains(name, tmp_path):
+    rows = run(f"diffusion/{name}", tmp_path, *SMALL, *RECIPES[name])
     if name == "shapes_draft":
         assert [r["step"] for r in rows] == [0, 1, 2]
         assert "eval/accuracy_strict" in rows[0] and "eval/accuracy_strict" in rows[2]

@@ -1,4 +1,6 @@
-"""The shapes smoke recipe through its entry point: eval rows, gallery, and the standalone evaluate command."""
+"""The shapes smoke recipe on Ray (trained in this process; `python -m unirl.train_diffusion` runs in
+tests/e2e/test_tiny_recipe.py): eval rows, gallery, and the standalone evaluate command, in its
+own process once and in this one for the checkpoint and a bad argument."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import json
 import pytest
 
 from tests.conftest import run_module
+from tests.recipes import run
+from unirl.evaluate import main as evaluate_main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -14,14 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("shapes_smoke")
-    res = run_module(
-        "unirl.train_diffusion",
-        "--config-name=diffusion/shapes_flowgrpo_smoke",
-        "logging.progress=false",
-        "logging.save_images_every=2",
-        f"output_dir={out}",
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
+    run("diffusion/shapes_flowgrpo_smoke", out, "logging.save_images_every=2")
     return out
 
 
@@ -57,18 +54,10 @@ def test_evaluate_command_matches_the_run_at_step_0(run_dir):
             assert scores[key] == pytest.approx(value, abs=1e-9), key
 
 
-def test_evaluate_command_loads_a_checkpoint(run_dir):
-    res = run_module(
-        "unirl.evaluate",
-        "--recipe",
-        "diffusion/shapes_flowgrpo_smoke",
-        "--checkpoint",
-        str(run_dir / "checkpoints" / "final"),
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "eval/accuracy_strict" in json.loads(res.stdout)
-    bad = run_module(
-        "unirl.evaluate", "--recipe", "diffusion/shapes_flowgrpo_smoke", "--checkpoint", "/nope", timeout=120
-    )
-    assert bad.returncode == 2 and "unirl_checkpoint.json" in bad.stderr
+def test_evaluate_command_loads_a_checkpoint(run_dir, capsys):
+    capsys.readouterr()
+    checkpoint = str(run_dir / "checkpoints" / "final")
+    assert evaluate_main(["--recipe", "diffusion/shapes_flowgrpo_smoke", "--checkpoint", checkpoint]) == 0
+    assert "eval/accuracy_strict" in json.loads(capsys.readouterr().out)
+    assert evaluate_main(["--recipe", "diffusion/shapes_flowgrpo_smoke", "--checkpoint", "/nope"]) == 2
+    assert "unirl_checkpoint.json" in capsys.readouterr().err

@@ -1,27 +1,19 @@
-"""The tiny DDPO, DPOK, Flow-DPPO and Diffusion-DPO recipes through their entry point, a few
-steps each, in-process with the inband data plane (shrunk: 2 prompts x 8 samples, 4 denoising
-steps), and what each writes that only it writes."""
+"""The tiny DDPO, DPOK, Flow-DPPO and Diffusion-DPO recipes trained a few steps each, in this
+process with the inband data plane (shrunk: 2 prompts x 8 samples, 4 denoising steps), and what
+each writes that only it writes. (`python -m unirl.train_diffusion` runs in
+tests/e2e/test_tiny_recipe.py and tests/e2e/test_launchers.py.)"""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
-from tests.conftest import run_module
+from tests.recipes import IN_PROCESS, run
 
 pytestmark = [pytest.mark.e2e]
 
-SHRINK = [
-    "launcher=in_process",
-    "transport=inband",
-    "num_steps=2",
-    "prompts_per_rollout=2",
-    "sampling.num_steps=4",
-    "logging.progress=false",
-    "logging.save_images_every=0",
-]
+SHRINK = [*IN_PROCESS, "num_steps=2", "prompts_per_rollout=2", "sampling.num_steps=4"]
 
 # the random-step recipes draw 4 of 10 SDE steps: 2 of the shrunk 4
 EXTRA = {"tiny_sd3_dpok": ["sampling.sde_num_steps=2"], "tiny_sd3_flowdppo": ["sampling.sde_num_steps=2"]}
@@ -35,16 +27,8 @@ OWN_KEYS = {
 
 
 @pytest.mark.parametrize("name", sorted(OWN_KEYS))
-def test_tiny_recipe_trains_through_the_entry_point(name, tmp_path):
-    res = run_module(
-        "unirl.train_diffusion",
-        f"--config-name=diffusion/{name}",
-        *SHRINK,
-        *EXTRA.get(name, []),
-        f"output_dir={tmp_path}",
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def test_tiny_recipe_trains(name, tmp_path):
+    rows = run(f"diffusion/{name}", tmp_path, *SHRINK, *EXTRA.get(name, []))
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert OWN_KEYS[name] <= set(r), OWN_KEYS[name] - set(r)

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tests.conftest import EXAMPLES
-from tests.trainer.test_distributed_runs import SMALL
+from tests.recipes import composed
 from unirl.dataplane import get_batch, make_transport
 from unirl.distributed.group import in_process
 from unirl.trainer.modality import modality_for
@@ -35,11 +33,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def recipe(tmp_path, overrides):
-    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        cfg = compose(
-            "diffusion/tiny_sd3_flowgrpo",
-            overrides=[*SMALL, f"output_dir={tmp_path}", "transport=inband", *overrides],
-        )
+    cfg = composed("diffusion/tiny_sd3_flowgrpo", tmp_path, "transport=inband", *overrides)
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain.pop("hydra", None)
     return cfg, plain

@@ -10,7 +10,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tests.ray_loopback import release_shared_ray
-from tests.trainer.test_distributed_runs import small_recipe
+from tests.recipes import recipe
 from unirl.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.ray
@@ -30,7 +30,7 @@ def two_nodes():
 
 def test_two_worker_recipe_spans_two_nodes(two_nodes, tmp_path):
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
-    trainer = Trainer(small_recipe(tmp_path, "num_devices=2", "num_steps=2"))
+    trainer = Trainer(recipe("diffusion/tiny_sd3_flowgrpo", tmp_path, "num_devices=2", "num_steps=2"))
     rows = trainer.run()
     assert [r["step"] for r in rows] == [1, 2]
     assert all(abs(r["ratio/first_update_mean"] - 1.0) < 1e-4 for r in rows)
