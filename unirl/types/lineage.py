@@ -45,34 +45,16 @@ def child_request(
     """
     if len(texts) != len(parent):
         raise ValueError(f"child_request: {len(texts)} texts for {len(parent)} parent samples")
-    k = sampling.samples_per_prompt
-    sample_ids, group_ids, prompts, metadata, seeds, init_seeds = [], [], [], [], [], []
+    groups = []
     for i, pid in enumerate(parent.sample_ids):
         meta = dict(parent.metadata[i])
         meta.setdefault(prompt_key, parent.prompts[i])
         meta["rewrite"] = texts[i]
-        for j in range(k):
-            sid = f"{pid}/{j}"
-            sample_ids.append(sid)
-            group_ids.append(pid)
-            prompts.append(texts[i])
-            metadata.append(dict(meta))
-            seeds.append(child_seed(sampling.seed, rollout_id, sid))
-            same = getattr(sampling, "same_initial_noise", False)
-            init_seeds.append(seeds[i * k] if same else seeds[-1])
-    text = isinstance(sampling, TextSamplingParams)
-    return RolloutReq(
-        sample_ids=sample_ids,
-        group_ids=group_ids,
-        prompts=prompts,
-        metadata=metadata,
-        seeds=seeds,
-        init_seeds=init_seeds,
-        sampling=sampling,
-        sigmas=sigmas,
-        rollout_id=rollout_id,
-        sde_indices=[] if text else sampling.resolve_sde_indices(rollout_id),
-    )
+        ids = [f"{pid}/{j}" for j in range(sampling.samples_per_prompt)]
+        groups.append(
+            (pid, texts[i], meta, [(sid, child_seed(sampling.seed, rollout_id, sid)) for sid in ids])
+        )
+    return RolloutReq.grouped(groups, sampling, sigmas, rollout_id)
 
 
 def link_child(child: RolloutTrack, parent: RolloutTrack) -> RolloutTrack:

@@ -67,6 +67,29 @@ class RolloutReq:
     ) -> RolloutReq:
         """Expand each prompt into a group of `sampling.samples_per_prompt` samples
         (`sigmas`: the diffusion schedule; None for text)."""
+        k = sampling.samples_per_prompt
+        groups = []
+        for g, ex in enumerate(examples):
+            gid = f"r{rollout_id}/g{g}:{ex.prompt_id}"
+            samples = [
+                (f"{gid}::sample:{s}", hash((sampling.seed, rollout_id, g * k + s)) & 0x7FFF_FFFF)
+                for s in range(k)
+            ]
+            groups.append((gid, ex.prompt, ex.metadata, samples))
+        return cls.grouped(groups, sampling, sigmas, rollout_id)
+
+    @classmethod
+    def grouped(
+        cls,
+        groups: list[tuple[str, str, dict[str, Any], list[tuple[str, int]]]],
+        sampling: DiffusionSamplingParams | TextSamplingParams,
+        sigmas: torch.Tensor | None,
+        rollout_id: int,
+    ) -> RolloutReq:
+        """The request of `groups`, each `(group_id, prompt, metadata, [(sample_id, seed), ...])`:
+        its samples in order, sharing the prompt and a copy of the metadata each; a sample's
+        initial-noise seed is its own, or its group's first with `sampling.same_initial_noise`.
+        `sigmas` must be None for text sampling and the [num_steps + 1] fp32 schedule for diffusion."""
         text = isinstance(sampling, TextSamplingParams)
         if text != (sigmas is None):
             raise ValueError(
@@ -78,18 +101,16 @@ class RolloutReq:
                 f"sigmas must be fp32 with num_steps+1={sampling.num_steps + 1} entries, "
                 f"got {sigmas.dtype} with {sigmas.numel()}"
             )
-        k = sampling.samples_per_prompt
+        same = getattr(sampling, "same_initial_noise", False)
         sample_ids, group_ids, prompts, metadata, seeds, init_seeds = [], [], [], [], [], []
-        for g, ex in enumerate(examples):
-            gid = f"r{rollout_id}/g{g}:{ex.prompt_id}"
-            for s in range(k):
-                sample_ids.append(f"{gid}::sample:{s}")
+        for gid, prompt, meta, samples in groups:
+            for sid, seed in samples:
+                sample_ids.append(sid)
                 group_ids.append(gid)
-                prompts.append(ex.prompt)
-                metadata.append(dict(ex.metadata))
-                seeds.append(hash((sampling.seed, rollout_id, g * k + s)) & 0x7FFF_FFFF)
-                same = getattr(sampling, "same_initial_noise", False)
-                init_seeds.append(seeds[g * k] if same else seeds[-1])
+                prompts.append(prompt)
+                metadata.append(dict(meta))
+                seeds.append(seed)
+                init_seeds.append(samples[0][1] if same else seed)
         return cls(
             sample_ids=sample_ids,
             group_ids=group_ids,
