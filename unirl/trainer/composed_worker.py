@@ -21,12 +21,11 @@ import torch
 
 from unirl.algorithms.base import StageAlgorithm
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
-from unirl.distributed.device import init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, dispatch
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.stack import TrainStack
-from unirl.trainer.worker import ProcessWorker, build, quiet_library_logs
+from unirl.trainer.worker import ProcessWorker, build
 from unirl.types.rollout_req import RolloutReq
 
 
@@ -105,13 +104,7 @@ class ComposedWorker(ProcessWorker):
         device: str | None = None,
     ) -> None:
         super().__init__(rank_info)
-        quiet_library_logs()
-        threads = cfg.get("threads_per_worker") or max(1, (os.cpu_count() or 1) // cfg["num_devices"])
-        torch.set_num_threads(threads)
-        torch.manual_seed(cfg["seed"])
-        self.device = resolve_device(device)
-        if rank_info.world_size > 1:
-            init_process_group(self.device)
+        self.start_process(cfg, device)
         order = list(cfg["rollout"]["tracks"])
         self.tracks = {
             name: build_track(

@@ -64,6 +64,18 @@ class ProcessWorker(Worker):
     device: torch.device
     sync_sender: WeightSyncSender | None = None
 
+    def start_process(self, cfg: dict[str, Any], device: str | None) -> None:
+        """Set up this worker's process from the recipe: library logs quiet, torch threads
+        (`threads_per_worker`, or the CPU cores / `num_devices`), the torch seed, `self.device`
+        (`resolve_device`) and, with several ranks, the process group."""
+        quiet_library_logs()
+        threads = cfg.get("threads_per_worker") or max(1, (os.cpu_count() or 1) // cfg["num_devices"])
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg["seed"])
+        self.device = resolve_device(device)
+        if self.rank_info.world_size > 1:
+            init_process_group(self.device)
+
     @dispatch(Dispatch.BROADCAST)
     def process_info(self) -> dict[str, Any]:
         """Host and process id of this worker (recorded in the run's placement.json)."""
@@ -123,13 +135,7 @@ class RLWorker(ProcessWorker):
         device: str | None = None,
     ) -> None:
         super().__init__(rank_info)
-        quiet_library_logs()
-        threads = cfg.get("threads_per_worker") or max(1, (os.cpu_count() or 1) // cfg["num_devices"])
-        torch.set_num_threads(threads)
-        torch.manual_seed(cfg["seed"])
-        self.device = resolve_device(device)
-        if rank_info.world_size > 1:
-            init_process_group(self.device)
+        self.start_process(cfg, device)
         self.model_cfg = build(cfg["model"])
         self.bundle = self.model_cfg.build().to(self.device)
         if base_model_dir and rank_info.rank == 0:
