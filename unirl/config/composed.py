@@ -20,7 +20,7 @@ from unirl.config.distributed import check_transport, meta_module
 from unirl.config.geometry import check_geometry
 from unirl.config.modality import check_text, modality_of
 from unirl.config.references import check_metadata_key, check_model_path, check_scorer_keys, examples_of
-from unirl.config.run import LAUNCHERS, CheckpointConfig, LoggingConfig, TrainConfig, _at_least, _components
+from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.types.lineage import AGGREGATES
 from unirl.types.sampling import TextSamplingParams
@@ -58,17 +58,7 @@ class ComposedRunConfig:
     hydra: Any = None
 
     def __post_init__(self) -> None:
-        for key in ("num_devices", "num_steps", "prompts_per_rollout", "threads_per_worker"):
-            _at_least("", key, getattr(self, key), 1)
-        _components("", self, ("rollout", "data_source"))
-        if self.launcher not in LAUNCHERS:
-            raise ValueError(f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
-        transport = (self.transport or {}).get("name") if isinstance(self.transport, dict) else None
-        if self.launcher == "in_process" and (self.num_devices != 1 or transport != "inband"):
-            raise ValueError(
-                f"launcher=in_process runs one worker in this process without Ray: it needs num_devices=1 "
-                f"and transport=inband, got num_devices={self.num_devices}, transport={transport}"
-            )
+        check_run_top_level(self, ("rollout", "data_source"))
 
 
 @dataclass

@@ -31,6 +31,23 @@ def _at_least(section: str, key: str, value: int | None, low: int) -> None:
         raise ValueError(f"{section}{key} must be >= {low}, got {value}")
 
 
+def check_run_top_level(run: Any, components: tuple[str, ...]) -> None:
+    """The top-level rules of every RL recipe (single-track and composed): the counts are >= 1,
+    the `components` are `_target_` nodes, the launcher is known, and `in_process` runs one
+    worker on the inband transport."""
+    for key in ("num_devices", "num_steps", "prompts_per_rollout", "threads_per_worker"):
+        _at_least("", key, getattr(run, key), 1)
+    _components("", run, components)
+    if run.launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {run.launcher!r}")
+    transport = (run.transport or {}).get("name") if isinstance(run.transport, dict) else None
+    if run.launcher == "in_process" and (run.num_devices != 1 or transport != "inband"):
+        raise ValueError(
+            f"launcher=in_process runs one worker in this process without Ray: it needs num_devices=1 "
+            f"and transport=inband, got num_devices={run.num_devices}, transport={transport}"
+        )
+
+
 @dataclass
 class RunConfig:
     """The top level of an RL recipe (diffusion or text).
@@ -78,8 +95,6 @@ class RunConfig:
     hydra: Any = None
 
     def __post_init__(self) -> None:
-        for key in ("num_devices", "num_steps", "prompts_per_rollout", "threads_per_worker"):
-            _at_least("", key, getattr(self, key), 1)
         components = (
             "sampling",
             "model",
@@ -90,15 +105,7 @@ class RunConfig:
             "algorithm",
             "data_source",
         )
-        _components("", self, components)
-        if self.launcher not in LAUNCHERS:
-            raise ValueError(f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
-        transport = (self.transport or {}).get("name") if isinstance(self.transport, dict) else None
-        if self.launcher == "in_process" and (self.num_devices != 1 or transport != "inband"):
-            raise ValueError(
-                f"launcher=in_process runs one worker in this process without Ray: it needs num_devices=1 "
-                f"and transport=inband, got num_devices={self.num_devices}, transport={transport}"
-            )
+        check_run_top_level(self, components)
 
 
 @dataclass
