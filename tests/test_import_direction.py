@@ -1,4 +1,4 @@
-"""Dependencies point one way.
+"""Dependencies point one way, and only a model family's own package names it.
 
 types <- sde <- models <- (rollout, reward, algorithms) <- train <- distributed <- trainer <- config
 <- entry points. `config` (the recipe validators) checks every component, so it sits above them all
@@ -191,3 +191,69 @@ def test_relative_import_resolution() -> None:
     assert [t for t, _ in got] == ["unirl.models.sd3", "unirl.models.base"]
     got = imported_modules("unirl.models.sd3", True, "from .bundle import B\n")
     assert [t for t, _ in got] == ["unirl.models.sd3.bundle"]
+
+
+# Model families (unirl/models/README.md): a family lives in its own package under unirl/models/,
+# and nothing outside that package imports it; recipes and entry points name it by `_target_`
+# strings. The packages there that every family shares are not families.
+SHARED_MODELS = {"flow", "causal_lm"}  # the flow-matching stage and its contract; the text stage
+
+
+def family_of(module: str) -> str | None:
+    """'unirl.models.sd3.bundle' -> 'sd3'; None for anything that is not inside a family package."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[:2] != ["unirl", "models"] or parts[2] in SHARED_MODELS:
+        return None
+    return parts[2] if (PKG / "models" / parts[2] / "__init__.py").exists() else None
+
+
+def family_violations(module: str, is_pkg: bool, source: str) -> list[str]:
+    """Imports of a family package, and dotted-path strings naming one (`get_object` targets),
+    from outside it; entry points may name a family by a `_target_` string."""
+    own = family_of(module)
+    bad = [
+        f"{module}:{line} -> {target} (only unirl/models/{fam}/ imports the {fam} family)"
+        for target, line in imported_modules(module, is_pkg, source)
+        if (fam := family_of(target)) is not None and fam != own
+    ]
+    if layer_of(module) != ENTRY:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+                fam = family_of(node.value)
+                if fam is not None and fam != own:
+                    bad.append(f"{module}:{node.lineno} names {node.value!r} (a {fam} family path)")
+    return bad
+
+
+def test_families_are_found() -> None:
+    families = {p.parent.name for p in (PKG / "models").glob("*/__init__.py")} - SHARED_MODELS
+    assert "sd3" in families and family_of("unirl.models.sd3.bundle") == "sd3"
+
+
+def test_generic_code_names_no_family() -> None:
+    bad = [v for m, pkg, src in all_modules() for v in family_violations(m, pkg, src)]
+    assert not bad, "a family named outside its package (name it by a `_target_` in a recipe):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("unirl.trainer.evaluation", "from unirl.models.sd3 import SD3Stage\n", "only unirl/models/sd3/"),
+        ("unirl.models.flow.stage", "def f():\n    import unirl.models.sd3.bundle\n", "only unirl/models/sd3/"),
+        ("unirl.config.geometry", "T = 'unirl.models.sd3.SD3ModelConfig'\n", "a sd3 family path"),
+    ],
+)
+def test_family_checker_flags(module: str, source: str, expected: str) -> None:
+    assert any(expected in v for v in family_violations(module, False, source))
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("unirl.models.sd3.bundle", "from unirl.models.sd3.other import x\nfrom unirl.models.flow import F\n"),
+        ("unirl.train_reward_model", "BASE = 'unirl.models.sd3.SD3ModelConfig'\n"),
+        ("unirl.trainer.evaluation", "from unirl.models.flow.stage import FlowMatchingStage\n"),
+    ],
+)
+def test_family_checker_accepts(module: str, source: str) -> None:
+    assert family_violations(module, False, source) == []

@@ -45,16 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model, ev = build(cfg.model), cfg.eval
     if model.modality == "text":
-        from unirl.models.causal_lm import load_checkpoint
         from unirl.trainer.text_eval import LMEvaluator
 
         evaluator = LMEvaluator(build(ev.examples), build(ev.scorer), build(ev.sampling))
     else:
-        from unirl.models.sd3 import load_checkpoint
         from unirl.trainer.evaluation import BundleEvaluator
 
         evaluator = BundleEvaluator(build(ev.examples), build(cfg.sampling), build(ev.scorer), build(ev.sampling))
-    bundle = load_checkpoint(args.checkpoint) if args.checkpoint else model.build()
+    bundle = model.load_checkpoint(args.checkpoint) if args.checkpoint else model.build()
     result = {f"eval/{k}": v for k, v in evaluator(bundle).items()}
     result["checkpoint"] = args.checkpoint
     print(json.dumps(result, indent=2, sort_keys=True))

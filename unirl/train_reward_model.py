@@ -80,22 +80,28 @@ def _base_prompts(n: int, rng: np.random.Generator, ds: ShapesDataset) -> list[P
     return [by_cat[c][int(rng.integers(len(by_cat[c])))] for c in rng.choice(cats, n)]
 
 
+BASE_MODEL = "unirl.models.sd3.SD3ModelConfig"
+"""The model config (`_target_`) of the committed shapes base (`--base`)."""
+
+
 class BaseSampler:
-    """Deterministic ODE samples of the committed base (built on first use)."""
+    """Deterministic ODE samples of the committed base (built on first use), a model directory
+    of the family `BASE_MODEL` names."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.stage = None
 
     def __call__(self, examples: list[PromptExample], steps: int, seed: int) -> np.ndarray:
-        from unirl.models.sd3 import SD3Bundle, SD3Stage
+        from unirl.models.flow import FlowMatchingStage
         from unirl.trainer.evaluation import EvalSampling, sample_eval_images
-        from unirl.trainer.worker import quiet_library_logs
+        from unirl.trainer.worker import build, quiet_library_logs
         from unirl.types import DiffusionSamplingParams
 
         if self.stage is None:
             quiet_library_logs()
-            self.stage = SD3Stage(SD3Bundle.from_pretrained(self.path))
+            model = build({"_target_": BASE_MODEL, "pretrained_path": self.path, "tiny": None})
+            self.stage = FlowMatchingStage(model.build())
         sp = DiffusionSamplingParams(height=32, width=32, shift=1.0, max_sequence_length=12, eta=0.0)
         ev = EvalSampling(num_steps=steps, guidance_scale=3.0, samples_per_prompt=1, seed=seed)
         with torch.no_grad():

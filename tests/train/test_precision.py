@@ -16,8 +16,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import tiny_model_config
+from unirl.models.sd3 import SD3Stage
 from unirl.models.sd3.bundle import SD3Bundle
-from unirl.models.sd3.stage import SD3Stage
 from unirl.train.backend import OptimConfig, TrainBackend
 from unirl.train.fsdp import FSDPConfig
 

@@ -10,7 +10,6 @@ LoRA target modules and FSDP block classes in `unirl.config.distributed`, reward
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -21,15 +20,11 @@ _COMPONENT = re.compile(r"(?:^|\.)backend\.components\.[^.]+$")
 
 
 def check_model_path(model: Any, problems: list[str]) -> None:
-    """`model.pretrained_path`, when set, is a directory."""
-    if model is not None and model.pretrained_path and not os.path.isdir(model.pretrained_path):
-        kind = {"text": "Hugging Face causal-LM (Qwen3 / Qwen2)"}.get(
-            getattr(model, "modality", None), "diffusers SD3 / SD3.5"
-        )
-        problems.append(
-            f"model.pretrained_path: {model.pretrained_path!r} is not a directory; point it (or PRETRAINED_MODEL) at "
-            f"a local {kind} directory, or set it to null to use model.tiny"
-        )
+    """`model.pretrained_path`, when set, is a directory of the model's family: the model
+    config's own `directory_problems()`."""
+    check = getattr(model, "directory_problems", None)
+    if check is not None:
+        problems.extend(check())
 
 
 def examples_of(source: Any) -> list | None:

@@ -235,8 +235,8 @@ def is_dedicated(rollout: Any) -> bool:
 
 def modules_of(bundle: Any, module: torch.nn.Module | None) -> dict[str, torch.nn.Module]:
     """The modules of a model bundle by role: "module" (the stage's network: `module` if given,
-    else the bundle's denoiser / LM) and "frozen<i>" for the bundle's `frozen_modules()`."""
-    main = module if module is not None else getattr(bundle, "transformer", None) or bundle.model
+    else the bundle's `denoiser` / LM `model`) and "frozen<i>" for the bundle's `frozen_modules()`."""
+    main = module if module is not None else getattr(bundle, "denoiser", None) or bundle.model
     out = {"module": main}
     frozen = getattr(bundle, "frozen_modules", None)
     for i, m in enumerate(frozen() if frozen is not None else []):

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from unirl.algorithms.diffusion_dpo import diffusion_dpo_loss, flow_matching_error
-from unirl.models.sd3.bundle import SD3Bundle
+from unirl.models.flow.family import FlowFamily
 from unirl.train.backend import LR_SCHEDULES
-from unirl.train.sft import SIGMA_SAMPLING, sample_sigmas
+from unirl.train.sft import SIGMA_SAMPLING, export_bundle, sample_sigmas
 from unirl.train.supervised import SupervisedRun
 
 
@@ -91,7 +91,8 @@ class OfflineDiffusionDPO(SupervisedRun):
     """Trains `bundle`'s denoiser on preference pairs from `data` with the Diffusion-DPO loss.
 
     Args:
-        bundle: an SD3 bundle on the device to train on; the pairs are in its model space
+        bundle: a flow-matching bundle (a `FlowFamily`) on the device to train on; the pairs
+            are in its model space
             (a pixel-space bundle: images; a latent one: latents of its VAE's shape).
         data: the pair source.
         config: run settings.
@@ -101,25 +102,18 @@ class OfflineDiffusionDPO(SupervisedRun):
 
     def __init__(
         self,
-        bundle: SD3Bundle,
+        bundle: FlowFamily,
         data: PairSource,
         config: OfflineDiffusionDPOConfig,
         out_dir: str,
-        evaluate: Callable[[SD3Bundle], dict[str, float]] | None = None,
+        evaluate: Callable[[FlowFamily], dict[str, float]] | None = None,
     ) -> None:
         self.bundle, self.data = bundle, data
-        self.reference = copy.deepcopy(bundle.transformer).requires_grad_(False).eval()
-        super().__init__([bundle.transformer], config, out_dir, evaluate, bundle)
+        self.reference = copy.deepcopy(bundle.denoiser).requires_grad_(False).eval()
+        super().__init__([bundle.denoiser], config, out_dir, evaluate, bundle)
 
-    def _errors(self, module: torch.nn.Module, x_t, sigma, embeds, pooled, x0, eps) -> torch.Tensor:
-        pred = module(
-            hidden_states=x_t,
-            timestep=sigma * 1000.0,
-            encoder_hidden_states=embeds,
-            pooled_projections=pooled,
-            return_dict=False,
-        )[0]
-        return flow_matching_error(pred, x0, eps)
+    def _errors(self, module: torch.nn.Module, x_t, sigma, cond, x0, eps) -> torch.Tensor:
+        return flow_matching_error(self.bundle.predict(module, x_t, sigma, cond), x0, eps)
 
     def batch_loss(self) -> tuple[torch.Tensor, dict[str, float]]:
         """The DPO loss of a fresh batch of pairs (two forwards of 2n samples: policy, reference)."""
@@ -140,18 +134,11 @@ class OfflineDiffusionDPO(SupervisedRun):
         s = sigma.view(-1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * eps
         with torch.no_grad():
-            pe, _, pp, _ = self.bundle.pipeline.encode_prompt(
-                prompt=prompts,
-                prompt_2=None,
-                prompt_3=None,
-                device=device,
-                do_classifier_free_guidance=False,
-                max_sequence_length=cfg.max_sequence_length,
-            )
-        pe, pp = torch.cat([pe, pe]), torch.cat([pp, pp])
+            cond = self.bundle.encode_text(prompts, False, cfg.max_sequence_length)
+        cond = {k: torch.cat([v, v]) for k, v in cond.items()}
         with torch.no_grad():
-            ref = self._errors(self.reference, x_t, sigma, pe, pp, x0, eps)
-        err = self._errors(self.bundle.transformer, x_t, sigma, pe, pp, x0, eps)
+            ref = self._errors(self.reference, x_t, sigma, cond, x0, eps)
+        err = self._errors(self.bundle.denoiser, x_t, sigma, cond, x0, eps)
         per_pair, inside = diffusion_dpo_loss(err[:n], err[n:], ref[:n], ref[n:], cfg.beta)
         inside = inside.detach()
         return per_pair.mean(), {
@@ -161,14 +148,9 @@ class OfflineDiffusionDPO(SupervisedRun):
 
     def _scale(self) -> int:
         """Pixels per latent cell along a side (1 for a pixel-space bundle)."""
-        return 1 if self.bundle.pixel_space else self.bundle.vae_scale_factor
+        info = self.bundle.model_info()
+        return 1 if info["pixel_space"] else info["vae_scale_factor"]
 
     def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:
-        """Save the whole bundle (diffusers layout) with weights in `dtype`; the in-memory
-        model keeps its fp32 weights."""
-        pipe = self.bundle.pipeline
-        pipe.to(dtype)
-        try:
-            pipe.save_pretrained(path)
-        finally:
-            pipe.to(torch.float32)
+        """`export_bundle` of the trained bundle."""
+        export_bundle(self.bundle, path, dtype)

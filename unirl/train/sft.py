@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from unirl.models.sd3.bundle import SD3Bundle
+from unirl.models.flow.family import FlowFamily
 from unirl.train.backend import LR_SCHEDULES
 from unirl.train.supervised import SupervisedRun
 
@@ -112,7 +112,7 @@ class FlowMatchingSFT(SupervisedRun):
     loop (`unirl.train.supervised.SupervisedRun`).
 
     Args:
-        bundle: a pixel-space SD3 bundle (its VAE, if any, is not supported here),
+        bundle: a pixel-space flow-matching bundle (a `FlowFamily`; a VAE is not supported here),
             on the device to train on. Noise and timesteps are drawn on the CPU from
             the seeded generator (the same run on every device) and moved there.
         data: the supervised source.
@@ -126,19 +126,18 @@ class FlowMatchingSFT(SupervisedRun):
 
     def __init__(
         self,
-        bundle: SD3Bundle,
+        bundle: FlowFamily,
         data: ImageTextSource,
         config: FlowMatchingSFTConfig,
         out_dir: str,
-        evaluate: Callable[[SD3Bundle], dict[str, float]] | None = None,
+        evaluate: Callable[[FlowFamily], dict[str, float]] | None = None,
     ) -> None:
-        if not bundle.pixel_space:
+        if not bundle.model_info()["pixel_space"]:
             raise ValueError("FlowMatchingSFT trains pixel-space bundles (model.tiny.pixel_space: true)")
         self.bundle, self.data = bundle, data
-        p = bundle.pipeline
-        modules = [bundle.transformer]
+        modules = [bundle.denoiser]
         if config.train_text_encoders:
-            modules += [p.text_encoder, p.text_encoder_2, p.text_encoder_3]
+            modules += bundle.text_encoders()
         super().__init__(modules, config, out_dir, evaluate, bundle)
 
     def batch_loss(self) -> tuple[torch.Tensor, dict[str, float]]:
@@ -149,7 +148,7 @@ class FlowMatchingSFT(SupervisedRun):
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         device = self.bundle.device
         x0 = images_to_model(images).to(device)
-        size = self.bundle.transformer.config.sample_size
+        size = self.bundle.sample_size
         if tuple(x0.shape[-2:]) != (size, size):
             raise ValueError(
                 f"the data gives {tuple(x0.shape[-2:])} images but the model is built for {size}x{size} "
@@ -159,29 +158,20 @@ class FlowMatchingSFT(SupervisedRun):
         sigma = sample_sigmas(len(prompts), cfg, self.gen).to(device)
         s = sigma.view(-1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * eps
-        pe, _, pp, _ = self.bundle.pipeline.encode_prompt(
-            prompt=prompts,
-            prompt_2=None,
-            prompt_3=None,
-            device=device,
-            do_classifier_free_guidance=False,
-            max_sequence_length=cfg.max_sequence_length,
-        )
-        pred = self.bundle.transformer(
-            hidden_states=x_t,
-            timestep=sigma * 1000.0,
-            encoder_hidden_states=pe,
-            pooled_projections=pp,
-            return_dict=False,
-        )[0]
+        cond = self.bundle.encode_text(prompts, False, cfg.max_sequence_length)
+        pred = self.bundle.predict(self.bundle.denoiser, x_t, sigma, cond)
         return flow_matching_loss(pred, x0, eps), {}
 
     def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:
-        """Save the whole bundle (diffusers layout) with weights in `dtype`; the
-        in-memory model keeps its fp32 weights."""
-        pipe = self.bundle.pipeline
-        pipe.to(dtype)
-        try:
-            pipe.save_pretrained(path)
-        finally:
-            pipe.to(torch.float32)
+        """`export_bundle` of the trained bundle."""
+        export_bundle(self.bundle, path, dtype)
+
+
+def export_bundle(bundle: FlowFamily, path: str, dtype: torch.dtype = torch.float16) -> None:
+    """Save the whole bundle (`save_pretrained`, the family's library layout) with weights in
+    `dtype`; the in-memory model goes back to fp32 weights."""
+    bundle.to(dtype)
+    try:
+        bundle.save_pretrained(path)
+    finally:
+        bundle.to(torch.float32)

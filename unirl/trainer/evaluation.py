@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from unirl.models.flow.stage import FlowMatchingStage
 from unirl.models.stage import DiffusionStage
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
@@ -111,9 +112,7 @@ class BundleEvaluator:
 
     @torch.no_grad()
     def __call__(self, bundle) -> dict[str, float]:
-        """Scores an SD3 bundle (`unirl.models.sd3.SD3Bundle`) through its stage."""
-        from unirl.models.sd3.stage import SD3Stage
-
-        stage = SD3Stage(bundle)
+        """Scores a flow-matching bundle (a `FlowFamily`) through the shared `FlowMatchingStage`."""
+        stage = FlowMatchingStage(bundle)
         images, prompts = sample_eval_images(stage, self.examples, self.sampling, self.eval_sampling)
         return self.scorer.evaluate(images, prompts)

@@ -64,10 +64,9 @@ class Trainer:
     rewards; a text run writes only the .json, with the responses) every `logging.save_images_every` steps and at the last step,
     `gallery.html` (self-contained: sample grids, prompts, reward and accuracy curves),
     `base_model/` for a tiny model, `checkpoints/step_XXXXXX/` every
-    `checkpoint.every_n_steps` steps, and `checkpoints/final/` (weights that
-    `unirl.models.sd3.load_checkpoint` loads back; with `train.ema`, the EMA weights
-    in the same format in `checkpoints/final_ema/`; a text run's weights load with
-    `unirl.models.causal_lm.load_checkpoint`). With `resume_from` (a
+    `checkpoint.every_n_steps` steps, and `checkpoints/final/` (weights that the model
+    config's `load_checkpoint` loads back; with `train.ema`, the EMA weights in the same
+    format in `checkpoints/final_ema/`). With `resume_from` (a
     checkpoint directory or `latest`) it continues from that step and the run
     is identical to one that never stopped.
     """

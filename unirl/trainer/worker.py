@@ -271,7 +271,7 @@ class RLWorker(ProcessWorker):
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def save_weights(self, path: str, base_model: str, use_ema: bool = False) -> None:
         """Export the trained weights (LoRA or full model, in the family's library format:
-        diffusers for SD3, transformers / peft for causal LMs); the EMA weights in their
+        diffusers for the diffusion families, transformers / peft for causal LMs); the EMA weights in their
         place when `use_ema`."""
         with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
             self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)

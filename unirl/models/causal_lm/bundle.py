@@ -136,6 +136,20 @@ class CausalLMConfig:
             return CausalLMBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
         return CausalLMBundle.tiny(self.tiny, dtype=_DTYPES[self.dtype])
 
+    def load_checkpoint(self, path: str) -> CausalLMBundle:
+        """The bundle of a UniRL checkpoint of a causal-LM run, fp32 (`load_checkpoint`)."""
+        return load_checkpoint(path)
+
+    def directory_problems(self) -> list[str]:
+        """`pretrained_path`, when set, is a directory (its files are checked when read)."""
+        path = self.pretrained_path
+        if not path or os.path.isdir(path):
+            return []
+        return [
+            f"model.pretrained_path: {path!r} is not a directory; point it (or PRETRAINED_MODEL) at a local "
+            "Hugging Face causal-LM (Qwen3 / Qwen2) directory, or set it to null to use model.tiny"
+        ]
+
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer built in code: every byte is one token (printable ASCII

@@ -1,9 +1,10 @@
-"""The SD3 diffusion stage: encode prompts, diffuse (rollout), replay (train), decode.
+"""The flow-matching stage: encode prompts, diffuse (rollout), replay (train), denoise, decode,
+for any family that supplies a `FlowFamily` bundle (`family.py`).
 
 `diffuse` and `replay` share one velocity function and one step strategy
 (named by `sde`, from `unirl.sde.strategies.SDE_STRATEGIES`), so the log-prob a
 rollout records and the one replay recomputes come from the same arithmetic.
-Shapes: B samples, latents [B, C, h, w], K SDE steps.
+Shapes: B samples, latents [B, *latent_shape] (images: [B, C, h, w]), K SDE steps.
 """
 
 from __future__ import annotations
@@ -15,24 +16,22 @@ from typing import Annotated
 import torch
 from annotated_types import Ge
 
+from unirl.models.flow.family import NEGATIVE, FlowFamily
 from unirl.models.kept import KeptGraphs
-from unirl.models.sd3.bundle import SD3Bundle
 from unirl.sde.solvers import make_ode_solver
 from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment
 
-COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
-NEG_KEYS = ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
 AUTOCAST_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class SD3Stage:
-    """Sampling and replay of an SD3 model.
+class FlowMatchingStage:
+    """Sampling and replay of a flow-matching model (a `DifferentiableDiffusionStage`).
 
     Args:
-        bundle: the model bundle.
-        replay_steps_per_forward: SDE steps replayed in one transformer
+        bundle: the model bundle, a `FlowFamily` (a family's bundle).
+        replay_steps_per_forward: SDE steps replayed in one denoiser
             forward (their latents stacked along the batch); larger is faster
             on big batches of small images, smaller bounds memory.
         detach_uncond: stop gradients through the unconditional CFG branch
@@ -55,7 +54,7 @@ class SD3Stage:
 
     def __init__(
         self,
-        bundle: SD3Bundle,
+        bundle: FlowFamily,
         replay_steps_per_forward: Annotated[int, Ge(1)] = 1,  # Ge: checked before any bundle exists
         detach_uncond: bool = True,
         autocast_dtype: str | None = None,
@@ -72,42 +71,26 @@ class SD3Stage:
             )
         self.autocast_dtype = AUTOCAST_DTYPES[autocast_dtype]
         self.bundle = bundle
-        self.module: torch.nn.Module = bundle.transformer
+        self.module: torch.nn.Module = bundle.denoiser
         self.replay_steps_per_forward = replay_steps_per_forward
         self.detach_uncond = detach_uncond
         self.sde = sde
         self.store_trajectory = store_trajectory
 
     def model_info(self) -> dict:
-        """What the driver needs to pin a sigma schedule: the latent grid's geometry."""
-        return {
-            "pixel_space": self.bundle.pixel_space,
-            "vae_scale_factor": self.bundle.vae_scale_factor,
-            "patch_size": self.bundle.patch_size,
-        }
+        """What the driver needs to pin a sigma schedule: the latent grid's geometry
+        (`FlowFamily.model_info`)."""
+        return self.bundle.model_info()
 
     # ---- conditions -------------------------------------------------------------------------
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict:
-        """Per-sample condition tensors: prompt embeds [B, L, D] and pooled [B, P]
-        (plus the negative "" ones when guidance_scale > 1). Unique prompts are
-        encoded once."""
+        """Per-sample condition tensors [B, ...] fp32 (the family's keys; with guidance_scale > 1
+        also their `negative_` twins, the empty prompt's). Unique prompts are encoded once."""
         unique = list(dict.fromkeys(prompts))
-        do_cfg = guidance_scale > 1.0
-        pe, npe, pp, npp = self.bundle.pipeline.encode_prompt(
-            prompt=unique,
-            prompt_2=None,
-            prompt_3=None,
-            device=self.bundle.device,
-            do_classifier_free_guidance=do_cfg,
-            max_sequence_length=max_sequence_length,
-        )
-        idx = torch.tensor([unique.index(p) for p in prompts], device=pe.device)
-        cond = {"prompt_embeds": pe[idx].float(), "pooled_prompt_embeds": pp[idx].float()}
-        if do_cfg:
-            cond["negative_prompt_embeds"] = npe[idx].float()
-            cond["negative_pooled_prompt_embeds"] = npp[idx].float()
-        return cond
+        encoded = self.bundle.encode_text(unique, guidance_scale > 1.0, max_sequence_length)
+        idx = torch.tensor([unique.index(p) for p in prompts], device=next(iter(encoded.values())).device)
+        return {k: v[idx].float() for k, v in encoded.items()}
 
     # ---- the denoiser -----------------------------------------------------------------------
     def velocity(
@@ -118,47 +101,35 @@ class SD3Stage:
         guidance_scale: float,
         separate_uncond: bool = False,
     ) -> torch.Tensor:
-        """[B, C, h, w] guided velocity at per-row noise levels `sigma` [B].
+        """[B, *latent_shape] guided velocity at per-row noise levels `sigma` [B].
 
-        With guidance the cond and uncond halves run in one forward; the
-        uncond half is detached when `detach_uncond` and grad is enabled.
-        `separate_uncond` runs the uncond half in a forward of its own, without
-        autograd when `detach_uncond` (a sampling step whose graph is kept then
+        Classifier-free guidance v_u + s (v_c - v_u) when guidance_scale s > 1, the
+        unconditional branch under the `negative_` keys of `cond`. The cond and uncond
+        halves run in one forward; the uncond half is detached when `detach_uncond` and
+        grad is enabled. `separate_uncond` runs the uncond half in a forward of its own,
+        without autograd when `detach_uncond` (a sampling step whose graph is kept then
         keeps only the cond half's activations).
         """
-        timestep = sigma.to(device=x.device, dtype=torch.float32) * 1000.0
+        sigma = sigma.to(device=x.device, dtype=torch.float32)
+        positive = {k: v for k, v in cond.items() if not k.startswith(NEGATIVE)}
         if guidance_scale <= 1.0:
-            return self._forward(x, timestep, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+            return self._forward(x, sigma, positive)
+        negative = {k: cond[NEGATIVE + k] for k in positive}
         if separate_uncond:
             with torch.no_grad() if self.detach_uncond else contextlib.nullcontext():
-                v_uncond = self._forward(
-                    x, timestep, cond["negative_prompt_embeds"], cond["negative_pooled_prompt_embeds"]
-                )
-            v_cond = self._forward(x, timestep, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+                v_uncond = self._forward(x, sigma, negative)
+            v_cond = self._forward(x, sigma, positive)
             return v_uncond + guidance_scale * (v_cond - v_uncond)
-        out = self._forward(
-            torch.cat([x, x]),
-            torch.cat([timestep, timestep]),
-            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
-            torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]),
-        )
-        v_uncond, v_cond = out.chunk(2)
+        both = {k: torch.cat([negative[k], positive[k]]) for k in positive}
+        v_uncond, v_cond = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
         if self.detach_uncond:
             v_uncond = v_uncond.detach()
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
-    def _forward(
-        self, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor
-    ) -> torch.Tensor:
-        dtype = next(self.module.parameters()).dtype
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The family's network call on `module`, under autocast when set; fp32 out."""
         with torch.autocast(x.device.type, self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out = self.module(
-                hidden_states=x.to(dtype),
-                timestep=t,
-                encoder_hidden_states=embeds.to(dtype),
-                pooled_projections=pooled.to(dtype),
-                return_dict=False,
-            )[0]
+            out = self.bundle.predict(self.module, x, sigma, cond)
         return out.to(torch.float32)
 
     # ---- rollout ----------------------------------------------------------------------------
@@ -213,7 +184,9 @@ class SD3Stage:
                 stored[i] = x
             keep = kept is not None and i in sde and kept.room(len(req))
             with torch.enable_grad() if keep else contextlib.nullcontext():
-                v = self.velocity(x, sigmas[i].expand(len(req)), cond, sp.guidance_scale, separate_uncond=keep)
+                v = self.velocity(
+                    x, sigmas[i].expand(len(req)), cond, sp.guidance_scale, separate_uncond=keep
+                )
                 if i in noisy:
                     noise = torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)
                     out = strategy.step(x, v, sigmas, i, sde=True, noise=noise)
@@ -247,7 +220,7 @@ class SD3Stage:
         segment's pinned sigmas, eta and guidance scale.
 
         The steps are stacked along the batch into one forward. Returns
-        (log_probs [B, k] fp32, means [B, k, C, h, w] fp32, std_dev_t [k] fp32).
+        (log_probs [B, k] fp32, means [B, k, *latent_shape] fp32, std_dev_t [k] fp32).
         """
         strategy = make_strategy(self.sde, segment.eta)
         b = len(segment)
@@ -273,7 +246,7 @@ class SD3Stage:
         steps: range,
         checkpoint: bool = False,
     ) -> torch.Tensor:
-        """Run the ODE (Euler) steps `steps` of `sigmas` from x, the [B, C, h, w] latent before
+        """Run the ODE (Euler) steps `steps` of `sigmas` from x, the [B, *latent_shape] latent before
         `steps.start`, under the current weights; returns the latent after `steps.stop - 1`.
 
         The autograd graph is kept when grad is enabled (the reward-backprop losses
@@ -302,22 +275,14 @@ class SD3Stage:
             yield steps[k : k + n]
 
     # ---- media ------------------------------------------------------------------------------
-    def _pixels(self, latents: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped) from latents, differentiable."""
-        vae = self.bundle.vae
-        if vae is None:
-            return latents.float()
-        scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        return vae.decode(scaled, return_dict=False)[0].float()
-
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] uint8 RGB from final latents (pixel space: x in [-1, 1])."""
-        return ((self._pixels(latents).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return ((self.bundle.pixels(latents).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
     def decode_float(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] fp32 RGB in [0, 1] from latents, differentiable (through the VAE, if
         any): `decode` before its rounding, (clamp(x, -1, 1) + 1) / 2; the reward-backprop
         losses score it with a `DifferentiableReward`. `decode(l) == round(255 * decode_float(l))`
         up to float rounding."""
-        return (self._pixels(latents).clamp(-1, 1) + 1) * 0.5
+        return (self.bundle.pixels(latents).clamp(-1, 1) + 1) * 0.5

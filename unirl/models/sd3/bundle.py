@@ -1,4 +1,5 @@
-"""The SD3 model bundle: diffusers / transformers components of one SD3 model.
+"""The SD3 family: the diffusers / transformers components of one SD3 model, as a `FlowFamily`
+(`unirl.models.flow.family`) the shared `FlowMatchingStage` samples and replays.
 
 Two ways to build one, same code path afterwards:
 - `SD3ModelConfig(pretrained_path=<dir>)`: a real SD3 / SD3.5 directory
@@ -20,6 +21,7 @@ on load.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -155,6 +157,72 @@ class SD3ModelConfig:
             return SD3Bundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
         return SD3Bundle.tiny(self.tiny)
 
+    def load_checkpoint(self, path: str) -> SD3Bundle:
+        """The bundle of a UniRL checkpoint of an SD3 run, fp32 (`load_checkpoint`)."""
+        return load_checkpoint(path)
+
+    def directory_problems(self) -> list[str]:
+        """`pretrained_path`, when set, is a diffusers SD3 directory (its `model_index.json`, if
+        any, names `StableDiffusion3Pipeline`)."""
+        path = self.pretrained_path
+        if not path:
+            return []
+        if not os.path.isdir(path):
+            return [
+                f"model.pretrained_path: {path!r} is not a directory; point it (or PRETRAINED_MODEL) at "
+                "a local diffusers SD3 / SD3.5 directory, or set it to null to use model.tiny"
+            ]
+        index = os.path.join(path, "model_index.json")
+        try:
+            with open(index) as f:
+                name = json.load(f).get("_class_name")
+        except (OSError, ValueError):
+            return []  # no readable index: from_pretrained reports what is missing
+        if name != StableDiffusion3Pipeline.__name__:
+            return [
+                f"model.pretrained_path: {index} names {name!r}, not {StableDiffusion3Pipeline.__name__}: "
+                f"the directory is not an SD3 / SD3.5 model; use that family's model config "
+                "or point it at an SD3 directory"
+            ]
+        return []
+
+    def size_problems(self, height: int, width: int) -> list[str]:
+        """height / width vs the latent patch grid (vae scale x patch size pixels per token) and,
+        for a tiny model, its position embedding (at most `tiny.resolution`)."""
+        geometry = self._geometry()
+        if geometry is None:
+            return []
+        cell, largest = geometry
+        problems = []
+        for key, value in (("height", height), ("width", width)):
+            if value % cell:
+                problems.append(
+                    f"sampling.{key}={value} must be a multiple of {cell}, the pixels per latent patch of the model"
+                )
+            if largest is not None and value > largest:
+                problems.append(
+                    f"sampling.{key}={value} exceeds model.tiny.resolution={largest}, the largest size "
+                    "the tiny model's position embedding covers"
+                )
+        return problems
+
+    def _geometry(self) -> tuple[int, int | None] | None:
+        """(pixels per latent patch, largest height/width or None), None when unreadable."""
+        if not self.pretrained_path:
+            tiny = self.tiny
+            return (1 if tiny.pixel_space else tiny.vae_downsample) * tiny.patch_size, tiny.resolution
+        try:
+            with open(os.path.join(self.pretrained_path, "transformer", "config.json")) as f:
+                patch = json.load(f)["patch_size"]
+            vae_config = os.path.join(self.pretrained_path, "vae", "config.json")
+            scale = 1
+            if os.path.exists(vae_config):
+                with open(vae_config) as f:
+                    scale = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+        except (OSError, KeyError, ValueError):
+            return None  # an unreadable model directory is reported by directory_problems / the load
+        return scale * patch, None
+
 
 def _bpe(pieces: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     """Byte-pair encoding of one word: repeatedly merge the adjacent pair of lowest rank."""
@@ -230,17 +298,34 @@ class SD3Bundle:
             module.requires_grad_(False)
             module.eval()
 
-    def frozen_modules(self) -> list[torch.nn.Module]:
+    @property
+    def denoiser(self) -> SD3Transformer2DModel:
+        """The trainable network (`FlowFamily.denoiser`): the transformer."""
+        return self.transformer
+
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """CLIP-L, CLIP-G and T5, in `encode_prompt`'s order."""
         p = self.pipeline
-        return [m for m in (p.text_encoder, p.text_encoder_2, p.text_encoder_3, p.vae) if m is not None]
+        return [m for m in (p.text_encoder, p.text_encoder_2, p.text_encoder_3) if m is not None]
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """The text encoders and the VAE (if any): everything but the transformer."""
+        return self.text_encoders() + ([self.vae] if self.vae is not None else [])
+
+    @property
+    def sample_size(self) -> int:
+        """The image side in pixels the transformer is built for (its config's `sample_size`
+        latent cells times the VAE scale)."""
+        return self.transformer.config.sample_size * self.vae_scale_factor
 
     @property
     def device(self) -> torch.device:
         """Where the denoiser's parameters live (the bundle is moved as a whole by `to`)."""
         return next(self.transformer.parameters()).device
 
-    def to(self, device: str | torch.device) -> SD3Bundle:
-        """Move every module of the bundle (denoiser, text encoders, VAE) to `device`; returns self."""
+    def to(self, device: str | torch.device | torch.dtype) -> SD3Bundle:
+        """Move (or cast) every module of the bundle (denoiser, text encoders, VAE) to `device`
+        (or a dtype); returns self."""
         self.pipeline.to(device)
         return self
 
@@ -261,6 +346,57 @@ class SD3Bundle:
                 f"(vae scale {self.vae_scale_factor} x patch {self.patch_size})"
             )
         return self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor
+
+    def model_info(self) -> dict:
+        """The latent grid's geometry: `pixel_space`, `vae_scale_factor`, `patch_size`."""
+        return {
+            "pixel_space": self.pixel_space,
+            "vae_scale_factor": self.vae_scale_factor,
+            "patch_size": self.patch_size,
+        }
+
+    def encode_text(
+        self, prompts: list[str], guided: bool, max_sequence_length: int
+    ) -> dict[str, torch.Tensor]:
+        """`StableDiffusion3Pipeline.encode_prompt` of `prompts` (CLIP x2 + T5): prompt_embeds
+        [U, L, D] (CLIP and T5 tokens joined) and pooled_prompt_embeds [U, P] (the two CLIP
+        pooled outputs), plus their "negative_" twins of the empty prompt when `guided`; the
+        T5 budget is `max_sequence_length` tokens."""
+        pe, npe, pp, npp = self.pipeline.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=guided,
+            max_sequence_length=max_sequence_length,
+        )
+        cond = {"prompt_embeds": pe, "pooled_prompt_embeds": pp}
+        if guided:
+            cond["negative_prompt_embeds"] = npe
+            cond["negative_pooled_prompt_embeds"] = npp
+        return cond
+
+    @staticmethod
+    def predict(module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The SD3 transformer's velocity [B, C, h, w] at x [B, C, h, w] and sigma [B]; SD3
+        timesteps are `sigma * 1000`; inputs cast to the module's dtype."""
+        dtype = next(module.parameters()).dtype
+        return module(
+            hidden_states=x.to(dtype),
+            timestep=sigma * 1000.0,
+            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+            pooled_projections=cond["pooled_prompt_embeds"].to(dtype),
+            return_dict=False,
+        )[0]
+
+    def pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped) from latents, differentiable: the
+        VAE decode of latents / scaling_factor + shift_factor, or the latents in pixel space."""
+        vae = self.vae
+        if vae is None:
+            return latents.float()
+        scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        return vae.decode(scaled, return_dict=False)[0].float()
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> SD3Bundle:

@@ -1,0 +1,141 @@
+"""What a flow-matching model family supplies: the contract between a family's package
+(`unirl/models/<family>/`) and everything shared (the stage, the validator, the evaluator,
+the engines, the supervised trainers).
+
+Two protocols, checked structurally (no base class to inherit):
+
+- `FlowFamily`, the bundle of built modules: prompt encoding, the one-branch network call,
+  the latent geometry and the decode to pixels. `FlowMatchingStage` (`stage.py`) runs
+  sampling, SDE log-probs, replay, kept graphs and reward-backprop denoising over it.
+- `FlowModelConfig`, the recipe's `model` node: builds a bundle, and answers the validator's
+  questions about its own directory and geometry before any work starts.
+
+Shapes: B samples; a latent sample has the family's `latent_shape` (images: [C, h, w]);
+conditioning tensors are [B, ...] with the family's own keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+NEGATIVE = "negative_"
+"""Prefix of the unconditional (classifier-free guidance) twin of a conditioning key:
+`cond["negative_" + k]` is the uncond branch's value of `cond[k]`."""
+
+
+@runtime_checkable
+class FlowFamily(Protocol):
+    """The built modules of one flow-matching model and what its family does differently.
+
+    Attributes:
+        denoiser: the trainable network (the train backend wraps it; `predict` is given the
+            wrapped module).
+        device: where the denoiser's parameters live.
+        sample_size: the square image side in pixels the denoiser is built for.
+
+    It is moved and saved whole: `to(device_or_dtype)` returns it, `save_pretrained(dir)`
+    writes the family's library layout, which its model config loads back.
+    """
+
+    denoiser: torch.nn.Module
+    device: torch.device
+    sample_size: int
+
+    def encode_text(
+        self, prompts: list[str], guided: bool, max_sequence_length: int
+    ) -> dict[str, torch.Tensor]:
+        """Conditioning tensors of `prompts` (U distinct prompts), each [U, ...], any dtype;
+        with `guided` also the unconditional twins under `NEGATIVE`-prefixed keys (the uncond
+        branch of classifier-free guidance); `max_sequence_length` is the text token budget.
+        Differentiable in the text encoders (the stage calls it under `no_grad`; supervised
+        training may train the encoders through it)."""
+        ...
+
+    def predict(
+        self, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict
+    ) -> torch.Tensor:
+        """One unguided network call: the velocity of `module` (the denoiser, possibly wrapped)
+        at latents x [B, *latent_shape] fp32 and noise levels sigma [B] fp32 in [0, 1], under
+        the conditioning `cond` (the non-negative keys of `encode_text`, [B, ...] fp32). Casts
+        its inputs to the module's dtype and returns [B, *latent_shape] in any float dtype (the
+        stage runs it under autocast when asked and casts the result to fp32)."""
+        ...
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """The shape of one latent sample for an image of height x width pixels (images:
+        (C, h, w)); an error naming `sampling.height/width` when the geometry cannot take it."""
+        ...
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Tokens the denoiser sees for one sample of that size (dynamic sigma shift uses it)."""
+        ...
+
+    def pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped) from latents [B, *latent_shape],
+        differentiable: the VAE decode with the family's scaling and shift, or the identity
+        in pixel space."""
+        ...
+
+    def model_info(self) -> dict[str, Any]:
+        """What the driver needs to pin a sigma schedule: `vae_scale_factor` and `patch_size`
+        (their product is the pixels per denoiser token along a side), `pixel_space`."""
+        ...
+
+    def to(self, device: str | torch.device | torch.dtype) -> FlowFamily: ...
+
+    def save_pretrained(self, path: str) -> None: ...
+
+    @staticmethod
+    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+        """The train backend's exporter: a LoRA (`kind` "lora") or full state of `module` written
+        under `path` in the format the family's library loads."""
+        ...
+
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """The prompt encoders `encode_text` runs (supervised training may train them)."""
+        ...
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """The modules that are not trained (text encoders, VAE): the dedicated engine syncs
+        them once."""
+        ...
+
+
+@runtime_checkable
+class FlowModelConfig(Protocol):
+    """A recipe's `model` node for a flow-matching family (a dataclass next to its bundle).
+
+    The validator asks it, before Ray starts, whether its directory is one of its family and
+    whether an image size fits its geometry; it never reads a family's files itself.
+    """
+
+    modality: ClassVar[str]  # "diffusion"
+    pretrained_path: str | None
+
+    def build(self) -> FlowFamily:
+        """The bundle: from `pretrained_path`, else from the tiny config."""
+        ...
+
+    def load_checkpoint(self, path: str) -> FlowFamily:
+        """A bundle with the trained weights of a UniRL checkpoint directory (its base model
+        read from the checkpoint's `unirl_checkpoint.json`)."""
+        ...
+
+    def trainable_on_meta(self) -> torch.nn.Module:
+        """The denoiser's module tree on the meta device (no weights read): LoRA target and
+        FSDP block names are checked against it."""
+        ...
+
+    def directory_problems(self) -> list[str]:
+        """Problems with `pretrained_path` (missing, or not a directory of this family), each
+        naming `model.pretrained_path` and what it should be; [] when unset or fine."""
+        ...
+
+    def size_problems(self, height: int, width: int) -> list[str]:
+        """Problems with sampling at height x width pixels (not a multiple of the pixels per
+        latent patch, larger than a tiny model's position embedding), each naming
+        `sampling.height` or `sampling.width` and the valid values; [] when it fits or the
+        geometry cannot be read (an unreadable directory is `directory_problems`' report)."""
+        ...
