@@ -52,7 +52,7 @@ SMALL = {  # the shrunk set of each recipe that has one
     "llm/tiny_lm_dedicated": LM,
 }
 # one process, no Ray: the driver trains its only worker itself and moves data in band
-IN_PROCESS = ["launcher=in_process", "transport=inband", "num_devices=1"]
+IN_PROCESS = ["++launcher=in_process", "transport=inband", "num_devices=1"]
 
 
 def composed(name: str, out, *overrides: str) -> DictConfig:
@@ -85,6 +85,20 @@ def run(name: str, out, *overrides: str) -> list[dict]:
         from unirl.trainer.trainer import Trainer as trainer
     trainer(cfg).run()
     return rows(out)
+
+
+def stopped_and_resumed(name: str, out, *overrides: str, stop: int = 2, steps: int = 4) -> tuple[list, list]:
+    """`steps` uninterrupted steps in `out/full`; in `out/part`, `stop` steps with a checkpoint at
+    `stop`, then resumed from it to `steps`. The rows of both: (uninterrupted, resumed)."""
+    full = run(name, out / "full", f"num_steps={steps}", *overrides)
+    run(name, out / "part", f"num_steps={stop}", f"checkpoint.every_n_steps={stop}", *overrides)
+    return full, run(name, out / "part", f"num_steps={steps}", "resume_from=latest", *overrides)
+
+
+def per_transport(name: str, out, transports: list[str], *overrides: str) -> dict[str, tuple]:
+    """`run(name, out / t, *overrides, f"transport={t}")` for each transport t: {t: (its output
+    directory, its rows)}."""
+    return {t: (out / t, run(name, out / t, *overrides, f"transport={t}")) for t in transports}
 
 
 def rows(out) -> list[dict]:

@@ -1,6 +1,6 @@
-"""The arithmetic world's RL recipe wiring on real Ray (trained in this process; `python -m
-unirl.train_vlm` runs in tests/e2e/test_tiny_lm.py): a random tiny LM, 3 steps, held-out
-evaluation at steps 0, 2 and 3, text samples and per-operation curves in the gallery."""
+"""The arithmetic world's RL recipe wiring, trained in this process (`python -m unirl.train_vlm` and
+Ray run in tests/e2e/test_tiny_lm.py): a random tiny LM, 3 steps, held-out evaluation at steps
+0, 2 and 3, text samples and per-operation curves in the gallery."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from tests.recipes import run
+from tests.recipes import IN_PROCESS, run
 from unirl.arith import HELD_OUT_COMBOS
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e]
 
 
 def test_arith_smoke_recipe_runs_and_evaluates(tmp_path):
-    rows = run("llm/arith_grpo_smoke", tmp_path, "logging.save_images_every=1")
+    rows = run("llm/arith_grpo_smoke", tmp_path, *IN_PROCESS, "logging.save_images_every=1")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in (rows[0], rows[2], rows[3]):
         assert {"eval/accuracy/greedy", "eval/accuracy/pass@1", "eval/accuracy/pass@4"} <= set(r)

@@ -10,51 +10,29 @@ import threading
 import urllib.request
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from tests.conftest import EXAMPLES, run_module
-from unirl.config.validate import validate_rl_config
+from tests.recipes import IN_PROCESS, LM, SD3, recipe
 from unirl.reward.server import RewardServer, ServerConfig, load_backend
 from unirl.trainer.trainer import Trainer, TrainingError
 
 pytestmark = pytest.mark.e2e
 
 TOKEN = "e2e-reward-token"
-IN_PROCESS = [
-    "launcher=in_process",
-    "transport=inband",
-    "logging.progress=false",
-    "checkpoint.every_n_steps=0",
-]
+IN_PROCESS_NO_CHECKPOINTS = [*IN_PROCESS, "checkpoint.every_n_steps=0"]
 LM_SMALL = [
+    *LM,
     "num_steps=2",
-    "prompts_per_rollout=4",
-    "sampling.samples_per_prompt=4",
-    "sampling.max_new_tokens=8",
     "train.stack.micro_batch_size=8",
     "logging.save_images_every=1",
-    *IN_PROCESS,
+    *IN_PROCESS_NO_CHECKPOINTS,
 ]
-SD3_SMALL = [
-    "num_steps=2",
-    "prompts_per_rollout=2",
-    "sampling.samples_per_prompt=4",
-    "sampling.num_steps=4",
-    "sampling.sde_num_steps=2",
-    "sampling.height=16",
-    "sampling.width=16",
-    "sampling.max_sequence_length=8",
-    "model.tiny.resolution=16",
-    "model.tiny.clip_max_length=8",
-    "train.stack.micro_batch_size=4",
-    "logging.save_images_every=0",
-    *IN_PROCESS,
-]
+SD3_SMALL = [*SD3, "num_steps=2", "train.stack.micro_batch_size=4", *IN_PROCESS_NO_CHECKPOINTS]
 
 
-def serve(recipe: str) -> RewardServer:
-    """A reward server for the reward block of `examples/<recipe>.yaml`, with a token."""
-    return RewardServer(load_backend(os.path.join(EXAMPLES, recipe + ".yaml")), TOKEN, ServerConfig(port=0))
+def serve(name: str) -> RewardServer:
+    """A reward server for the reward block of `examples/<name>.yaml`, with a token."""
+    return RewardServer(load_backend(os.path.join(EXAMPLES, name + ".yaml")), TOKEN, ServerConfig(port=0))
 
 
 def counters(url: str) -> dict:
@@ -123,19 +101,16 @@ def test_a_reward_server_that_stops_answering_stops_the_run_with_a_clear_error(t
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        cfg = compose(
-            "llm/tiny_lm_grpo_remote_reward",
-            overrides=[
-                *LM_SMALL,
-                f"reward.backend.url={url}",
-                "reward.backend.timeout_s=0.5",
-                "reward.backend.max_retries=1",
-                "reward.backend.backoff_s=0.1",
-                f"output_dir={tmp_path}",
-            ],
-        )
-    validate_rl_config(cfg, expect="text")
+    cfg = recipe(
+        "llm/tiny_lm_grpo_remote_reward",
+        tmp_path,
+        *LM_SMALL,
+        f"reward.backend.url={url}",
+        "reward.backend.timeout_s=0.5",
+        "reward.backend.max_retries=1",
+        "reward.backend.backoff_s=0.1",
+        expect="text",
+    )
     try:
         with pytest.raises(TrainingError) as info:
             Trainer(cfg).run()

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO, run_module
-from tests.recipes import run
+from tests.recipes import IN_PROCESS, run
 from unirl.config.validate import validate_rl_config
 from unirl.evaluate import main as evaluate_main
 from unirl.models.sd3 import SD3Bundle
@@ -64,14 +64,14 @@ def test_stage_two_continues_from_the_committed_export(tmp_path):
     assert 0 < max(deltas) < 0.05  # moved by two small steps, from the committed weights
 
 
-@pytest.mark.ray
-def test_nft_recipe_trains_the_committed_model_on_policy(tmp_path, ray_cluster, capsys):
-    """`diffusion/shapes_nft` (ODE rollouts, DiffusionNFT) trains the committed model on Ray: its
-    first update of every rollout is on-policy (v_new == v_old exactly) and the run exports
-    weights that the evaluate command loads."""
+def test_nft_recipe_trains_the_committed_model_on_policy(tmp_path, capsys):
+    """`diffusion/shapes_nft` (ODE rollouts, DiffusionNFT) trains the committed model in this
+    process: its first update of every rollout is on-policy (v_new == v_old exactly) and the run
+    exports weights that the evaluate command loads."""
     rows = run(
         "diffusion/shapes_nft",
         tmp_path,
+        *IN_PROCESS,
         "num_steps=2",
         "prompts_per_rollout=2",
         "sampling.samples_per_prompt=4",

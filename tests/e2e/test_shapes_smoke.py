@@ -1,4 +1,4 @@
-"""The shapes smoke recipe on Ray (trained in this process; `python -m unirl.train_diffusion` runs in
+"""The shapes smoke recipe trained in this process (`python -m unirl.train_diffusion` and Ray run in
 tests/e2e/test_tiny_recipe.py): eval rows, gallery, and the standalone evaluate command, in its
 own process once and in this one for the checkpoint and a bad argument."""
 
@@ -9,16 +9,16 @@ import json
 import pytest
 
 from tests.conftest import run_module
-from tests.recipes import run
+from tests.recipes import IN_PROCESS, run
 from unirl.evaluate import main as evaluate_main
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("shapes_smoke")
-    run("diffusion/shapes_flowgrpo_smoke", out, "logging.save_images_every=2")
+    run("diffusion/shapes_flowgrpo_smoke", out, *IN_PROCESS, "logging.save_images_every=2")
     return out
 
 

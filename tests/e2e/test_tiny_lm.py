@@ -1,5 +1,5 @@
 """The LLM main job through its entry point (real Ray, real worker), its export loaded back, and
-`llm/qwen3_grpo` on a real local Qwen3 directory."""
+`llm/qwen3_grpo` on a real local Qwen3 directory (in this process)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import pytest
 
 from tests.conftest import run_module
+from tests.recipes import run
 from unirl.models.causal_lm import CausalLMBundle, CausalLMStage, TinyLMConfig, load_checkpoint
 from unirl.types import PromptExample, RolloutReq, TextSamplingParams
 
@@ -75,15 +76,16 @@ def test_exported_model_answers_in_digits(run_dir):
     assert digit_fraction(trained) > 0.3 > 0.1 > digit_fraction(base)
 
 
-def test_qwen3_recipe_on_a_local_directory(tmp_path):
+def test_qwen3_recipe_on_a_local_directory(tmp_path, monkeypatch):
     """`llm/qwen3_grpo` (bf16 autocast, KL loss to the reference, boxed-answer reward) on a Qwen3
-    directory written by save_pretrained, shrunk to 2 steps in-process: runs, exactly on-policy."""
+    directory written by save_pretrained, shrunk to 2 steps in this process: runs, exactly on-policy."""
     model = tmp_path / "qwen3"
     CausalLMBundle.tiny(TinyLMConfig(max_position_embeddings=1024)).save_pretrained(str(model))
+    monkeypatch.setenv("PRETRAINED_MODEL", str(model))
     out = tmp_path / "run"
-    res = run_module(
-        "unirl.train_vlm",
-        "--config-name=llm/qwen3_grpo",
+    rows = run(
+        "llm/qwen3_grpo",
+        out,
         "num_steps=2",
         "prompts_per_rollout=2",
         "sampling.samples_per_prompt=4",
@@ -92,13 +94,7 @@ def test_qwen3_recipe_on_a_local_directory(tmp_path):
         "launcher=in_process",
         "transport=inband",
         "checkpoint.every_n_steps=0",
-        "logging.progress=false",
-        f"output_dir={out}",
-        timeout=600,
-        env={"PRETRAINED_MODEL": str(model)},
     )
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["ratio/first_update_mean"] == 1.0 and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert all(math.isfinite(r["reward/mean"]) for r in rows) and "reward/answer/mean" in rows[0]

@@ -1,5 +1,6 @@
 """`python -m unirl.train_reward_model` end to end at a tiny size: data from the committed base and
-renders, training, export, agreement, and resuming from the cached data and train state."""
+renders, training, export, agreement, and resuming from the cached data and train state (the
+second call and the bad arguments in this process, through the same `main`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import run_module
+from tests.conftest import REPO, run_module
 from unirl.shapes.reward_model import CLASSES, ShapesRewardModel
+from unirl.train_reward_model import main
 
 pytestmark = pytest.mark.e2e
 
@@ -21,9 +23,17 @@ TINY = [
 ]  # fmt: skip
 
 
-def test_train_export_and_resume(tmp_path):
+def test_train_export_and_resume(tmp_path, capsys):
     out, work = tmp_path / "model", tmp_path / "work"
-    args = ["--out", str(out), "--work", str(work), *TINY]
+    args = [
+        "--out",
+        str(out),
+        "--work",
+        str(work),
+        "--base",
+        os.path.join(REPO, "checkpoints", "shapes_sd3"),
+        *TINY,
+    ]
     first = run_module("unirl.train_reward_model", *args, "--steps", "20", timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     cached = sorted(os.listdir(work))
@@ -50,9 +60,9 @@ def test_train_export_and_resume(tmp_path):
     state = torch.load(work / "train_state.pt")
     assert state["step"] == 20
 
-    again = run_module("unirl.train_reward_model", *args, "--steps", "30", timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming reward-model training at step 20" in again.stderr
+    capsys.readouterr()
+    assert main([*args, "--steps", "30"]) == 0  # again, in this process
+    assert "resuming reward-model training at step 20" in capsys.readouterr().err
     assert sorted(os.listdir(work)) == cached  # no data made twice
     assert torch.load(work / "train_state.pt")["step"] == 30
     model = ShapesRewardModel(str(out))
@@ -60,10 +70,11 @@ def test_train_export_and_resume(tmp_path):
     assert score.shape == (2,) and ((score >= 0) & (score <= 1)).all()
 
 
-def test_bad_arguments_exit_with_a_message(tmp_path):
-    res = run_module("unirl.train_reward_model", "--out", str(tmp_path), "--base-train", "10", timeout=120)
-    assert res.returncode == 2 and "--base-train must be a positive multiple of --chunk 64" in res.stderr
-    res = run_module(
-        "unirl.train_reward_model", "--out", str(tmp_path), "--base", str(tmp_path / "no"), timeout=120
-    )
-    assert res.returncode == 2 and "is not a directory" in res.stderr
+def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
+    for argv, message in (
+        (["--base-train", "10"], "--base-train must be a positive multiple of --chunk 64"),
+        (["--base", str(tmp_path / "no")], "is not a directory"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--out", str(tmp_path), *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import run_module, untimed
-from tests.recipes import IN_PROCESS, QUIET, run, same_weights
+from tests.recipes import IN_PROCESS, QUIET, run, same_weights, stopped_and_resumed
 
 PE = "pe/tiny_pe_smoke"
 FROZEN = [
@@ -76,13 +76,9 @@ def test_two_workers_both_tracks_resume_exactly(tmp_path, ray_cluster) -> None:
     model) on 2 workers with FSDP2: stopped at a step-2 checkpoint and resumed, the run writes the
     rows of the run that never stopped and ends with bit-equal weights of both tracks."""
     two = ["num_devices=2", "threads_per_worker=1"]
-    full = run(PE, tmp_path / "full", "num_steps=4", *two)
-    part = tmp_path / "part"
-    run(PE, part, "num_steps=2", "checkpoint.every_n_steps=2", *two)
-    assert (part / "checkpoints/step_000002/ar").is_dir() and (
-        part / "checkpoints/step_000002/diffusion"
-    ).is_dir()
-    resumed = run(PE, part, "num_steps=4", "resume_from=latest", *two)
+    full, resumed = stopped_and_resumed(PE, tmp_path, *two)
+    checkpoint = tmp_path / "part" / "checkpoints" / "step_000002"
+    assert (checkpoint / "ar").is_dir() and (checkpoint / "diffusion").is_dir()
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
-    assert same_weights(tmp_path / "full", part)  # both tracks: ar/ and diffusion/
+    assert same_weights(tmp_path / "full", tmp_path / "part")  # both tracks: ar/ and diffusion/

@@ -21,7 +21,15 @@ import torch
 
 from tests.conftest import REPO, untimed
 from tests.dataplane.backends import BACKENDS, transport_cfg
-from tests.recipes import SD3, exported_weights, recipe, same_weights
+from tests.recipes import (
+    IN_PROCESS,
+    SD3,
+    exported_weights,
+    per_transport,
+    recipe,
+    same_weights,
+    stopped_and_resumed,
+)
 from tests.recipes import run as run_recipe
 from unirl.algorithms.flow_grpo import FlowGRPO
 from unirl.config.validate import ConfigError
@@ -48,7 +56,7 @@ def local_ray(ray_cluster):
 # a full fine-tune with Flow-GRPO's KL term keeps a copy of the initial weights as its reference
 FULL_FINETUNE_KL = ["train.lora=null", "algorithm.config.beta=0.04", "train.optim.lr=3e-4"]
 RESUME_CASES = {
-    "lora-1-worker": ["num_devices=1"],
+    "lora-1-worker": IN_PROCESS,
     "lora-2-workers": ["num_devices=2"],
     "full-finetune-kl-2-workers": ["num_devices=2", *FULL_FINETUNE_KL],
 }
@@ -59,18 +67,15 @@ def test_resume_continues_identically(tmp_path, case):
     """Stopped at a step-2 checkpoint and resumed, a run writes the rows of the run that never
     stopped (apart from measurements of the machine) and ends with bit-equal weights. With a
     full fine-tune and a KL term, equal `kl` rows say the reference came back as the initial
-    weights. 1 worker trains the plain module, 2 workers FSDP2-sharded weights, optimizer and
-    reference; one process's plain-module round trip is tests/train/test_checkpoint.py."""
+    weights. 1 worker (in this process) trains the plain module, 2 workers FSDP2-sharded weights,
+    optimizer and reference; the backend's own round trip is tests/train/test_checkpoint.py."""
     overrides = RESUME_CASES[case]
-    full = run(tmp_path / "full", "num_steps=4", *overrides)
-    part = tmp_path / "part"
-    run(part, "num_steps=2", "checkpoint.every_n_steps=2", *overrides)
-    resumed = run(part, "num_steps=4", "resume_from=latest", *overrides)
+    full, resumed = stopped_and_resumed(TINY, tmp_path, *overrides)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
-    assert same_weights(tmp_path / "full", part)
+    assert same_weights(tmp_path / "full", tmp_path / "part")
     if "train.lora=null" in overrides:
-        weights = exported_weights(part)
+        weights = exported_weights(tmp_path / "part")
         assert len(weights) > 50 and not any("lora" in k for k in weights)  # every weight of the transformer
         assert resumed[0]["kl"] == 0.0 and all(r["kl"] > 0.0 for r in resumed[1:])
 
@@ -149,8 +154,10 @@ def test_ema_rollouts_sample_from_the_ema_weights(tmp_path):
     def ratio_spread(row: dict) -> float:
         return max(abs(row["ratio/max"] - 1.0), abs(row["ratio/min"] - 1.0))
 
-    plain = run(tmp_path / "plain", "num_steps=2", EMA)
-    ema = run(tmp_path / "ema", "num_steps=2", EMA, f"algorithm._target_={__name__}.FlowGRPOFromEMA")
+    plain = run(tmp_path / "plain", "num_steps=2", *IN_PROCESS, EMA)
+    ema = run(
+        tmp_path / "ema", "num_steps=2", *IN_PROCESS, EMA, f"algorithm._target_={__name__}.FlowGRPOFromEMA"
+    )
     assert untimed(ema[0]) == untimed(plain[0])
     p, e = plain[1], ema[1]
     assert ratio_spread(p) < 1e-5 and ratio_spread(e) > 100 * max(ratio_spread(p), 1e-7), (p, e)
@@ -160,15 +167,13 @@ def test_ema_rollouts_sample_from_the_ema_weights(tmp_path):
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory) -> dict[str, tuple]:
     """2 steps on 2 workers through each transport: {transport: (output dir, rows)}."""
-    out = tmp_path_factory.mktemp("two_workers")
-    return {
-        name: (out / name, run(out / name, "num_steps=2", "num_devices=2", f"transport={name}"))
-        for name in BACKENDS
-    }
+    return per_transport(
+        TINY, tmp_path_factory.mktemp("two_workers"), BACKENDS, "num_steps=2", "num_devices=2"
+    )
 
 
 def test_one_and_two_workers_agree(tmp_path, two_workers):
-    one = run(tmp_path / "one", "num_steps=2", "num_devices=1")
+    one = run(tmp_path / "one", "num_steps=2", *IN_PROCESS)
     two_dir, two = two_workers["ray"]  # the recipe's transport
     for r1, r2 in zip(one, two, strict=True):
         assert r1["reward/mean"] == pytest.approx(r2["reward/mean"], abs=1e-6)
@@ -224,7 +229,7 @@ def test_resume_validation_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         recipe(TINY, tmp_path, f"resume_from={tmp_path / 'nope'}")
     out = tmp_path / "ck"
-    run(out, "num_steps=1", "checkpoint.every_n_steps=1")
+    run(out, "num_steps=1", "checkpoint.every_n_steps=1", *IN_PROCESS)
     with pytest.raises(ConfigError, match="does not match the recipe"):
         recipe(TINY, out, "resume_from=latest", "model.tiny.num_layers=1")
     with pytest.raises(ConfigError, match="num_devices"):

@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import untimed
 from tests.dataplane.backends import BACKENDS
-from tests.recipes import IN_PROCESS, LM, exported_weights, same_weights
+from tests.recipes import IN_PROCESS, LM, exported_weights, per_transport, same_weights, stopped_and_resumed
 from tests.recipes import run as run_recipe
 from unirl.evaluate import main as evaluate_main
 from unirl.trainer.trainer import Trainer, TrainingError
@@ -42,7 +42,7 @@ def local_ray(ray_cluster):
     return ray_cluster
 
 
-RESUME_CASES = {"full-1-worker": ["num_devices=1"], "lora-kl-2-workers": ["num_devices=2", *LORA_KL]}
+RESUME_CASES = {"full-1-worker": IN_PROCESS, "lora-kl-2-workers": ["num_devices=2", *LORA_KL]}
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
@@ -50,16 +50,13 @@ def test_text_resume_continues_identically(tmp_path, case):
     """2 steps, a checkpoint, 2 resumed steps == 4 uninterrupted steps: rows (apart from machine
     measurements) and bit-equal exported weights; the first on-policy ratio is exactly 1."""
     overrides = RESUME_CASES[case]
-    full = text_run(tmp_path / "full", "num_steps=4", *overrides)
-    part = tmp_path / "part"
-    text_run(part, "num_steps=2", "checkpoint.every_n_steps=2", *overrides)
-    resumed = text_run(part, "num_steps=4", "resume_from=latest", *overrides)
+    full, resumed = stopped_and_resumed(TEXT, tmp_path, *overrides)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
     assert all(r["ratio/first_update_mean"] == 1.0 for r in full)  # pi_old replayed: exactly on-policy
-    assert same_weights(tmp_path / "full", part)
+    assert same_weights(tmp_path / "full", tmp_path / "part")
     if "num_devices=2" in overrides:
-        names = [k.split(":", 1)[1] for k in exported_weights(part)]
+        names = [k.split(":", 1)[1] for k in exported_weights(tmp_path / "part")]
         assert all(k.startswith("base_model.model.") and "lora_" in k for k in names)
         assert full[0]["kl"] == pytest.approx(0.0, abs=1e-6) and full[-1]["kl"] > 0.0
 
@@ -67,17 +64,16 @@ def test_text_resume_continues_identically(tmp_path, case):
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory) -> dict[str, tuple]:
     """2 steps on 2 workers through each transport: {transport: (output dir, rows)}."""
-    out = tmp_path_factory.mktemp("text_two_workers")
-    return {
-        name: (out / name, text_run(out / name, "num_steps=2", "num_devices=2", f"transport={name}"))
-        for name in BACKENDS
-    }
+    return per_transport(
+        TEXT, tmp_path_factory.mktemp("text_two_workers"), BACKENDS, "num_steps=2", "num_devices=2"
+    )
 
 
 def test_text_one_and_two_workers_agree(tmp_path, two_workers):
-    """The same 2 steps on 1 and 2 workers: identical rollouts (per-sample seeds), and the loss
-    aggregated over the global batch whatever the split (token-mean over all ranks' tokens)."""
-    one = text_run(tmp_path / "one", "num_steps=2", "num_devices=1")
+    """The same 2 steps on 1 worker (in this process) and on 2: identical rollouts (per-sample
+    seeds), and the loss aggregated over the global batch whatever the split (token-mean over
+    all ranks' tokens)."""
+    one = text_run(tmp_path / "one", "num_steps=2", *IN_PROCESS)
     two_dir, two = two_workers["ray"]  # the recipe's transport
     for r1, r2 in zip(one, two, strict=True):
         assert r1["reward/mean"] == pytest.approx(r2["reward/mean"], abs=1e-6)
