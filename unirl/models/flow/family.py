@@ -34,6 +34,8 @@ class FlowFamily(Protocol):
             wrapped module).
         device: where the denoiser's parameters live.
         sample_size: the square image side in pixels the denoiser is built for.
+        cond_keys: the conditioning keys `predict` reads (`encode_text` returns them, and
+            their `NEGATIVE` twins when guided); a conditions dict may hold other entries.
 
     It is moved and saved whole: `to(device_or_dtype)` returns it, `save_pretrained(dir)`
     writes the family's library layout, which its model config loads back.
@@ -42,6 +44,7 @@ class FlowFamily(Protocol):
     denoiser: torch.nn.Module
     device: torch.device
     sample_size: int
+    cond_keys: tuple[str, ...]
 
     def encode_text(
         self, prompts: list[str], guided: bool, max_sequence_length: int
@@ -58,7 +61,7 @@ class FlowFamily(Protocol):
     ) -> torch.Tensor:
         """One unguided network call: the velocity of `module` (the denoiser, possibly wrapped)
         at latents x [B, *latent_shape] fp32 and noise levels sigma [B] fp32 in [0, 1], under
-        the conditioning `cond` (the non-negative keys of `encode_text`, [B, ...] fp32). Casts
+        the conditioning `cond` (the `cond_keys` entries, [B, ...] fp32). Casts
         its inputs to the module's dtype and returns [B, *latent_shape] in any float dtype (the
         stage runs it under autocast when asked and casts the result to fp32)."""
         ...

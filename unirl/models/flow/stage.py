@@ -103,15 +103,17 @@ class FlowMatchingStage:
     ) -> torch.Tensor:
         """[B, *latent_shape] guided velocity at per-row noise levels `sigma` [B].
 
-        Classifier-free guidance v_u + s (v_c - v_u) when guidance_scale s > 1, the
-        unconditional branch under the `negative_` keys of `cond`. The cond and uncond
+        Reads the family's `cond_keys` of `cond` (other entries, such as an algorithm's
+        frozen values riding with the conditions, are not the network's). Classifier-free
+        guidance v_u + s (v_c - v_u) when guidance_scale s > 1, the unconditional branch
+        under the `negative_` twins of those keys. The cond and uncond
         halves run in one forward; the uncond half is detached when `detach_uncond` and
         grad is enabled. `separate_uncond` runs the uncond half in a forward of its own,
         without autograd when `detach_uncond` (a sampling step whose graph is kept then
         keeps only the cond half's activations).
         """
         sigma = sigma.to(device=x.device, dtype=torch.float32)
-        positive = {k: v for k, v in cond.items() if not k.startswith(NEGATIVE)}
+        positive = {k: cond[k] for k in self.bundle.cond_keys}
         if guidance_scale <= 1.0:
             return self._forward(x, sigma, positive)
         negative = {k: cond[NEGATIVE + k] for k in positive}

@@ -283,7 +283,10 @@ class SD3Bundle:
         transformer: the `SD3Transformer2DModel` (the trainable module).
         vae: `AutoencoderKL` or None (pixel space).
         latent_channels, vae_scale_factor, patch_size: geometry of the latent grid.
+        cond_keys: `encode_text`'s conditioning keys (`FlowFamily.cond_keys`).
     """
+
+    cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
 
     def __init__(self, pipeline: StableDiffusion3Pipeline) -> None:
         self.pipeline = pipeline
