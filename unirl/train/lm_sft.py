@@ -20,50 +20,21 @@ import torch
 import torch.nn.functional as F
 
 from unirl.models.causal_lm.bundle import CausalLMBundle
-from unirl.train.backend import LR_SCHEDULES
-from unirl.train.supervised import SupervisedRun
+from unirl.train.supervised import SupervisedConfig, SupervisedRun
 
 IGNORE_INDEX = -100
 
 
 @dataclass
-class CausalLMSFTConfig:
-    """Settings of a supervised causal-LM run.
-
-    Attributes:
-        num_steps: optimizer steps in total (a resumed run continues to it).
-        batch_size: (prompt, completion) pairs per step.
-        lr, weight_decay, warmup_steps, lr_schedule, max_grad_norm: AdamW and its schedule.
-        checkpoint_every: steps between resumable state saves.
-        eval_every: steps between evaluations (0 disables).
-        log_every: steps between log rows.
-        seed: data seed.
-    """
+class CausalLMSFTConfig(SupervisedConfig):
+    """Settings of a supervised causal-LM run: `SupervisedConfig` with batch_size the
+    (prompt, completion) pairs per step."""
 
     num_steps: int = 2000
     batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.0
     warmup_steps: int = 100
     lr_schedule: str = "cosine"
-    max_grad_norm: float = 1.0
-    checkpoint_every: int = 250
     eval_every: int = 500
-    log_every: int = 25
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"sft.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        for key in ("num_steps", "batch_size", "checkpoint_every", "log_every"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"sft.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("weight_decay", "warmup_steps", "eval_every"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"sft.{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("lr", "max_grad_norm"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"sft.{key} must be > 0, got {getattr(self, key)}")
 
 
 class TextPairSource(Protocol):

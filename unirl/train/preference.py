@@ -17,66 +17,44 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from unirl.algorithms.diffusion_dpo import diffusion_dpo_loss, flow_matching_error
 from unirl.models.flow.family import FlowFamily
-from unirl.train.backend import LR_SCHEDULES
-from unirl.train.sft import SIGMA_SAMPLING, export_bundle, sample_sigmas
-from unirl.train.supervised import SupervisedRun
+from unirl.train.sft import check_sigma_sampling, export_bundle, sample_sigmas
+from unirl.train.supervised import SupervisedConfig, SupervisedRun
 
 
 @dataclass
-class OfflineDiffusionDPOConfig:
-    """Settings of an offline Diffusion-DPO run.
+class OfflineDiffusionDPOConfig(SupervisedConfig):
+    """Settings of an offline Diffusion-DPO run: `SupervisedConfig` (batch_size: pairs per step,
+    drawn with replacement) plus
 
     Attributes:
-        num_steps: optimizer steps in total (a resumed run continues to it).
-        batch_size: pairs per step (drawn with replacement).
-        lr, weight_decay, warmup_steps, lr_schedule, max_grad_norm: AdamW and its schedule.
         beta: the DPO inverse temperature on mean-reduced errors (> 0).
         sigma_sampling: "logit_normal" or "uniform"; shift: as the sampling schedule's.
         max_sequence_length: T5 token budget.
-        checkpoint_every, eval_every, log_every: steps between state saves, evaluations
-            (0: none) and log rows.
-        seed: data and noise seed.
     """
 
     num_steps: int = 200
     batch_size: int = 16
     lr: float = 1e-5
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    max_grad_norm: float = 1.0
+    checkpoint_every: int = 50
+    log_every: int = 10
     beta: float = 2000.0
     sigma_sampling: str = "logit_normal"
     shift: float = 1.0
     max_sequence_length: int = 16
-    checkpoint_every: int = 50
-    eval_every: int = 0
-    log_every: int = 10
-    seed: int = 0
+
+    AT_LEAST_ONE: ClassVar[tuple[str, ...]] = ("max_sequence_length",)
+    POSITIVE: ClassVar[tuple[str, ...]] = ("beta", "shift")
 
     def __post_init__(self) -> None:
-        if self.sigma_sampling not in SIGMA_SAMPLING:
-            raise ValueError(
-                f"sft.sigma_sampling must be one of {SIGMA_SAMPLING}, got {self.sigma_sampling!r}"
-            )
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"sft.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        for key in ("num_steps", "batch_size", "checkpoint_every", "log_every", "max_sequence_length"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"sft.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("weight_decay", "warmup_steps", "eval_every"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"sft.{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("lr", "max_grad_norm", "beta", "shift"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"sft.{key} must be > 0, got {getattr(self, key)}")
+        check_sigma_sampling(self.sigma_sampling)
+        super().__post_init__()
 
 
 class PairSource(Protocol):

@@ -14,72 +14,54 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from unirl.models.flow.family import FlowFamily
-from unirl.train.backend import LR_SCHEDULES
-from unirl.train.supervised import SupervisedRun
+from unirl.train.supervised import SupervisedConfig, SupervisedRun
 
 SIGMA_SAMPLING = ("logit_normal", "uniform")
 
 
 @dataclass
-class FlowMatchingSFTConfig:
-    """Settings of a supervised flow-matching run.
+class FlowMatchingSFTConfig(SupervisedConfig):
+    """Settings of a supervised flow-matching run: `SupervisedConfig` (batch_size: images per
+    step) plus
 
     Attributes:
-        num_steps: optimizer steps in total (a resumed run continues to it).
-        batch_size: images per step.
-        lr, weight_decay, warmup_steps, lr_schedule, max_grad_norm: AdamW and its schedule.
         sigma_sampling: "logit_normal" (sigmoid of N(0, 1)) or "uniform".
         shift: sigma = shift*t / (1 + (shift-1)*t), matching the sampling schedule.
         cond_dropout: probability of training on the empty prompt.
         train_text_encoders: also train the text encoders (a tiny model's are random).
         max_sequence_length: T5 token budget.
-        checkpoint_every: steps between resumable state saves.
-        eval_every: steps between evaluations (0 disables).
-        log_every: steps between log rows.
-        seed: data and noise seed.
     """
 
     num_steps: int = 10000
-    batch_size: int = 32
-    lr: float = 1e-3
-    weight_decay: float = 0.0
     warmup_steps: int = 200
     lr_schedule: str = "cosine"
-    max_grad_norm: float = 1.0
+    eval_every: int = 1000
     sigma_sampling: str = "logit_normal"
     shift: float = 1.0
     cond_dropout: float = 0.1
     train_text_encoders: bool = True
     max_sequence_length: int = 16
-    checkpoint_every: int = 250
-    eval_every: int = 1000
-    log_every: int = 25
-    seed: int = 0
+
+    AT_LEAST_ONE: ClassVar[tuple[str, ...]] = ("max_sequence_length",)
+    POSITIVE: ClassVar[tuple[str, ...]] = ("shift",)
 
     def __post_init__(self) -> None:
-        if self.sigma_sampling not in SIGMA_SAMPLING:
-            raise ValueError(
-                f"sft.sigma_sampling must be one of {SIGMA_SAMPLING}, got {self.sigma_sampling!r}"
-            )
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"sft.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        check_sigma_sampling(self.sigma_sampling)
         if not 0 <= self.cond_dropout < 1:
             raise ValueError(f"sft.cond_dropout must be in [0, 1), got {self.cond_dropout}")
-        for key in ("num_steps", "batch_size", "checkpoint_every", "log_every", "max_sequence_length"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"sft.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("weight_decay", "warmup_steps", "eval_every"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"sft.{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("lr", "max_grad_norm", "shift"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"sft.{key} must be > 0, got {getattr(self, key)}")
+        super().__post_init__()
+
+
+def check_sigma_sampling(value: str) -> None:
+    """Raise naming `sft.sigma_sampling` unless it is one of `SIGMA_SAMPLING`."""
+    if value not in SIGMA_SAMPLING:
+        raise ValueError(f"sft.sigma_sampling must be one of {SIGMA_SAMPLING}, got {value!r}")
 
 
 class ImageTextSource(Protocol):

@@ -16,12 +16,60 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from unirl.train.backend import lr_factor
+from unirl.train.backend import LR_SCHEDULES, lr_factor
+
+
+@dataclass
+class SupervisedConfig:
+    """The settings every supervised run shares (the recipe's `sft` node); a run's config
+    subclasses it, adds its own fields, and may change the defaults.
+
+    Attributes:
+        num_steps: optimizer steps in total (a resumed run continues to it).
+        batch_size: examples per step.
+        lr, weight_decay, warmup_steps, lr_schedule, max_grad_norm: AdamW and its schedule.
+        checkpoint_every: steps between resumable state saves.
+        eval_every: steps between evaluations (0 disables).
+        log_every: steps between log rows.
+        seed: data (and noise) seed.
+
+    A subclass names its own integer fields that must be >= 1 in `AT_LEAST_ONE` and its own
+    float fields that must be > 0 in `POSITIVE`; `__post_init__` checks them with the shared ones.
+    """
+
+    num_steps: int = 1000
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 250
+    eval_every: int = 0
+    log_every: int = 25
+    seed: int = 0
+
+    AT_LEAST_ONE: ClassVar[tuple[str, ...]] = ()
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"sft.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        for key in ("num_steps", "batch_size", "checkpoint_every", "log_every", *self.AT_LEAST_ONE):
+            if getattr(self, key) < 1:
+                raise ValueError(f"sft.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("weight_decay", "warmup_steps", "eval_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"sft.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("lr", "max_grad_norm", *self.POSITIVE):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"sft.{key} must be > 0, got {getattr(self, key)}")
 
 
 class SupervisedRun(ABC):
