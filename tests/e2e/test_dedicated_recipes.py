@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import run_module
 from tests.recipes import LM, SD3
+from tests.recipes import rows as read_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -33,7 +34,7 @@ def test_recipe_runs_through_its_entry_point(name, tmp_path):
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path)
     assert [r["rollout/staleness"] for r in rows] == staleness
     assert all(r["sync/bytes"] > 0 for r in rows[: len(staleness) - 1])  # a sync before each later rollout
     placed = json.loads((tmp_path / "placement.json").read_text())

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.recipes import SD3
+from tests.recipes import SD3, rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -81,7 +81,7 @@ def stop_session(sid: int, grace_s: float = 10.0) -> None:
 
 
 def metrics_steps(out: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows(out)]
 
 
 def assert_final_checkpoint(out: Path, optimizer_steps: int) -> None:

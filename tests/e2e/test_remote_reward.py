@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import EXAMPLES, run_module
-from tests.recipes import IN_PROCESS, LM, SD3, recipe
+from tests.recipes import IN_PROCESS, LM, SD3, recipe, rows
 from unirl.reward.server import RewardServer, ServerConfig, load_backend
 from unirl.trainer.trainer import Trainer, TrainingError
 
@@ -52,7 +52,7 @@ def run_remote(entry: str, name: str, server: RewardServer, out, overrides: list
     )
     assert res.returncode == 0, res.stderr[-4000:]
     assert TOKEN not in res.stdout + res.stderr
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows(out)
 
 
 def test_lm_recipe_scores_through_the_server(tmp_path):

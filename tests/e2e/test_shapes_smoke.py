@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import run_module
 from tests.recipes import IN_PROCESS, run
+from tests.recipes import rows as read_rows
 from unirl.evaluate import main as evaluate_main
 
 pytestmark = [pytest.mark.e2e]
@@ -23,7 +24,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_eval_rows_at_start_every_n_and_end(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     with_eval = [r["step"] for r in rows if "eval/accuracy_strict" in r]
     assert with_eval == [0, 2, 3]  # step 0, every 2 steps, and the last step
@@ -47,7 +48,7 @@ def test_evaluate_command_matches_the_run_at_step_0(run_dir):
     res = run_module("unirl.evaluate", "--recipe", "diffusion/shapes_flowgrpo_smoke", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     scores = json.loads(res.stdout)
-    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    first = read_rows(run_dir)[0]
     # same untrained weights, same deterministic sampling: the same numbers
     for key, value in first.items():
         if key.startswith("eval/"):

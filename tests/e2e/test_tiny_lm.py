@@ -9,6 +9,7 @@ import math
 import pytest
 
 from tests.conftest import run_module
+from tests.recipes import rows as read_rows
 from tests.recipes import run
 from unirl.models.causal_lm import CausalLMBundle, CausalLMStage, TinyLMConfig, load_checkpoint
 from unirl.types import PromptExample, RolloutReq, TextSamplingParams
@@ -31,10 +32,6 @@ def run_dir(tmp_path_factory):
     )
     assert res.returncode == 0, res.stderr[-4000:]
     return out
-
-
-def read_rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def digit_fraction(texts: list[str]) -> float:

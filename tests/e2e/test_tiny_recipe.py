@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, run_module
+from tests.recipes import rows as read_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -43,10 +44,6 @@ def run_dir(tmp_path_factory):
     )
     assert res.returncode == 0, res.stderr[-4000:]
     return out
-
-
-def read_rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_metrics_rows(run_dir):

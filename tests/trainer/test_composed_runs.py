@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_module, untimed
 from tests.recipes import IN_PROCESS, QUIET, run, same_weights, stopped_and_resumed
+from tests.recipes import rows as read_rows
 
 PE = "pe/tiny_pe_smoke"
 FROZEN = [
@@ -58,7 +59,7 @@ def test_entry_point_smoke(tmp_path, ray_cluster) -> None:
         "logging.save_images_every=1",
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2] and all("diffusion/loss" in r and "ar/loss" in r for r in rows)
     tree = json.load(open(out / "samples/lineage_step_0002.json"))
     assert len(tree) == 2 and all(
