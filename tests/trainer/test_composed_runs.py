@@ -1,6 +1,6 @@
 """Composed runs (a prompt enhancer feeding a diffusion model) through `ComposedTrainer` and
 `python -m unirl.train_pe`: a frozen track stays bit-identical, both tracks export, and a run
-with both tracks trained on 2 Ray workers resumes exactly (2 + 2 steps == 4)."""
+with both tracks trained on 2 Ray workers resumes exactly (3 + 3 steps == 6)."""
 
 from __future__ import annotations
 
@@ -74,12 +74,13 @@ def test_entry_point_smoke(tmp_path, ray_cluster) -> None:
 @pytest.mark.ray
 def test_two_workers_both_tracks_resume_exactly(tmp_path, ray_cluster) -> None:
     """Both tracks trained (GRPO on the prompt enhancer, Flow-GRPO with LoRA on the diffusion
-    model) on 2 workers with FSDP2: stopped at a step-2 checkpoint and resumed, the run writes the
-    rows of the run that never stopped and ends with bit-equal weights of both tracks."""
+    model) on 2 workers with FSDP2: stopped at a step-3 checkpoint and resumed, the run writes the
+    rows of the run that never stopped and ends with bit-equal weights of both tracks (3 + 3 == 6,
+    as issue 23 asks)."""
     two = ["num_devices=2", "threads_per_worker=1"]
-    full, resumed = stopped_and_resumed(PE, tmp_path, *two)
-    checkpoint = tmp_path / "part" / "checkpoints" / "step_000002"
+    full, resumed = stopped_and_resumed(PE, tmp_path, *two, stop=3, steps=6)
+    checkpoint = tmp_path / "part" / "checkpoints" / "step_000003"
     assert (checkpoint / "ar").is_dir() and (checkpoint / "diffusion").is_dir()
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [untimed(r) for r in resumed[3:]] == [untimed(r) for r in full[3:]]
     assert same_weights(tmp_path / "full", tmp_path / "part")  # both tracks: ar/ and diffusion/
