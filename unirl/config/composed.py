@@ -19,7 +19,13 @@ from unirl.config.algorithm import check_algorithm, check_sde
 from unirl.config.distributed import check_transport, meta_module
 from unirl.config.geometry import check_geometry
 from unirl.config.modality import check_text, modality_of
-from unirl.config.references import check_metadata_key, check_model_path, check_scorer_keys, examples_of
+from unirl.config.references import (
+    check_metadata_key,
+    check_model_path,
+    check_scorer_keys,
+    check_tracking,
+    examples_of,
+)
 from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.types.lineage import AGGREGATES
@@ -55,6 +61,7 @@ class ComposedRunConfig:
     checkpoint: Any = None
     logging: Any = None
     eval: Any = None
+    tracking: Any = None
     hydra: Any = None
 
     def __post_init__(self) -> None:
@@ -268,6 +275,7 @@ def validate_composed_config(cfg: DictConfig) -> None:
     check_transport(cfg, problems)
     _check_tracks(cfg, passed, problems)
     _check_prompt_keys(passed, problems)
+    check_tracking(cfg, problems)
     if "" in passed:
         try:
             resolve_resume_path(cfg)

@@ -13,10 +13,23 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from unirl.tracking.trackers import tracker_problems
+
 # the attributes by which a scorer names the metadata key of the prompts it reads
 # (`ArithAnswer` / `ExactAnswer`: answer_key, `GenEvalMini`: intent_key, `RewriteMatchesScene`: canonical_key)
 SCORER_METADATA_KEYS = ("answer_key", "intent_key", "canonical_key")
 _COMPONENT = re.compile(r"(?:^|\.)backend\.components\.[^.]+$")
+
+
+def check_tracking(cfg: DictConfig, problems: list[str]) -> None:
+    """`tracking`: a list whose entries name known trackers (`unirl.tracking.trackers.TRACKERS`)
+    with options their classes take."""
+    node = cfg.get("tracking")
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=True)
+    problems.extend(tracker_problems(node))
 
 
 def check_model_path(model: Any, problems: list[str]) -> None:

@@ -66,6 +66,8 @@ class RunConfig:
         checkpoint, logging, eval, train: plain sections (see their schemas).
         weight_sync: how the trainer's weights reach a dedicated rollout engine
             (`unirl.sync.WeightSyncConfig`); only with a dedicated engine.
+        tracking: trackers beside metrics.jsonl, by name (`unirl/tracking/README.md`;
+            checked by `unirl.config.references.check_tracking`).
         hydra: Hydra's own settings.
         the rest: component sections, each a `_target_` node.
     """
@@ -92,6 +94,7 @@ class RunConfig:
     logging: Any = None
     eval: Any = None
     weight_sync: Any = None
+    tracking: Any = None
     hydra: Any = None
 
     def __post_init__(self) -> None:

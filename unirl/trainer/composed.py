@@ -27,7 +27,8 @@ from tqdm import tqdm
 from unirl.dataplane import BatchMeta, get_batch, make_transport
 from unirl.reward.service import RewardService
 from unirl.tracking.gallery import write_gallery
-from unirl.tracking.metrics import JsonlWriter, save_image_grid
+from unirl.tracking.metrics import save_image_grid
+from unirl.tracking.trackers import Tracking
 from unirl.train.stack import reduce_metrics
 from unirl.trainer.composed_eval import ComposedEval
 from unirl.trainer.composed_worker import ComposedWorker, track_partition
@@ -160,11 +161,11 @@ class ComposedTrainer(Trainer):
     def _loop(self, group, start: int) -> list[dict[str, Any]]:
         log_cfg = self.cfg.get("logging") or {}
         every = int(log_cfg.get("save_images_every", 10))
-        writer = JsonlWriter(os.path.join(self.out, "metrics.jsonl"))
+        tracking = Tracking.from_recipe(self.out, self.cfg)
         rows = []
         if self.eval_every and start == 0:
             row0 = {"step": 0, **self._evaluate(group, 0, references=True)}
-            writer.write(row0)
+            tracking.log(row0)
             rows.append(row0)
         bar = tqdm(
             range(start, self.num_steps),
@@ -190,16 +191,18 @@ class ComposedTrainer(Trainer):
                     row.update(self._evaluate(group, step))
                 if self.restore_s is not None and step == start:
                     row["time/restore_s"] = self.restore_s
-                writer.write(row)
+                tracking.log(row)
                 rows.append(row)
                 if self.every_n and (step + 1) % self.every_n == 0:
                     self._save_checkpoint(group, step + 1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.4f}")
                 if every > 0 and ((step + 1) % every == 0 or step + 1 == self.num_steps):
-                    self._save_samples(views, os.path.join(self.out, "samples", f"step_{step + 1:04d}"))
+                    stem = os.path.join(self.out, "samples", f"step_{step + 1:04d}")
+                    self._save_samples(views, stem)
                     write_gallery(self.out)
+                    tracking.log_samples(step + 1, stem)
         finally:
-            writer.close()
+            tracking.close()
         return rows
 
     def _save_samples(self, views: dict[str, RolloutTrack], stem: str) -> None:

@@ -30,7 +30,7 @@ from unirl.distributed.group import DevicePool, WorkerError, in_process, placeme
 from unirl.distributed.group.cluster import init_ray
 from unirl.reward.service import RewardError
 from unirl.tracking.gallery import write_gallery
-from unirl.tracking.metrics import JsonlWriter
+from unirl.tracking.trackers import Tracking
 from unirl.train.stack import reduce_metrics
 from unirl.trainer.checkpoints import (
     checkpoint_dir,
@@ -63,6 +63,8 @@ class Trainer:
     `eval.every_n_steps` steps and at the end), `samples/step_XXXX.png` (+ .json prompts and
     rewards; a text run writes only the .json, with the responses) every `logging.save_images_every` steps and at the last step,
     `gallery.html` (self-contained: sample grids, prompts, reward and accuracy curves),
+    what the trackers the recipe's `tracking` lists write (rows, samples and the resolved
+    recipe; `unirl/tracking/README.md`),
     `base_model/` for a tiny model, `checkpoints/step_XXXXXX/` every
     `checkpoint.every_n_steps` steps, and `checkpoints/final/` (weights that the model
     config's `load_checkpoint` loads back; with `train.ema`, the EMA weights in the same
@@ -368,11 +370,11 @@ class Trainer:
         modality = modality_for(self.sampling, self._call(group, "model_info", start))
         log_cfg = self.cfg.get("logging") or {}
         every = int(log_cfg.get("save_images_every", 10))
-        writer = JsonlWriter(os.path.join(self.out, "metrics.jsonl"))
+        tracking = Tracking.from_recipe(self.out, self.cfg)
         rows = []
         if self.eval_every and start == 0:
             row0 = {"step": 0, **self._evaluate(group, 0, modality)}
-            writer.write(row0)
+            tracking.log(row0)
             rows.append(row0)
         bar = tqdm(
             range(start, self.num_steps),
@@ -432,16 +434,18 @@ class Trainer:
                     row.update(self._evaluate(group, step, modality))
                 if self.restore_s is not None and step == start:
                     row["time/restore_s"] = self.restore_s
-                writer.write(row)
+                tracking.log(row)
                 rows.append(row)
                 if self.every_n and (step + 1) % self.every_n == 0:
                     self._save_checkpoint(group, step + 1, ahead)
                 bar.set_postfix(reward=f"{row['reward/mean']:.4f}", loss=f"{row['loss']:.2e}")
                 if every > 0 and ((step + 1) % every == 0 or step + 1 == self.num_steps):
-                    modality.save_samples(track, os.path.join(self.out, "samples", f"step_{step + 1:04d}"))
+                    stem = os.path.join(self.out, "samples", f"step_{step + 1:04d}")
+                    modality.save_samples(track, stem)
                     write_gallery(self.out)
+                    tracking.log_samples(step + 1, stem)
         finally:
-            writer.close()
+            tracking.close()
             if ahead is not None:  # a failed step leaves the next step's rollout: drop what it put
                 self.transport.clear(f"step_{self.ahead_step}")
         return rows
