@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Render <run_dir>/gallery.html with headless Chromium to a PNG screenshot and check it is non-trivial.
+# Render a self-contained HTML page (a run's gallery.html, or a `python -m unirl.view` report) with
+# headless Chromium to a PNG screenshot and check it is non-trivial.
 #
-# Usage: scripts/check_gallery_chromium.sh <run_dir> [out.png]
-#   out.png defaults to <run_dir>/gallery_screenshot.png
+# Usage: scripts/check_gallery_chromium.sh <run_dir | page.html> [out.png]
+#   <run_dir> renders <run_dir>/gallery.html; out.png defaults to <page stem>_screenshot.png beside the page
+#   (<run_dir>/gallery_screenshot.png).
 #   PYTHON (default: the repository's .venv/bin/python if present, else python3) must have Pillow installed.
 # Exit status: 0 ok, 1 check failed, 2 usage / missing dependency.
 set -euo pipefail
 
 if [[ $# -lt 1 || $# -gt 2 ]]; then
-    echo "usage: $0 <run_dir> [out.png]" >&2
+    echo "usage: $0 <run_dir | page.html> [out.png]" >&2
     exit 2
 fi
-run_dir=$(cd "$1" && pwd)
-html="$run_dir/gallery.html"
-out=${2:-"$run_dir/gallery_screenshot.png"}
+if [[ -f "$1" ]]; then
+    html=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
+else
+    html=$(cd "$1" && pwd)/gallery.html
+fi
+out=${2:-"${html%.html}_screenshot.png"}
 out=$(cd "$(dirname "$out")" && pwd)/$(basename "$out")
 
 if [[ -z "${PYTHON:-}" ]]; then
@@ -30,7 +35,7 @@ if [[ -z "$chromium_bin" ]]; then
     exit 2
 fi
 if [[ ! -f "$html" ]]; then
-    echo "error: $html not found; write it first with unirl.tracking.gallery.write_gallery('$run_dir')" >&2
+    echo "error: $html not found; write it first with unirl.tracking.gallery.write_gallery('$1')" >&2
     exit 2
 fi
 

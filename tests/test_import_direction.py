@@ -19,8 +19,8 @@ PKG = ROOT / "unirl"
 CORE = ["types", "sde", "models"]
 MIDDLE = ["rollout", "reward", "algorithms"]
 UTILS = {"data", "tracking"}
-ENTRY = "<entry>"  # unirl/train_*.py, unirl/evaluate.py and unirl/entry.py (what the RL entry points share)
-ENTRY_MODULES = ("evaluate", "entry")
+ENTRY = "<entry>"  # unirl/train_*.py, unirl/evaluate.py, unirl/view.py and unirl/entry.py (what the RL entry points share)
+ENTRY_MODULES = ("evaluate", "entry", "view")
 
 ALLOWED: dict[str, set[str]] = {
     "types": {"types"},

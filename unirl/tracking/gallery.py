@@ -26,6 +26,8 @@ from typing import Any
 
 from PIL import Image
 
+from unirl.tracking.metrics import read_rows
+
 __all__ = ["write_gallery"]
 
 GALLERY_NAME = "gallery.html"
@@ -45,13 +47,13 @@ PALETTE = (
     "#bcbd22",
     "#17becf",
 )
-_STEP_RE = re.compile(r"step_(\d+)\.(?:png|json)$")
+STEP_RE = re.compile(r"step_(\d+)\.(?:png|json)$")
 
 # chart geometry (SVG user units; the SVG scales to the page width)
 _W, _H = 720, 260
 _ML, _MR, _MT, _MB = 64, 16, 14, 40
 
-_CSS = """
+CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #222;
        background: #fafafa; }
 h1 { margin: 0 0 8px 0; font-size: 1.6em; }
@@ -87,7 +89,7 @@ table.prompts td.response { max-width: 520px; overflow-wrap: anywhere; white-spa
 
 
 @dataclass
-class _Series:
+class Series:
     """One polyline: a name, its (step, value) points sorted by step, a colour and a stroke width."""
 
     name: str
@@ -96,7 +98,7 @@ class _Series:
     width: float = 1.5
 
 
-def _finite(v: Any) -> float | None:
+def finite(v: Any) -> float | None:
     """`v` as a float if it is a finite real number (bools excluded), else None."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
@@ -104,47 +106,35 @@ def _finite(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def _fmt(v: float) -> str:
+def fmt(v: float) -> str:
     """Compact number for tick labels and the summary."""
     if v == int(v) and abs(v) < 1e9:
         return str(int(v))
     return f"{v:.4g}"
 
 
-def _fmt3(v: Any) -> str:
+def fmt3(v: Any) -> str:
     """Reward with 3 decimals, or an em dash when missing / non-finite."""
-    f = _finite(v)
+    f = finite(v)
     return "—" if f is None else f"{f:.3f}"
 
 
 def _read_metrics(path: str) -> tuple[list[dict[str, Any]], str | None]:
-    """Rows of `metrics.jsonl` (malformed lines skipped) and a note when the file is absent or empty."""
+    """Rows of `metrics.jsonl` (malformed lines skipped, `read_rows`) and a note when the file is
+    absent or empty, or names the lines skipped."""
     if not os.path.isfile(path):
         return [], "No metrics.jsonl in this run directory."
-    rows: list[dict[str, Any]] = []
-    bad = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1  # e.g. a half-written last line while the trainer is appending
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
+    rows, problems = read_rows(path)  # a bad line: e.g. a half-written last one while the trainer appends
     if not rows:
-        return [], "metrics.jsonl is empty." if bad == 0 else "metrics.jsonl has no readable rows."
-    return rows, (f"{bad} unreadable line(s) in metrics.jsonl were skipped." if bad else None)
+        return [], "metrics.jsonl is empty." if not problems else "metrics.jsonl has no readable rows."
+    return rows, (f"{len(problems)} unreadable line(s) skipped: " + "; ".join(problems) if problems else None)
 
 
-def _series(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+def series_of(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
     """(step, value) for every row with a numeric `step` and a finite `key`, sorted by step."""
     pts = []
     for row in rows:
-        x, y = _finite(row.get("step")), _finite(row.get(key))
+        x, y = finite(row.get("step")), finite(row.get(key))
         if x is not None and y is not None:
             pts.append((x, y))
     pts.sort(key=lambda p: p[0])
@@ -153,14 +143,14 @@ def _series(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
 
 def _eval_keys(rows: list[dict[str, Any]]) -> list[str]:
     """All `eval/accuracy*` keys with at least one finite value: strict, overall, then the rest sorted."""
-    keys = {k for row in rows for k, v in row.items() if k.startswith(EVAL_PREFIX) and _finite(v) is not None}
+    keys = {k for row in rows for k, v in row.items() if k.startswith(EVAL_PREFIX) and finite(v) is not None}
     first = [k for k in (f"{EVAL_PREFIX}_strict", EVAL_PREFIX) if k in keys]
     return first + sorted(keys - set(first))
 
 
-def _svg_chart(
+def svg_chart(
     label: str,
-    series: list[_Series],
+    series: list[Series],
     band: list[tuple[float, float, float]] | None = None,
     y_range: tuple[float, float] | None = None,
     y_label: str = "",
@@ -197,14 +187,12 @@ def _svg_chart(
             f'<line x1="{left - 5}" y1="{anchor_y:.1f}" x2="{left}" y2="{anchor_y:.1f}" stroke="#666"/>'
         )
         out.append(
-            f'<text x="{left - 8}" y="{anchor_y + 4:.1f}" text-anchor="end" class="tick">{_fmt(yv)}</text>'
+            f'<text x="{left - 8}" y="{anchor_y + 4:.1f}" text-anchor="end" class="tick">{fmt(yv)}</text>'
         )
     for xv in (x0, x1):
         px = sx(xv)
         out.append(f'<line x1="{px:.1f}" y1="{bottom}" x2="{px:.1f}" y2="{bottom + 5}" stroke="#666"/>')
-        out.append(
-            f'<text x="{px:.1f}" y="{bottom + 18}" text-anchor="middle" class="tick">{_fmt(xv)}</text>'
-        )
+        out.append(f'<text x="{px:.1f}" y="{bottom + 18}" text-anchor="middle" class="tick">{fmt(xv)}</text>')
     out.append(f'<text x="{_ML + pw / 2:.1f}" y="{_H - 4}" text-anchor="middle">step</text>')
     if y_label:
         cy = _MT + ph / 2
@@ -232,7 +220,7 @@ def _svg_chart(
     return "\n".join(out)
 
 
-def _legend(items: list[tuple[str, str, str]]) -> str:
+def legend_html(items: list[tuple[str, str, str]]) -> str:
     """An HTML legend: (text, colour, swatch css class) per entry."""
     lis = "".join(
         f'<li><span class="{cls}" style="background:{color}"></span>{html.escape(text)}</li>'
@@ -243,23 +231,23 @@ def _legend(items: list[tuple[str, str, str]]) -> str:
 
 def _reward_chart(rows: list[dict[str, Any]]) -> str:
     """The reward/mean figure (with a ±reward/std band when logged), or a note when there is no reward."""
-    pts = _series(rows, REWARD_KEY)
+    pts = series_of(rows, REWARD_KEY)
     if not pts:
         return f'<p class="note" id="reward-chart-missing">No <code>{REWARD_KEY}</code> values in metrics.jsonl; reward chart omitted.</p>'
     band = []
     for row in rows:
-        x, m, s = _finite(row.get("step")), _finite(row.get(REWARD_KEY)), _finite(row.get(REWARD_STD_KEY))
+        x, m, s = finite(row.get("step")), finite(row.get(REWARD_KEY)), finite(row.get(REWARD_STD_KEY))
         if x is not None and m is not None and s is not None:
             band.append((x, m - s, m + s))
     band.sort(key=lambda b: b[0])
     color = PALETTE[0]
-    legend = [(f"{REWARD_KEY} (last {_fmt3(pts[-1][1])})", color, "swatch")]
+    items = [(f"{REWARD_KEY} (last {fmt3(pts[-1][1])})", color, "swatch")]
     if band:
-        legend.append((f"± {REWARD_STD_KEY}", color, "swatch band"))
-    svg = _svg_chart(
-        "reward/mean vs step", [_Series(REWARD_KEY, pts, color, 2.0)], band or None, y_label="reward"
+        items.append((f"± {REWARD_STD_KEY}", color, "swatch band"))
+    svg = svg_chart(
+        "reward/mean vs step", [Series(REWARD_KEY, pts, color, 2.0)], band or None, y_label="reward"
     )
-    return f'<figure id="reward-chart"><figcaption>Reward</figcaption>{svg}{_legend(legend)}</figure>'
+    return f'<figure id="reward-chart"><figcaption>Reward</figcaption>{svg}{legend_html(items)}</figure>'
 
 
 def _eval_chart(rows: list[dict[str, Any]]) -> str:
@@ -290,24 +278,24 @@ def _eval_figure(rows: list[dict[str, Any]], keys: list[str], fid: str, caption:
     series = []
     for i, k in enumerate(keys):
         width = 2.5 if k == f"{EVAL_PREFIX}_strict" else 1.5
-        series.append(_Series(k, _series(rows, k), PALETTE[i % len(PALETTE)], width))
+        series.append(Series(k, series_of(rows, k), PALETTE[i % len(PALETTE)], width))
     series = [s for s in series if s.points]  # keys logged without a numeric step
     if not series:
         return ""
     ys = [y for s in series for _, y in s.points]
     y_range = (0.0, 1.0) if min(ys) >= 0 and max(ys) <= 1 else None
-    svg = _svg_chart(caption.lower() + " vs step", series, y_range=y_range, y_label="accuracy")
-    legend = _legend([(f"{s.name} (last {_fmt3(s.points[-1][1])})", s.color, "swatch") for s in series])
-    return f'<figure id="{html.escape(fid)}"><figcaption>{html.escape(caption)}</figcaption>{svg}{legend}</figure>'
+    svg = svg_chart(caption.lower() + " vs step", series, y_range=y_range, y_label="accuracy")
+    key_list = legend_html([(f"{s.name} (last {fmt3(s.points[-1][1])})", s.color, "swatch") for s in series])
+    return f'<figure id="{html.escape(fid)}"><figcaption>{html.escape(caption)}</figcaption>{svg}{key_list}</figure>'
 
 
 def _summary(name: str, rows: list[dict[str, Any]], n_grids: int) -> str:
     """Header table: steps, first-5 vs last-5 mean reward, last eval accuracy, number of sample grids."""
-    rewards = [y for _, y in _series(rows, REWARD_KEY)]
-    steps = [s for s in (_finite(r.get("step")) for r in rows) if s is not None]
+    rewards = [y for _, y in series_of(rows, REWARD_KEY)]
+    steps = [s for s in (finite(r.get("step")) for r in rows) if s is not None]
     items: list[tuple[str, str]] = [
         ("training steps logged", str(len(rewards))),
-        ("last step", _fmt(max(steps)) if steps else "—"),
+        ("last step", fmt(max(steps)) if steps else "—"),
     ]
     if rewards:
         first, last = rewards[:5], rewards[-5:]
@@ -319,10 +307,10 @@ def _summary(name: str, rows: list[dict[str, Any]], n_grids: int) -> str:
         )
     keys = _eval_keys(rows)
     if keys:
-        pts = _series(rows, keys[0])
+        pts = series_of(rows, keys[0])
         if pts:
             step, acc = pts[-1]
-            items.append((f"last {keys[0]}", f"{acc:.3f} (step {_fmt(step)})"))
+            items.append((f"last {keys[0]}", f"{acc:.3f} (step {fmt(step)})"))
     items.append(("saved sample steps", str(n_grids)))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in items)
     return f'<h1>{html.escape(name)}</h1>\n<table class="summary" id="summary">{body}</table>'
@@ -344,14 +332,30 @@ def _grid_ncols(n: int, width: int, height: int) -> int:
     return min(cands, key=lambda c: abs(math.log((width / c) / (height / math.ceil(n / c)))))
 
 
-def _sample_section(png: str) -> str:
-    """One saved step: the embedded grid image and its prompts/rewards in row-major order."""
-    base = os.path.basename(png)
-    m = _STEP_RE.search(base)
+def _section_head(path: str, css: str, label: str, id_prefix: str) -> tuple[int | None, str]:
+    """The step of a sample file and its section's opening tags: id `<id_prefix>step-<n>`, heading
+    `<label> · Step <n>` (label and prefix empty in a one-run gallery)."""
+    base = os.path.basename(path)
+    m = STEP_RE.search(base)
     step = int(m.group(1)) if m else None
     title = f"Step {step}" if step is not None else html.escape(base)
+    title = f"{html.escape(label)} · {title}" if label else title
     sid = f"step-{step}" if step is not None else "sample-" + re.sub(r"[^A-Za-z0-9_-]", "_", base)
-    parts = [f'<section class="sample" id="{sid}"><h3>{title}</h3><div class="sample-body">']
+    return step, f'<section class="{css}" id="{html.escape(id_prefix)}{sid}"><h3>{title}</h3>'
+
+
+def sample_section(path: str, label: str = "", id_prefix: str = "") -> str:
+    """One saved step, a grid (`.png`) or a text run's samples (`.json`): `image_section` or
+    `text_section`."""
+    section = text_section if path.endswith(".json") else image_section
+    return section(path, label, id_prefix)
+
+
+def image_section(png: str, label: str = "", id_prefix: str = "") -> str:
+    """One saved step: the embedded grid image and its prompts/rewards in row-major order."""
+    base = os.path.basename(png)
+    step, head = _section_head(png, "sample", label, id_prefix)
+    parts = [head + '<div class="sample-body">']
     notes = []
     size = None
     try:
@@ -393,7 +397,7 @@ def _sample_section(png: str) -> str:
             prompt = prompt if isinstance(prompt, str) else json.dumps(prompt)
             trs.append(
                 f'<tr><td class="num">{i}</td><td class="num">{r},{c}</td>'
-                f'<td class="num">{_fmt3(e.get("reward"))}</td><td class="prompt">{html.escape(prompt)}</td></tr>'
+                f'<td class="num">{fmt3(e.get("reward"))}</td><td class="prompt">{html.escape(prompt)}</td></tr>'
             )
         parts.append(
             '<table class="prompts"><thead><tr><th>#</th><th>row,col</th><th>reward</th><th>prompt</th></tr>'
@@ -405,14 +409,10 @@ def _sample_section(png: str) -> str:
     return "\n".join(parts)
 
 
-def _text_section(path: str) -> str:
+def text_section(path: str, label: str = "", id_prefix: str = "") -> str:
     """One saved step of a text run: prompt, response and reward of every sample."""
-    base = os.path.basename(path)
-    m = _STEP_RE.search(base)
-    step = int(m.group(1)) if m else None
-    title = f"Step {step}" if step is not None else html.escape(base)
-    sid = f"step-{step}" if step is not None else "sample-" + re.sub(r"[^A-Za-z0-9_-]", "_", base)
-    parts = [f'<section class="sample text" id="{sid}"><h3>{title}</h3>']
+    _, head = _section_head(path, "sample text", label, id_prefix)
+    parts = [head]
     try:
         with open(path, encoding="utf-8") as f:
             entries = json.load(f)
@@ -426,7 +426,7 @@ def _text_section(path: str) -> str:
         e = e if isinstance(e, dict) else {"response": e}
         prompt, response = (str(e.get(k, "")) for k in ("prompt", "response"))
         trs.append(
-            f'<tr><td class="num">{i}</td><td class="num">{_fmt3(e.get("reward"))}</td>'
+            f'<tr><td class="num">{i}</td><td class="num">{fmt3(e.get("reward"))}</td>'
             f'<td class="num">{html.escape(str(e.get("response_tokens", "")))}</td>'
             f'<td class="prompt">{html.escape(prompt)}</td><td class="response">{html.escape(response)}</td></tr>'
         )
@@ -437,7 +437,7 @@ def _text_section(path: str) -> str:
     return "\n".join(parts)
 
 
-def _sample_pngs(run_dir: str) -> list[str]:
+def sample_files(run_dir: str) -> list[str]:
     """`samples/step_*.png`, and the `step_*.json` of text runs (no grid beside them), newest step
     first (names without a step number last, by name)."""
     pngs = glob.glob(os.path.join(glob.escape(run_dir), "samples", "step_*.png"))
@@ -448,7 +448,7 @@ def _sample_pngs(run_dir: str) -> list[str]:
     ]
 
     def key(p: str) -> tuple[int, int, str]:
-        m = _STEP_RE.search(os.path.basename(p))
+        m = STEP_RE.search(os.path.basename(p))
         return (0, -int(m.group(1)), p) if m else (1, 0, p)
 
     return sorted(pngs, key=key)
@@ -470,7 +470,7 @@ def write_gallery(run_dir: str, title: str | None = None) -> str:
     """
     name = title or os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
     rows, metrics_note = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    pngs = _sample_pngs(run_dir)
+    pngs = sample_files(run_dir)
 
     body = [_summary(name, rows, len(pngs))]
     if metrics_note:
@@ -483,18 +483,23 @@ def write_gallery(run_dir: str, title: str | None = None) -> str:
         body.append('<p class="note" id="samples-missing">No samples directory in this run.</p>')
     elif not pngs:
         body.append('<p class="note" id="samples-missing">No sample grids saved yet.</p>')
-    body.extend(_text_section(p) if p.endswith(".json") else _sample_section(p) for p in pngs)
+    body.extend(sample_section(p) for p in pngs)
 
+    return write_page(os.path.join(run_dir, GALLERY_NAME), f"{name} · gallery", body)
+
+
+def write_page(out: str, title: str, body: list[str], css: str = "") -> str:
+    """Write a self-contained HTML page to `out` (replaced atomically: a reader never sees half a
+    page): `title`, the gallery's CSS plus `css`, and the `body` fragments. Returns `out`."""
     doc = (
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{html.escape(name)} · gallery</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+        f"<title>{html.escape(title)}</title>\n<style>{CSS}{css}</style>\n</head>\n<body>\n"
         + "\n".join(body)
         + "\n</body>\n</html>\n"
     )
-    os.makedirs(run_dir, exist_ok=True)
-    out = os.path.join(run_dir, GALLERY_NAME)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + f".tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(doc)

@@ -1,4 +1,4 @@
-"""Metric sinks: one JSON object per step in `metrics.jsonl`, and sample image grids."""
+"""Metric sinks: one JSON object per step in `metrics.jsonl` (and its reader), and sample image grids."""
 
 from __future__ import annotations
 
@@ -30,6 +30,31 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def read_rows(path: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of a `metrics.jsonl` at `path`, and one problem per line that is not a JSON
+    object, naming the file and the 1-based line (`<path>:<line>: ...`); those lines are skipped,
+    so a half-written last line or a corrupted one costs only itself. A missing file raises
+    `FileNotFoundError`."""
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(
+                    f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); line skipped"
+                )
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                problems.append(f"{path}:{lineno}: a {type(row).__name__}, not a JSON object; line skipped")
+    return rows, problems
 
 
 def save_image_grid(
