@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -123,3 +124,26 @@ def test_sigmas_for_dynamic_uses_the_params_line() -> None:
     )
     mu = calculate_shift(250, 100, 300, 0.2, 1.0)
     check_schedule(sigmas_for(p, image_seq_len=250), scheduler_sigmas(6, use_dynamic_shifting=True, mu=mu)[0])
+
+
+@pytest.mark.parametrize("num_steps", [1, 10, 28])
+@pytest.mark.parametrize(
+    ("dynamic", "shift", "seq_len"), [(True, 3.0, 16), (True, 3.0, 1024), (False, 1.0, 0)]
+)
+def test_steps_grid_is_the_scheduler_given_linspace_1_over_t(
+    num_steps: int, dynamic: bool, shift: float, seq_len: int
+) -> None:
+    """`sigma_grid: steps` pins, bit for bit, what the scheduler computes from the grid
+    `linspace(1, 1/T, T)` a pipeline passes it (dynamic: with that pipeline's mu)."""
+    p = DiffusionSamplingParams(num_steps=num_steps, shift=shift, dynamic_shift=dynamic, sigma_grid="steps")
+    mu = calculate_shift(seq_len, 256, 4096, 0.5, 1.15) if dynamic else None
+    sched = FlowMatchEulerDiscreteScheduler(shift=shift, use_dynamic_shifting=dynamic)
+    sched.set_timesteps(sigmas=list(np.linspace(1.0, 1 / num_steps, num_steps)), mu=mu)
+    assert torch.equal(sigmas_for(p, image_seq_len=seq_len), sched.sigmas)
+    assert (
+        sigmas_for(p, seq_len).tolist()
+        != sigmas_for(
+            DiffusionSamplingParams(num_steps=num_steps, shift=shift, dynamic_shift=dynamic), seq_len
+        ).tolist()
+        or num_steps == 1
+    )

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model_config
+from unirl.models.flow.loading import tiny_clip_t5_tokenizers
 from unirl.models.sd3 import SD3Bundle
-from unirl.models.sd3.bundle import _tiny_tokenizers
 from unirl.shapes import GenEvalMini, ShapesDataset
 from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig, flow_matching_loss, sample_sigmas
 from unirl.trainer.evaluation import BundleEvaluator, EvalSampling
@@ -40,7 +40,7 @@ def test_sigmas_lie_in_open_unit_interval_and_shift(mode):
 
 
 def test_whole_word_tokenizers():
-    clip, t5 = _tiny_tokenizers(12, 77, WORDS)
+    clip, t5 = tiny_clip_t5_tokenizers(12, 77, WORDS)
     text = "a red circle left of three triangles"
     assert clip.convert_ids_to_tokens(clip(text)["input_ids"])[1:-1] == [w + "</w>" for w in text.split()]
     assert t5.convert_ids_to_tokens(t5(text)["input_ids"])[:-1] == ["\u2581" + w for w in text.split()]

@@ -1,6 +1,7 @@
 """Rules of batch geometry: how the samples of a step split over devices and micro-batches, and
 how an image's size fits the model's latent patch grid (the model config's own rule,
-`FlowModelConfig.size_problems`)."""
+`FlowModelConfig.size_problems`); with them, whether the model takes the recipe's guidance
+scales (`FlowModelConfig.guidance_problems`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def check_geometry(run: Any, sampling: Any, stack: Any, model: Any, problems: li
     sizes = getattr(model, "size_problems", None)
     if sizes is not None and isinstance(sampling, DiffusionSamplingParams):
         problems.extend(sizes(sampling.height, sampling.width))
+
+
+def check_guidance(model: Any, sampling: Any, eval_sampling: Any, problems: list[str]) -> None:
+    """`sampling.guidance_scale` and `eval.sampling.guidance_scale` vs the guidance the model takes
+    (as the model config states it: a guidance-distilled model without true CFG, say)."""
+    ask = getattr(model, "guidance_problems", None)
+    if ask is None or not isinstance(sampling, DiffusionSamplingParams):
+        return
+    problems.extend(ask(sampling.guidance_scale, "sampling.guidance_scale"))
+    if eval_sampling is not None and hasattr(eval_sampling, "guidance_scale"):
+        problems.extend(ask(eval_sampling.guidance_scale, "eval.sampling.guidance_scale"))

@@ -30,7 +30,7 @@ from unirl.config.algorithm import (
 )
 from unirl.config.distributed import check_distributed, check_transport
 from unirl.config.engines import check_rollout
-from unirl.config.geometry import check_geometry
+from unirl.config.geometry import check_geometry, check_guidance
 from unirl.config.modality import check_eval_sampling, check_modality, check_text
 from unirl.config.references import check_model_path, check_prompt_keys, check_tracking
 from unirl.config.run import RL_SECTIONS, SFT_SECTIONS
@@ -55,6 +55,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
     algorithm = target_class(cfg, "algorithm") if "algorithm" in cfg else None
     modality = check_modality(cfg, sampling, model, algorithm, expect, problems)
     check_geometry(passed.get(""), sampling, stack, model, problems)
+    check_guidance(model, sampling, passed.get("eval.sampling"), problems)
     if modality == "text":
         check_text(cfg, sampling, model, problems, passed.get("eval.sampling"))
     check_eval_sampling(cfg, modality, problems)

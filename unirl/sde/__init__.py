@@ -1,6 +1,12 @@
 """Sigma schedules, SDE step strategies with log-probs and ODE solvers (fp32)."""
 
-from unirl.sde.schedules import dynamic_shift_mu, dynamic_shift_sigmas, sigmas_for, static_shift_sigmas
+from unirl.sde.schedules import (
+    dynamic_shift_mu,
+    dynamic_shift_sigmas,
+    sigmas_for,
+    static_shift_sigmas,
+    steps_grid_sigmas,
+)
 from unirl.sde.solvers import SOLVERS, DPMSolverPP2M, EulerSolver, make_ode_solver
 from unirl.sde.strategies import (
     SDE_STRATEGIES,
@@ -30,4 +36,5 @@ __all__ = [
     "make_strategy",
     "sigmas_for",
     "static_shift_sigmas",
+    "steps_grid_sigmas",
 ]

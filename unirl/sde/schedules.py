@@ -1,10 +1,11 @@
-"""fp32 sigma schedules for flow matching, equal to diffusers' SD3 schedules.
+"""fp32 sigma schedules for flow matching, equal to diffusers' flow-matching schedules.
 
 `static_shift_sigmas` and `dynamic_shift_sigmas` reproduce
 `FlowMatchEulerDiscreteScheduler.set_timesteps(T)` (and `set_timesteps(T, mu=mu)`
 with `use_dynamic_shifting`), which is what `StableDiffusion3Pipeline` and
-Flow-GRPO sample with; `tests/sde/test_schedules.py` compares them to the
-scheduler. They are computed here, from the sampling params alone, so the
+Flow-GRPO sample with; `steps_grid_sigmas` reproduces `set_timesteps(sigmas=linspace(1, 1/T, T)
+[, mu=mu])`, what pipelines that pass their own grid sample with (`sampling.sigma_grid: steps`).
+`tests/sde/test_schedules.py` compares them to the scheduler. They are computed here, from the sampling params alone, so the
 schedule a run pins does not change with the installed diffusers: the
 scheduler's default end point shifts `sigma_min` twice (diffusers issue
 #13243, open in 0.42), and a fix there would move every SD3 schedule's last
@@ -88,8 +89,29 @@ def dynamic_shift_sigmas(
     return _with_terminal_zero(math.exp(mu) / (math.exp(mu) + (1 / t - 1)))
 
 
+def steps_grid_sigmas(num_steps: int, shift: float = 1.0, mu: float | None = None) -> torch.Tensor:
+    """[T+1] fp32 sigmas of `FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=linspace(1, 1/T, T),
+    mu=mu)`: the grid a pipeline passes itself (FluxPipeline, QwenImagePipeline), then the
+    exponential time shift `e^mu / (e^mu + (1/t - 1))` when `mu` is given (dynamic shifting), else the
+    static shift `shift*t / (1 + (shift-1)*t)`, and a final 0.
+
+    The scheduler casts a given grid to fp32 numpy and shifts it there, so this does too: the
+    schedule is then bit-identical to the scheduler's.
+    """
+    if shift <= 0:
+        raise ValueError(f"sampling.shift must be > 0, got {shift}")
+    t = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)
+    if mu is None:
+        shifted = shift * t / (1 + (shift - 1) * t)
+    else:
+        shifted = math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)
+    return _with_terminal_zero(shifted)
+
+
 def sigmas_for(sampling: DiffusionSamplingParams, image_seq_len: int) -> torch.Tensor:
-    """The schedule a request pins: dynamic shift from `image_seq_len` tokens, or static shift."""
+    """The schedule a request pins: dynamic shift from `image_seq_len` tokens, or static shift,
+    over the base grid `sampling.sigma_grid` names."""
+    mu = None
     if sampling.dynamic_shift:
         mu = dynamic_shift_mu(
             image_seq_len,
@@ -98,5 +120,8 @@ def sigmas_for(sampling: DiffusionSamplingParams, image_seq_len: int) -> torch.T
             sampling.base_shift,
             sampling.max_shift,
         )
+    if sampling.sigma_grid == "steps":
+        return steps_grid_sigmas(sampling.num_steps, sampling.shift, mu)
+    if mu is not None:
         return dynamic_shift_sigmas(sampling.num_steps, mu)
     return static_shift_sigmas(sampling.num_steps, sampling.shift)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 SDE_SCHEDULERS = ("all", "fixed", "random", "sliding")
 WINDOW_ORDERS = ("progressive", "random")
 ODE_SOLVERS = ("euler", "dpmpp_2m")  # implemented in unirl.sde.solvers
+SIGMA_GRIDS = ("scheduler", "steps")  # implemented in unirl.sde.schedules.sigmas_for
 
 
 @dataclass
@@ -31,6 +32,9 @@ class DiffusionSamplingParams:
             SD3.5 at high resolution and FLUX do.
         base_seq_len, max_seq_len, base_shift, max_shift: the (seq_len, mu)
             line of the dynamic shift.
+        sigma_grid: the unshifted grid the shift is applied to: "scheduler", the grid of
+            the scheduler's own `set_timesteps(T)` (StableDiffusion3Pipeline), or "steps",
+            `linspace(1, 1/T, T)` (the grid FluxPipeline and QwenImagePipeline pass it).
         max_sequence_length: T5 token budget of the prompt encoder.
         sde_scheduler: which steps are SDE steps (stochastic, with a log-prob):
             "all", "fixed" (the list `sde_steps`), "random" (`sde_num_steps`
@@ -76,6 +80,7 @@ class DiffusionSamplingParams:
     max_seq_len: int = 4096
     base_shift: float = 0.5
     max_shift: float = 1.15
+    sigma_grid: str = "scheduler"
     max_sequence_length: int = 77
     sde_scheduler: str = "all"
     sde_steps: list[int] = field(default_factory=list)
@@ -143,6 +148,8 @@ class DiffusionSamplingParams:
                     f"must be in [1, {hi - lo}]: the window sampling.sde_window={list(self.sde_window)} covers "
                     f"steps [{lo}, {hi}) of {self.num_steps}"
                 )
+        if self.sigma_grid not in SIGMA_GRIDS:
+            raise ValueError(f"sampling.sigma_grid must be one of {SIGMA_GRIDS}, got {self.sigma_grid!r}")
         if self.ode_solver not in ODE_SOLVERS:
             raise ValueError(f"sampling.ode_solver must be one of {ODE_SOLVERS}, got {self.ode_solver!r}")
         if self.noise_all_steps and self.ode_solver != "euler":

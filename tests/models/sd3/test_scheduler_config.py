@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from unirl.models.sd3.bundle import check_scheduler_config
+from unirl.models.flow.loading import check_scheduler_config
 
 
 def test_sd3_scheduler_configs_are_accepted() -> None:

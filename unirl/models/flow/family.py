@@ -24,6 +24,12 @@ NEGATIVE = "negative_"
 """Prefix of the unconditional (classifier-free guidance) twin of a conditioning key:
 `cond["negative_" + k]` is the uncond branch's value of `cond[k]`."""
 
+GUIDANCE_STYLES = ("cfg", "embedded")
+"""How a family's network is guided (`FlowFamily.guidance`): "cfg", classifier-free (the stage
+runs the cond and `NEGATIVE` halves and combines v_u + s (v_c - v_u)); "embedded", the guidance
+scale is an input of the network (guidance-distilled models): one forward, `predict` receives
+the scale, there is no uncond branch."""
+
 
 @runtime_checkable
 class FlowFamily(Protocol):
@@ -36,6 +42,7 @@ class FlowFamily(Protocol):
         sample_size: the square image side in pixels the denoiser is built for.
         cond_keys: the conditioning keys `predict` reads (`encode_text` returns them, and
             their `NEGATIVE` twins when guided); a conditions dict may hold other entries.
+        guidance: the family's guidance style, one of `GUIDANCE_STYLES`.
 
     It is moved and saved whole: `to(device_or_dtype)` returns it, `save_pretrained(dir)`
     writes the family's library layout, which its model config loads back.
@@ -45,13 +52,15 @@ class FlowFamily(Protocol):
     device: torch.device
     sample_size: int
     cond_keys: tuple[str, ...]
+    guidance: str
 
     def encode_text(
         self, prompts: list[str], guided: bool, max_sequence_length: int
     ) -> dict[str, torch.Tensor]:
         """Conditioning tensors of `prompts` (U distinct prompts), each [U, ...], any dtype;
         with `guided` also the unconditional twins under `NEGATIVE`-prefixed keys (the uncond
-        branch of classifier-free guidance); `max_sequence_length` is the text token budget.
+        branch of classifier-free guidance; only a "cfg" family is asked for them);
+        `max_sequence_length` is the text token budget.
         Differentiable in the text encoders (the stage calls it under `no_grad`; supervised
         training may train the encoders through it)."""
         ...
@@ -63,7 +72,8 @@ class FlowFamily(Protocol):
         at latents x [B, *latent_shape] fp32 and noise levels sigma [B] fp32 in [0, 1], under
         the conditioning `cond` (the `cond_keys` entries, [B, ...] fp32). Casts
         its inputs to the module's dtype and returns [B, *latent_shape] in any float dtype (the
-        stage runs it under autocast when asked and casts the result to fp32)."""
+        stage runs it under autocast when asked and casts the result to fp32). An "embedded"
+        family is also given `guidance=` [B] fp32, the guidance scale of each row."""
         ...
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
@@ -141,4 +151,10 @@ class FlowModelConfig(Protocol):
         latent patch, larger than a tiny model's position embedding), each naming
         `sampling.height` or `sampling.width` and the valid values; [] when it fits or the
         geometry cannot be read (an unreadable directory is `directory_problems`' report)."""
+        ...
+
+    def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
+        """Problems with sampling at `guidance_scale` (the recipe key `key`, e.g.
+        `sampling.guidance_scale`), each naming `key` and the values the model takes; []
+        when it takes it or the model cannot be read."""
         ...

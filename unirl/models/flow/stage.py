@@ -16,7 +16,7 @@ from typing import Annotated
 import torch
 from annotated_types import Ge
 
-from unirl.models.flow.family import NEGATIVE, FlowFamily
+from unirl.models.flow.family import GUIDANCE_STYLES, NEGATIVE, FlowFamily
 from unirl.models.kept import KeptGraphs
 from unirl.sde.solvers import make_ode_solver
 from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
@@ -70,6 +70,10 @@ class FlowMatchingStage:
                 f"stage.autocast_dtype must be one of {list(AUTOCAST_DTYPES)}, got {autocast_dtype!r}"
             )
         self.autocast_dtype = AUTOCAST_DTYPES[autocast_dtype]
+        if bundle.guidance not in GUIDANCE_STYLES:
+            raise ValueError(
+                f"{type(bundle).__name__}.guidance must be one of {GUIDANCE_STYLES}, got {bundle.guidance!r}"
+            )
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.denoiser
         self.replay_steps_per_forward = replay_steps_per_forward
@@ -86,9 +90,11 @@ class FlowMatchingStage:
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict:
         """Per-sample condition tensors [B, ...] fp32 (the family's keys; with guidance_scale > 1
-        also their `negative_` twins, the empty prompt's). Unique prompts are encoded once."""
+        and a "cfg" family also their `negative_` twins, the empty prompt's). Unique prompts are
+        encoded once."""
         unique = list(dict.fromkeys(prompts))
-        encoded = self.bundle.encode_text(unique, guidance_scale > 1.0, max_sequence_length)
+        guided = self.bundle.guidance == "cfg" and guidance_scale > 1.0
+        encoded = self.bundle.encode_text(unique, guided, max_sequence_length)
         idx = torch.tensor([unique.index(p) for p in prompts], device=next(iter(encoded.values())).device)
         return {k: v[idx].float() for k, v in encoded.items()}
 
@@ -111,9 +117,14 @@ class FlowMatchingStage:
         grad is enabled. `separate_uncond` runs the uncond half in a forward of its own,
         without autograd when `detach_uncond` (a sampling step whose graph is kept then
         keeps only the cond half's activations).
+
+        An "embedded" family (`FlowFamily.guidance`) takes the scale as a network input
+        instead: one forward with `guidance` = s per row, no uncond branch.
         """
         sigma = sigma.to(device=x.device, dtype=torch.float32)
         positive = {k: cond[k] for k in self.bundle.cond_keys}
+        if self.bundle.guidance == "embedded":
+            return self._forward(x, sigma, positive, guidance=torch.full_like(sigma, guidance_scale))
         if guidance_scale <= 1.0:
             return self._forward(x, sigma, positive)
         negative = {k: cond[NEGATIVE + k] for k in positive}
@@ -128,10 +139,14 @@ class FlowMatchingStage:
             v_uncond = v_uncond.detach()
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
-    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict) -> torch.Tensor:
-        """The family's network call on `module`, under autocast when set; fp32 out."""
+    def _forward(
+        self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The family's network call on `module` (with `guidance` [B] for an "embedded" family),
+        under autocast when set; fp32 out."""
+        extra = {} if guidance is None else {"guidance": guidance}
         with torch.autocast(x.device.type, self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out = self.bundle.predict(self.module, x, sigma, cond)
+            out = self.bundle.predict(self.module, x, sigma, cond, **extra)
         return out.to(torch.float32)
 
     # ---- rollout ----------------------------------------------------------------------------

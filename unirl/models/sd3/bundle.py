@@ -34,17 +34,13 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 
-from unirl.sde.schedules import NUM_TRAIN_TIMESTEPS
+from unirl.models.flow.loading import (
+    check_scheduler_config,
+    pipeline_directory_problems,
+    tiny_clip_t5_tokenizers,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# FlowMatchEulerDiscreteScheduler options whose schedule unirl.sde.schedules does not compute
-_SCHEDULER_REFUSED = (
-    "shift_terminal",
-    "use_karras_sigmas",
-    "use_exponential_sigmas",
-    "use_beta_sigmas",
-    "invert_sigmas",
-)
 
 
 @dataclass
@@ -164,27 +160,9 @@ class SD3ModelConfig:
     def directory_problems(self) -> list[str]:
         """`pretrained_path`, when set, is a diffusers SD3 directory (its `model_index.json`, if
         any, names `StableDiffusion3Pipeline`)."""
-        path = self.pretrained_path
-        if not path:
-            return []
-        if not os.path.isdir(path):
-            return [
-                f"model.pretrained_path: {path!r} is not a directory; point it (or PRETRAINED_MODEL) at "
-                "a local diffusers SD3 / SD3.5 directory, or set it to null to use model.tiny"
-            ]
-        index = os.path.join(path, "model_index.json")
-        try:
-            with open(index) as f:
-                name = json.load(f).get("_class_name")
-        except (OSError, ValueError):
-            return []  # no readable index: from_pretrained reports what is missing
-        if name != StableDiffusion3Pipeline.__name__:
-            return [
-                f"model.pretrained_path: {index} names {name!r}, not {StableDiffusion3Pipeline.__name__}: "
-                f"the directory is not an SD3 / SD3.5 model; use that family's model config "
-                "or point it at an SD3 directory"
-            ]
-        return []
+        return pipeline_directory_problems(
+            self.pretrained_path, StableDiffusion3Pipeline.__name__, "SD3 / SD3.5"
+        )
 
     def size_problems(self, height: int, width: int) -> list[str]:
         """height / width vs the latent patch grid (vae scale x patch size pixels per token) and,
@@ -206,6 +184,10 @@ class SD3ModelConfig:
                 )
         return problems
 
+    def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
+        """None: SD3 takes any classifier-free guidance scale >= 1 (the sampling params' own check)."""
+        return []
+
     def _geometry(self) -> tuple[int, int | None] | None:
         """(pixels per latent patch, largest height/width or None), None when unreadable."""
         if not self.pretrained_path:
@@ -224,56 +206,6 @@ class SD3ModelConfig:
         return scale * patch, None
 
 
-def _bpe(pieces: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Byte-pair encoding of one word: repeatedly merge the adjacent pair of lowest rank."""
-    while len(pieces) > 1:
-        pairs = [
-            (ranks.get((a, b), len(ranks)), i)
-            for i, (a, b) in enumerate(zip(pieces, pieces[1:], strict=False))
-        ]
-        rank, i = min(pairs)
-        if rank == len(ranks):
-            break
-        pieces = pieces[:i] + [pieces[i] + pieces[i + 1]] + pieces[i + 2 :]
-    return pieces
-
-
-def _whole_word_merges(words: list[str]) -> list[tuple[str, str]]:
-    """CLIP-style BPE merges under which every word in `words` is one token.
-
-    Each word gets merges appended (lowest priority) until BPE with all merges
-    so far yields it whole; merges added later never fire on earlier words,
-    because BPE only reaches a lower-priority merge when no higher one applies.
-    """
-    merges: list[tuple[str, str]] = []
-    ranks: dict[tuple[str, str], int] = {}
-    for word in dict.fromkeys(words):
-        while len(pieces := _bpe([*word[:-1], word[-1] + "</w>"], ranks)) > 1:
-            pair = (pieces[0], pieces[1])
-            ranks[pair] = len(merges)
-            merges.append(pair)
-    return merges
-
-
-def _tiny_tokenizers(clip_max_length: int, t5_max_length: int, words: list[str] = ()):
-    from tokenizers import pre_tokenizers
-    from transformers import CLIPTokenizer, T5TokenizerFast
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-        vocab[ch + "</w>"] = len(vocab)
-    merges = _whole_word_merges(words)
-    for left, right in merges:
-        vocab.setdefault(left + right, len(vocab))
-    clip = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=clip_max_length)
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
-    pieces += [(c, -1.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789\u2581.,'-"]
-    pieces += [("\u2581" + w, -0.5) for w in dict.fromkeys(words)]
-    t5 = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=t5_max_length)
-    return clip, t5
-
-
 class SD3Bundle:
     """The modules of one SD3 model plus the diffusers pipeline that owns them.
 
@@ -284,9 +216,11 @@ class SD3Bundle:
         vae: `AutoencoderKL` or None (pixel space).
         latent_channels, vae_scale_factor, patch_size: geometry of the latent grid.
         cond_keys: `encode_text`'s conditioning keys (`FlowFamily.cond_keys`).
+        guidance: "cfg": classifier-free guidance, the stage batches the uncond branch.
     """
 
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    guidance = "cfg"
 
     def __init__(self, pipeline: StableDiffusion3Pipeline) -> None:
         self.pipeline = pipeline
@@ -418,7 +352,7 @@ class SD3Bundle:
         from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
         torch.manual_seed(cfg.seed)
-        clip_tok, t5_tok = _tiny_tokenizers(cfg.clip_max_length, t5_max_length=77, words=cfg.words)
+        clip_tok, t5_tok = tiny_clip_t5_tokenizers(cfg.clip_max_length, t5_max_length=77, words=cfg.words)
         clip_cfg = CLIPTextConfig(
             vocab_size=len(clip_tok.get_vocab()),
             hidden_size=cfg.clip_hidden_size,
@@ -512,22 +446,6 @@ class SD3Bundle:
         fresh = cls.from_config(module.config)
         fresh.load_state_dict(state)
         fresh.save_pretrained(os.path.join(path, "transformer"))
-
-
-def check_scheduler_config(config: dict, where: str) -> None:
-    """Raise if a scheduler config asks for a schedule `unirl.sde.schedules` does not
-    reproduce (other training timesteps, terminal stretch, Karras/beta sigmas, ...)."""
-    bad = {k: config[k] for k in _SCHEDULER_REFUSED if config.get(k)}
-    if config.get("num_train_timesteps", NUM_TRAIN_TIMESTEPS) != NUM_TRAIN_TIMESTEPS:
-        bad["num_train_timesteps"] = config["num_train_timesteps"]
-    if config.get("time_shift_type", "exponential") != "exponential":
-        bad["time_shift_type"] = config["time_shift_type"]
-    if bad:
-        raise ValueError(
-            f"{where}/scheduler_config.json sets {bad}: UniRL's sigma schedules (unirl.sde.schedules) "
-            f"reproduce FlowMatchEulerDiscreteScheduler with num_train_timesteps={NUM_TRAIN_TIMESTEPS}, "
-            "exponential time shift and none of these options; remove them or add the schedule there"
-        )
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> SD3Bundle:

@@ -1,0 +1,191 @@
+"""The FLUX.1 family's recipe node: which model to build, and its answers to the validator.
+
+`FluxModelConfig(pretrained_path=<dir>)` names a local diffusers FLUX.1 directory (a
+`FluxPipeline`: transformer/, vae/, text_encoder/ (CLIP), text_encoder_2/ (T5), their
+tokenizers, scheduler/); `FluxModelConfig(tiny=TinyFluxConfig(...))` a tiny random one built
+from configs, offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from unirl.models.flow.loading import pipeline_directory_problems
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PIPELINE_CLASS = "FluxPipeline"
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+"""FLUX.1's attention projections, as peft name suffixes: the image and text streams of the
+double-stream blocks (`to_*`, `add_*`, `to_add_out`) and the q/k/v of the single-stream blocks
+(whose output projection `proj_out` also mixes the MLP; add "proj_mlp" and "proj_out" to train
+those too)."""
+
+
+@dataclass
+class TinyFluxConfig:
+    """A tiny FLUX.1-architecture model for CPU runs and tests (random weights).
+
+    `resolution` is the image side in pixels the model is built for (FLUX's rotary position
+    embedding takes any size; `sample_size` reports this one). In pixel space the transformer
+    denoises RGB in [-1, 1] packed 2x2 (12 channels per token); otherwise a small random
+    AutoencoderKL with FLUX's latent scaling and shift (`vae_scaling_factor`,
+    `vae_shift_factor`) and a `vae_downsample`x downsample gives `latent_channels` latents,
+    packed 2x2. `axes_dims_rope` must sum to `attention_head_dim`. `guidance_embeds` makes it a
+    guidance-distilled model (FLUX.1-dev: the scale is a network input); without it (like
+    FLUX.1-schnell) it takes no guidance at all. `words` become whole-word tokens of the tiny
+    CLIP and T5 tokenizers.
+    """
+
+    resolution: int = 32
+    pixel_space: bool = True
+    num_layers: int = 1
+    num_single_layers: int = 1
+    attention_head_dim: int = 16
+    num_attention_heads: int = 2
+    axes_dims_rope: list[int] = field(default_factory=lambda: [4, 6, 6])
+    guidance_embeds: bool = True
+    clip_hidden_size: int = 32
+    t5_hidden_size: int = 32
+    text_layers: int = 1
+    clip_max_length: int = 77
+    words: list[str] = field(default_factory=list)
+    seed: int = 0
+    latent_channels: int = 4
+    vae_downsample: int = 2
+    vae_scaling_factor: float = 0.3611
+    vae_shift_factor: float = 0.1159
+
+    def __post_init__(self) -> None:
+        self.axes_dims_rope = list(self.axes_dims_rope)
+        for key in (
+            "resolution", "num_layers", "attention_head_dim", "num_attention_heads", "clip_hidden_size",
+            "t5_hidden_size", "text_layers", "clip_max_length", "latent_channels",
+        ):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_single_layers < 0:
+            raise ValueError(f"model.tiny.num_single_layers must be >= 0, got {self.num_single_layers}")
+        if self.vae_downsample < 2 or self.vae_downsample & (self.vae_downsample - 1):
+            raise ValueError(
+                f"model.tiny.vae_downsample must be a power of 2 >= 2, got {self.vae_downsample}"
+            )
+        if len(self.axes_dims_rope) != 3 or sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"model.tiny.axes_dims_rope={self.axes_dims_rope} must be 3 sizes summing to "
+                f"model.tiny.attention_head_dim={self.attention_head_dim} (the rotary embedding's axes)"
+            )
+        if any(d % 2 for d in self.axes_dims_rope):
+            raise ValueError(f"model.tiny.axes_dims_rope={self.axes_dims_rope} must be even sizes")
+        if self.clip_hidden_size % 2:
+            raise ValueError(
+                f"model.tiny.clip_hidden_size must be even (2 CLIP heads), got {self.clip_hidden_size}"
+            )
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent cell along a side (1 in pixel space)."""
+        return 1 if self.pixel_space else self.vae_downsample
+
+
+@dataclass
+class FluxModelConfig:
+    """Which FLUX.1 model to build (exactly one of `pretrained_path` / `tiny`).
+
+    Attributes:
+        pretrained_path: local diffusers directory of a FLUX.1 model (`FluxPipeline`).
+        tiny: tiny-model config used when `pretrained_path` is null.
+        dtype: parameter dtype of the frozen components (text encoders, VAE); the trainable
+            transformer stays fp32 master weights unless the backend casts it.
+    """
+
+    modality: ClassVar[str] = "diffusion"
+
+    pretrained_path: str | None = None
+    tiny: TinyFluxConfig | None = field(default_factory=TinyFluxConfig)
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiny, dict):
+            self.tiny = TinyFluxConfig(**self.tiny)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.pretrained_path is None and self.tiny is None:
+            raise ValueError("model: set model.pretrained_path to a FLUX.1 directory or give model.tiny")
+
+    def trainable_on_meta(self) -> torch.nn.Module:
+        """The transformer's module tree on the meta device (no weights read)."""
+        from diffusers import FluxTransformer2DModel
+
+        from unirl.models.flux.bundle import tiny_transformer
+
+        with torch.device("meta"):
+            if self.pretrained_path:
+                config = FluxTransformer2DModel.load_config(os.path.join(self.pretrained_path, "transformer"))
+                return FluxTransformer2DModel.from_config(config)
+            return tiny_transformer(self.tiny)
+
+    def build(self):
+        """The `FluxBundle`: from `pretrained_path`, else from the tiny config."""
+        from unirl.models.flux.bundle import FluxBundle
+
+        if self.pretrained_path:
+            return FluxBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
+        return FluxBundle.tiny(self.tiny)
+
+    def load_checkpoint(self, path: str):
+        """The bundle of a UniRL checkpoint of a FLUX run, fp32."""
+        from unirl.models.flux.bundle import load_checkpoint
+
+        return load_checkpoint(path)
+
+    def directory_problems(self) -> list[str]:
+        """`pretrained_path`, when set, is a directory whose `model_index.json` names FluxPipeline."""
+        return pipeline_directory_problems(self.pretrained_path, PIPELINE_CLASS, "FLUX.1")
+
+    def size_problems(self, height: int, width: int) -> list[str]:
+        """height and width must be multiples of vae_scale_factor * 2 (the VAE's downsample times
+        the 2x2 packing: 16 px with FLUX's VAE)."""
+        cell = self._read("cell")
+        if cell is None:
+            return []
+        return [
+            f"sampling.{key}={value} must be a multiple of {cell} (FLUX packs 2x2 latent cells of "
+            f"{cell // 2} px), e.g. {max(cell, value // cell * cell)} or {(value // cell + 1) * cell}"
+            for key, value in (("height", height), ("width", width))
+            if value % cell
+        ]
+
+    def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
+        """A guidance-distilled model (guidance_embeds) takes any scale >= 1 as a network input;
+        one without (like FLUX.1-schnell) takes none, and this family runs no true CFG, so the
+        scale must be 1.0."""
+        embeds = self._read("guidance_embeds")
+        if embeds is None or embeds or guidance_scale == 1.0:
+            return []
+        return [
+            f"{key}={guidance_scale}: this FLUX model has no guidance embedding (transformer "
+            "guidance_embeds false, like FLUX.1-schnell) and the FLUX family runs no true "
+            f"classifier-free guidance; set {key}: 1.0"
+        ]
+
+    def _read(self, what: str) -> int | bool | None:
+        """`cell` (pixels per packed token along a side) or `guidance_embeds`, from the tiny
+        config or the directory's configs; None when unreadable (reported by the load)."""
+        if not self.pretrained_path:
+            return 2 * self.tiny.vae_scale_factor if what == "cell" else self.tiny.guidance_embeds
+        try:
+            if what == "guidance_embeds":
+                with open(os.path.join(self.pretrained_path, "transformer", "config.json")) as f:
+                    return bool(json.load(f).get("guidance_embeds", False))
+            if not os.path.isdir(os.path.join(self.pretrained_path, "vae")):
+                return 2  # pixel space: the 2x2 packing of pixels
+            with open(os.path.join(self.pretrained_path, "vae", "config.json")) as f:
+                return 2 * 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+        except (OSError, KeyError, ValueError):
+            return None
