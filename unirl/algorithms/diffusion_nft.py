@@ -3,7 +3,7 @@
 No log-probs: rollouts may be plain ODE samples (eta = 0). For each final
 sample x0 with advantage A (c = `adv_clip`):
     r = clip(clip(A, -c, c) / c / 2 + 0.5, 0, 1)                  optimality in [0, 1]
-    x_t = (1 - t) x0 + t eps                                        t from the rollout's sigmas
+    x_t = (1 - t) x0 + t eps                   t, eps drawn by the forward-process base (forward_process.py)
     v+ = beta v_new + (1 - beta) v_old,  v- = (1 + beta) v_old - beta v_new
     x0± = x_t - t v±
     L = c * mean_{i,draws}( r mse(x0+) + (1 - r) mse(x0-) ) / beta
@@ -16,14 +16,12 @@ samples better than their group are pulled toward, worse ones pushed from.
 
 from __future__ import annotations
 
-import dataclasses
-import zlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from unirl.algorithms.base import StageAlgorithm
+from unirl.algorithms.forward_process import ForwardProcessAlgorithm, ForwardProcessConfig, per_row
 from unirl.models.stage import DiffusionStage
 from unirl.types.rollout_resp import RolloutTrack
 
@@ -33,37 +31,28 @@ SIGMA_KEY, NOISE_KEY, V_OLD_KEY = NFT_PREFIX + "sigma", NFT_PREFIX + "noise", NF
 
 
 @dataclass
-class DiffusionNFTConfig:
-    """DiffusionNFT loss settings.
+class DiffusionNFTConfig(ForwardProcessConfig):
+    """DiffusionNFT loss settings (and `ForwardProcessConfig`'s: the training times and noise).
 
     Attributes:
         beta: strength of the implicit positive / negative policies (> 0; the
             reference uses 1.0).
         adv_clip: c, the advantage clip that maps A to r in [0, 1] (reference 5.0).
-        draws_per_sample: noising draws (t, eps) per sample and update; each
-            costs one denoiser forward. t is drawn uniformly from the rollout's
-            sigma schedule sigmas[0..T-1].
-        seed: with the sample id, seeds every draw, so a sample's draws do not
-            depend on batching, rank or resume.
+
+    The defaults of the forward-process keys are the reference's draws: t uniform over the
+    rollout's sigma schedule sigmas[0..T-1] (`discrete_with_init` over [0, 1]), one fresh
+    eps per sample (`draws_per_sample` draws, each one denoiser forward).
     """
 
     beta: float = 1.0
     adv_clip: float = 5.0
-    draws_per_sample: int = 1
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.beta > 0:
             raise ValueError(f"algorithm.config.beta must be > 0, got {self.beta}")
         if not self.adv_clip > 0:
             raise ValueError(f"algorithm.config.adv_clip must be > 0, got {self.adv_clip}")
-        if self.draws_per_sample < 1:
-            raise ValueError(f"algorithm.config.draws_per_sample must be >= 1, got {self.draws_per_sample}")
-
-
-def per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[N] values shaped to broadcast over the non-batch dims of `like` [N, ...]."""
-    return values.view(-1, *([1] * (like.dim() - 1)))
+        super().__post_init__()
 
 
 def optimality(adv: torch.Tensor, clip: float) -> torch.Tensor:
@@ -97,58 +86,24 @@ def nft_loss(
     return clip * per.mean() / beta
 
 
-class DiffusionNFT(StageAlgorithm):
+class DiffusionNFT(ForwardProcessAlgorithm):
     """DiffusionNFT on a diffusion track: uses only the final latents and the advantages."""
 
-    modality: ClassVar[str] = "diffusion"
-    supports_multi_update: ClassVar[bool] = True
     requires_ema_rollout: ClassVar[bool] = False
-    requires_sde_logprobs: ClassVar[bool] = False
+    prefix: ClassVar[str] = NFT_PREFIX
 
     def __init__(self, config: DiffusionNFTConfig | None = None) -> None:
         self.config = config or DiffusionNFTConfig()
 
-    def _draws(self, track: RolloutTrack) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sample (sigma [B, k], noise [B, k, C, h, w]) from the sample ids."""
-        seg = track.segment
-        k = self.config.draws_per_sample
-        shape = seg.final.shape[1:]
-        sigmas, noises = [], []
-        for sid in track.sample_ids:
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{self.config.seed}:{sid}".encode()))
-            idx = torch.randint(0, seg.num_steps, (k,), generator=gen)
-            sigmas.append(seg.sigmas[idx])
-            noises.append(torch.randn((k, *shape), generator=gen))
-        return torch.stack(sigmas), torch.stack(noises)
-
-    def _inputs(self, track: RolloutTrack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-        """Flattened (x_t, x0, sigma, cond) over B * k rows, draw-major within a sample."""
-        seg = track.segment
-        k = self.config.draws_per_sample
-        x0 = seg.final.float()
-        sigma = track.conditions[SIGMA_KEY].reshape(-1)
-        noise = track.conditions[NOISE_KEY].flatten(0, 1)
-        x0_rep = x0.repeat_interleave(k, dim=0)
-        s = per_row(sigma, x0_rep)
-        x_t = (1 - s) * x0_rep + s * noise
-        cond = {
-            key: v.repeat_interleave(k, dim=0)
-            for key, v in track.conditions.items()
-            if not key.startswith(NFT_PREFIX)
-        }
-        return x_t, x0_rep, sigma, cond
-
     @torch.no_grad()
     def prepare_segment(self, stage: DiffusionStage, track: RolloutTrack) -> RolloutTrack:
         """Draw (sigma, eps) per sample and freeze v_old under the weights that sampled the batch."""
-        sigma, noise = self._draws(track)
-        track = dataclasses.replace(
-            track, conditions={**track.conditions, SIGMA_KEY: sigma, NOISE_KEY: noise}
-        )
-        x_t, _, flat_sigma, cond = self._inputs(track)
+        track = self.with_draws(track)
+        x_t, _, flat_sigma, cond = self.inputs(track)
         v_old = stage.velocity(x_t, flat_sigma, cond, track.segment.guidance_scale)
         v_old = v_old.view(len(track), self.config.draws_per_sample, *v_old.shape[1:])
-        return dataclasses.replace(track, conditions={**track.conditions, V_OLD_KEY: v_old})
+        track.conditions[V_OLD_KEY] = v_old
+        return track
 
     def compute_loss_and_backward(
         self, stage: DiffusionStage, track: RolloutTrack, ctx: dict[str, Any]
@@ -159,7 +114,7 @@ class DiffusionNFT(StageAlgorithm):
             raise ValueError(f"track {track.name!r} has no advantages: compute them before training")
         if V_OLD_KEY not in track.conditions:
             raise ValueError(f"track {track.name!r} was not prepared: call prepare_segment before the loss")
-        x_t, x0, sigma, cond = self._inputs(track)
+        x_t, x0, sigma, cond = self.inputs(track)
         v_new = stage.velocity(x_t, sigma, cond, track.segment.guidance_scale)
         v_old = track.conditions[V_OLD_KEY].flatten(0, 1)
         r = optimality(track.advantages, cfg.adv_clip).repeat_interleave(cfg.draws_per_sample)
