@@ -36,6 +36,8 @@ class StageAlgorithm(ABC):
             each other (preference pairs), so it needs samples_per_prompt >= 2 and
             whole groups in every micro-batch (micro_batch_size a multiple of
             samples_per_prompt); validation checks both before Ray starts.
+        uses_values: the loss trains on a critic's values (PPO: GAE advantages), so the
+            recipe needs a `critic`; a recipe with a critic needs such a loss.
 
     State that evolves over training (an adaptive KL coefficient) is updated in
     `end_of_rollout` and saved with the checkpoint through `state_dict` /
@@ -48,6 +50,7 @@ class StageAlgorithm(ABC):
     requires_sde_logprobs: ClassVar[bool] = False
     supports_kept_graph: ClassVar[bool] = False
     compares_within_groups: ClassVar[bool] = False
+    uses_values: ClassVar[bool] = False
 
     def dynamic_sampling_limit(self) -> int | None:
         """Dynamic sampling: None (the default) trains on every sampled group; an int n lets the

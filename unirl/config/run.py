@@ -68,6 +68,8 @@ class RunConfig:
             (`unirl.sync.WeightSyncConfig`); only with a dedicated engine.
         tracking: trackers beside metrics.jsonl, by name (`unirl/tracking/README.md`;
             checked by `unirl.config.references.check_tracking`).
+        critic: PPO's value model and its training (`unirl.train.critic.CriticConfig`),
+            or null (checked by `unirl.config.critic.check_critic`).
         hydra: Hydra's own settings.
         the rest: component sections, each a `_target_` node.
     """
@@ -95,6 +97,7 @@ class RunConfig:
     eval: Any = None
     weight_sync: Any = None
     tracking: Any = None
+    critic: Any = None
     hydra: Any = None
 
     def __post_init__(self) -> None:

@@ -8,7 +8,8 @@ Two phases, both reporting every problem they find:
    alone is built, so its constructor's own checks run too.
 2. Cross-component rules run on whatever phase 1 built, one module per concern: the modality
    (`modality`), batch and image geometry (`geometry`), the algorithm vs sampling, updates,
-   EMA, SDE, kept graphs and advantages (`algorithm`), devices, FSDP, LoRA, transport and
+   EMA, SDE, kept graphs and advantages (`algorithm`), PPO's critic and mini-batches
+   (`critic`), devices, FSDP, LoRA, transport and
    resume (`distributed`), the rollout engine and weight sync (`engines`), and the paths and
    names a recipe refers to (`references`). A rule is skipped only when one of its inputs
    failed phase 1.
@@ -28,6 +29,7 @@ from unirl.config.algorithm import (
     check_reward_backprop,
     check_sde,
 )
+from unirl.config.critic import check_critic, check_mini_batches
 from unirl.config.distributed import check_distributed, check_transport
 from unirl.config.engines import check_rollout
 from unirl.config.geometry import check_geometry, check_guidance
@@ -65,6 +67,8 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
         check_sde(cfg, sampling, problems)
     check_reward_backprop(cfg, algorithm, passed.get("algorithm"), sampling, problems)
     check_advantage(passed.get("algorithm"), passed.get("advantage"), sampling, modality, problems)
+    check_critic(cfg, passed, algorithm, modality, problems)
+    check_mini_batches(cfg, passed, algorithm, problems)
     check_distributed(cfg, passed, problems)
     check_rollout(cfg, passed, problems)
     check_prompt_keys(passed, problems)

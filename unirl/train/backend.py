@@ -28,13 +28,16 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 
 @dataclass
 class LoRAConfig:
-    """LoRA on the denoiser via peft. `target_modules` are module-name suffixes."""
+    """LoRA on the denoiser via peft. `target_modules` are module-name suffixes;
+    `modules_to_save` names modules trained whole beside the adapters (peft's key: a
+    critic's new value head)."""
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     init_lora_weights: bool | str = True
+    modules_to_save: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -139,6 +142,7 @@ def inject_lora(module: torch.nn.Module, cfg: LoRAConfig) -> None:
             lora_dropout=cfg.dropout,
             target_modules=list(cfg.target_modules),
             init_lora_weights=cfg.init_lora_weights,
+            modules_to_save=list(cfg.modules_to_save) or None,
         )
     )
 

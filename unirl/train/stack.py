@@ -23,12 +23,17 @@ class TrainStackConfig:
         micro_batch_size: samples per forward/backward; must divide the
             per-rank batch. Gradients of all micro-batches accumulate into
             one optimizer step.
-        num_updates_per_batch: optimizer updates per rollout (PPO epochs);
-            pi_old stays frozen across them.
+        num_updates_per_batch: passes over the rollout (PPO epochs); pi_old
+            stays frozen across them.
+        num_mini_batches: optimizer steps per pass (PPO mini-batches): the
+            per-rank batch's micro-batches split into this many contiguous
+            groups, each accumulated into one step; must divide the number of
+            micro-batches. 1: one step per pass over the whole batch.
     """
 
     micro_batch_size: int = 4
     num_updates_per_batch: int = 1
+    num_mini_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -37,6 +42,13 @@ class TrainStackConfig:
             raise ValueError(
                 f"train.stack.num_updates_per_batch must be >= 1, got {self.num_updates_per_batch}"
             )
+        if self.num_mini_batches < 1:
+            raise ValueError(f"train.stack.num_mini_batches must be >= 1, got {self.num_mini_batches}")
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout: passes x mini-batches."""
+        return self.num_updates_per_batch * self.num_mini_batches
 
 
 def keep_graph_problems(algorithm: StageAlgorithm, num_updates: int, full_finetune: bool) -> list[str]:
@@ -95,9 +107,10 @@ class TrainStack:
 
     `train_track(track, progress)`: splits the shard into micro-batches,
     freezes pi_old on each (`algorithm.prepare_segment`), then runs
-    `num_updates_per_batch` optimizer updates, each accumulating gradients
-    over all micro-batches. Returns metrics averaged over micro-batches and
-    updates, plus `ratio/first_update_mean` (1.0 exactly when on-policy and
+    `num_updates_per_batch` passes, each of `num_mini_batches` optimizer steps
+    accumulating gradients over a mini-batch's micro-batches (the whole batch by
+    default). Returns metrics averaged over micro-batches and updates, plus
+    `ratio/first_update_mean` (the first step's; 1.0 exactly when on-policy and
     pi_old is replayed), backend metrics and what the algorithm's
     `end_of_rollout` adds (called last, on every rank).
     """
@@ -105,10 +118,11 @@ class TrainStack:
     def __init__(
         self, stage, backend: TrainBackend, algorithm: StageAlgorithm, config: TrainStackConfig
     ) -> None:
-        if config.num_updates_per_batch > 1 and not algorithm.supports_multi_update:
+        if config.steps_per_rollout > 1 and not algorithm.supports_multi_update:
             raise ValueError(
-                f"train.stack.num_updates_per_batch={config.num_updates_per_batch} but "
-                f"{type(algorithm).__name__} does not support multiple updates per rollout"
+                f"train.stack.num_updates_per_batch={config.num_updates_per_batch} and num_mini_batches="
+                f"{config.num_mini_batches} but {type(algorithm).__name__} does not support multiple updates "
+                "per rollout"
             )
         self.stage = stage
         self.backend = backend
@@ -134,6 +148,8 @@ class TrainStack:
         else:
             micro = [self.algorithm.prepare_segment(self.stage, mb, kept=kept) for mb in micro]
         ctx = {"loss_scale": 1.0 / len(micro), "progress": progress, "reference": self.backend.reference}
+        if self.backend.ema is not None:  # the EMA weights, for a loss that measures a KL to them (AWM)
+            ctx["ema"] = self.backend.ema_weights
         if kept is not None:
             ctx.update(kept=kept, deferred=[])
         if isinstance(track.segment, TokenSegment):
@@ -154,6 +170,32 @@ class TrainStack:
             totals /= dist.get_world_size()
         num_tokens, num_samples = totals.tolist()
         return {"num_tokens": num_tokens, "num_samples": num_samples}
+
+    def mini_batches(
+        self, track: RolloutTrack, micro: list[RolloutTrack], ctx: dict
+    ) -> list[tuple[list[RolloutTrack], dict]]:
+        """The micro-batches grouped into `num_mini_batches` contiguous mini-batches, each with
+        its loss context: `loss_scale` over its micro-batches and, for text, the totals of the
+        mini-batch over the ranks (`batch_totals`), so each step's loss is its mini-batch's
+        aggregate. One mini-batch: the batch's own context, unchanged."""
+        n = self.config.num_mini_batches
+        if n == 1:
+            return [(micro, ctx)]
+        if len(micro) % n:
+            raise ValueError(
+                f"train.stack.num_mini_batches={n} does not divide the {len(micro)} micro-batches of the "
+                f"per-rank batch ({len(track)} samples / micro_batch_size {self.config.micro_batch_size})"
+            )
+        per = len(micro) // n
+        size = per * self.config.micro_batch_size
+        out = []
+        for j in range(n):
+            mini_ctx = {**ctx, "loss_scale": 1.0 / per}
+            if isinstance(track.segment, TokenSegment):
+                mini = track.select(list(range(j * size, (j + 1) * size)))
+                mini_ctx.update(self.batch_totals(mini.segment))
+            out.append((micro[j * per : (j + 1) * per], mini_ctx))
+        return out
 
     def backward(self, micro: list[RolloutTrack], ctx: dict) -> list[dict[str, float]]:
         """Accumulate one update's gradients over all micro-batches; their metric rows."""
@@ -190,14 +232,16 @@ class TrainStack:
             if not same_on_every_rank(layout, device):
                 kept = None
         micro, ctx = self.prepare(track, progress, kept)
+        minis = self.mini_batches(track, micro, ctx)
         rows, backend_rows = [], []
         self.backend.zero_grad()
         for update in range(self.config.num_updates_per_batch):
-            update_rows = self.backward(micro, ctx)
-            if update == 0:
-                first = reduce_metrics(update_rows)
-            rows.extend(update_rows)
-            backend_rows.append(self.backend.optimizer_step())
+            for j, (mini, mini_ctx) in enumerate(minis):
+                step_rows = self.backward(mini, mini_ctx)
+                if update == 0 and j == 0:
+                    first = reduce_metrics(step_rows)
+                rows.extend(step_rows)
+                backend_rows.append(self.backend.optimizer_step())
         out = reduce_metrics(rows)
         if "ratio/mean" in first:
             out["ratio/first_update_mean"] = first["ratio/mean"]

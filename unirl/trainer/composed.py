@@ -90,7 +90,7 @@ class ComposedTrainer(Trainer):
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         updates = {
-            n: self.num_steps * build(self.cfg.tracks[n].train.stack).num_updates_per_batch
+            n: self.num_steps * build(self.cfg.tracks[n].train.stack).steps_per_rollout
             for n in self.trained
         }
         bases = {

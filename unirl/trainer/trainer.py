@@ -198,7 +198,7 @@ class Trainer:
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         """Arguments of every worker after its `RankInfo` (the resolved recipe first)."""
-        updates = self.num_steps * int(self.cfg.train.stack.num_updates_per_batch)
+        updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
         return (plain, updates, self.base_model if self.tiny else None, transport_info)
 
     def _export(self, group) -> None:
@@ -438,7 +438,8 @@ class Trainer:
                 rows.append(row)
                 if self.every_n and (step + 1) % self.every_n == 0:
                     self._save_checkpoint(group, step + 1, ahead)
-                bar.set_postfix(reward=f"{row['reward/mean']:.4f}", loss=f"{row['loss']:.2e}")
+                loss = row.get("loss", float("nan"))  # none while a critic warms up alone
+                bar.set_postfix(reward=f"{row['reward/mean']:.4f}", loss=f"{loss:.2e}")
                 if every > 0 and ((step + 1) % every == 0 or step + 1 == self.num_steps):
                     stem = os.path.join(self.out, "samples", f"step_{step + 1:04d}")
                     modality.save_samples(track, stem)

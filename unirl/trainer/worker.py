@@ -35,6 +35,7 @@ from unirl.rollout.trainside import TrainsideEngine
 from unirl.sync import SyncPlan, SyncTicket, WeightSyncConfig, WeightSyncSender, make_sender, plan_for
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
+from unirl.train.critic import Critic
 from unirl.train.stack import TrainStack, keep_graph_problems
 from unirl.types.rollout_req import RolloutReq
 
@@ -158,6 +159,12 @@ class RLWorker(ProcessWorker):
         self.stage.module = self.backend.module
         self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
         self.stack = TrainStack(self.stage, self.backend, self.algorithm, build(train["stack"]))
+        # PPO's critic, colocated: it values this worker's rollouts and trains on its shard
+        self.critic = None
+        if cfg.get("critic") is not None:
+            critic_cfg, advantage = build(cfg["critic"]), build(cfg["advantage"])
+            self.critic = Critic(critic_cfg, self.stack.config, advantage, total_optimizer_steps, self.device)
+        self.num_steps = int(cfg["num_steps"])
         if is_dedicated(cfg["rollout"]):  # engines sample the rollouts; this one samples evaluations
             self.engine = TrainsideEngine(self.stage, cfg["rollout"].get("forward_batch_size"))
         else:
@@ -210,6 +217,8 @@ class RLWorker(ProcessWorker):
             track = resp.track(self.engine.track_name)
             if self.kl_in_reward:
                 self._attach_reference_log_probs(track)
+            if self.critic is not None:
+                self.critic.attach_values(track)
         return put_batch(self.transport, partition, track)
 
     @torch.no_grad()
@@ -235,13 +244,21 @@ class RLWorker(ProcessWorker):
         """Fetch this rank's shard of the track from the transport, attach the
         driver's [b] rewards and advantages, and train; returns this rank's metrics.
         Graphs kept by `rollout` for this partition replace the replay of the steps they
-        cover; they are dropped when this returns or raises."""
+        cover; they are dropped when this returns or raises. With a critic it trains first
+        (`critic/...` metrics); during its warm-up steps the policy is not updated."""
         try:
             track = get_batch(self.transport, meta)
             track.rewards, track.advantages = rewards.to(self.device), advantages.to(self.device)
             if self.kept is not None and self.kept.partition != meta.partition:
                 self.kept.clear()  # another step's graphs; every rank still offers its (empty) store
-            metrics = self.stack.train_track(track, progress, kept=self.kept)
+            metrics = {}
+            if self.critic is not None:
+                metrics = self.critic.train(track, progress)
+                warmup = round(progress * self.num_steps) < self.critic.config.warmup_steps
+                metrics["critic/warmup"] = float(warmup)
+                if warmup:
+                    return metrics
+            metrics.update(self.stack.train_track(track, progress, kept=self.kept))
         finally:
             if self.kept is not None:
                 self.kept.clear()
@@ -260,13 +277,17 @@ class RLWorker(ProcessWorker):
         """Write the sharded train state and the exported weights under `path`."""
         os.makedirs(path, exist_ok=True)
         save_train_state(path, self.backend, self.rank_info.rank, self.algorithm)
+        if self.critic is not None:
+            self.critic.save(path, self.rank_info.rank)
         self.backend.save_weights(os.path.join(path, "weights"), base_model, write=self.rank_info.rank == 0)
 
     @dispatch(Dispatch.BROADCAST)
     def load_checkpoint(self, path: str) -> None:
         """Restore the train state written by `save_checkpoint`, the algorithm's state
-        included (all ranks at once)."""
+        included, and the critic's (all ranks at once)."""
         load_train_state(path, self.backend, self.rank_info.rank, self.algorithm)
+        if self.critic is not None:
+            self.critic.load(path, self.rank_info.rank)
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def save_weights(self, path: str, base_model: str, use_ema: bool = False) -> None:

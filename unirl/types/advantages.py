@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 ADVANTAGE_SCOPES = ("group", "global")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 KL_INPUT_CLAMP = 20.0
 KL_VALUE_CLAMP = 10.0
@@ -45,10 +45,11 @@ class AdvantageConfig:
 
     Attributes:
         estimator: "grpo" (group z-score, the default), "rloo" (leave-one-out
-            baseline), "reinforce_pp" (discounted token returns, batch-whitened)
-            or "reinforce_pp_baseline" (group-centred score broadcast to tokens,
-            scaled by the batch std). The last two give per-token advantages
-            [B, Rmax] and need a text track.
+            baseline), "reinforce_pp" (discounted token returns, batch-whitened),
+            "reinforce_pp_baseline" (group-centred score broadcast to tokens,
+            scaled by the batch std) or "gae" (PPO: generalized advantage
+            estimation on a critic's per-token values, batch-whitened). The last
+            three give per-token advantages [B, Rmax] and need a text track.
         scope: estimator grpo: "group" normalises within each group of siblings;
             "global" over the whole batch.
         global_std: estimator grpo, scope group: divide by the batch std instead
@@ -57,7 +58,9 @@ class AdvantageConfig:
             `r - mean_g`. The other estimators never divide by a group std.
         eps: added to every std this divides by.
         clip: clip advantages to [-clip, clip]; None disables.
-        gamma: estimator reinforce_pp: discount of the token returns, in (0, 1].
+        gamma: estimators reinforce_pp and gae: discount of the token returns, in (0, 1].
+        lam: estimator gae: lambda of GAE, in [0, 1] (1: Monte-Carlo returns minus the
+            values; 0: one-step TD errors).
         kl_coef: KL to the reference policy folded into the reward (0 disables):
             per sample `r - kl_coef * sum_t kl_t` (grpo, rloo,
             reinforce_pp_baseline), per token `-kl_coef * kl_t` (reinforce_pp).
@@ -72,6 +75,7 @@ class AdvantageConfig:
     eps: float = 1e-4
     clip: float | None = None
     gamma: float = 1.0
+    lam: float = 1.0
     kl_coef: float = 0.0
     kl_estimator: str = "low_var_kl"
 
@@ -103,10 +107,16 @@ class AdvantageConfig:
             raise ValueError(
                 "advantage.global_std divides by the batch std but advantage.norm_by_std is false"
             )
-        if self.gamma != 1 and self.estimator != "reinforce_pp":
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"advantage.lam must be in [0, 1], got {self.lam}")
+        if self.gamma != 1 and self.estimator not in ("reinforce_pp", "gae"):
             raise ValueError(
-                f"advantage.gamma discounts reinforce_pp's token returns; estimator {self.estimator!r} "
-                f"needs gamma: 1.0, got {self.gamma}"
+                f"advantage.gamma discounts reinforce_pp's token returns (and gae's); estimator "
+                f"{self.estimator!r} needs gamma: 1.0, got {self.gamma}"
+            )
+        if self.lam != 1 and self.estimator != "gae":
+            raise ValueError(
+                f"advantage.lam is GAE's lambda; estimator {self.estimator!r} needs lam: 1.0, got {self.lam}"
             )
 
     @property
@@ -196,6 +206,54 @@ def _token_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
     return out
 
 
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation per row of right-padded [B, R] tensors.
+
+        delta_t = R_t + gamma V_{t+1} - V_t   (V_{t+1} = 0 past the last response token)
+        A_t = delta_t + gamma lam A_{t+1},  returns_t = A_t + V_t
+
+    `values` V_t is the value of the state before response token t; padding (mask 0) is
+    ignored and comes back 0. Returns (advantages, returns), not whitened.
+    """
+    v = values * mask
+    adv = torch.zeros_like(v)
+    running = torch.zeros_like(v[:, 0])
+    for t in range(v.shape[1] - 1, -1, -1):
+        next_v = v[:, t + 1] if t + 1 < v.shape[1] else torch.zeros_like(running)
+        delta = token_rewards[:, t] + gamma * next_v - v[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        adv[:, t] = running
+    return adv, (adv + v) * mask
+
+
+def _token_rewards(r: torch.Tensor, m: torch.Tensor, kl: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
+    """[B, R]: -kl_coef kl_t on every response token, plus the sample's reward on its last one."""
+    token_rewards = -kl_coef * kl if kl is not None else torch.zeros_like(m)
+    last = m.sum(dim=1).long() - 1
+    token_rewards[torch.arange(r.numel(), device=r.device), last] += r
+    return token_rewards
+
+
+def value_targets(
+    rewards: torch.Tensor,
+    cfg: AdvantageConfig,
+    *,
+    mask: torch.Tensor,
+    values: torch.Tensor,
+    token_kl: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, Rmax] fp32 GAE returns (the critic's regression targets): `gae`'s returns on the token
+    rewards `compute_advantages` uses for estimator gae. Rows are independent, so a micro-batch's
+    targets equal its rows of the batch's."""
+    m = mask.detach().to(torch.float64)
+    r = rewards.detach().to(device=m.device, dtype=torch.float64)
+    kl = None if token_kl is None or cfg.kl_coef == 0 else token_kl.detach().to(m) * m
+    tr = _token_rewards(r, m, kl, cfg.kl_coef)
+    return gae(tr, values.detach().to(m), m, cfg.gamma, cfg.lam)[1].to(torch.float32)
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     group_ids: list[str],
@@ -203,6 +261,7 @@ def compute_advantages(
     *,
     mask: torch.Tensor | None = None,
     token_kl: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 advantages from [B] rewards: [B] for grpo / rloo, [B, Rmax] (0 on padding) for reinforce_pp*.
 
@@ -212,6 +271,7 @@ def compute_advantages(
             reinforce_pp_baseline).
         mask: [B, Rmax] 1 on response tokens, 0 on right padding; needed when `cfg.needs_tokens`.
         token_kl: [B, Rmax] per-token KL to the reference (`kl_penalty`); needed when `cfg.kl_coef > 0`.
+        values: [B, Rmax] the critic's per-token values (estimator gae).
 
     Estimators, with r the rewards (minus `kl_coef * sum_t kl_t` when KL is folded in):
         grpo: group scope A = (r - mean_g) / (std_g + eps), std_g the population std of the group
@@ -223,6 +283,8 @@ def compute_advantages(
         reinforce_pp_baseline: (r_i - mean_g) broadcast to the response tokens, divided by the
             population std over the valid tokens of the batch (not re-centred, so a group of equal
             rewards keeps exactly 0; verl's masked_whiten also subtracts the token mean).
+        gae: token rewards as reinforce_pp's; `gae` advantages on `values` (gamma, lam), whitened
+            over the valid tokens of the batch (population std + eps; verl: rsqrt(unbiased var + 1e-8)).
     Then optional clipping. Computed in float64 on values shifted by their group's first value
     (grpo, rloo, baseline) or the batch's first (global scope, reinforce_pp), so a group (batch) of
     equal rewards gets exactly zero advantage instead of a rounding residue divided by `eps`.
@@ -252,10 +314,18 @@ def compute_advantages(
             )
         kl = token_kl.detach().to(device=r.device, dtype=torch.float64) * m
     if cfg.estimator == "reinforce_pp":
-        token_rewards = -cfg.kl_coef * kl if kl is not None else torch.zeros_like(m)
-        last = m.sum(dim=1).long() - 1
-        token_rewards[torch.arange(r.numel(), device=r.device), last] += r
+        token_rewards = _token_rewards(r, m, kl, cfg.kl_coef)
         adv = _whiten(_token_returns(token_rewards, cfg.gamma), m, cfg.eps, center=True)
+    elif cfg.estimator == "gae":
+        if values is None or values.shape != m.shape:
+            got = None if values is None else list(values.shape)
+            raise ValueError(
+                f"advantage.estimator=gae needs the critic's [B, Rmax] values {list(m.shape)}, got {got}: "
+                "set critic in the recipe"
+            )
+        token_rewards = _token_rewards(r, m, kl, cfg.kl_coef)
+        adv, _ = gae(token_rewards, values.detach().to(m), m, cfg.gamma, cfg.lam)
+        adv = _whiten(adv, m, cfg.eps, center=True)
     else:
         if kl is not None:
             r = r - cfg.kl_coef * kl.sum(dim=1)

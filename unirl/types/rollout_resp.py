@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from unirl.types.advantages import AdvantageConfig, compute_advantages, group_layout, kl_penalty
+from unirl.types.advantages import (
+    AdvantageConfig,
+    compute_advantages,
+    group_layout,
+    kl_penalty,
+    value_targets,
+)
 from unirl.types.batch import concat, select, split
 from unirl.types.segments import LatentSegment, TokenSegment
 
@@ -100,10 +106,17 @@ class RolloutTrack:
         self.advantages = compute_advantages(self.rewards, self.group_ids, cfg, **self.token_inputs(cfg))
         return self.advantages
 
+    def value_targets(self, cfg: AdvantageConfig) -> torch.Tensor:
+        """[B, Rmax] GAE returns of this track (`value_targets`): the critic's regression targets,
+        from `rewards` and the segment's `values` under `cfg` (estimator gae)."""
+        if self.rewards is None:
+            raise ValueError(f"track {self.name!r} has no rewards: score it before computing returns")
+        return value_targets(self.rewards, cfg, **self.token_inputs(cfg))
+
     def token_inputs(self, cfg: AdvantageConfig) -> dict[str, torch.Tensor]:
-        """`mask` ([B, Rmax]) and, with `cfg.kl_coef > 0`, `token_kl` ([B, Rmax], `cfg.kl_estimator`
-        of the rollout log-probs against the reference's) for `compute_advantages`; {} when `cfg`
-        needs neither."""
+        """`mask` ([B, Rmax]), with `cfg.kl_coef > 0` `token_kl` ([B, Rmax], `cfg.kl_estimator`
+        of the rollout log-probs against the reference's) and with estimator gae `values` (the
+        critic's, [B, Rmax]) for `compute_advantages`; {} when `cfg` needs none of them."""
         if not cfg.needs_tokens:
             return {}
         seg = self.segment
@@ -122,6 +135,13 @@ class RolloutTrack:
                 )
             logp, ref = seg.padded("log_probs").float(), seg.padded("ref_log_probs").float()
             out["token_kl"] = kl_penalty(logp, ref, cfg.kl_estimator) * out["mask"]
+        if cfg.estimator == "gae":
+            if seg.values is None:
+                raise ValueError(
+                    f"advantage.estimator=gae needs per-token values, but track {self.name!r} has none: "
+                    "the recipe's critic records them at rollout (set critic)"
+                )
+            out["values"] = seg.padded("values").float()
         return out
 
 

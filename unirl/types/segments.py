@@ -99,6 +99,8 @@ class TokenSegment:
         temperature: the logit divisor sampling used (replay uses the same).
         ref_log_probs: per sample [R_i] fp32 reference-policy log-probs when the
             rollout computed them (KL folded into the reward), else None.
+        values: per sample [R_i] fp32 critic values V_t (of the state before response
+            token t) when the run has a critic (PPO), else None.
     """
 
     prompt_ids: list[torch.Tensor]
@@ -106,8 +108,9 @@ class TokenSegment:
     log_probs: list[torch.Tensor]
     temperature: float = 1.0
     ref_log_probs: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None
 
-    PER_SAMPLE = ("prompt_ids", "response_ids", "log_probs", "ref_log_probs")
+    PER_SAMPLE = ("prompt_ids", "response_ids", "log_probs", "ref_log_probs", "values")
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -126,7 +129,7 @@ class TokenSegment:
                 raise ValueError(
                     f"TokenSegment.response_ids[{i}] must be 1-D with >= 1 token, got {list(r.shape)}"
                 )
-        for name in ("log_probs", "ref_log_probs"):
+        for name in ("log_probs", "ref_log_probs", "values"):
             rows = getattr(self, name)
             if rows is None:
                 continue
@@ -153,7 +156,7 @@ class TokenSegment:
         return pad_right([torch.ones(r.numel(), device=r.device) for r in self.response_ids])
 
     def padded(self, name: str, value: float = 0) -> torch.Tensor:
-        """[B, Rmax] the per-token field `name` ("response_ids", "log_probs", "ref_log_probs")
+        """[B, Rmax] the per-token field `name` ("response_ids", "log_probs", "ref_log_probs", "values")
         right-padded with `value`."""
         rows = getattr(self, name)
         if rows is None:

@@ -1,0 +1,119 @@
+"""Rules of PPO's critic against the rest of the recipe, and of PPO mini-batches.
+
+A `critic` is needed exactly when the algorithm trains on values (`uses_values`: PPO) and
+whenever `advantage.estimator` is gae; it runs on the policy's trainside workers (a dedicated
+engine's rollouts carry no values), on text; its warm-up leaves the policy steps to train; its
+LoRA targets and FSDP blocks exist in its network. `train.stack.num_mini_batches` splits the
+per-rank micro-batches evenly and, above 1, needs an algorithm that takes several updates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+
+def check_critic(
+    cfg: DictConfig, passed: dict[str, Any], algorithm: type | None, modality: str | None, problems: list[str]
+) -> None:
+    """The critic vs the algorithm, the advantage estimator, the run's length, the rollout
+    engine, the modality and its own module tree."""
+    has_critic = cfg.get("critic") is not None
+    name = algorithm.__name__ if algorithm is not None else None
+    uses_values = bool(getattr(algorithm, "uses_values", False))
+    if algorithm is not None and uses_values and not has_critic:
+        problems.append(
+            f"algorithm: {name} trains on a critic's values, but the recipe has no critic; add a critic "
+            "section (see examples/llm/tiny_lm_ppo.yaml)"
+        )
+    if algorithm is not None and has_critic and not uses_values:
+        problems.append(
+            f"critic: {name} ignores a critic's values; remove the critic section or use "
+            "unirl.algorithms.ppo.PPO"
+        )
+    advantage = passed.get("advantage")
+    if advantage is not None and advantage.estimator == "gae" and not has_critic:
+        problems.append(
+            "advantage.estimator=gae computes advantages from a critic's values, but the recipe has no "
+            "critic; add a critic section or use another estimator"
+        )
+    if not has_critic:
+        return
+    critic, run = passed.get("critic"), passed.get("")
+    model = passed.get("critic.model")
+    if model is not None and not hasattr(model, "build_value_stage"):
+        problems.append(
+            f"critic.model: {type(model).__name__} is not a value-model config; use the policy family's "
+            "(unirl.models.causal_lm.value.CausalLMValueConfig)"
+        )
+        return
+    if critic is not None and run is not None and critic.warmup_steps >= run.num_steps:
+        problems.append(
+            f"critic.warmup_steps={critic.warmup_steps} must be < num_steps={run.num_steps}: the policy "
+            "is frozen during the warm-up, so it would never train"
+        )
+    if modality is not None and modality != "text":
+        problems.append(f"critic: the critic values text responses, but this is a {modality} recipe")
+    from unirl.rollout.dedicated import is_dedicated
+
+    if isinstance(cfg.get("rollout"), DictConfig) and is_dedicated(cfg.rollout):
+        problems.append(
+            "critic: the train workers record the critic's values of the rollouts they sample, but "
+            "rollout names a dedicated engine; use unirl.rollout.trainside.TrainsideEngine"
+        )
+    if critic is None:
+        return
+    lora, fsdp = passed.get("critic.lora"), passed.get("critic.fsdp")
+    if run is not None and run.num_devices > 1 and cfg.critic.get("fsdp") is None:
+        problems.append(f"num_devices={run.num_devices} needs critic.fsdp (FSDP2 settings of the critic)")
+    if model is None or (lora is None and fsdp is None):
+        return
+    from unirl.config.distributed import meta_module
+    from unirl.train.backend import lora_target_problem
+    from unirl.train.fsdp import unmatched_block_classes
+
+    try:
+        tree = meta_module(model)
+    except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
+        problems.append(f"critic.model: cannot read the critic's config ({type(exc).__name__}: {exc})")
+        return
+    if lora is not None:
+        problem = lora_target_problem(tree, lora.target_modules, key="critic.lora.target_modules")
+        if problem:
+            problems.append(problem)
+    if fsdp is not None:
+        missing = unmatched_block_classes(tree, fsdp.block_classes)
+        if missing:
+            problems.append(f"critic.fsdp.block_classes {missing} match no module of {type(tree).__name__}")
+
+
+def check_mini_batches(
+    cfg: DictConfig, passed: dict[str, Any], algorithm: type | None, problems: list[str]
+) -> None:
+    """`train.stack.num_mini_batches` divides the per-rank micro-batches; above 1 the algorithm
+    takes several updates per rollout and no sampling graphs are kept."""
+    stack, run, sampling = passed.get("train.stack"), passed.get(""), passed.get("sampling")
+    if stack is None or stack.num_mini_batches == 1:
+        return
+    n = stack.num_mini_batches
+    if algorithm is not None and not getattr(algorithm, "supports_multi_update", False):
+        problems.append(
+            f"train.stack.num_mini_batches={n}: {algorithm.__name__} does not support several updates "
+            "per rollout; set it to 1"
+        )
+    rollout = cfg.get("rollout")
+    if isinstance(rollout, DictConfig) and rollout.get("keep_graph", False):
+        problems.append(
+            f"rollout.keep_graph: a kept graph is valid for the first optimizer step only, but "
+            f"train.stack.num_mini_batches={n}; set it to 1 or rollout.keep_graph=false"
+        )
+    if run is None or sampling is None:
+        return
+    per_rank = run.prompts_per_rollout * sampling.samples_per_prompt // run.num_devices
+    micro = per_rank // stack.micro_batch_size
+    if micro % n:
+        problems.append(
+            f"train.stack.num_mini_batches={n} does not divide the {micro} micro-batches of a rank "
+            f"(per-rank batch {per_rank} / micro_batch_size {stack.micro_batch_size})"
+        )
