@@ -61,6 +61,19 @@ def make_token_track(n: int = 4) -> RolloutTrack:
     )
 
 
+def make_image_track(n: int = 4) -> RolloutTrack:
+    """A VLM text track: `make_token_track` plus prompt images per sample (pixel values [N_i, 12],
+    grids [k_i, 3]; sample 1 has no image: [0, 12] and [0, 3]; sample 2 has two)."""
+    track = make_token_track(n)
+    g = torch.Generator().manual_seed(5)
+    grids = [[[1, 2, 2]], [], [[1, 4, 2], [1, 2, 2]], [[1, 2, 6]]][:n]
+    track.segment.image_grid_thw = [torch.tensor(x, dtype=torch.long).reshape(-1, 3) for x in grids]
+    track.segment.pixel_values = [
+        torch.randn(int(x.prod(-1).sum()), 12, generator=g) for x in track.segment.image_grid_thw
+    ]
+    return track
+
+
 def test_spec_kinds() -> None:
     assert spec_of("a", torch.zeros(3, 4, 5), 3) == FieldSpec("dense", "float32", (4, 5))
     assert spec_of("b", torch.zeros(3, dtype=torch.long), 3) == FieldSpec("dense", "int64", ())
@@ -175,6 +188,9 @@ def test_token_track_flattens_to_jagged_fields_and_back() -> None:
     }
     back = unflatten(skeleton, nested)
     for name in TokenSegment.PER_SAMPLE:  # nested tensors from a transport become lists again
+        if getattr(track.segment, name) is None:  # a text-only segment has no images
+            assert getattr(back.segment, name) is None
+            continue
         assert all(
             torch.equal(a, b)
             for a, b in zip(getattr(back.segment, name), getattr(track.segment, name), strict=True)

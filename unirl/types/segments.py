@@ -101,6 +101,11 @@ class TokenSegment:
             rollout computed them (KL folded into the reward), else None.
         values: per sample [R_i] fp32 critic values V_t (of the state before response
             token t) when the run has a critic (PPO), else None.
+        pixel_values: a vision-language model's prompt images, per sample [N_i, D] fp32
+            (the image processor's flattened patches of the sample's k_i images, N_i = 0
+            without images); None for text-only models.
+        image_grid_thw: per sample [k_i, 3] long, the (t, h, w) patch grid of each image,
+            in prompt order; set exactly when `pixel_values` is.
     """
 
     prompt_ids: list[torch.Tensor]
@@ -109,8 +114,18 @@ class TokenSegment:
     temperature: float = 1.0
     ref_log_probs: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
+    pixel_values: list[torch.Tensor] | None = None
+    image_grid_thw: list[torch.Tensor] | None = None
 
-    PER_SAMPLE = ("prompt_ids", "response_ids", "log_probs", "ref_log_probs", "values")
+    PER_SAMPLE = (
+        "prompt_ids",
+        "response_ids",
+        "log_probs",
+        "ref_log_probs",
+        "values",
+        "pixel_values",
+        "image_grid_thw",
+    )
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -140,6 +155,29 @@ class TokenSegment:
                     raise ValueError(
                         f"TokenSegment.{name}[{i}] has shape {list(lp.shape)}, its response {list(r.shape)}"
                     )
+        if (self.pixel_values is None) != (self.image_grid_thw is None):
+            raise ValueError("TokenSegment.pixel_values and image_grid_thw must be set together")
+        if self.pixel_values is not None:
+            for name in ("pixel_values", "image_grid_thw"):
+                if len(getattr(self, name)) != n:
+                    raise ValueError(
+                        f"TokenSegment.{name} has {len(getattr(self, name))} rows for {n} responses"
+                    )
+            for i, grid in enumerate(self.image_grid_thw):
+                if grid.dim() != 2 or grid.shape[-1] != 3:
+                    raise ValueError(
+                        f"TokenSegment.image_grid_thw[{i}] must be [k, 3], got {list(grid.shape)}"
+                    )
+                patches = int(grid.prod(-1).sum()) if grid.numel() else 0
+                if self.pixel_values[i].shape[0] != patches:
+                    raise ValueError(
+                        f"TokenSegment.pixel_values[{i}] has {self.pixel_values[i].shape[0]} patches but its "
+                        f"grids image_grid_thw[{i}] hold {patches}"
+                    )
+
+    @property
+    def has_images(self) -> bool:
+        return self.pixel_values is not None
 
     @property
     def response_lengths(self) -> torch.Tensor:

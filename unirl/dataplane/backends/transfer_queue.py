@@ -147,7 +147,10 @@ class _TQTransport(Transport):
             if isinstance(value, torch.Tensor):
                 columns[name] = value
             elif value and isinstance(value[0], torch.Tensor):
-                columns[name] = torch.nested.nested_tensor(value, layout=torch.jagged)
+                # Mooncake stores no zero-byte values (its partition then cannot be cleared): an empty
+                # row travels as one zero row and `_get` cuts it back to the length the meta records
+                rows = [r if r.shape[0] else r.new_zeros((1, *r.shape[1:])) for r in value]
+                columns[name] = torch.nested.nested_tensor(rows, layout=torch.jagged)
             else:
                 columns[name] = NonTensorStack(*value)
         td = TensorDict(columns, batch_size=[len(sample_ids)])
@@ -172,6 +175,8 @@ class _TQTransport(Transport):
             v = data.get(n)
             if meta.fields[n].kind == "object":
                 out[n] = v.tolist() if hasattr(v, "tolist") else list(v)
+            elif isinstance(v, torch.Tensor) and v.is_nested and n in meta.lengths:  # jagged
+                out[n] = [r[:k] for r, k in zip(v.unbind(), meta.lengths[n], strict=True)]
             elif isinstance(v, torch.Tensor) and v.is_nested:
                 out[n] = list(v.unbind())
             else:

@@ -143,30 +143,42 @@ class CausalLMConfig:
     def directory_problems(self) -> list[str]:
         """`pretrained_path`, when set, is a directory (its files are checked when read)."""
         path = self.pretrained_path
-        if not path or os.path.isdir(path):
+        if not path:
             return []
-        return [
-            f"model.pretrained_path: {path!r} is not a directory; point it (or PRETRAINED_MODEL) at a local "
-            "Hugging Face causal-LM (Qwen3 / Qwen2) directory, or set it to null to use model.tiny"
-        ]
+        if not os.path.isdir(path):
+            return [
+                f"model.pretrained_path: {path!r} is not a directory; point it (or PRETRAINED_MODEL) at a local "
+                "Hugging Face causal-LM (Qwen3 / Qwen2) directory, or set it to null to use model.tiny"
+            ]
+        from unirl.models.causal_lm.vision import is_vlm_directory
+
+        if is_vlm_directory(path):
+            return [
+                f"model.pretrained_path: {path!r} holds a vision-language model (its config.json has a "
+                "vision_config) but model._target_ is unirl.models.causal_lm.CausalLMConfig; use "
+                "unirl.models.causal_lm.VLMConfig"
+            ]
+        return []
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(extra_special: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """A byte-level tokenizer built in code: every byte is one token (printable ASCII
     characters map to themselves), then `<|endoftext|>` (EOS and pad),
-    `<|im_start|>`, `<|im_end|>`; a ChatML chat template. Decoding gives the text back."""
+    `<|im_start|>`, `<|im_end|>` and `extra_special` (e.g. a VLM's vision tokens), each
+    one token; a ChatML chat template. Decoding gives the text back."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    special = (*SPECIAL_TOKENS, *extra_special)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        additional_special_tokens=list(special[1:]),
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
@@ -179,7 +191,12 @@ class CausalLMBundle:
         model: the `AutoModelForCausalLM` (Qwen3ForCausalLM, Qwen2ForCausalLM, ...).
         tokenizer: its fast tokenizer; `eos_token_id` ends responses, `pad_token_id`
             pads batches (EOS when the tokenizer has no pad token).
+        has_vision: False here; a vision-language bundle (`vision.VLMBundle`) also takes
+            images with its prompts.
     """
+
+    has_vision: ClassVar[bool] = False
+    auto_model: ClassVar[type] = AutoModelForCausalLM
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, where: str) -> None:
         rows = model.get_input_embeddings().num_embeddings
@@ -205,7 +222,7 @@ class CausalLMBundle:
             raise FileNotFoundError(
                 f"model.pretrained_path {path!r} has no config.json: not a Hugging Face model directory"
             )
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        model = cls.auto_model.from_pretrained(path, dtype=dtype, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, where=f"model.pretrained_path {path!r}")
 
@@ -272,7 +289,9 @@ class CausalLMBundle:
         self.tokenizer.save_pretrained(path)
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> CausalLMBundle:
+def load_checkpoint(
+    path: str, dtype: torch.dtype = torch.float32, bundle_cls: type[CausalLMBundle] = CausalLMBundle
+) -> CausalLMBundle:
     """Load a bundle with the trained weights of a UniRL checkpoint directory.
 
     Reads `unirl_checkpoint.json` (written by the train backend), loads its
@@ -287,11 +306,11 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> CausalLMBu
         raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
     with open(meta_path) as f:
         meta = json.load(f)
-    base = CausalLMBundle.from_pretrained(meta["base_model"], dtype=dtype)
+    base = bundle_cls.from_pretrained(meta["base_model"], dtype=dtype)
     if meta["kind"] == "lora":
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(base.model, path, local_files_only=True).merge_and_unload()
-        return CausalLMBundle(model, base.tokenizer, where=f"checkpoint {path!r}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return CausalLMBundle(model, base.tokenizer, where=f"checkpoint {path!r}")
+        base.model = PeftModel.from_pretrained(base.model, path, local_files_only=True).merge_and_unload()
+        return base
+    base.model = bundle_cls.auto_model.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return base

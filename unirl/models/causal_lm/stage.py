@@ -76,7 +76,7 @@ class CausalLMStage:
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.model
         self.tokenizer = bundle.tokenizer
-        config = bundle.model.config
+        config = bundle.model.config.get_text_config()  # a VLM's decoder settings sit in text_config
         self.max_positions: int = config.max_position_embeddings
         self.vocab_rows: int = bundle.model.get_input_embeddings().num_embeddings
 
@@ -106,27 +106,55 @@ class CausalLMStage:
 
     # ---- prompts ----------------------------------------------------------------------------
     def encode_prompts(self, req: RolloutReq) -> list[torch.Tensor]:
-        """Per sample [P_i] long prompt ids (the chat template applied as one user turn with
-        the generation prompt when `sampling.chat_template`); too long is an error naming
-        the sample."""
+        """Per sample [P_i] long prompt ids (`encode`'s ids)."""
+        return self.encode(req)[0]
+
+    def encode(
+        self, req: RolloutReq
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """(prompt ids per sample [P_i] long, pixel values per sample [N_i, D] or None,
+        image grids per sample [k_i, 3] or None).
+
+        The chat template is applied as one user turn with the generation prompt when
+        `sampling.chat_template`. A vision-language bundle reads each sample's
+        `metadata["images"]` and expands the prompt's `<image>` placeholders into vision
+        tokens (`VLMBundle.prepare`); a text-only bundle rejects rows that carry images.
+        Too long or empty is an error naming the sample.
+        """
         sp: TextSamplingParams = req.sampling
-        unique = list(dict.fromkeys(req.prompts))
+        vision = self.bundle.has_vision
+        # a group's samples share their prompt row (text and images): prepare it once
+        keys = [(g, p) if vision else p for g, p in zip(req.group_ids, req.prompts, strict=True)]
+        first = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        prepared = {}
+        for key, i in first.items():
+            sid, prompt, images = req.sample_ids[i], req.prompts[i], req.metadata[i].get("images")
+            if vision:
+                prepared[key] = self.bundle.prepare(prompt, list(images or []), sid)
+            elif images:
+                raise ValueError(
+                    f"sample {sid!r}: the row carries {len(images)} image(s) (metadata['images']) but the model "
+                    "is a text-only causal LM; use model._target_=unirl.models.causal_lm.VLMConfig"
+                )
+            else:
+                prepared[key] = (prompt, None, None)
+        texts = [prepared[k][0] for k in first]
         if sp.chat_template:
             texts = [
                 self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                    [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
                 )
-                for p in unique
+                for t in texts
             ]
-        else:
-            texts = unique
         encoded = {
-            p: torch.tensor(ids, dtype=torch.long)
-            for p, ids in zip(
-                unique, self.tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True
+            k: torch.tensor(ids, dtype=torch.long)
+            for k, ids in zip(
+                first, self.tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True
             )
         }
-        ids = [encoded[p] for p in req.prompts]
+        ids = [encoded[k] for k in keys]
         for sid, p in zip(req.sample_ids, ids, strict=True):
             if p.numel() > sp.max_prompt_length:
                 raise ValueError(
@@ -140,7 +168,19 @@ class CausalLMStage:
                 )
             if p.numel() == 0:
                 raise ValueError(f"sample {sid!r}: the prompt is empty (0 tokens)")
-        return ids
+        if not vision:
+            return ids, None, None
+        return ids, [prepared[k][1] for k in keys], [prepared[k][2] for k in keys]
+
+    def _positions(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, grids: list[torch.Tensor] | None
+    ) -> torch.Tensor:
+        """Positions of a padded batch: [B, L] from the mask for a text LM, the VLM's
+        multimodal [3, B, L] when the rows carry image grids."""
+        if grids is None:
+            return (mask.cumsum(-1) - 1).clamp_(min=0)
+        stacked = torch.cat(list(grids)).to(input_ids.device) if any(g.numel() for g in grids) else None
+        return self.bundle.positions(input_ids, mask, stacked)
 
     def stop_token_ids(self, sp: TextSamplingParams) -> list[int]:
         """EOS plus `sampling.stop_tokens`, each of which must be exactly one token."""
@@ -174,7 +214,7 @@ class CausalLMStage:
         sp: TextSamplingParams = req.sampling
         if not isinstance(sp, TextSamplingParams):
             raise TypeError(f"CausalLMStage.generate needs TextSamplingParams, got {type(sp).__name__}")
-        prompts = self.encode_prompts(req)
+        prompts, pixel_values, grids = self.encode(req)
         stop_ids = torch.tensor(self.stop_token_ids(sp))
         device = self.device
         b = len(prompts)
@@ -185,7 +225,8 @@ class CausalLMStage:
             input_ids[i, width - p.numel() :] = p
             mask[i, width - p.numel() :] = 1
         input_ids, mask, stop_ids = input_ids.to(device), mask.to(device), stop_ids.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        positions = self._positions(input_ids, mask, grids)
+        images = {} if grids is None else self.bundle.vision_inputs(pixel_values, grids, device)
         gens = [torch.Generator().manual_seed(s) for s in req.seeds]
         tokens, log_probs = [], []
         done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -202,7 +243,9 @@ class CausalLMStage:
                     past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,
+                    **images,
                 )
+                images = {}  # the prompt's images are in the cache after the first forward
                 cache, logits = out.past_key_values, out.logits[:, -1]
                 if sp.greedy:
                     token = logits.argmax(dim=-1)
@@ -220,7 +263,7 @@ class CausalLMStage:
                     break
                 input_ids = token[:, None]
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                positions = positions[:, -1:] + 1
+                positions = positions[..., -1:] + 1  # every rotary axis: text continues one by one
         finally:
             self.module.train(was_training)
         token_mat, lp_mat = torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
@@ -236,6 +279,8 @@ class CausalLMStage:
             response_ids=responses,
             log_probs=[lp_mat[i, :n] for i, n in enumerate(lens)],
             temperature=sp.logit_temperature,
+            pixel_values=pixel_values,
+            image_grid_thw=grids,
         )
         return segment, texts
 
@@ -245,7 +290,8 @@ class CausalLMStage:
         at `segment.temperature`, right-padded with 0 (mask: `segment.response_mask()`).
 
         One forward over prompt_i + response_i per row, right-padded (attention mask,
-        positions 0..L_i-1), so a row's values do not depend on its batch-mates;
+        positions 0..L_i-1, or a VLM's multimodal positions with the segment's images),
+        so a row's values do not depend on its batch-mates;
         positions P_i-1 .. P_i+R_i-2 predict the response. Only the logits from the
         shortest prompt's last position on are computed. Differentiable.
         """
@@ -260,12 +306,18 @@ class CausalLMStage:
         p_len = segment.prompt_lengths.to(device)
         r_max = max(int(r.numel()) for r in segment.response_ids)
         start = int(p_len.min()) - 1  # first position whose logits predict a response token
+        if segment.has_images:
+            positions = self._positions(input_ids, mask, segment.image_grid_thw)
+            images = self.bundle.vision_inputs(segment.pixel_values, segment.image_grid_thw, device)
+        else:
+            positions, images = torch.arange(width, device=device).expand(b, width), {}
         out = self._forward(
             input_ids=input_ids,
             attention_mask=mask,
-            position_ids=torch.arange(width, device=device).expand(b, width),
+            position_ids=positions,
             use_cache=False,
             logits_to_keep=width - start,
+            **images,
         )
         # logits row j of out.logits is position start + j; response token k of row i sits
         # at position P_i + k and is predicted by position P_i - 1 + k
