@@ -164,7 +164,8 @@ RL_RECIPES = sorted(
     for domain in ("diffusion", "llm")
     for f in os.listdir(os.path.join(EXAMPLES, domain))
 )
-NEEDS_MODEL_DIR = ("diffusion/sd3_flowgrpo", "llm/qwen3_grpo")  # a real model directory (own tests)
+# a real model directory (own tests)
+NEEDS_MODEL_DIR = ("diffusion/sd3_flowgrpo", "diffusion/flux_flowgrpo", "llm/qwen3_grpo")
 # a negative weight flips a reward on purpose (the reward-backprop recipes hand theirs to the algorithm too)
 SIGNED_FLOATS = ("reward.backend.weights.", "algorithm.reward.backend.weights.")
 
@@ -212,9 +213,12 @@ ARITH_VARIANTS = (
 SHAPES_VARIANTS = ("diffusion/shapes_dancegrpo", "diffusion/shapes_mixgrpo")
 # shapes_flowgrpo with another algorithm node; its keys are mutated in the tiny_sd3_* variants
 SHAPES_VARIANTS += tuple(f"diffusion/shapes_{n}" for n in ("ddpo", "dpok", "flowdppo", "diffusiondpo"))
+# flux_flowgrpo with a tiny node at FLUX.1-dev's size; its keys are mutated there and in tiny_flux_flowgrpo
+FLUX_VARIANTS = ("diffusion/flux_dev_random_flowgrpo",)
+NOT_MUTATED = ARITH_VARIANTS + SHAPES_VARIANTS + FLUX_VARIANTS
 
 
-@pytest.mark.parametrize("name", [r for r in RL_RECIPES if r not in ARITH_VARIANTS + SHAPES_VARIANTS])
+@pytest.mark.parametrize("name", [r for r in RL_RECIPES if r not in NOT_MUTATED])
 def test_every_leaf_rejects_bad_values_with_its_full_key(name, monkeypatch):
     monkeypatch.setenv("PRETRAINED_MODEL", "/nonexistent/model")  # real-model recipes: only the path fails
     tree = OmegaConf.to_container(recipe(name), resolve=True)
