@@ -3,81 +3,19 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
-import shutil
-import subprocess
-import sys
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from tests.tracking.html_check import needs_chromium, parse, png_pixels, render_in_chromium
 from unirl.tracking.gallery import write_gallery
 from unirl.tracking.metrics import JsonlWriter, save_image_grid
 
 XSS = "<script>alert(1)</script>"
-VOID = {"meta", "img", "br", "hr", "input", "link", "source", "wbr", "col", "area", "base", "embed", "track"}
-# SVG leaves written self-closing (<line/>), which html.parser reports through handle_startendtag
-SVG_LEAVES = {"rect", "line", "circle", "polygon"}
-
-
-class _Doc(HTMLParser):
-    """Collects tags/attributes and checks that non-void elements are closed in order."""
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.stack: list[str] = []
-        self.errors: list[str] = []
-        self.imgs: list[dict[str, str | None]] = []
-        self.polylines: list[dict[str, str | None]] = []
-        self.ids: set[str] = set()
-        self.script_tags = 0
-        self.text: list[str] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = dict(attrs)
-        if a.get("id"):
-            self.ids.add(a["id"])
-        if tag == "img":
-            self.imgs.append(a)
-        if tag == "polyline":
-            self.polylines.append(a)
-        if tag == "script":
-            self.script_tags += 1
-        if tag not in VOID:
-            self.stack.append(tag)
-
-    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag not in VOID and tag not in SVG_LEAVES:
-            self.errors.append(f"unexpected self-closing <{tag}/>")
-
-    def handle_endtag(self, tag: str) -> None:
-        if not self.stack or self.stack[-1] != tag:
-            self.errors.append(f"</{tag}> closes {self.stack[-1] if self.stack else 'nothing'}")
-            return
-        self.stack.pop()
-
-    def handle_data(self, data: str) -> None:
-        self.text.append(data)
-
-
-def parse(path: str) -> tuple[str, _Doc]:
-    src = Path(path).read_text(encoding="utf-8")
-    doc = _Doc()
-    doc.feed(src)
-    doc.close()
-    assert doc.errors == [] and doc.stack == [], (doc.errors, doc.stack)
-    return src, doc
-
-
-def png_pixels(data: bytes) -> np.ndarray:
-    with Image.open(io.BytesIO(data)) as im:
-        return np.asarray(im.convert("RGB"))
 
 
 REWARD_ROWS = [
@@ -249,24 +187,18 @@ def test_eval_only_step_zero_row_is_skipped_for_reward(tmp_path: Path) -> None:
     assert len(by_key["reward/mean"]) == 1 and len(by_key["eval/accuracy"]) == 1
 
 
-# CI installs chromium (INSTALL_CHROMIUM=1 bash scripts/install.sh), so there a missing binary fails here.
-@pytest.mark.skipif(
-    shutil.which("chromium") is None and os.environ.get("INSTALL_CHROMIUM") != "1",
-    reason="headless check needs Debian's chromium (INSTALL_CHROMIUM=1 bash scripts/install.sh)",
-)
+@needs_chromium
 def test_gallery_renders_in_headless_chromium(tmp_path: Path) -> None:
     run, _ = make_run(tmp_path)
     write_gallery(str(run))
-    script = Path(__file__).resolve().parents[2] / "scripts" / "check_gallery_chromium.sh"
     shot = tmp_path / "shot.png"
-    env = {**os.environ, "PYTHON": sys.executable}
-    res = subprocess.run(["bash", str(script), str(run), str(shot)], capture_output=True, text=True, env=env)
+    res = render_in_chromium(run, shot)
     assert res.returncode == 0, res.stdout + res.stderr
     pixels = png_pixels(shot.read_bytes())
     assert pixels.shape == (2000, 1200, 3) and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 256
     # the script's own check fails on a page that renders blank
     (run / "gallery.html").write_text("<html><body></body></html>")
-    res = subprocess.run(["bash", str(script), str(run), str(shot)], capture_output=True, text=True, env=env)
+    res = render_in_chromium(run, shot)
     assert res.returncode == 1, res.stdout + res.stderr
 
 
@@ -297,4 +229,6 @@ def test_gallery_breaks_eval_accuracy_down_by_group(tmp_path: Path) -> None:
     overall = page[page.index('id="eval-chart"') : page.index('id="eval-chart-op"')]
     by_op = page[page.index('id="eval-chart-op"') :]
     assert "eval/accuracy/pass@16" in overall and "op=add" not in overall
-    assert "Eval accuracy by op" in by_op and "op=add (last 0.600)" in by_op and "op=mul (last 0.400)" in by_op
+    assert (
+        "Eval accuracy by op" in by_op and "op=add (last 0.600)" in by_op and "op=mul (last 0.400)" in by_op
+    )

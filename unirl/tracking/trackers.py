@@ -205,10 +205,12 @@ class WandbTracker(Tracker):
         run_name: str | None = None,
         mode: str = "offline",
         entity: str | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         self.project, self.run_name, self.mode, self.entity = project, run_name, mode, entity
+        self.settings = {"silent": True, "console": "off", "x_disable_stats": True, **(settings or {})}
         self.run = None
 
     def start(self, run_dir: str, config: dict[str, Any]) -> None:
@@ -223,7 +225,7 @@ class WandbTracker(Tracker):
             mode=self.mode,
             config=config,
             reinit="create_new",
-            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+            settings=wandb.Settings(**self.settings),
         )
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
