@@ -25,17 +25,20 @@ import torch
 
 from unirl.algorithms.base import StageAlgorithm
 from unirl.algorithms.kl_control import (
+    KL_SPACES,
     KLController,
     mean_over_ranks,
     reference_means,
     step_kl,
     transition_std,
+    velocity_scale,
 )
 from unirl.models.kept import KeptGraphs
 from unirl.models.stage import DiffusionStage
 from unirl.types.rollout_resp import RolloutTrack
 
 CLIP_SCHEDULES = ("constant", "linear", "cosine")
+GUARD_OLD_MEANS_KEY = "guard/old_means"
 OLD_LOGP_SOURCES = ("rollout", "replay")
 
 
@@ -52,18 +55,24 @@ class StepLossConfig:
         kl_target: null keeps beta fixed; a value makes it adaptive (Ziegler et
             al.'s controller steers the rollout's mean reference KL per step to it).
         kl_horizon: the adaptive controller's horizon in samples.
+        kl_space: "latent" (the KL of the SDE steps, on their means: the loss's own scale,
+            `kl_scale`) or "velocity" (`mean((v - v_ref)^2)` per step, the velocities the
+            means are affine in, `kl_control.velocity_scale`).
     """
 
     old_logp_source: str = "rollout"
     beta: float = 0.0
     kl_target: float | None = None
     kl_horizon: int = 10000
+    kl_space: str = "latent"
 
     def __post_init__(self) -> None:
         if self.old_logp_source not in OLD_LOGP_SOURCES:
             raise ValueError(
                 f"algorithm.config.old_logp_source must be one of {OLD_LOGP_SOURCES}, got {self.old_logp_source!r}"
             )
+        if self.kl_space not in KL_SPACES:
+            raise ValueError(f"algorithm.config.kl_space must be one of {KL_SPACES}, got {self.kl_space!r}")
         self.kl_controller()  # range-checks beta, kl_target and kl_horizon
 
     def kl_controller(self) -> KLController:
@@ -79,11 +88,16 @@ class FlowGRPOConfig(StepLossConfig):
         clip_range_final: epsilon at the end (linear / cosine schedule);
             None keeps `clip_range`.
         clip_schedule: "constant", "linear" or "cosine" in training progress.
+        guard: GRPO-Guard (`guard_log_ratio`): the per-step log-ratio is re-centred and
+            rescaled to one scale for every step, and each step's loss is divided by |dt|;
+            needs mu_old, replayed under the sampling weights before the first update.
+            false: Flow-GRPO's loss, bit for bit.
     """
 
     clip_range: float = 1e-4
     clip_range_final: float | None = None
     clip_schedule: str = "constant"
+    guard: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,6 +121,26 @@ class FlowGRPOConfig(StepLossConfig):
         if self.clip_schedule == "linear":
             return self.clip_range + (end - self.clip_range) * p
         return end + (self.clip_range - end) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def guard_log_ratio(
+    new_logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    means: torch.Tensor,
+    old_means: torch.Tensor,
+    std: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO-Guard's normalised log-ratio (RatioNorm) and its bias term, [B, k] each.
+
+    With s_t the step's transition std (`std` [k]) and means / old_means [B, k, C, h, w],
+        b_t = mean((mu - mu_old)^2) / (2 s_t^2),    z_t = (logp_new - logp_old + b_t) * s_t.
+    For x' = mu_old + s_t eps (pi_old sampled the step) the log-ratio is
+    -b_t - mean(eps (mu - mu_old)) / s_t: biased negative by b_t and spread as 1/s_t, so one clip
+    range acts unevenly over steps. z_t = -mean(eps (mu - mu_old)) has mean 0 and std
+    sqrt(mean((mu - mu_old)^2) / n) (n latent elements), whatever s_t.
+    """
+    bias = step_kl(means, old_means, std)
+    return (new_logp - old_logp + bias) * std.unsqueeze(0), bias
 
 
 def clipped_policy_loss(
@@ -155,7 +189,7 @@ class FlowGRPO(StageAlgorithm):
     requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = True
     supports_kept_graph: ClassVar[bool] = True
-    frozen_keys: ClassVar[tuple[str, ...]] = ()
+    frozen_keys: ClassVar[tuple[str, ...]] = (GUARD_OLD_MEANS_KEY,)
     """`track.conditions` entries `prepare_segment` adds (kept out of the replay's conditions)."""
 
     def __init__(self, config: StepLossConfig | None = None) -> None:
@@ -183,18 +217,26 @@ class FlowGRPO(StageAlgorithm):
     ) -> RolloutTrack:
         """With `old_logp_source: replay`, pi_old is recomputed under the current weights;
         a chunk whose graphs were kept at sampling takes their value instead (the same
-        weights and inputs at the geometry its loss will use, so the ratio is exactly 1)."""
+        weights and inputs at the geometry its loss will use, so the ratio is exactly 1).
+        With `guard`, the step means mu_old are frozen the same way (`GUARD_OLD_MEANS_KEY`)."""
         self.check_sde_steps(track)
-        if self.config.old_logp_source == "rollout":
+        guard = getattr(self.config, "guard", False)
+        if self.config.old_logp_source == "rollout" and not guard:
             return track
         seg = track.segment
         cond = self.replay_conditions(track)
-        parts = []
+        logps, means = [], []
         for steps in stage.replay_chunks(seg.sde_indices):
             found = kept.lookup(track.sample_ids, steps) if kept is not None else None
-            parts.append((found if found is not None else stage.replay(seg, cond, steps))[0])
-        old = torch.cat(parts, dim=1)
-        return dataclasses.replace(track, segment=dataclasses.replace(seg, log_probs=old))
+            logp, mean, _ = found if found is not None else stage.replay(seg, cond, steps)
+            logps.append(logp)
+            means.append(mean)
+        if self.config.old_logp_source == "replay":
+            seg = dataclasses.replace(seg, log_probs=torch.cat(logps, dim=1))
+        conditions = track.conditions
+        if guard:
+            conditions = {**conditions, GUARD_OLD_MEANS_KEY: torch.cat(means, dim=1)}
+        return dataclasses.replace(track, segment=seg, conditions=conditions)
 
     def policy_loss(
         self, chunk: StepChunk, track: RolloutTrack, adv: torch.Tensor, ctx: dict[str, Any]
@@ -202,9 +244,26 @@ class FlowGRPO(StageAlgorithm):
         """Per-step policy loss [B, k], the ratios [B, k] and loss-specific float metrics
         (averaged over chunks, weighted by their step counts); adv [B]."""
         clip = self.config.clip_at(ctx["progress"])
-        loss, ratio = clipped_policy_loss(chunk.new_logp, chunk.old_logp, adv, clip)
+        if not getattr(self.config, "guard", False):
+            loss, ratio = clipped_policy_loss(chunk.new_logp, chunk.old_logp, adv, clip)
+            clipfrac = float(((ratio.detach() - 1).abs() > clip).float().mean())
+            return loss, ratio, {"clipfrac": clipfrac, "clip_range": clip}
+        if GUARD_OLD_MEANS_KEY not in track.conditions:
+            raise ValueError(f"track {track.name!r} was not prepared: call prepare_segment before the loss")
+        old_means = track.conditions[GUARD_OLD_MEANS_KEY][:, chunk.cols]
+        std = chunk.transition_std.to(chunk.means.device)
+        z, bias = guard_log_ratio(chunk.new_logp, chunk.old_logp, chunk.means, old_means, std)
+        ratio = torch.exp(z)
+        a = adv.unsqueeze(1)
+        sig = track.segment.sigmas.to(torch.float32)
+        dt = torch.stack([sig[i + 1] - sig[i] for i in chunk.steps]).to(z.device)
+        loss = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip)) / (-dt).unsqueeze(0)
         clipfrac = float(((ratio.detach() - 1).abs() > clip).float().mean())
-        return loss, ratio, {"clipfrac": clipfrac, "clip_range": clip}
+        return (
+            loss,
+            ratio,
+            {"clipfrac": clipfrac, "clip_range": clip, "guard/bias": float(bias.detach().mean())},
+        )
 
     def kl_scale(self, chunk: StepChunk) -> torch.Tensor:
         """[k] the scale s of KL_t = mean((mu - mu_ref)^2) / (2 s^2): flow_grpo's std_dev_t."""
@@ -244,7 +303,11 @@ class FlowGRPO(StageAlgorithm):
             loss = policy
             w = len(steps)
             if coef > 0:
-                kl = step_kl(means, ref_means, self.kl_scale(chunk))
+                if self.config.kl_space == "latent":
+                    scale = self.kl_scale(chunk)
+                else:  # step_kl over c_t^2 / 2 is mean((v - v_ref)^2)
+                    scale = velocity_scale(stage, seg, steps).to(std_dev_t.device).abs() / math.sqrt(2)
+                kl = step_kl(means, ref_means, scale)
                 loss = loss + coef * kl.mean()
                 add("kl", float(kl.detach().mean()), w)
             scaled = loss * ctx["loss_scale"] * w / k_total

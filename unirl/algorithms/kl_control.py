@@ -36,6 +36,10 @@ from unirl.sde.strategies import make_strategy
 from unirl.types.segments import LatentSegment
 
 KL_ERROR_CLIP = 0.2  # Ziegler et al.'s bound on the proportional error
+KL_SPACES = ("latent", "velocity")
+"""Where a KL-to-another-policy term measures the distance: "latent" on the latents the
+policies produce (a step loss: the SDE step means, the Gaussian KL; a forward-process
+loss: the clean-latent predictions x_s - s v), "velocity" on the velocities themselves."""
 
 
 def step_kl(means: torch.Tensor, other: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -57,6 +61,32 @@ def transition_std(stage: DiffusionStage, segment: LatentSegment, steps: list[in
     strategy = make_strategy(name, segment.eta)
     zero = torch.zeros(1, dtype=torch.float32, device=segment.sigmas.device)
     return torch.stack([strategy.mean_and_std(zero, zero, segment.sigmas, i)[1] for i in steps]).float()
+
+
+def velocity_scale(stage: DiffusionStage, segment: LatentSegment, steps: list[int]) -> torch.Tensor:
+    """[k] fp32 c_t with mu(x, v) - mu(x, v') = c_t (v - v') for each SDE step: every step mean
+    (flow, dance, CPS) is affine in the velocity, so c_t = mu(0, 1) - mu(0, 0), read off the
+    stage's SDE strategy. `step_kl(means, other, |c_t| / sqrt(2))` is then
+    mean((v - v_other)^2), the KL term on velocities."""
+    name = getattr(stage, "sde", None)
+    if name is None:
+        raise TypeError(
+            f"{type(stage).__name__} names no SDE strategy (`sde`); a velocity KL needs its step means"
+        )
+    strategy = make_strategy(name, segment.eta)
+    zero = torch.zeros(1, dtype=torch.float32, device=segment.sigmas.device)
+    one = torch.ones_like(zero)
+    return torch.stack(
+        [
+            (
+                strategy.mean_and_std(zero, one, segment.sigmas, i)[0]
+                - strategy.mean_and_std(zero, zero, segment.sigmas, i)[0]
+            )
+            .reshape(())
+            .float()
+            for i in steps
+        ]
+    )
 
 
 @torch.no_grad()

@@ -59,6 +59,18 @@ def check_algorithm(
         problems.append(f"eval.use_ema=true evaluates the EMA weights, but train.ema is null; {fix}")
 
 
+def check_ema_use(built: Any, train: Any, problems: list[str]) -> None:
+    """An algorithm whose loss evaluates the EMA weights (its `needs_ema`: AWM's KL to the EMA
+    policy) needs `train.ema`."""
+    if built is None or train is None or not getattr(built, "needs_ema", False) or train.ema is not None:
+        return
+    problems.append(
+        f"algorithm: {type(built).__name__} measures a KL to the EMA of the policy (algorithm.config.ema_kl_beta > 0), "
+        "but train.ema is null; set train.ema to {_target_: unirl.train.ema.EMAConfig, decay: 0.9} "
+        "or algorithm.config.ema_kl_beta: 0"
+    )
+
+
 def check_sde(cfg: DictConfig, sampling: DiffusionSamplingParams, problems: list[str]) -> None:
     """`stage.sde` names a strategy that takes the sampling's eta and has noise on every step
     the SDE-step scheduler may pick (CPS has none on the last step)."""

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from unirl.config.algorithm import (
     check_advantage,
     check_algorithm,
+    check_ema_use,
     check_keep_graph,
     check_reward_backprop,
     check_sde,
@@ -62,6 +63,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
         check_text(cfg, sampling, model, problems, passed.get("eval.sampling"))
     check_eval_sampling(cfg, modality, problems)
     check_algorithm(algorithm, sampling, stack, passed.get("train"), passed.get("eval"), problems)
+    check_ema_use(passed.get("algorithm"), passed.get("train"), problems)
     check_keep_graph(cfg, passed, modality, problems)
     if modality == "diffusion":
         check_sde(cfg, sampling, problems)
