@@ -51,6 +51,7 @@ __all__ = ["config_diff", "write_report"]
 PHASES = ("time/rollout_s", "time/reward_s", "time/engine_release_s", "time/train_s")
 _COMPONENT = re.compile(r"^reward/(.+)/mean$")
 ABSENT = "(absent)"
+DIFF_OPEN_ROWS = 40  # a longer config diff starts folded
 
 _REPORT_CSS = """
 table.runs, table.timing, table.diff { border-collapse: collapse; margin: 8px 0 16px 0; font-size: 0.9em; }
@@ -230,16 +231,18 @@ def _config_section(runs: list[_Run]) -> list[str]:
         ]
     diff = config_diff([r.config for r in have])
     total = len({k for r in have for k in _flatten(r.config)})
-    out.append(f"<p>{len(diff)} of {total} keys differ; the rest are the same in every run.</p>")
-    if diff:
-        head = "<tr><th>key</th>" + "".join(f"<th>{html.escape(r.label)}</th>" for r in have) + "</tr>"
-        trs = [
-            f"<tr><th>{html.escape(key)}</th>{''.join(f'<td>{html.escape(_show(v))}</td>' for v in values)}</tr>"
-            for key, values in diff
-        ]
-        out.append(
-            f'<table class="diff" id="config-diff"><thead>{head}</thead><tbody>{"".join(trs)}</tbody></table>'
-        )
+    summary = f"{len(diff)} of {total} keys differ; the rest are the same in every run."
+    if not diff:
+        return [*out, f"<p>{summary}</p>"]
+    head = "<tr><th>key</th>" + "".join(f"<th>{html.escape(r.label)}</th>" for r in have) + "</tr>"
+    trs = [
+        f"<tr><th>{html.escape(key)}</th>{''.join(f'<td>{html.escape(_show(v))}</td>' for v in values)}</tr>"
+        for key, values in diff
+    ]
+    table = f'<table class="diff" id="config-diff"><thead>{head}</thead><tbody>{"".join(trs)}</tbody></table>'
+    # a long diff (runs of different recipes) starts folded, so the samples stay in reach
+    opened = " open" if len(diff) <= DIFF_OPEN_ROWS else ""
+    out.append(f"<details{opened}><summary>{summary}</summary>{table}</details>")
     return out
 
 
