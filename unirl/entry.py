@@ -23,7 +23,8 @@ def run_recipe(cfg: DictConfig, expect: str) -> None:
 def validate_then_run(cfg: DictConfig, validate: Callable[[DictConfig], None], trainer: str) -> None:
     """`validate(cfg)` before any Ray work (exit 2 listing every problem), then
     `<trainer>(cfg).run()`, the trainer named by its class path and imported only after
-    validation (exit 1 with the step and last checkpoint when a run stops)."""
+    validation (exit 1 with the step and last checkpoint when a run stops, or naming the
+    tracker that failed)."""
     try:
         validate(cfg)
     except ConfigError as exc:
@@ -31,10 +32,11 @@ def validate_then_run(cfg: DictConfig, validate: Callable[[DictConfig], None], t
         sys.exit(2)
     from hydra.utils import get_class
 
+    from unirl.tracking.trackers import TrackerError
     from unirl.trainer.trainer import TrainingError  # after validation: no heavy imports first
 
     try:
         get_class(trainer)(cfg).run()
-    except TrainingError as exc:
+    except (TrainingError, TrackerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes import IN_PROCESS, rows, run
+from tests.recipes import IN_PROCESS, composed, rows, run
 from tests.tracking.html_check import needs_chromium, parse, png_pixels, render_in_chromium
+from unirl.entry import run_recipe
 from unirl.tracking.report import ABSENT, config_diff
-from unirl.tracking.trackers import TrackerError
 from unirl.view import main as view
 
 RECIPE = "diffusion/tiny_sd3_flowgrpo"
@@ -56,10 +56,15 @@ def test_the_trainer_feeds_its_trackers(two_runs) -> None:
     assert len(rows(b)) == 2 and not (b / "wandb").exists()
 
 
-def test_a_required_tracker_that_cannot_start_stops_the_run(tmp_path, monkeypatch) -> None:
+def test_a_required_tracker_that_cannot_start_stops_the_run(tmp_path, monkeypatch, capsys) -> None:
+    """Through the entry point's runner: exit 1 naming the tracker, no row written."""
     monkeypatch.setitem(sys.modules, "wandb", None)
-    with pytest.raises(TrackerError, match=r"tracking\[0\]: tracker 'wandb' failed to start"):
-        run(RECIPE, tmp_path, *SMALL, "++tracking=[wandb]")
+    with pytest.raises(SystemExit) as stop:
+        run_recipe(composed(RECIPE, tmp_path, *SMALL, "++tracking=[wandb]"), "diffusion")
+    assert stop.value.code == 1
+    assert (
+        "error: tracking[0]: tracker 'wandb' failed to start: ModuleNotFoundError" in capsys.readouterr().err
+    )
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
