@@ -44,6 +44,7 @@ ALGORITHMS: dict[str, tuple[str, list[str]]] = {
     # name: (recipe, extra overrides)
     "flowgrpo": ("diffusion/shapes_flowgrpo", []),
     "nft": ("diffusion/shapes_nft", []),
+    "awm": ("diffusion/shapes_awm", []),
     "dancegrpo": ("diffusion/shapes_dancegrpo", []),
     "mixgrpo": ("diffusion/shapes_mixgrpo", []),
     "flowdppo": ("diffusion/shapes_flowdppo", []),

@@ -213,6 +213,8 @@ ARITH_VARIANTS = (
 SHAPES_VARIANTS = ("diffusion/shapes_dancegrpo", "diffusion/shapes_mixgrpo")
 # shapes_flowgrpo with another algorithm node; its keys are mutated in the tiny_sd3_* variants
 SHAPES_VARIANTS += tuple(f"diffusion/shapes_{n}" for n in ("ddpo", "dpok", "flowdppo", "diffusiondpo"))
+# shapes_nft with AWM's algorithm node and an EMA; its keys are mutated in tiny_awm
+SHAPES_VARIANTS += ("diffusion/shapes_awm",)
 # flux_flowgrpo with a tiny node at FLUX.1-dev's size; its keys are mutated there and in tiny_flux_flowgrpo
 FLUX_VARIANTS = ("diffusion/flux_dev_random_flowgrpo",)
 NOT_MUTATED = ARITH_VARIANTS + SHAPES_VARIANTS + FLUX_VARIANTS
