@@ -1,6 +1,7 @@
 """GRPO-Guard on Flow-GRPO and DanceGRPO (off: Flow-GRPO's loss; on: the normalised ratio has
-mean 0 and one spread at every step, loss and gradient as the formula), and the step losses'
-KL on velocities (no Ray; a stand-in linear denoiser, `tests/algorithms/linear_stage.py`)."""
+mean 0 and one spread at every step, loss and gradient as the formula), and the KL on velocities
+or latents of the step losses and the reward-backprop regulariser (no Ray; a stand-in linear
+denoiser, `tests/algorithms/linear_stage.py`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.algorithms.linear_stage import LinearStage, perturb, sampled_track
 from unirl.algorithms.dpok import DPOK, DPOKConfig
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig, guard_log_ratio
 from unirl.algorithms.kl_control import velocity_scale
+from unirl.algorithms.reward_backprop import RewardBackpropConfig, sample_generator, velocity_kl
 from unirl.sde.strategies import gaussian_log_prob, make_strategy
 
 
@@ -153,3 +155,29 @@ def test_velocity_scale_is_the_means_coefficient_of_v():
 def test_kl_space_errors_name_the_key():
     with pytest.raises(ValueError, match="algorithm.config.kl_space"):
         FlowGRPOConfig(kl_space="score")
+
+
+@pytest.mark.parametrize("space", ["velocity", "latent"])
+def test_reward_backprop_regulariser_in_both_spaces(space):
+    stage = LinearStage()
+    track = sampled_track(stage)
+    w_ref = stage.module.weight.data - 0.2
+    kl = velocity_kl(stage, track, lambda: stage.swapped(w_ref), 3, 0, space)
+    got = float(kl.detach())
+    kl.backward()
+    assert all(p.grad is not None for p in stage.module.parameters())
+    # the same positions drawn by hand: per sample, seeded by (seed, sample id, "kl")
+    seg, rows = track.segment, []
+    for b, sid in enumerate(track.sample_ids):
+        for j in torch.randint(0, seg.num_steps, (3,), generator=sample_generator(0, sid, "kl")).tolist():
+            x, s = seg.at(j)[b : b + 1], seg.sigmas[j]
+            c = track.conditions["c"][b]
+            with torch.no_grad():
+                v = stage.module(x) * (1 + s) + c
+                with stage.swapped(w_ref):
+                    v_ref = stage.module(x) * (1 + s) + c
+            d = float(((v - v_ref) ** 2).mean())
+            rows.append(d if space == "velocity" else float(s) ** 2 * d)
+    assert got == pytest.approx(sum(rows) / len(rows), rel=1e-5)
+    with pytest.raises(ValueError, match="algorithm.config.kl_space"):
+        RewardBackpropConfig(kl_space="score")

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from unirl.algorithms.base import StageAlgorithm
+from unirl.algorithms.kl_control import KL_SPACES
 from unirl.models.stage import DifferentiableDiffusionStage
 from unirl.types.reward import DifferentiableReward
 from unirl.types.rollout_resp import RolloutTrack
@@ -55,6 +56,8 @@ class RewardBackpropConfig:
         kl_coef: weight of the velocity-L2 regulariser to the reference policy (0: off,
             no reference forward).
         kl_steps: stored trajectory positions per sample the regulariser is evaluated at.
+        kl_space: "velocity" (mean ||v_theta - v_ref||^2) or "latent" (the same on the
+            clean-latent predictions x_j - sigma_j v, sigma_j^2 times it).
         checkpoint: recompute each re-run step's forward in the backward pass
             (`torch.utils.checkpoint`), memory for one step's input instead of its activations.
         seed: with the sample id, seeds every random choice of the loss.
@@ -64,6 +67,7 @@ class RewardBackpropConfig:
     reward_transform: str = "identity"
     kl_coef: float = 0.0
     kl_steps: int = 1
+    kl_space: str = "velocity"
     checkpoint: bool = False
     seed: int = 0
 
@@ -78,6 +82,8 @@ class RewardBackpropConfig:
             raise ValueError(f"algorithm.config.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_steps < 1:
             raise ValueError(f"algorithm.config.kl_steps must be >= 1, got {self.kl_steps}")
+        if self.kl_space not in KL_SPACES:
+            raise ValueError(f"algorithm.config.kl_space must be one of {KL_SPACES}, got {self.kl_space!r}")
 
 
 def sample_generator(seed: int, sample_id: str, purpose: str) -> torch.Generator:
@@ -122,9 +128,12 @@ def velocity_kl(
     reference,
     steps: int,
     seed: int,
+    space: str = "velocity",
 ) -> torch.Tensor:
     """Scalar mean ||v_theta(x_j) - v_ref(x_j)||^2 at `steps` stored positions j per sample
-    (drawn per sample from [0, T)), v_ref under the `reference()` context (no grad)."""
+    (drawn per sample from [0, T)), v_ref under the `reference()` context (no grad); with
+    `space="latent"` each row is weighted by sigma_j^2 (the clean-latent predictions
+    x_j - sigma_j v)."""
     seg = track.segment
     n = seg.num_steps
     idx = [
@@ -137,7 +146,9 @@ def velocity_kl(
     v = stage.velocity(x, sigma, cond, seg.guidance_scale)
     with torch.no_grad(), reference():
         v_ref = stage.velocity(x, sigma, cond, seg.guidance_scale)
-    return ((v - v_ref) ** 2).mean()
+    if space == "velocity":
+        return ((v - v_ref) ** 2).mean()
+    return (sigma**2 * ((v - v_ref) ** 2).mean(dim=tuple(range(1, v.dim())))).mean()
 
 
 class RewardBackprop(StageAlgorithm):
@@ -224,7 +235,7 @@ class RewardBackprop(StageAlgorithm):
         loss = -cfg.reward_scale * objective.mean()
         out = {"backprop/reward_mean": float(scores.detach().mean())}
         if cfg.kl_coef > 0:
-            kl = velocity_kl(stage, track, ctx["reference"], cfg.kl_steps, cfg.seed)
+            kl = velocity_kl(stage, track, ctx["reference"], cfg.kl_steps, cfg.seed, cfg.kl_space)
             loss = loss + cfg.kl_coef * kl
             out["kl"] = float(kl.detach())
         (loss * ctx["loss_scale"]).backward()
