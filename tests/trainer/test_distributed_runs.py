@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,14 +64,21 @@ RESUME_CASES = {
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
-def test_resume_continues_identically(tmp_path, case):
+def test_resume_continues_identically(tmp_path, case, request):
     """Stopped at a step-2 checkpoint and resumed, a run writes the rows of the run that never
     stopped (apart from measurements of the machine) and ends with bit-equal weights. With a
     full fine-tune and a KL term, equal `kl` rows say the reference came back as the initial
     weights. 1 worker (in this process) trains the plain module, 2 workers FSDP2-sharded weights,
-    optimizer and reference; the backend's own round trip is tests/train/test_checkpoint.py."""
+    optimizer and reference; the backend's own round trip is tests/train/test_checkpoint.py.
+    The LoRA 2-worker run stopped at step 2 is the `two_workers` fixture's `ray` run (the same
+    recipe, checkpointed at its last step), copied and resumed here."""
     overrides = RESUME_CASES[case]
-    full, resumed = stopped_and_resumed(TINY, tmp_path, *overrides)
+    if case == "lora-2-workers":
+        full = run(tmp_path / "full", "num_steps=4", *overrides)
+        shutil.copytree(request.getfixturevalue("two_workers")["ray"][0], tmp_path / "part")
+        resumed = run(tmp_path / "part", "num_steps=4", "resume_from=latest", *overrides)
+    else:
+        full, resumed = stopped_and_resumed(TINY, tmp_path, *overrides)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
     assert same_weights(tmp_path / "full", tmp_path / "part")
@@ -166,9 +174,15 @@ def test_ema_rollouts_sample_from_the_ema_weights(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory) -> dict[str, tuple]:
-    """2 steps on 2 workers through each transport: {transport: (output dir, rows)}."""
+    """2 steps on 2 workers through each transport, checkpointed at step 2 (the `ray` run is
+    the LoRA 2-worker resume test's stopped run): {transport: (output dir, rows)}."""
     return per_transport(
-        TINY, tmp_path_factory.mktemp("two_workers"), BACKENDS, "num_steps=2", "num_devices=2"
+        TINY,
+        tmp_path_factory.mktemp("two_workers"),
+        BACKENDS,
+        "num_steps=2",
+        "num_devices=2",
+        "checkpoint.every_n_steps=2",
     )
 
 
