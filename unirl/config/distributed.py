@@ -7,6 +7,7 @@ weights read); the data-plane transport; the checkpoint a run resumes from.
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any
 
@@ -22,13 +23,14 @@ _META_MODULES: dict[str, Any] = {}
 def meta_module(model: Any) -> Any:
     """`model.trainable_on_meta()`: the trained module tree on the meta device, for reading names.
 
-    A model built from the recipe alone (no `pretrained_path`) is a function of its config, so
-    its tree is built once per config and shared (validating a recipe many times, as the tests
-    do, would otherwise rebuild it each time); callers only read it. A pretrained directory is
-    read every time, as its files may change."""
-    if getattr(model, "pretrained_path", None):
-        return model.trainable_on_meta()
+    The tree is a function of the model's config and, with a `pretrained_path`, of the JSON
+    config files in that directory (no weights are read), so it is built once per config and
+    file state (path, size, modification time of each JSON file) and shared: validating a recipe
+    many times, as the tests do, would otherwise rebuild it each time. Callers only read it."""
     key = f"{type(model).__module__}.{type(model).__qualname__}:{model!r}"
+    if path := getattr(model, "pretrained_path", None):
+        files = sorted(glob.glob(os.path.join(path, "**", "*.json"), recursive=True))
+        key += repr([(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files])
     if key not in _META_MODULES:
         if len(_META_MODULES) >= 8:
             _META_MODULES.pop(next(iter(_META_MODULES)))
