@@ -36,8 +36,9 @@ ALLOWED: dict[str, set[str]] = {
     "sync": {"distributed", "sync"},
     "trainer": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS},
     "data": {"types", "data"},
-    # the shapes world (dataset, renderer, scorer) is a leaf over the typed boundary
-    "shapes": {"types", "shapes"},
+    # the shapes world (datasets, renderer, scorers) is a leaf over the typed boundary and data
+    # sources (its VQA rows are a resumable data source, as the arithmetic world's problems are)
+    "shapes": {"types", "data", "shapes"},
     # the arithmetic world (problems, split, verifier) is a leaf over the typed boundary and data sources
     "arith": {"types", "data", "arith"},
     "tracking": {"tracking"},

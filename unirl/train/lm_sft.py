@@ -38,9 +38,11 @@ class CausalLMSFTConfig(SupervisedConfig):
 
 
 class TextPairSource(Protocol):
-    """Supervised text: `sample_batch(n, rng) -> [(prompt, completion)] * n`."""
+    """Supervised text: `sample_batch(n, rng) -> [(prompt, completion)] * n`, or for a
+    vision-language model `[(prompt, completion, images)] * n` (the prompt's `<image>`
+    placeholders, one per image, as in RL rows)."""
 
-    def sample_batch(self, n: int, rng: np.random.Generator) -> list[tuple[str, str]]: ...
+    def sample_batch(self, n: int, rng: np.random.Generator) -> list[tuple]: ...
 
 
 def encode_pairs(
@@ -118,15 +120,34 @@ class CausalLMSFT(SupervisedRun):
                 f"got {type(bundle).__name__}"
             )
         self.bundle, self.data, self.model = bundle, data, bundle.model
-        self.max_positions: int = self.model.config.max_position_embeddings
+        self.max_positions: int = self.model.config.get_text_config().max_position_embeddings
         super().__init__([self.model], cfg, output_dir, evaluator, bundle)
 
     def batch_loss(self) -> tuple[torch.Tensor, dict[str, float]]:
         """The completion loss of a fresh batch, and its non-padding token count (`tokens`)."""
-        pairs = self.data.sample_batch(self.cfg.batch_size, self.rng)
-        input_ids, mask, labels = encode_pairs(self.bundle.tokenizer, pairs, self.max_positions)
+        rows = self.data.sample_batch(self.cfg.batch_size, self.rng)
         device = self.bundle.device
-        logits = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
+        if not self.bundle.has_vision:
+            if any(len(r) > 2 and r[2] for r in rows):
+                raise ValueError(
+                    "the data gives images with its pairs but the model is a text-only causal LM; use "
+                    "model._target_=unirl.models.causal_lm.VLMConfig"
+                )
+            pairs, images = [(r[0], r[1]) for r in rows], {}
+            positions = None
+        else:  # a VLM: expand each prompt's <image> placeholders, as rollouts do
+            prepared = [
+                self.bundle.prepare(r[0], list(r[2]) if len(r) > 2 else [], f"sft/{i}")
+                for i, r in enumerate(rows)
+            ]
+            pairs = [(text, r[1]) for (text, _, _), r in zip(prepared, rows, strict=True)]
+            pixels, grids = [p[1] for p in prepared], [p[2] for p in prepared]
+            images = self.bundle.vision_inputs(pixels, grids, device)
+        input_ids, mask, labels = encode_pairs(self.bundle.tokenizer, pairs, self.max_positions)
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        if self.bundle.has_vision:
+            positions = self.bundle.positions(input_ids, mask, images.get("image_grid_thw"))
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **images).logits
         return completion_loss(logits, labels.to(device)), {"tokens": float(mask.sum())}
 
     def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:

@@ -152,3 +152,18 @@ def test_save_and_load_a_directory(stage, tmp_path) -> None:
     assert VLMConfig(pretrained_path=str(tmp_path)).directory_problems() == []
     problems = CausalLMConfig(pretrained_path=str(tmp_path)).directory_problems()
     assert len(problems) == 1 and "vision-language" in problems[0] and "VLMConfig" in problems[0]
+
+
+def test_recipes_reject_the_other_kind_of_model_directory(tmp_path) -> None:
+    """A text recipe pointing at a VLM directory, or a VLM recipe at a text-only one, stops before Ray
+    naming the key and the model config to use."""
+    from tests.recipes import recipe
+    from unirl.config.validate import ConfigError
+
+    vlm_dir, text_dir = tmp_path / "vlm", tmp_path / "text"
+    VLMConfig(tiny=TinyVLMConfig()).build().save_pretrained(str(vlm_dir))
+    CausalLMConfig(tiny=TinyLMConfig()).build().save_pretrained(str(text_dir))
+    with pytest.raises(ConfigError, match=r"model.pretrained_path: .* holds a vision-language model.*VLMConfig"):
+        recipe("llm/tiny_lm_grpo", tmp_path / "a", f"model.pretrained_path={vlm_dir}", "model.tiny=null")
+    with pytest.raises(ConfigError, match=r"model.pretrained_path: .* holds a text-only model.*CausalLMConfig"):
+        recipe("vlm/shapes_vqa_grpo", tmp_path / "b", f"model.pretrained_path={text_dir}")

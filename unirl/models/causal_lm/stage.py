@@ -79,6 +79,8 @@ class CausalLMStage:
         config = bundle.model.config.get_text_config()  # a VLM's decoder settings sit in text_config
         self.max_positions: int = config.max_position_embeddings
         self.vocab_rows: int = bundle.model.get_input_embeddings().num_embeddings
+        # a VLM's vision placeholders mean "an image goes here": a response must not hold them
+        self.unsampled_ids: list[int] = list(getattr(bundle, "vision_token_ids", ()))
 
     @property
     def device(self) -> torch.device:
@@ -206,7 +208,8 @@ class CausalLMStage:
         one uniform per sample from a CPU generator seeded by `req.seeds[i]`,
         so a sample's tokens do not depend on its batch-mates or device; the
         recorded log-prob is the token's under `log_softmax(logits /
-        logit_temperature)`. A sample ends at EOS or a stop token (kept in its
+        logit_temperature)`. A VLM's vision placeholder tokens are never chosen
+        (as top-k, this shapes the choice, not the recorded log-prob). A sample ends at EOS or a stop token (kept in its
         response ids, left out of its text) or after `max_new_tokens`.
 
         Returns (TokenSegment on the module's device, decoded response texts).
@@ -247,12 +250,17 @@ class CausalLMStage:
                 )
                 images = {}  # the prompt's images are in the cache after the first forward
                 cache, logits = out.past_key_values, out.logits[:, -1]
+                choice = logits
+                if self.unsampled_ids:  # never chosen (the recorded log-prob stays the full softmax's)
+                    choice = logits.index_fill(
+                        -1, torch.tensor(self.unsampled_ids, device=device), float("-inf")
+                    )
                 if sp.greedy:
-                    token = logits.argmax(dim=-1)
+                    token = choice.argmax(dim=-1)
                 else:
                     uniforms = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in gens])
                     token = draw(
-                        sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p), uniforms.to(device)
+                        sampling_probs(choice, sp.temperature, sp.top_k, sp.top_p), uniforms.to(device)
                     )
                 token = token.masked_fill(done, self.tokenizer.pad_token_id)
                 tokens.append(token)

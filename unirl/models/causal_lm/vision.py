@@ -245,6 +245,9 @@ class VLMBundle(CausalLMBundle):
             `image_grid_thw` [k, 3].
         merge: patches per LM token along each side (the vision tower's spatial merge).
         image_token_id: the placeholder token one image position takes in the prompt.
+        vision_token_ids: the image / video placeholders and vision start / end tokens, which
+            `CausalLMStage.generate` never samples (a response holding one would be read as an
+            image slot on replay).
     """
 
     has_vision: ClassVar[bool] = True
@@ -260,6 +263,17 @@ class VLMBundle(CausalLMBundle):
             ids = tokenizer.encode(token, add_special_tokens=False)
             if len(ids) != 1:
                 raise ValueError(f"{where}: the tokenizer does not hold {token!r} as one token (got {ids})")
+        # the placeholders a response must never hold (the stage does not sample them)
+        self.vision_token_ids: tuple[int, ...] = tuple(
+            i
+            for i in (
+                config.image_token_id,
+                getattr(config, "video_token_id", None),
+                getattr(config, "vision_start_token_id", None),
+                getattr(config, "vision_end_token_id", None),
+            )
+            if i is not None
+        )
         if tokenizer.convert_tokens_to_ids(IMAGE_PAD) != self.image_token_id:
             raise ValueError(
                 f"{where}: the tokenizer's {IMAGE_PAD} is id {tokenizer.convert_tokens_to_ids(IMAGE_PAD)} but "
