@@ -1,7 +1,9 @@
 """The dedicated-engine recipes through their entry points, a few steps each on shrunken sizes.
 
-The colocated recipe's entry point runs in tests/trainer/test_dedicated_runs.py (the killed-engine
-test: its rows and placement up to the kill); its full run, in-process, in the same module."""
+The diffusion recipes' entry points run in tests/trainer/test_dedicated_runs.py: the colocated
+one in the killed-engine test (its rows and placement up to the kill; its full run, in-process,
+in the same module), the separate one in the staleness test (4 steps: staleness, syncs,
+placement, export)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,12 @@ import json
 import pytest
 
 from tests.conftest import run_module
-from tests.recipes import LM, SD3
+from tests.recipes import LM
 from tests.recipes import rows as read_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 CASES = {
-    "diffusion/tiny_sd3_dedicated_separate": ("unirl.train_diffusion", SD3, [0, 1]),
     "llm/tiny_lm_dedicated": ("unirl.train_vlm", LM, [0, 0]),
 }
 

@@ -2,7 +2,8 @@
 bounded staleness, exact resume, a killed engine.
 
 Runs shrunken tiny recipes in-process through `Trainer` on one shared local Ray instance (the
-killed-engine test runs the entry point in a subprocess). Equal rows below are equal floats: the
+killed-engine and staleness tests run the colocated and separate recipes' entry points in a
+subprocess). Equal rows below are equal floats: the
 engines sample with the trainer's weights (a bit-exact sync) through the same stage code and the
 same forward batches as the trainside engine.
 """
@@ -19,8 +20,9 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, untimed
+from tests.conftest import REPO, run_module, untimed
 from tests.recipes import SD3, run, same_weights
+from tests.recipes import rows as read_rows
 from unirl.distributed.group import DevicePool, Worker, WorkerError, placement, remote
 
 pytestmark = pytest.mark.ray
@@ -109,9 +111,26 @@ def test_staleness_one_samples_behind_and_resumes_exactly(tmp_path):
 
     Resume: the step-2 checkpoint is taken while step 3's rollout runs; it holds the engine's
     weights (version 1) and the data position before that rollout's prompts, so a run resumed
-    from it writes the uninterrupted run's rows and ends with the same weights."""
-    full = run(SEPARATE, tmp_path / "full", "num_steps=4", "checkpoint.every_n_steps=2")
+    from it writes the uninterrupted run's rows and ends with the same weights.
+
+    The uninterrupted run is the separate recipe through its entry point (`python -m
+    unirl.train_diffusion`, on the shared Ray instance): one engine, a weight sync before each
+    later rollout, a final export; the frozen and resumed runs train in this process."""
+    full_dir = tmp_path / "full"
+    res = run_module(
+        "unirl.train_diffusion",
+        f"--config-name={SEPARATE}",
+        *SD3,
+        "num_steps=4",
+        "checkpoint.every_n_steps=2",
+        f"output_dir={full_dir}",
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    full = read_rows(full_dir)
     assert [r["rollout/staleness"] for r in full] == [0, 1, 1, 1]
+    assert all(r["sync/bytes"] > 0 for r in full[:-1])  # a sync before each later rollout
+    assert [e["engine"] for e in json.loads((full_dir / "placement.json").read_text())["engines"]] == [0]
+    assert (full_dir / "checkpoints" / "final" / "unirl_checkpoint.json").exists()
     frozen = run(
         SEPARATE, tmp_path / "frozen", "num_steps=2", "rollout.max_staleness=0", "train.optim.lr=1e-30"
     )
