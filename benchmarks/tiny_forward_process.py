@@ -11,7 +11,7 @@ compared with Flow-GRPO's whole clock. A control trains on `RandomReward` (the r
 logged at weight 0), so a rise there is not learning from the reward.
 
     python benchmarks/tiny_forward_process.py [--steps 30] [--window 5] [--threads 1]
-        [--only flowgrpo,awm,...] [--out benchmarks/results/tiny_forward_process.jsonl]
+        [--only flowgrpo,awm,...] [--reference TARGET,CLOCK_S] [--out benchmarks/figures/tiny_forward_process.jsonl]
 
 Writes one JSON line per run (`run, steps, clock_s, reward_first, reward_last, reached_step,
 reached_clock_s, clock_ratio`) and prints them as a table.
@@ -43,6 +43,11 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "flowgrpo": ("diffusion/tiny_sd3_flowgrpo", []),
     "awm": ("diffusion/tiny_awm", []),
     "awm_uniform": ("diffusion/tiny_awm", ["algorithm.config.weighting=uniform"]),
+    "awm_kl0.01": ("diffusion/tiny_awm", ["algorithm.config.ema_kl_beta=0.01"]),
+    "awm_unconstrained": (
+        "diffusion/tiny_awm",
+        ["algorithm.config.ema_kl_beta=0.0", "+algorithm.config.allow_unconstrained=true", "train.ema=null"],
+    ),
     "nft": ("diffusion/tiny_awm", NFT),
     "control_random_awm": ("diffusion/tiny_awm", RANDOM_REWARD),
     "control_random_flowgrpo": ("diffusion/tiny_sd3_flowgrpo", RANDOM_REWARD),
@@ -97,18 +102,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default=",".join(RUNS))
     ap.add_argument(
-        "--out", default=os.path.join(ROOT, "benchmarks", "results", "tiny_forward_process.jsonl")
+        "--reference",
+        default=None,
+        help="TARGET,CLOCK_S of an earlier Flow-GRPO run (same machine and load): skip running it",
+    )
+    ap.add_argument(
+        "--out", default=os.path.join(ROOT, "benchmarks", "figures", "tiny_forward_process.jsonl")
     )
     args = ap.parse_args()
     names = args.only.split(",")
-    if "flowgrpo" not in names:
+    if "flowgrpo" not in names and args.reference is None:
         names = ["flowgrpo", *names]
     curves = {}
     for name in names:
         recipe, overrides = RUNS[name]
         curves[name] = curve(train(recipe, overrides, args.steps, args.threads))
-    clock_ref, reward_ref = curves["flowgrpo"]
-    target = trailing(reward_ref, args.window)[-1]
+    if args.reference is None:
+        clock_ref, reward_ref = curves["flowgrpo"]
+        target, ref_clock = trailing(reward_ref, args.window)[-1], clock_ref[-1]
+    else:
+        target, ref_clock = (float(v) for v in args.reference.split(","))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     lines = []
     for name in names:
@@ -125,7 +138,7 @@ def main() -> None:
                 "target": round(target, 4),
                 "reached_step": None if reached is None else reached + 1,
                 "reached_clock_s": None if reached is None else round(clock[reached], 2),
-                "clock_ratio": None if reached is None else round(clock[reached] / clock_ref[-1], 3),
+                "clock_ratio": None if reached is None else round(clock[reached] / ref_clock, 3),
             }
         )
     with open(args.out, "a") as f:
