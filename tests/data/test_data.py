@@ -303,3 +303,19 @@ def test_smoke_jsonl_loads() -> None:
     assert by_id["red-circle"].metadata == {"color": "red", "shape": "circle"}
     assert by_id["green-triangle"].prompt == "a green triangle"
     assert any(e.metadata.get("tag") == "counting" for e in examples)
+
+
+def test_image_rows_resolve_their_files_against_the_prompt_file(tmp_path: Path) -> None:
+    sub = tmp_path / "data"
+    sub.mkdir()
+    f = sub / "vqa.jsonl"
+    f.write_text(
+        '{"prompt": "<image>how many?", "images": ["img/a.png"], "answer": "2"}\n'
+        '{"prompt": "<image>colour?", "images": ["/abs/b.png"], "answer": "red"}\n'
+    )
+    rows = load_prompts(str(f))
+    assert rows[0].metadata == {"images": [str(sub / "img" / "a.png")], "answer": "2"}
+    assert rows[1].metadata["images"] == ["/abs/b.png"]
+    f.write_text('{"prompt": "<image>q", "images": "a.png"}\n')
+    with pytest.raises(PromptFileError, match=r"vqa.jsonl, line 1: 'images' must be a list of image file paths"):
+        load_prompts(str(f))

@@ -37,6 +37,10 @@ def load_prompts(path: str, prompt_key: str = "prompt") -> list[PromptExample]:
     is an optional dict; without it, the row's other top-level keys become the
     metadata. Legacy keys `prompt_embeds` / `prompt_embed_path` are rejected.
 
+    A vision-language row names its images in metadata `images`: a list of file paths,
+    relative ones resolved against the prompt file's directory (the prompt holds one
+    `<image>` per image; the model's stage reads them and names a bad one with its sample).
+
     Prompt text is stripped of surrounding whitespace. A row without a
     `prompt_id` gets `"{filename}:{index}"`, where `index` counts prompts
     (0-based) and `filename` is the base name of `path`.
@@ -80,6 +84,14 @@ def load_prompts(path: str, prompt_key: str = "prompt") -> list[PromptExample]:
     first_seen: dict[str, str] = {}
     for where, row in rows:
         ex = _to_example(row, prompt_key, f"{filename}:{len(examples)}", f"{path}, {where}", ext)
+        images = ex.metadata.get("images")
+        if images is not None:
+            if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+                raise PromptFileError(
+                    f"{path}, {where}: 'images' must be a list of image file paths, got {images!r}"
+                )
+            base = os.path.dirname(os.path.abspath(path))
+            ex.metadata["images"] = [i if os.path.isabs(i) else os.path.join(base, i) for i in images]
         if ex.prompt_id in first_seen:
             raise PromptFileError(
                 f"{path}, {where}: duplicate prompt_id {ex.prompt_id!r} (first used at {first_seen[ex.prompt_id]}); "

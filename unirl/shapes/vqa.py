@@ -98,6 +98,8 @@ def _row(
 def _split_rows(split: str, seed: int, size: int | None) -> tuple[PromptExample, ...]:
     if split not in SPLITS:
         raise ValueError(f"ShapesVQA split must be one of {list(SPLITS)}, got {split!r}")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"ShapesVQA size must be an integer >= 1 (or null: the whole split), got {size!r}")
     if split == "eval_all":
         return _split_rows("eval", seed, size) + _split_rows("eval_trained", seed, size)
     train, evals = split_scenes(seed)
