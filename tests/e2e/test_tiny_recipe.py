@@ -1,4 +1,5 @@
-"""The tiny recipe through its entry point (real Ray, real worker), and its checkpoint loaded back."""
+"""The tiny recipe through its entry point (real Ray, real worker; the README's main job, run by the
+single-node launcher), and its checkpoint loaded back."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, run_module
+from tests.conftest import REPO
 from tests.recipes import rows as read_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -31,19 +32,10 @@ REQUIRED_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """The README's main job as it ships (30 steps, about 90 s on 2 idle cores); the timeout
-    leaves room for a machine shared with other jobs."""
-    out = tmp_path_factory.mktemp("tiny_run")
-    res = run_module(
-        "unirl.train_diffusion",
-        "--config-name=diffusion/tiny_sd3_flowgrpo",
-        "logging.progress=false",
-        f"output_dir={out}",
-        timeout=1800,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    return out
+def run_dir(readme_main_job):
+    """The README's main job as it ships (30 steps), run once per session through the
+    single-node launcher, which execs `python -m unirl.train_diffusion` (tests/e2e/conftest.py)."""
+    return readme_main_job
 
 
 def test_metrics_rows(run_dir):
