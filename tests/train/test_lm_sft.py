@@ -194,3 +194,41 @@ def test_entry_point_picks_the_trainer_by_config_type():
         trainer_class(CausalLMSFTConfig(), SD3ModelConfig(pretrained_path="x"))
     with pytest.raises(TypeError, match="sft._target_ builds int"):
         trainer_class(3, lm)
+
+
+def test_vlm_loss_is_the_mean_over_samples_forwarded_alone_with_their_images(tmp_path):
+    """A VLM batch (prompt, completion, images): the padded batch loss equals the completion
+    cross-entropy summed over each sample's own no-padding forward with its image, divided by
+    the batch's completion (+ EOS) tokens; the image reaches the loss (the vision tower gets
+    gradient); a text-only model refuses image rows."""
+    from unirl.models.causal_lm.vision import TinyVLMConfig, VLMConfig
+    from unirl.shapes.vqa import ShapesVQASFTSource
+
+    tiny = TinyVLMConfig(patch_size=8, min_pixels=256, max_pixels=1024)
+    bundle = VLMConfig(tiny=tiny).build()
+    cfg = CausalLMSFTConfig(num_steps=1, batch_size=3, warmup_steps=0, eval_every=0)
+    run = CausalLMSFT(bundle, ShapesVQASFTSource(), cfg, str(tmp_path))
+    rows = ShapesVQASFTSource().sample_batch(3, np.random.default_rng(run.cfg.seed))
+    run.rng = np.random.default_rng(run.cfg.seed)
+    loss, stats = run.batch_loss()
+    total, count = 0.0, 0
+    for prompt, answer, images in rows:
+        text, pixels, grid = bundle.prepare(prompt, images, "s")
+        ids, _, labels = encode_pairs(bundle.tokenizer, [(text, answer)], 128)
+        pos, _ = bundle.model.model.get_rope_index(
+            ids, (ids == bundle.image_token_id).int(), image_grid_thw=grid
+        )
+        logits = bundle.model(
+            input_ids=ids, position_ids=pos, pixel_values=pixels, image_grid_thw=grid
+        ).logits
+        n = int((labels[:, 1:] != -100).sum())
+        total += float(completion_loss(logits, labels)) * n
+        count += n
+    torch.testing.assert_close(float(loss), total / count, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in bundle.model.model.visual.parameters())
+    text_run = CausalLMSFT(tiny_bundle(), ShapesVQASFTSource(), cfg, str(tmp_path / "text"))
+    with pytest.raises(
+        ValueError, match="images with its pairs but the model is a text-only causal LM.*VLMConfig"
+    ):
+        text_run.batch_loss()
