@@ -161,11 +161,11 @@ def test_bad_transport_options_are_config_errors():
 
 RL_RECIPES = sorted(
     f"{domain}/{os.path.splitext(f)[0]}"
-    for domain in ("diffusion", "llm")
+    for domain in ("diffusion", "llm", "vlm")
     for f in os.listdir(os.path.join(EXAMPLES, domain))
 )
 # a real model directory (own tests)
-NEEDS_MODEL_DIR = ("diffusion/sd3_flowgrpo", "diffusion/flux_flowgrpo", "llm/qwen3_grpo")
+NEEDS_MODEL_DIR = ("diffusion/sd3_flowgrpo", "diffusion/flux_flowgrpo", "llm/qwen3_grpo", "vlm/qwen25vl_grpo")
 # a negative weight flips a reward on purpose (the reward-backprop recipes hand theirs to the algorithm too)
 SIGNED_FLOATS = ("reward.backend.weights.", "algorithm.reward.backend.weights.")
 
@@ -217,7 +217,9 @@ SHAPES_VARIANTS += tuple(f"diffusion/shapes_{n}" for n in ("ddpo", "dpok", "flow
 SHAPES_VARIANTS += ("diffusion/shapes_awm",)
 # flux_flowgrpo with a tiny node at FLUX.1-dev's size; its keys are mutated there and in tiny_flux_flowgrpo
 FLUX_VARIANTS = ("diffusion/flux_dev_random_flowgrpo",)
-NOT_MUTATED = ARITH_VARIANTS + SHAPES_VARIANTS + FLUX_VARIANTS
+# the VQA recipes' keys are those of vlm/tiny_vqa_smoke (their base, on a tiny model), mutated there
+VLM_VARIANTS = ("vlm/shapes_vqa_grpo", "vlm/qwen25vl_grpo")
+NOT_MUTATED = ARITH_VARIANTS + SHAPES_VARIANTS + FLUX_VARIANTS + VLM_VARIANTS
 
 
 @pytest.mark.parametrize("name", [r for r in RL_RECIPES if r not in NOT_MUTATED])
