@@ -127,27 +127,26 @@ class CausalLMSFT(SupervisedRun):
         """The completion loss of a fresh batch, and its non-padding token count (`tokens`)."""
         rows = self.data.sample_batch(self.cfg.batch_size, self.rng)
         device = self.bundle.device
-        if not self.bundle.has_vision:
-            if any(len(r) > 2 and r[2] for r in rows):
-                raise ValueError(
-                    "the data gives images with its pairs but the model is a text-only causal LM; use "
-                    "model._target_=unirl.models.causal_lm.VLMConfig"
-                )
-            pairs, images = [(r[0], r[1]) for r in rows], {}
-            positions = None
-        else:  # a VLM: expand each prompt's <image> placeholders, as rollouts do
+        if self.bundle.has_vision:  # expand each prompt's <image> placeholders, as rollouts do
             prepared = [
                 self.bundle.prepare(r[0], list(r[2]) if len(r) > 2 else [], f"sft/{i}")
                 for i, r in enumerate(rows)
             ]
             pairs = [(text, r[1]) for (text, _, _), r in zip(prepared, rows, strict=True)]
-            pixels, grids = [p[1] for p in prepared], [p[2] for p in prepared]
-            images = self.bundle.vision_inputs(pixels, grids, device)
+        elif any(len(r) > 2 and r[2] for r in rows):
+            raise ValueError(
+                "the data gives images with its pairs but the model is a text-only causal LM; use "
+                "model._target_=unirl.models.causal_lm.VLMConfig"
+            )
+        else:
+            pairs = [(r[0], r[1]) for r in rows]
         input_ids, mask, labels = encode_pairs(self.bundle.tokenizer, pairs, self.max_positions)
         input_ids, mask = input_ids.to(device), mask.to(device)
+        extra = {}
         if self.bundle.has_vision:
-            positions = self.bundle.positions(input_ids, mask, images.get("image_grid_thw"))
-        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **images).logits
+            extra = self.bundle.vision_inputs([p[1] for p in prepared], [p[2] for p in prepared], device)
+            extra["position_ids"] = self.bundle.positions(input_ids, mask, extra.get("image_grid_thw"))
+        logits = self.model(input_ids=input_ids, attention_mask=mask, **extra).logits
         return completion_loss(logits, labels.to(device)), {"tokens": float(mask.sum())}
 
     def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:

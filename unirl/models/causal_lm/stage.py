@@ -174,15 +174,12 @@ class CausalLMStage:
             return ids, None, None
         return ids, [prepared[k][1] for k in keys], [prepared[k][2] for k in keys]
 
-    def _positions(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, grids: list[torch.Tensor] | None
-    ) -> torch.Tensor:
-        """Positions of a padded batch: [B, L] from the mask for a text LM, the VLM's
-        multimodal [3, B, L] when the rows carry image grids."""
-        if grids is None:
+    def _positions(self, input_ids: torch.Tensor, mask: torch.Tensor, images: dict | None) -> torch.Tensor:
+        """Positions of a padded batch: [B, L] from the mask for a text LM (`images` None), the
+        VLM's multimodal [3, B, L] from the forward's image arguments (`VLMBundle.vision_inputs`)."""
+        if images is None:
             return (mask.cumsum(-1) - 1).clamp_(min=0)
-        stacked = torch.cat(list(grids)).to(input_ids.device) if any(g.numel() for g in grids) else None
-        return self.bundle.positions(input_ids, mask, stacked)
+        return self.bundle.positions(input_ids, mask, images.get("image_grid_thw"))
 
     def stop_token_ids(self, sp: TextSamplingParams) -> list[int]:
         """EOS plus `sampling.stop_tokens`, each of which must be exactly one token."""
@@ -228,8 +225,9 @@ class CausalLMStage:
             input_ids[i, width - p.numel() :] = p
             mask[i, width - p.numel() :] = 1
         input_ids, mask, stop_ids = input_ids.to(device), mask.to(device), stop_ids.to(device)
-        positions = self._positions(input_ids, mask, grids)
-        images = {} if grids is None else self.bundle.vision_inputs(pixel_values, grids, device)
+        images = None if grids is None else self.bundle.vision_inputs(pixel_values, grids, device)
+        positions = self._positions(input_ids, mask, images)
+        images = images or {}
         gens = [torch.Generator().manual_seed(s) for s in req.seeds]
         tokens, log_probs = [], []
         done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -315,8 +313,8 @@ class CausalLMStage:
         r_max = max(int(r.numel()) for r in segment.response_ids)
         start = int(p_len.min()) - 1  # first position whose logits predict a response token
         if segment.has_images:
-            positions = self._positions(input_ids, mask, segment.image_grid_thw)
             images = self.bundle.vision_inputs(segment.pixel_values, segment.image_grid_thw, device)
+            positions = self._positions(input_ids, mask, images)
         else:
             positions, images = torch.arange(width, device=device).expand(b, width), {}
         out = self._forward(

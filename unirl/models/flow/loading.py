@@ -1,5 +1,6 @@
 """What flow-matching families share to load and build: the scheduler options the pinned sigma
-schedules reproduce, and the tiny CLIP / T5 tokenizers built in code (no files, no hub)."""
+schedules reproduce, the tiny CLIP / T5 tokenizers built in code (no files, no hub), and the
+VAE decode with scaling and shift (`vae_pixels`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,16 @@ import json
 import os
 
 from unirl.sde.schedules import NUM_TRAIN_TIMESTEPS
+
+
+def vae_pixels(vae, latents):
+    """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped), differentiable: the VAE decode of
+    latents / scaling_factor + shift_factor, or the latents themselves in pixel space (vae None)."""
+    if vae is None:
+        return latents.float()
+    scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    return vae.decode(scaled, return_dict=False)[0].float()
+
 
 # FlowMatchEulerDiscreteScheduler options whose schedule unirl.sde.schedules does not compute
 _SCHEDULER_REFUSED = (

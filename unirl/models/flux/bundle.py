@@ -24,7 +24,7 @@ import os
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-from unirl.models.flow.loading import check_scheduler_config, tiny_clip_t5_tokenizers
+from unirl.models.flow.loading import check_scheduler_config, tiny_clip_t5_tokenizers, vae_pixels
 from unirl.models.flux.config import TinyFluxConfig
 
 
@@ -181,11 +181,7 @@ class FluxBundle:
     def pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped), differentiable: the VAE decode of
         latents / scaling_factor + shift_factor, or the latents in pixel space."""
-        vae = self.vae
-        if vae is None:
-            return latents.float()
-        scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        return vae.decode(scaled, return_dict=False)[0].float()
+        return vae_pixels(self.vae, latents)
 
     # ---- building and saving ----------------------------------------------------------------
     @classmethod

@@ -38,6 +38,7 @@ from unirl.models.flow.loading import (
     check_scheduler_config,
     pipeline_directory_problems,
     tiny_clip_t5_tokenizers,
+    vae_pixels,
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -329,11 +330,7 @@ class SD3Bundle:
     def pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped) from latents, differentiable: the
         VAE decode of latents / scaling_factor + shift_factor, or the latents in pixel space."""
-        vae = self.vae
-        if vae is None:
-            return latents.float()
-        scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        return vae.decode(scaled, return_dict=False)[0].float()
+        return vae_pixels(self.vae, latents)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> SD3Bundle:
