@@ -68,6 +68,14 @@ class StageAlgorithm(ABC):
         """Whether the loss evaluates the reference policy (the backend then keeps it)."""
         return False
 
+    @property
+    def snapshots(self) -> dict[str, dict[str, Any]]:
+        """EMA snapshots of the policy the loss evaluates, {name: `unirl.train.ema.EMAConfig`
+        keywords}: the backend keeps and updates them and the loss context carries
+        `ctx["snapshots"][name]`, a context-manager factory that swaps the snapshot's weights
+        in. Default: none."""
+        return {}
+
     def prepare_segment(self, stage: DiffusionStage | TextStage, track: RolloutTrack) -> RolloutTrack:
         return track
 

@@ -206,3 +206,55 @@ class ForwardProcessAlgorithm(StageAlgorithm):
         """[B * k, C, h, w] the velocity target eps - x0 of each row."""
         x0 = track.segment.final.float().repeat_interleave(self.config.draws_per_sample, dim=0)
         return track.conditions[self.noise_key].flatten(0, 1) - x0
+
+
+def sample_errors(v: torch.Tensor, target: torch.Tensor, draws: int) -> torch.Tensor:
+    """[B] per-sample flow-matching error: mean (v - target)^2 over non-batch dims, then over
+    the sample's `draws` rows (v and target [B * draws, ...], draw-major within a sample)."""
+    err = ((v.float() - target) ** 2).mean(dim=tuple(range(1, v.dim())))
+    return err.view(-1, draws).mean(dim=1)
+
+
+def group_index(group_ids: list[str]) -> tuple[torch.Tensor, int]:
+    """(index [B] of each sample's group in order of first appearance, number of groups)."""
+    order = list(dict.fromkeys(group_ids))
+    return torch.tensor([order.index(g) for g in group_ids], dtype=torch.long), len(order)
+
+
+def decay_schedule(value, key: str, update_on: str) -> dict:
+    """`unirl.train.ema.EMAConfig` keywords of a snapshot whose decay follows
+    [start, d0, slope, d_max]: 0 (the snapshot copies the weights) for its first `start`
+    updates, then min(d_max, d0 + slope (t - start)). Raises naming `key`."""
+    vals = list(value) if isinstance(value, (list, tuple)) else None
+    ok = (
+        vals is not None
+        and len(vals) == 4
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals)
+    )
+    if not ok or not (
+        float(vals[0]).is_integer() and vals[0] >= 0 and 0 <= vals[1] < 1 and vals[2] >= 0 and 0 < vals[3] < 1
+    ):
+        raise ValueError(
+            f"{key} must be [start_step (int >= 0), initial decay in [0, 1), slope >= 0, max decay in (0, 1)], "
+            f"got {value!r}"
+        )
+    return {
+        "decay": float(vals[3]),
+        "schedule": "linear",
+        "warmup_steps": int(vals[0]),
+        "decay_start": float(vals[1]),
+        "decay_slope": float(vals[2]),
+        "update_on": update_on,
+    }
+
+
+def check_guidance(sampling, **scales: float | None) -> None:
+    """Before Ray: a loss-side guidance scale > 1 needs the rollout's negative conditions, which
+    a rollout encodes only when it samples with CFG (sampling.guidance_scale > 1)."""
+    for key, scale in scales.items():
+        if scale is not None and scale > 1.0 and sampling.guidance_scale <= 1.0:
+            raise ValueError(
+                f"algorithm.config.{key}={scale} runs classifier-free guidance, which needs the negative "
+                f"prompt conditions of a guided rollout, but sampling.guidance_scale={sampling.guidance_scale}; "
+                f"set {key} <= 1 or sampling.guidance_scale > 1"
+            )

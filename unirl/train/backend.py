@@ -171,6 +171,9 @@ class TrainBackend:
         total_steps: optimizer steps of the run (for LR schedules).
         fsdp: FSDP2 config; required when the world size is > 1.
         ema: EMA config, or None.
+        snapshots: named EMAs a loss evaluates (`StageAlgorithm.snapshots`: DGPO's fast EMA
+            reference, CRD's old snapshot), each updated at its `update_on`, run with
+            `snapshot_weights(name)` and saved with the train state.
         keep_reference: keep the reference policy available (`reference()`):
             free with LoRA (adapters disabled); a full fine-tune keeps a copy
             of the initial (sharded) weights.
@@ -188,6 +191,7 @@ class TrainBackend:
         total_steps: int,
         fsdp: FSDPConfig | None = None,
         ema: EMAConfig | None = None,
+        snapshots: dict[str, EMAConfig] | None = None,
         keep_reference: bool = False,
         writer: Callable[[str, str, dict[str, torch.Tensor], torch.nn.Module], None] | None = None,
     ) -> None:
@@ -220,6 +224,7 @@ class TrainBackend:
             self.optimizer, lambda s: lr_factor(optim.lr_schedule, s, total_steps, optim.warmup_steps)
         )
         self.ema = EMA(self.named_params, ema) if ema is not None else None
+        self.snapshots = {name: EMA(self.named_params, cfg) for name, cfg in (snapshots or {}).items()}
         self._reference: list[torch.Tensor] | None = None
         if keep_reference and lora is None:
             self._reference = [p.detach().clone() for p in self.params]
@@ -259,6 +264,17 @@ class TrainBackend:
         with self.ema.swap(fsdp_module=self.module):
             yield
 
+    @contextlib.contextmanager
+    def snapshot_weights(self, name: str) -> Iterator[None]:
+        """Run the module with the snapshot `name`'s weights; restored after."""
+        with self.snapshots[name].swap(fsdp_module=self.module):
+            yield
+
+    def _update_emas(self, when: str) -> None:
+        for ema in [self.ema, *self.snapshots.values()]:
+            if ema is not None and ema.config.update_on == when:
+                ema.update()
+
     def move_optimizer_state(self, device: str | torch.device) -> None:
         """Move optimizer state tensors (Adam moments) to `device`, e.g. to "cpu"
         around a rollout and back to the parameters' device before training. A
@@ -291,17 +307,15 @@ class TrainBackend:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer_steps += 1
-            if self.ema is not None and self.ema.config.update_on == "optimizer_step":
-                self.ema.update()
+            self._update_emas("optimizer_step")
         else:
             self.skipped_steps += 1
         self.zero_grad()
         return {"train/grad_norm": norm, "train/lr": lr, "train/skipped_step": float(not finite)}
 
     def end_of_rollout(self) -> None:
-        """Hook after a rollout's training: updates the EMA when it follows rollouts."""
-        if self.ema is not None and self.ema.config.update_on == "rollout":
-            self.ema.update()
+        """Hook after a rollout's training: updates the EMA and snapshots that follow rollouts."""
+        self._update_emas("rollout")
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -320,6 +334,8 @@ class TrainBackend:
         }
         if self.ema is not None:
             state["ema"] = self.ema.state_dict()
+        if self.snapshots:
+            state["snapshots"] = {name: ema.state_dict() for name, ema in self.snapshots.items()}
         if self._reference is not None:
             state["reference"] = {n: r for (n, _), r in zip(self.named_params, self._reference, strict=True)}
         return state
@@ -340,6 +356,8 @@ class TrainBackend:
         self.skipped_steps = int(state["counters"]["skipped_steps"])
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
+        for name, ema in self.snapshots.items():
+            ema.load_state_dict(state["snapshots"][name])
         if self._reference is not None:
             with torch.no_grad():
                 for (n, _), r in zip(self.named_params, self._reference, strict=True):

@@ -2,7 +2,7 @@
 
 Layout of one checkpoint directory (the driver adds `driver_state.json`,
 `weights/` and the `COMPLETE` marker):
-    train/          DCP shards: trainable params, optimizer, EMA, reference
+    train/          DCP shards: trainable params, optimizer, EMA, the loss's snapshots, reference
     rank{r}.pt      LR scheduler, counters, RNG states and the algorithm's state (e.g. an
                     adaptive KL coefficient) of rank r (`torch.save`: RNG states are per
                     process, so each rank keeps its own file)
@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from unirl.algorithms.base import StageAlgorithm
 from unirl.train.backend import TrainBackend
 
-_TENSOR_KEYS = ("model", "optim", "ema", "reference")
+_TENSOR_KEYS = ("model", "optim", "ema", "snapshots", "reference")
 
 
 def _rng_state() -> dict[str, Any]:

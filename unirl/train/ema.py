@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from unirl.train.fsdp import reshard_all, swapped_weights
 
-EMA_SCHEDULES = ("constant", "warmup")
+EMA_SCHEDULES = ("constant", "warmup", "linear")
 EMA_UPDATE_ON = ("optimizer_step", "rollout")
 
 
@@ -30,10 +30,15 @@ class EMAConfig:
         decay: the decay d in shadow <- d * shadow + (1 - d) * param; 0 < decay < 1.
         schedule: "constant" uses d_t = decay; "warmup" uses
             d_t = min(decay, (1 + t) / (10 + t)), where t is the number of EMA updates applied
-            before this one (0 for the first), so early updates follow the weights closely.
+            before this one (0 for the first), so early updates follow the weights closely;
+            "linear" uses d_t = min(decay, decay_start + decay_slope (t - warmup_steps)) (CRD's
+            and DGPO's snapshots: a snapshot that tracks the weights closely at first and
+            trails them more and more).
         warmup_steps: the first `warmup_steps` updates use d_t = 0 (the shadow copies the
             weights); the schedule applies from update `warmup_steps` on, with t still counting
             all updates.
+        decay_start: d at the first scheduled update of "linear", in [0, 1).
+        decay_slope: the growth of d per update of "linear", >= 0.
         update_on: when the owner calls `EMA.update()`: "optimizer_step" after each optimizer
             step that was taken (not after a skipped one), "rollout" once per rollout batch. The
             EMA does not check this; it only counts `update()` calls.
@@ -42,6 +47,8 @@ class EMAConfig:
     decay: float = 0.999
     schedule: str = "constant"
     warmup_steps: int = 0
+    decay_start: float = 0.0
+    decay_slope: float = 0.0
     update_on: str = "optimizer_step"
 
     def __post_init__(self) -> None:
@@ -55,6 +62,10 @@ class EMAConfig:
             or self.warmup_steps < 0
         ):
             raise ValueError(f"train.ema.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if not 0.0 <= self.decay_start < 1.0:
+            raise ValueError(f"train.ema.decay_start must be in [0, 1), got {self.decay_start}")
+        if not self.decay_slope >= 0.0:
+            raise ValueError(f"train.ema.decay_slope must be >= 0, got {self.decay_slope}")
         if self.update_on not in EMA_UPDATE_ON:
             raise ValueError(f"train.ema.update_on must be one of {EMA_UPDATE_ON}, got {self.update_on!r}")
 
@@ -99,6 +110,9 @@ class EMA:
             return 0.0
         if self.config.schedule == "constant":
             return self.config.decay
+        if self.config.schedule == "linear":
+            cfg = self.config
+            return min(cfg.decay, cfg.decay_start + cfg.decay_slope * (t - cfg.warmup_steps))
         return min(self.config.decay, (1 + t) / (10 + t))
 
     @torch.no_grad()

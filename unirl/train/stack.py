@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,10 @@ class TrainStack:
         ctx = {"loss_scale": 1.0 / len(micro), "progress": progress, "reference": self.backend.reference}
         if self.backend.ema is not None:  # the EMA weights, for a loss that measures a KL to them (AWM)
             ctx["ema"] = self.backend.ema_weights
+        if self.backend.snapshots:  # the loss's own snapshots (DGPO's EMA reference, CRD's old policy)
+            ctx["snapshots"] = {
+                name: functools.partial(self.backend.snapshot_weights, name) for name in self.backend.snapshots
+            }
         if kept is not None:
             ctx.update(kept=kept, deferred=[])
         if isinstance(track.segment, TokenSegment):

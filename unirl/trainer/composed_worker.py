@@ -24,6 +24,7 @@ from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.group import Dispatch, RankInfo, dispatch
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
+from unirl.train.ema import EMAConfig
 from unirl.train.stack import TrainStack
 from unirl.trainer.worker import ProcessWorker, build
 from unirl.types.rollout_req import RolloutReq
@@ -73,6 +74,7 @@ def build_track(
         total_optimizer_steps,
         fsdp=build(train.get("fsdp")),
         ema=build(train.get("ema")),
+        snapshots={name: EMAConfig(**spec) for name, spec in algorithm.snapshots.items()},
         keep_reference=algorithm.needs_reference_policy,
         writer=bundle.write_weights,
     )

@@ -36,6 +36,7 @@ from unirl.sync import SyncPlan, SyncTicket, WeightSyncConfig, WeightSyncSender,
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.critic import Critic
+from unirl.train.ema import EMAConfig
 from unirl.train.stack import TrainStack, keep_graph_problems
 from unirl.types.rollout_req import RolloutReq
 
@@ -153,6 +154,7 @@ class RLWorker(ProcessWorker):
             total_optimizer_steps,
             fsdp=build(train.get("fsdp")),
             ema=build(train.get("ema")),
+            snapshots={name: EMAConfig(**spec) for name, spec in self.algorithm.snapshots.items()},
             keep_reference=self.algorithm.needs_reference_policy or self.kl_in_reward,
             writer=self.bundle.write_weights,
         )
