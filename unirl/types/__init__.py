@@ -3,12 +3,13 @@
 from unirl.types.reward import RewardRequest, RewardResponse
 from unirl.types.rollout_req import PromptExample, RolloutReq
 from unirl.types.rollout_resp import AdvantageConfig, RolloutResp, RolloutTrack, compute_advantages
-from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
+from unirl.types.sampling import DiffusionSamplingParams, ImageTokenSamplingParams, TextSamplingParams
 from unirl.types.segments import LatentSegment, TokenSegment
 
 __all__ = [
     "AdvantageConfig",
     "DiffusionSamplingParams",
+    "ImageTokenSamplingParams",
     "LatentSegment",
     "PromptExample",
     "RewardRequest",

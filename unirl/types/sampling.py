@@ -278,3 +278,50 @@ class TextSamplingParams:
     def logit_temperature(self) -> float:
         """The divisor of the logits in sampling and replay (1 when greedy)."""
         return self.temperature or 1.0
+
+
+@dataclass
+class ImageTokenSamplingParams:
+    """How an autoregressive image-token rollout samples (a unified model's `image` track).
+
+    Attributes:
+        samples_per_prompt: images per context; 1 in a unified run (each plan is drawn once,
+            so the prompt's group is its plans' group).
+        temperature: guided logits are divided by it before sampling; the recorded and
+            replayed log-prob is `log_softmax(guided / temperature)`. 0 means greedy (argmax;
+            log-probs at temperature 1).
+        top_k, top_p: restrict the choice as for text (0 / 1.0 disable); the recorded
+            log-prob stays the full softmax's.
+        guidance_scale: classifier-free guidance s as Janus does it: guided = u + s (c - u) of
+            the conditional (prompt + plan) and unconditional (padded context) logits; 1 runs
+            the conditional rows only.
+        seed: base seed; a sample's draws derive from its id, not its batch.
+    """
+
+    samples_per_prompt: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    guidance_scale: float = 5.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"sampling.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0: off), got {self.top_k}")
+        if not self.guidance_scale >= 1:
+            raise ValueError(f"sampling.guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logit_temperature(self) -> float:
+        """The divisor of the guided logits in sampling and replay (1 when greedy)."""
+        return self.temperature or 1.0

@@ -28,6 +28,8 @@ class LatentSegment:
             (Gaussian log-density averaged over non-batch dims).
         eta: SDE noise level the rollout used on SDE steps.
         guidance_scale: CFG scale the rollout used (replay uses the same).
+        values: [B, K] fp32 critic values of the states before the SDE steps (Flow-PPO:
+            `unirl.models.flow.value`), else None.
     """
 
     latents: torch.Tensor
@@ -37,8 +39,9 @@ class LatentSegment:
     log_probs: torch.Tensor
     eta: float
     guidance_scale: float
+    values: torch.Tensor | None = None
 
-    PER_SAMPLE = ("latents", "log_probs")
+    PER_SAMPLE = ("latents", "log_probs", "values")
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -97,6 +100,8 @@ class TokenSegment:
             rollout time under `log_softmax(logits / temperature)`; an algorithm's
             `prepare_segment` may replace them by replayed pi_old values.
         temperature: the logit divisor sampling used (replay uses the same).
+        guidance_scale: an image-token segment's classifier-free guidance scale s (the
+            logits are u + s (c - u); replay uses the same); None for text.
         ref_log_probs: per sample [R_i] fp32 reference-policy log-probs when the
             rollout computed them (KL folded into the reward), else None.
         values: per sample [R_i] fp32 critic values V_t (of the state before response
@@ -116,6 +121,7 @@ class TokenSegment:
     values: list[torch.Tensor] | None = None
     pixel_values: list[torch.Tensor] | None = None
     image_grid_thw: list[torch.Tensor] | None = None
+    guidance_scale: float | None = None
 
     PER_SAMPLE = (
         "prompt_ids",

@@ -1,0 +1,263 @@
+"""Validation of a unified-model recipe, run before any Ray work: `unirl.train_unified_model`.
+
+A unified recipe has one `model` (a family whose config has `modality: "unified"`), one
+`train` node (the backbone's optimizer, LoRA, stack), a `rollout` (`UnifiedEngine`) whose
+`tracks` are [plan, image], and `tracks.<name>` nodes (each a stage and sampling, a `weight`,
+`trained`, and when trained an algorithm and advantage); `rewards.<image>` scores the images
+(the plan's reward is its image's, plus `rewards.<plan>` when set). Every problem names its key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from unirl.config.distributed import check_transport, meta_module
+from unirl.config.references import check_model_path, check_scorer_keys, check_tracking, examples_of
+from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
+from unirl.config.tree import ConfigError, check_recipe, target_class
+from unirl.types.sampling import ImageTokenSamplingParams, TextSamplingParams
+
+
+@dataclass
+class UnifiedRunConfig:
+    """The top level of a unified recipe (see `RunConfig` for the shared keys).
+
+    Attributes:
+        prompts_per_rollout: user prompts drawn per step (each planned and drawn
+            `tracks.<plan>.sampling.samples_per_prompt` times: the BiCoT group).
+        model: the unified model (`_target_` a family config with `modality: "unified"`).
+        train: the backbone's train stack (`TrainConfig`).
+        tracks: track name -> `SegmentConfig` node.
+        rewards: track name -> a `RewardService` node (the image track's is required).
+        rollout: a `unirl.rollout.unified.UnifiedEngine` node naming [plan, image].
+    """
+
+    num_devices: int
+    num_steps: int
+    seed: int
+    output_dir: str
+    prompts_per_rollout: int
+    model: Any
+    train: Any
+    rollout: Any
+    tracks: dict[str, Any]
+    rewards: dict[str, Any]
+    data_source: Any
+    transport: Any
+    threads_per_worker: int | None = None
+    resume_from: str | None = None
+    launcher: str = "ray"
+    checkpoint: Any = None
+    logging: Any = None
+    tracking: Any = None
+    hydra: Any = None
+
+    def __post_init__(self) -> None:
+        check_run_top_level(self, ("model", "rollout", "data_source"))
+
+
+@dataclass
+class SegmentConfig:
+    """`tracks.<name>`: one segment of the unified model's output.
+
+    Attributes:
+        stage, sampling: `_target_` nodes (the plan: a text stage and `TextSamplingParams`; the
+            image: an image-token stage and `ImageTokenSamplingParams`).
+        trained: train this segment (its loss term is in the joint step) or freeze it (no
+            term, no gradient from it; it is still sampled).
+        weight: w_s of the segment's loss in sum_s w_s L_s (> 0 when trained).
+        algorithm, advantage: `_target_` nodes (trained segments only).
+    """
+
+    stage: Any
+    sampling: Any
+    trained: bool = True
+    weight: float = 1.0
+    algorithm: Any = None
+    advantage: Any = None
+
+    def __post_init__(self) -> None:
+        _components("tracks.<name>.", self, ("stage", "sampling"), ("algorithm", "advantage"))
+        if not self.weight >= 0:
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
+
+
+def _sections(cfg: DictConfig) -> dict[str, type]:
+    sections: dict[str, type] = {
+        "": UnifiedRunConfig,
+        "checkpoint": CheckpointConfig,
+        "logging": LoggingConfig,
+        "train": TrainConfig,
+    }
+    tracks = cfg.get("tracks")
+    if isinstance(tracks, DictConfig):
+        for name in tracks:
+            sections[f"tracks.{name}"] = SegmentConfig
+    return sections
+
+
+def _check_segments(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    tracks = cfg.get("tracks")
+    chain = list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
+    if not isinstance(tracks, DictConfig) or len(chain) != 2:
+        problems.append(f"rollout.tracks: name the plan track then the image track, got {chain}")
+        return
+    if sorted(tracks.keys()) != sorted(chain):
+        problems.append(
+            f"rollout.tracks {chain} and the tracks.<name> nodes {list(tracks.keys())} disagree: give each of "
+            "the plan and image tracks one tracks.<name> node"
+        )
+        return
+    plan, image = chain
+    rewards = cfg.get("rewards") or {}
+    if image not in rewards:
+        problems.append(f"rewards.{image}: the image track needs a reward (the plan's reward is its image's)")
+    for name in rewards:
+        if name not in chain:
+            problems.append(f"rewards.{name}: scores track {name!r}, which does not exist; tracks: {chain}")
+    trained = {n: bool(tracks[n].get("trained", True)) for n in chain}
+    weights = {n: tracks[n].get("weight", 1.0) for n in chain}
+    if not any(trained.values()):
+        problems.append(
+            f"tracks.{plan}.trained and tracks.{image}.trained are both false: nothing would train; train at "
+            "least one segment (plan-only: freeze the image, image-only: freeze the plan)"
+        )
+    elif all(isinstance(w, int | float) and w == 0 for n, w in weights.items() if trained[n]):
+        keys = " and ".join(f"tracks.{n}.weight" for n in chain if trained[n])
+        problems.append(
+            f"{keys}: the segment weights of the trained segments are all 0, so the joint loss is 0 and nothing "
+            "trains; give a trained segment a weight > 0 (freeze a segment with tracks.<name>.trained: false)"
+        )
+    else:
+        for n in chain:
+            if trained[n] and isinstance(weights[n], int | float) and weights[n] == 0:
+                problems.append(
+                    f"tracks.{n}.weight is 0 but tracks.{n}.trained is true; set a weight > 0, or freeze the "
+                    f"segment with tracks.{n}.trained: false"
+                )
+    kinds = {
+        plan: (TextSamplingParams, "TextSamplingParams"),
+        image: (ImageTokenSamplingParams, "ImageTokenSamplingParams"),
+    }
+    model = passed.get("model")
+    for n in chain:
+        key, node = f"tracks.{n}", tracks[n]
+        sampling = passed.get(f"{key}.sampling")
+        kind, kind_name = kinds[n]
+        if sampling is not None and not isinstance(sampling, kind):
+            problems.append(
+                f"{key}.sampling: the {'plan' if n == plan else 'image'} track samples with {kind_name}"
+            )
+        if trained[n]:
+            for part in ("algorithm", "advantage"):
+                if node.get(part) is None:
+                    problems.append(
+                        f"{key}.{part}: segment {n!r} is trained (tracks.{n}.trained: true) and needs one"
+                    )
+            algorithm = target_class(node, "algorithm") if node.get("algorithm") is not None else None
+            if algorithm is not None and getattr(algorithm, "modality", "text") != "text":
+                problems.append(
+                    f"{key}.algorithm: {node.algorithm._target_} is a {algorithm.modality} algorithm; both segments "
+                    "are token sequences, use a text algorithm (e.g. unirl.algorithms.grpo.GRPO)"
+                )
+            stack = passed.get("train.stack")
+            if (
+                algorithm is not None
+                and stack is not None
+                and stack.num_updates_per_batch > 1
+                and not getattr(algorithm, "supports_multi_update", False)
+            ):
+                problems.append(
+                    f"train.stack.num_updates_per_batch={stack.num_updates_per_batch}: {algorithm.__name__} "
+                    "does not support several updates per rollout; set it to 1"
+                )
+        else:
+            extra = [p for p in ("algorithm", "advantage") if node.get(p) is not None]
+            if extra:
+                problems.append(
+                    f"{key}: segment {n!r} is frozen (trained: false) but sets {extra}; remove them or set trained: true"
+                )
+        if model is not None and n == plan and isinstance(sampling, TextSamplingParams):
+            problems.extend(f"{key}.{p}" for p in model.text_problems(sampling))
+    image_sampling = passed.get(f"tracks.{image}.sampling")
+    if isinstance(image_sampling, ImageTokenSamplingParams) and image_sampling.samples_per_prompt != 1:
+        problems.append(
+            f"tracks.{image}.sampling.samples_per_prompt={image_sampling.samples_per_prompt}: a unified run draws one "
+            f"image per plan (the group is the prompt's plans: set tracks.{plan}.sampling.samples_per_prompt); set it to 1"
+        )
+    _check_geometry(cfg, passed, plan, problems)
+
+
+def _check_geometry(cfg: DictConfig, passed: dict[str, Any], plan: str, problems: list[str]) -> None:
+    run, stack, sampling = passed.get(""), passed.get("train.stack"), passed.get(f"tracks.{plan}.sampling")
+    if run is None:
+        return
+    if run.num_devices != 1:
+        problems.append(
+            f"num_devices={run.num_devices}: a unified run trains on one worker (the image stage calls the backbone's "
+            "submodules outside an FSDP2 root forward); set num_devices: 1"
+        )
+    if stack is not None and stack.num_mini_batches != 1:
+        problems.append(
+            f"train.stack.num_mini_batches={stack.num_mini_batches}: one joint step holds both segments' whole batch; "
+            "set it to 1"
+        )
+    if stack is not None and isinstance(sampling, TextSamplingParams):
+        total = run.prompts_per_rollout * sampling.samples_per_prompt
+        if total % stack.micro_batch_size:
+            problems.append(
+                f"train.stack.micro_batch_size={stack.micro_batch_size} does not divide the batch of "
+                f"{total} samples (prompts_per_rollout x tracks.{plan}.sampling.samples_per_prompt)"
+            )
+    model, lora = passed.get("model"), passed.get("train.lora")
+    if model is not None and lora is not None:
+        from unirl.train.backend import lora_target_problem
+
+        try:
+            problem = lora_target_problem(
+                meta_module(model), lora.target_modules, "train.lora.target_modules"
+            )
+        except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
+            problem = f"model: cannot read the model's config ({type(exc).__name__}: {exc})"
+        if problem:
+            problems.append(problem)
+
+
+def validate_unified_config(cfg: DictConfig) -> None:
+    """Raise `ConfigError` listing every problem of a unified (`unirl.train_unified_model`) recipe."""
+    from unirl.trainer.checkpoints import resolve_resume_path
+
+    problems: list[str] = []
+    if "tracks" not in cfg or "model" not in cfg:
+        raise ConfigError(
+            [
+                "model / tracks: a unified recipe names one model and its plan and image tracks "
+                "(tracks.<name>: stage, sampling, weight, ...); see examples/unified/"
+            ]
+        )
+    passed = check_recipe(cfg, _sections(cfg), problems)
+    model = passed.get("model")
+    if model is not None and getattr(model, "modality", None) != "unified":
+        problems.append(
+            f"model: {cfg.model._target_} is not a unified model (modality {getattr(model, 'modality', None)!r}); "
+            "use one that writes text and draws images, e.g. unirl.models.janus.JanusModelConfig"
+        )
+        passed.pop("model")
+    check_model_path(passed.get("model"), problems)
+    check_transport(cfg, problems)
+    _check_segments(cfg, passed, problems)
+    train_examples = examples_of(passed.get("data_source"))
+    for path in passed:
+        if path.startswith("rewards.") and path.count(".") == 1:
+            check_scorer_keys(passed, path, train_examples, "data_source", problems)
+    check_tracking(cfg, problems)
+    if "" in passed:
+        try:
+            resolve_resume_path(cfg)
+        except (ValueError, OSError, KeyError) as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError(problems)

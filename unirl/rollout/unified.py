@@ -1,0 +1,142 @@
+"""`UnifiedEngine`: a unified model thinks, then draws (T2I-R1's semantic-level then
+token-level chain of thought) on one backbone.
+
+Per user prompt x N (the root request): the text stage writes a semantic plan (its own
+`TextSamplingParams`: budget, temperature, stop token), then the image stage draws image
+tokens after prompt + plan (its own `ImageTokenSamplingParams`, Janus-style CFG) and decodes
+them. Two tracks come back, linked by lineage like a composed rollout's
+(`unirl.types.lineage`): `plan` (the root: `TokenSegment` of the plan tokens after the prompt)
+and `image` (one child per plan: `TokenSegment` of the image tokens after prompt + plan + BOI,
+its decoded images in `media`). The image of plan `p` has id `f"{p}/0"`, `parent_ids` = `p`
+and, unlike a composed child, the *user prompt's* group (`group_ids` = `root_ids` = the plan's
+group id): BiCoT-GRPO compares a prompt's N (plan, image) pairs with each other, so both
+tracks' advantages are taken over the same group. A plan that reaches its budget without a
+stop token is kept as it is (truncated) and marked: `metadata["plan_truncated"]` on both tracks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Protocol, runtime_checkable
+
+import torch
+from annotated_types import Ge
+
+from unirl.models.stage import TextStage
+from unirl.rollout.trainside import TrainsideEngine
+from unirl.types.batch import concat
+from unirl.types.lineage import child_seed
+from unirl.types.rollout_req import RolloutReq
+from unirl.types.rollout_resp import RolloutResp, RolloutTrack
+from unirl.types.segments import TokenSegment
+
+
+@runtime_checkable
+class ImageTokenStage(Protocol):
+    """What a unified model's image stage answers (`unirl.models.janus.JanusImageStage` is one).
+
+    - `image_context(prompt_ids [P], plan_ids [R]) -> [C]`: the text context an image is drawn after.
+    - `generate(contexts, seeds, sampling) -> (TokenSegment, media [B, 3, H, W] uint8)`.
+    - `token_log_probs(segment) -> [B, N]` fp32, differentiable (replay).
+    """
+
+    module: torch.nn.Module
+
+    def image_context(self, prompt_ids: torch.Tensor, plan_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def generate(
+        self, contexts: list[torch.Tensor], seeds: list[int], sampling: Any
+    ) -> tuple[TokenSegment, Any]: ...
+
+    def token_log_probs(self, segment: TokenSegment) -> torch.Tensor: ...
+
+    def model_info(self) -> dict[str, Any]: ...
+
+
+class UnifiedEngine:
+    """Trainside unified sampling on the worker's one backbone.
+
+    Args:
+        tracks: [plan track, image track] names (each names a `tracks.<name>` node).
+        forward_batch_size: samples per forward of each stage (None: the whole request).
+        prompt_key: metadata key under which the image keeps the user prompt.
+
+    The worker then `bind`s the two stages and sampling params.
+    """
+
+    def __init__(
+        self,
+        tracks: list[str] = ("plan", "image"),  # type: ignore[assignment]
+        forward_batch_size: Annotated[int, Ge(1)] | None = None,
+        prompt_key: str = "user_prompt",
+    ) -> None:
+        tracks = list(tracks)
+        if len(tracks) != 2 or tracks[0] == tracks[1]:
+            raise ValueError(f"rollout.tracks must name the plan track then the image track, got {tracks}")
+        self.tracks = tracks
+        self.forward_batch_size = forward_batch_size
+        self.prompt_key = prompt_key
+
+    def bind(self, stages: Mapping[str, Any], samplings: Mapping[str, Any]) -> UnifiedEngine:
+        """Attach the worker's stages and the recipe's sampling params; returns self."""
+        plan, image = self.tracks
+        missing = [t for t in self.tracks if t not in stages or t not in samplings]
+        if missing:
+            raise ValueError(f"rollout.tracks names {missing}, which have no tracks.<name> node")
+        if not isinstance(stages[plan], TextStage):
+            raise ValueError(f"tracks.{plan}.stage must be a text stage (it writes the plan)")
+        if not isinstance(stages[image], ImageTokenStage):
+            raise ValueError(f"tracks.{image}.stage must be an image-token stage (it draws the image)")
+        self.stages = dict(stages)
+        self.samplings = dict(samplings)
+        self.plan_engine = TrainsideEngine(stages[plan], self.forward_batch_size, track_name=plan)
+        return self
+
+    def _chunks(self, n: int) -> list[list[int]]:
+        size = self.forward_batch_size or n
+        return [list(range(k, min(k + size, n))) for k in range(0, n, size)]
+
+    def generate(self, req: RolloutReq, samplings: Mapping[str, Any] | None = None) -> RolloutResp:
+        """Plans for the root request `req` (user prompts x N, `req.sampling` the plan's), then
+        one image per plan under `samplings[image]` (default: the recipe's)."""
+        plan_name, image_name = self.tracks
+        plan = self.plan_engine.generate(req).track(plan_name)
+        stop = set(self.stages[plan_name].stop_token_ids(req.sampling))
+        sampling = (samplings or {}).get(image_name, self.samplings[image_name])
+        stage = self.stages[image_name]
+        seg: TokenSegment = plan.segment
+        truncated = [int(r[-1]) not in stop for r in seg.response_ids]
+        for meta, cut in zip(plan.metadata, truncated, strict=True):
+            meta["plan_truncated"] = cut
+        ids = [f"{sid}/0" for sid in plan.sample_ids]
+        contexts = [stage.image_context(p, r) for p, r in zip(seg.prompt_ids, seg.response_ids, strict=True)]
+        seeds = [child_seed(sampling.seed, req.rollout_id, sid) for sid in ids]
+        parts = []
+        was_training = stage.module.training
+        stage.module.eval()
+        try:
+            for idx in self._chunks(len(ids)):
+                segment, media = stage.generate([contexts[i] for i in idx], [seeds[i] for i in idx], sampling)
+                parts.append((segment, media))
+        finally:
+            stage.module.train(was_training)
+        image_seg = concat([p[0] for p in parts])
+        metadata = []
+        for i, meta in enumerate(plan.metadata):
+            meta = dict(meta)
+            meta.setdefault(self.prompt_key, plan.prompts[i])
+            meta["plan"] = plan.texts[i]
+            metadata.append(meta)
+        image = RolloutTrack(
+            name=image_name,
+            sample_ids=ids,
+            group_ids=list(plan.group_ids),
+            prompts=list(plan.texts),
+            metadata=metadata,
+            segment=image_seg,
+            media=torch.cat([p[1] for p in parts]),
+            parent_ids=list(plan.sample_ids),
+            root_ids=list(plan.group_ids),
+            rollout_id=req.rollout_id,
+        )
+        return RolloutResp(tracks={plan_name: plan, image_name: image})

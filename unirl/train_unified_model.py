@@ -1,0 +1,26 @@
+"""Entry point: `python -m unirl.train_unified_model --config-name=unified/<recipe> [key=value ...]`.
+
+A unified-model run: one backbone (Janus) writes a semantic plan for each prompt, then draws
+image tokens after prompt + plan; one image reward is credited to both segments and each
+trained segment's loss enters one joint step with its weight (BiCoT-GRPO). Validates the
+recipe before any Ray work (exit 2 listing every problem), then runs
+`unirl.trainer.unified.UnifiedTrainer` (exit 1 naming the step when a run stops).
+`--cfg job --resolve` prints the composed recipe and exits.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from unirl.config.unified import validate_unified_config
+from unirl.entry import validate_then_run
+
+
+@hydra.main(config_path="../examples", config_name=None, version_base=None)
+def main(cfg: DictConfig) -> None:
+    validate_then_run(cfg, validate_unified_config, "unirl.trainer.unified.UnifiedTrainer")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""`UnifiedTrainer`: the driver of a unified-model run (one backbone that thinks and draws).
+
+Per step: user prompts x N -> on the workers, the `UnifiedEngine` writes a plan per sample
+and draws one image after prompt + plan (two tracks, `plan` and `image`, linked by lineage,
+each put into the transport on its own) -> the image reward scores the images; the plan's
+reward is its image's (`aggregate` mean over its single child), so one image reward is
+credited to both segments (BiCoT-GRPO) -> advantages per trained segment over the user
+prompt's group -> one joint optimizer step (`unirl.train.joint.JointTrainStack`: sum of the
+trained segments' losses, each weighted by `tracks.<name>.weight`). A frozen segment
+(`tracks.<name>.trained: false`) has no loss term, so it contributes no gradient: the
+plan-only and image-only ablations are one key each.
+
+Scoring, the step loop, sample grids with plans beside images (`samples/step_XXXX.png`
+captioned "user prompt -> plan", `lineage_step_XXXX.json`), the gallery, checkpoints and
+exact resume are the composed trainer's; what differs is one model, one train backend and
+the joint step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+from omegaconf import DictConfig
+
+from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
+from unirl.distributed.group import Dispatch, RankInfo, dispatch
+from unirl.reward.service import RewardService
+from unirl.train.backend import TrainBackend
+from unirl.train.checkpoint import load_train_state, save_train_state
+from unirl.train.joint import JointTrainStack
+from unirl.train.stack import reduce_metrics
+from unirl.trainer.composed import ComposedTrainer
+from unirl.trainer.composed_worker import track_partition
+from unirl.trainer.engines import RolloutSettings
+from unirl.trainer.step_record import StepRecord
+from unirl.trainer.worker import ProcessWorker, build
+from unirl.types.rollout_req import RolloutReq
+
+
+class SegmentAlgorithms:
+    """The trained segments' algorithms as one checkpointable state (name -> state)."""
+
+    def __init__(self, algorithms: dict) -> None:
+        self.algorithms = algorithms
+
+    def state_dict(self) -> dict[str, Any]:
+        return {n: a.state_dict() for n, a in self.algorithms.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for n, a in self.algorithms.items():
+            a.load_state_dict(state.get(n, {}))
+
+
+class UnifiedWorker(ProcessWorker):
+    """The train + rollout rank of a unified run: one bundle, one stage per track on the same
+    module, one `TrainBackend`, a `JointTrainStack` over the trained segments.
+
+    Args:
+        rank_info: this rank.
+        cfg: the resolved recipe as a plain dict (`model`, `tracks`, `train`, `rollout`, ...).
+        total_optimizer_steps: optimizer steps of the run (LR schedule length).
+        base_model_dir: where rank 0 writes the untrained bundle (tiny models; None for a
+            pretrained one).
+        transport_info: what the driver's transport `start()` returned.
+        device: the device to compute on (None: what Ray assigned, else the CPU).
+    """
+
+    def __init__(
+        self,
+        rank_info: RankInfo,
+        cfg: dict[str, Any],
+        total_optimizer_steps: int,
+        base_model_dir: str | None,
+        transport_info: dict[str, Any] | None = None,
+        device: str | None = None,
+    ) -> None:
+        super().__init__(rank_info)
+        self.start_process(cfg, device)
+        self.bundle = build(cfg["model"]).build().to(self.device)
+        if base_model_dir and rank_info.rank == 0:
+            self.bundle.save_pretrained(base_model_dir)
+        order = list(cfg["rollout"]["tracks"])
+        tracks = cfg["tracks"]
+        self.stages = {n: build(tracks[n]["stage"], bundle=self.bundle) for n in order}
+        trained = [n for n in order if tracks[n].get("trained", True)]
+        algorithms = {n: build(tracks[n]["algorithm"]) for n in trained}
+        train = cfg["train"]
+        self.backend = TrainBackend(
+            self.bundle.model,
+            build(train.get("lora")),
+            build(train["optim"]),
+            total_optimizer_steps,
+            fsdp=build(train.get("fsdp")),
+            ema=build(train.get("ema")),
+            keep_reference=any(a.needs_reference_policy for a in algorithms.values()),
+            writer=self.bundle.write_weights,
+        )
+        for stage in self.stages.values():
+            stage.module = self.backend.module
+        self.algorithms = SegmentAlgorithms(algorithms)
+        self.stack = JointTrainStack(
+            self.stages,
+            self.backend,
+            algorithms,
+            {n: float(tracks[n].get("weight", 1.0)) for n in trained},
+            build(train["stack"]),
+        )
+        self.engine = build(cfg["rollout"]).bind(
+            self.stages, {n: build(tracks[n]["sampling"]) for n in order}
+        )
+        self.transport = make_transport(cfg["transport"], device=self.device)
+        self.transport.attach(transport_info or {})
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def model_info(self) -> dict[str, dict[str, Any]]:
+        """Per track: its stage's `model_info()`, the backbone's trainable count and the device."""
+        return {
+            n: {**s.model_info(), "num_trainable": self.backend.num_trainable, "device": str(self.device)}
+            for n, s in self.stages.items()
+        }
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def rollout(self, req: RolloutReq, partition: str) -> dict[str, BatchMeta]:
+        """Plans and images of this rank's shard of the root request, each track put into the
+        transport under `track_partition(partition, name)`; returns the metas by track."""
+        resp = self.engine.generate(req)
+        return {
+            name: put_batch(self.transport, track_partition(partition, name), track)
+            for name, track in resp.tracks.items()
+        }
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def train_joint(
+        self, metas: dict[str, BatchMeta], rewards: dict, advantages: dict, progress: float
+    ) -> dict[str, float]:
+        """Fetch this rank's shard of every trained track, attach the driver's rewards and
+        advantages, and run one joint step; returns this rank's metrics."""
+        batches = {}
+        for name, meta in metas.items():
+            batch = get_batch(self.transport, meta)
+            batch.rewards = rewards[name].to(self.device)
+            batch.advantages = advantages[name].to(self.device)
+            batches[name] = batch
+        metrics = self.stack.train_tracks(batches, progress)
+        self.backend.end_of_rollout()
+        return metrics
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def save_checkpoint(self, path: str, base_model: str) -> None:
+        """The backbone's sharded train state (with every segment's algorithm state) under `path`
+        and its exported weights under `path/weights` (all ranks at once)."""
+        os.makedirs(path, exist_ok=True)
+        save_train_state(path, self.backend, self.rank_info.rank, self.algorithms)
+        self.backend.save_weights(os.path.join(path, "weights"), base_model, write=self.rank_info.rank == 0)
+
+    @dispatch(Dispatch.BROADCAST)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint` wrote (all ranks at once)."""
+        load_train_state(path, self.backend, self.rank_info.rank, self.algorithms)
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def save_weights(self, path: str, base_model: str, use_ema: bool = False) -> None:
+        """Export the backbone's trained weights to `path` in transformers' format (a LoRA
+        adapter or the full model; the EMA weights with `use_ema`)."""
+        with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
+            self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
+
+
+class UnifiedTrainer(ComposedTrainer):
+    """Runs the unified recipe `cfg` (validated by `unirl.config.unified`) up to `cfg.num_steps`.
+
+    Writes what `Trainer` writes for one model: `checkpoints/step_XXXXXX/` (train state and
+    `weights/`), `checkpoints/final/` (the trained backbone, loadable by the model config's
+    `load_checkpoint`), `base_model/` for a tiny model, and with every sample grid the images
+    captioned with their plans and `samples/lineage_step_XXXX.json` (user prompt -> plans ->
+    image rewards).
+    """
+
+    worker_class = UnifiedWorker
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.out = str(cfg.output_dir)
+        self.order: list[str] = list(cfg.rollout.tracks)
+        self.root, self.leaf = self.order
+        self.samplings = {n: build(cfg.tracks[n].sampling) for n in self.order}
+        self.trained = [n for n in self.order if cfg.tracks[n].get("trained", True)]
+        self.advantage = {n: build(cfg.tracks[n].advantage) for n in self.trained}
+        self.aggregate = {self.root: "mean"}  # one image per plan: the plan's reward is its image's
+        self.rewards: dict[str, RewardService] = {n: build(node) for n, node in cfg.rewards.items()}
+        self.data_source = build(cfg.data_source)
+        self.num_steps = int(cfg.num_steps)
+        self.rollout_settings = RolloutSettings(dedicated=False)
+        self.rollouts = None
+        self.keep_graph = False
+        ckpt = cfg.get("checkpoint") or {}
+        self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
+        path = cfg.model.get("pretrained_path")
+        self.base_model = os.path.abspath(str(path) if path else os.path.join(self.out, "base_model"))
+        self.last_checkpoint: str | None = None
+        self.restore_s: float | None = None
+        self.transport = make_transport(cfg.transport)
+        self.eval_every = 0
+        self.evaluator = None
+
+    def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
+        updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
+        base = None if self.cfg.model.get("pretrained_path") else self.base_model
+        return (plain, updates, base, transport_info)
+
+    def _step(self, group, step: int, partition: str, record: StepRecord) -> dict:
+        """Rollout, rewards (the image's, credited to its plan), advantages per trained segment and
+        one joint train step, marked on `record`; returns the scored views of both tracks."""
+        row = record.row
+        examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
+        req = RolloutReq.from_prompts(examples, self.samplings[self.root], None, rollout_id=step)
+        per_rank = self._call(group, "rollout", step, req, partition)
+        metas = {n: BatchMeta.concat([m[n] for m in per_rank]) for n in self.order}
+        record.mark("rollout")
+        views = self._score(step, metas, row)
+        truncated = [bool(m.get("plan_truncated")) for m in views[self.root].metadata]
+        row[f"{self.root}/truncated_fraction"] = sum(truncated) / len(truncated)
+        for name in self.trained:
+            self._driver_phase(
+                step, f"advantages ({name})", views[name].compute_advantages, self.advantage[name]
+            )
+        record.mark("reward")
+        shards = {n: self.transport.claim(metas[n], "train") for n in self.trained}
+        rewards = {n: views[n].rewards for n in self.trained}
+        advantages = {n: views[n].advantages for n in self.trained}
+        metrics = self._call(group, "train_joint", step, shards, rewards, advantages, step / self.num_steps)
+        row.update(reduce_metrics(metrics))
+        record.mark("trained")
+        return views
