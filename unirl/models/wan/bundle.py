@@ -1,0 +1,298 @@
+"""The Wan 2.1 text-to-video family: diffusers' `WanTransformer3DModel` with a UMT5 prompt encoder
+and the causal video VAE `AutoencoderKLWan`, as a `FlowFamily` (`unirl.models.flow.family`) the
+shared `FlowMatchingStage` samples and replays.
+
+What differs from the image families, all inside this file:
+- latents are videos [B, C, f, h, w] (f latent frames: (num_frames - 1) / temporal + 1), the
+  transformer's own layout (it patches (1, 2, 2) and places rotary positions on frames, rows and
+  columns itself); the stage, the SDE and every algorithm treat them as any latent tensor;
+- guidance is classifier-free as Wan does it: the uncond branch is the empty prompt's UMT5
+  embedding (WanPipeline's default negative prompt), v_u + s (v_c - v_u);
+- the transformer's timestep is `sigma * 1000` (the Euler scheduler's timesteps);
+- decode is the VAE of `latents * latents_std + latents_mean` (per channel, written as
+  WanPipeline writes it) and gives frames [B, F, 3, H, W].
+
+The sigma schedule is the recipe's: Wan 2.1 samples with `linspace(1, 1/T, T)` shifted by its
+`flow_shift` (3.0 at 480p), i.e. `sampling.sigma_grid: steps`, `sampling.shift: 3.0`, no dynamic
+shift. A real directory ships a UniPC multistep scheduler; the stage's ODE is Euler, so the bundle
+builds its pipeline with `FlowMatchEulerDiscreteScheduler(shift=flow_shift)`, which `WanPipeline`
+accepts and which is what parity is checked against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+from unirl.models.flow.loading import tiny_clip_t5_tokenizers
+from unirl.models.wan.config import PATCH, TinyWanConfig
+
+
+class WanBundle:
+    """The modules of one Wan 2.1 T2V model plus the `WanPipeline` that owns them.
+
+    Attributes:
+        pipeline: a `WanPipeline` (vae None in pixel space); its `encode_prompt` is the prompt
+            encoder of record.
+        transformer: the `WanTransformer3DModel` (the trainable module).
+        vae: `AutoencoderKLWan` or None (pixel space).
+        num_frames: frames per video (the latent clip has (num_frames - 1) / temporal + 1).
+        temporal, spatial: the VAE's compression along time and along each side (1, 1 in pixel
+            space).
+        sample_size: the frame side in pixels (a tiny model's resolution; 480 for a directory,
+            Wan 2.1 1.3B's trained size).
+        cond_keys: `encode_text`'s keys. guidance: "cfg".
+    """
+
+    cond_keys = ("prompt_embeds",)
+    guidance = "cfg"
+
+    def __init__(self, pipeline: WanPipeline, num_frames: int, sample_size: int) -> None:
+        self.pipeline = pipeline
+        self.transformer: WanTransformer3DModel = pipeline.transformer
+        self.vae: AutoencoderKLWan | None = pipeline.vae
+        self.latent_channels = self.transformer.config.in_channels
+        if self.vae is None:
+            self.temporal, self.spatial = 1, 1
+        else:
+            self.temporal = int(self.vae.config.scale_factor_temporal)
+            self.spatial = int(self.vae.config.scale_factor_spatial)
+        if num_frames < 1 or (num_frames - 1) % self.temporal:
+            raise ValueError(
+                f"model.num_frames={num_frames}: this Wan VAE (temporal compression {self.temporal}) takes "
+                f"1 + {self.temporal}k frames"
+            )
+        self.num_frames = num_frames
+        self.sample_size = sample_size
+        for module in self.frozen_modules():
+            module.requires_grad_(False)
+            module.eval()
+
+    @property
+    def denoiser(self) -> WanTransformer3DModel:
+        return self.transformer
+
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """UMT5 (the encoder stack only)."""
+        return [self.pipeline.text_encoder]
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        return self.text_encoders() + ([self.vae] if self.vae is not None else [])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def to(self, device: str | torch.device | torch.dtype) -> WanBundle:
+        self.pipeline.to(device)
+        return self
+
+    # ---- geometry ---------------------------------------------------------------------------
+    def _cell(self, height: int, width: int) -> int:
+        cell = self.spatial * PATCH[1]
+        if height % cell or width % cell:
+            raise ValueError(
+                f"sampling.height/width ({height}x{width}) must be multiples of {cell} "
+                f"(vae spatial scale {self.spatial} x the 2x2 patch)"
+            )
+        return cell
+
+    @property
+    def latent_frames(self) -> int:
+        """Latent frames of a clip: the first frame alone, then one per `temporal` frames."""
+        return (self.num_frames - 1) // self.temporal + 1
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """(C, f, h, w): C latent channels (3 in pixel space), f latent frames, h = height / spatial."""
+        self._cell(height, width)
+        return self.latent_channels, self.latent_frames, height // self.spatial, width // self.spatial
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Transformer tokens per video: f x (h / 2) x (w / 2)."""
+        cell = self._cell(height, width)
+        return self.latent_frames * (height // cell) * (width // cell)
+
+    def model_info(self) -> dict:
+        """`patch_size` is the 2x2 spatial patch; `num_frames` the clip length."""
+        return {
+            "pixel_space": self.vae is None,
+            "vae_scale_factor": self.spatial,
+            "patch_size": PATCH[1],
+            "num_frames": self.num_frames,
+        }
+
+    # ---- network ----------------------------------------------------------------------------
+    def encode_text(
+        self, prompts: list[str], guided: bool, max_sequence_length: int
+    ) -> dict[str, torch.Tensor]:
+        """`WanPipeline.encode_prompt`: prompt_embeds [U, L, D] (UMT5, zero past each prompt's
+        tokens, L = max_sequence_length); with `guided` negative_prompt_embeds, the empty
+        prompt's (the pipeline's default negative prompt)."""
+        pe, neg = self.pipeline.encode_prompt(
+            prompt=prompts,
+            do_classifier_free_guidance=guided,
+            max_sequence_length=max_sequence_length,
+            device=self.device,
+        )
+        out = {"prompt_embeds": pe}
+        if guided:
+            out["negative_prompt_embeds"] = neg
+        return out
+
+    def predict(
+        self, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict
+    ) -> torch.Tensor:
+        """Velocity [B, C, f, h, w] at video latents x [B, C, f, h, w] and sigma [B], timestep
+        `sigma * 1000`."""
+        dtype = next(module.parameters()).dtype
+        return module(
+            hidden_states=x.to(dtype),
+            timestep=(sigma * 1000.0).to(dtype),
+            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+            return_dict=False,
+        )[0]
+
+    def pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, F, 3, H, W] fp32 RGB frames in about [-1, 1] (unclamped), differentiable: the VAE
+        decode of `latents / (1 / latents_std) + latents_mean` (WanPipeline's arithmetic), or the
+        latents themselves in pixel space; frames moved before channels."""
+        if self.vae is None:
+            return latents.float().transpose(1, 2)
+        c = self.vae.config.z_dim
+        latents = latents.to(self.vae.dtype)
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, c, 1, 1, 1).to(
+            latents.device, latents.dtype
+        )
+        video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        return video.float().transpose(1, 2)
+
+    # ---- building and saving ----------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> WanBundle:
+        """Load a local diffusers Wan 2.1 T2V directory; a missing vae/ means pixel space. The
+        directory's scheduler is replaced by the Euler scheduler at its flow shift (module doc)."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
+        extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
+        shift = _flow_shift(os.path.join(path, "scheduler", "scheduler_config.json"))
+        pipe = WanPipeline.from_pretrained(
+            path, torch_dtype=dtype, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), **extra
+        )
+        if pipe.vae is not None:
+            pipe.vae.to(torch.float32)  # Wan's VAE decodes in fp32 (its reference and WanPipeline's)
+        pipe.transformer.to(torch.float32)
+        return cls(pipe, num_frames, sample_size=480)
+
+    @classmethod
+    def tiny(cls, cfg: TinyWanConfig, num_frames: int) -> WanBundle:
+        """A randomly initialized tiny Wan 2.1, deterministic in `cfg.seed`."""
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        torch.manual_seed(cfg.seed)
+        _, tokenizer = tiny_clip_t5_tokenizers(8, t5_max_length=512, words=cfg.words)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tokenizer.get_vocab()),
+                d_model=cfg.text_hidden_size,
+                d_ff=2 * cfg.text_hidden_size,
+                d_kv=16,
+                num_layers=cfg.text_layers,
+                num_heads=2,
+                decoder_start_token_id=0,
+            )
+        )
+        vae = None
+        if not cfg.pixel_space:
+            levels = cfg.vae_spatial.bit_length() - 1  # spatial downsamples
+            temporal = cfg.vae_temporal.bit_length() - 1
+            c = cfg.latent_channels
+            vae = AutoencoderKLWan(
+                base_dim=8,
+                z_dim=c,
+                dim_mult=[1] + [2] * levels,
+                num_res_blocks=1,
+                temperal_downsample=[i >= levels - temporal for i in range(levels)],
+                latents_mean=torch.linspace(-0.5, 0.5, c).tolist(),
+                latents_std=torch.linspace(0.8, 2.0, c).tolist(),
+                scale_factor_temporal=cfg.vae_temporal,
+                scale_factor_spatial=cfg.vae_spatial,
+            )
+        pipe = WanPipeline(
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # Wan 2.1's flow shift at 480p
+            transformer=tiny_transformer(cfg),
+        )
+        return cls(pipe, num_frames, sample_size=cfg.resolution)
+
+    def save_pretrained(self, path: str) -> None:
+        """The diffusers layout `from_pretrained` (and `WanPipeline.from_pretrained`) reads."""
+        self.pipeline.save_pretrained(path)
+
+    @staticmethod
+    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+        """The train backend's exporter: a LoRA as `pytorch_lora_weights.safetensors` with its
+        adapter config (alpha) in the metadata, what `WanPipeline.load_lora_weights` reads; a
+        full state as a `transformer/` directory."""
+        if kind == "lora":
+            WanPipeline.save_lora_weights(
+                path,
+                transformer_lora_layers=state,
+                transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
+            )
+            return
+        cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+        fresh = cls.from_config(module.config)
+        fresh.load_state_dict(state)
+        fresh.save_pretrained(os.path.join(path, "transformer"))
+
+
+def _flow_shift(scheduler_config: str) -> float:
+    """The directory scheduler's flow shift: UniPC's `flow_shift`, an Euler scheduler's `shift`
+    (3.0, Wan 2.1's 480p value, when unreadable)."""
+    try:
+        with open(scheduler_config) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return 3.0
+    return float(config.get("flow_shift") or config.get("shift") or 3.0)
+
+
+def tiny_transformer(cfg: TinyWanConfig) -> WanTransformer3DModel:
+    """The denoiser alone: 3 pixel channels, or `latent_channels`, in and out, patch (1, 2, 2)."""
+    channels = 3 if cfg.pixel_space else cfg.latent_channels
+    return WanTransformer3DModel(
+        patch_size=PATCH,
+        num_attention_heads=cfg.num_attention_heads,
+        attention_head_dim=cfg.attention_head_dim,
+        in_channels=channels,
+        out_channels=channels,
+        text_dim=cfg.text_hidden_size,
+        freq_dim=cfg.freq_dim,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers,
+        rope_max_seq_len=1024,
+    )
+
+
+def load_checkpoint(path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> WanBundle:
+    """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
+    `unirl_checkpoint.json`) with the LoRA loaded by `WanPipeline.load_lora_weights`, or the full
+    `transformer/` directory."""
+    meta_path = os.path.join(path, "unirl_checkpoint.json")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    bundle = WanBundle.from_pretrained(meta["base_model"], num_frames, dtype=dtype)
+    if meta["kind"] == "lora":
+        bundle.pipeline.load_lora_weights(path)
+    else:
+        transformer = WanTransformer3DModel.from_pretrained(os.path.join(path, "transformer"))
+        bundle.pipeline.transformer = bundle.transformer = transformer
+    return bundle

@@ -1,0 +1,197 @@
+"""The Wan 2.1 text-to-video family's recipe node: which model to build, its clip length, and its
+answers to the validator.
+
+`WanModelConfig(pretrained_path=<dir>)` names a local diffusers Wan 2.1 T2V directory (a
+`WanPipeline`: transformer/, vae/ (AutoencoderKLWan), text_encoder/ (UMT5), tokenizer/,
+scheduler/); `WanModelConfig(tiny=TinyWanConfig(...))` a tiny random one built from configs,
+offline. `num_frames` is the clip length every sample has (the family's geometry, like the VAE:
+a latent sample is [C, f, h, w] with f = (num_frames - 1) / temporal + 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from unirl.models.flow.loading import pipeline_directory_problems
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PIPELINE_CLASS = "WanPipeline"
+PATCH = (1, 2, 2)
+"""The transformer's (frame, height, width) patch: Wan 2.1's, and the tiny model's."""
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+"""Wan's attention projections, as peft name suffixes: self-attention (`attn1`) and the text
+cross-attention (`attn2`) of every block (flow_grpo's Wan LoRA targets; add "ffn.net.0.proj" and
+"ffn.net.2" to train the feed-forward too)."""
+
+
+def _pow2(value: int) -> bool:
+    return value >= 1 and not value & (value - 1)
+
+
+@dataclass
+class TinyWanConfig:
+    """A tiny Wan 2.1-architecture video model for CPU runs and tests (random weights).
+
+    `resolution` is the frame side in pixels the model is built for (Wan's rotary embedding takes
+    any size; `sample_size` reports this one). In pixel space the transformer denoises RGB
+    frames in [-1, 1] ([3, F, H, W], no temporal or spatial compression); otherwise a small random
+    `AutoencoderKLWan` (causal 3D convolutions) compresses `vae_spatial`x along each side and
+    `vae_temporal`x along time (the first frame alone, then groups of `vae_temporal`: Wan's
+    1 + 4k frames at temporal 4) into `latent_channels` channels, normalized per channel by
+    a fixed latents mean / std as Wan's VAE is. The transformer patches (1, 2, 2). `words` become
+    whole-word tokens of the tiny UMT5 tokenizer.
+    """
+
+    resolution: int = 16
+    pixel_space: bool = True
+    num_layers: int = 2
+    attention_head_dim: int = 12
+    num_attention_heads: int = 2
+    ffn_dim: int = 48
+    freq_dim: int = 32
+    text_hidden_size: int = 32
+    text_layers: int = 1
+    words: list[str] = field(default_factory=list)
+    seed: int = 0
+    latent_channels: int = 4
+    vae_spatial: int = 2
+    vae_temporal: int = 2
+
+    def __post_init__(self) -> None:
+        self.words = list(self.words)
+        for key in (
+            "resolution", "num_layers", "attention_head_dim", "num_attention_heads", "ffn_dim", "freq_dim",
+            "text_hidden_size", "text_layers", "latent_channels",
+        ):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        if self.attention_head_dim % 6:
+            raise ValueError(
+                f"model.tiny.attention_head_dim must be a multiple of 6 (Wan's rotary embedding splits it "
+                f"over frames, rows and columns), got {self.attention_head_dim}"
+            )
+        if self.freq_dim % 2:
+            raise ValueError(f"model.tiny.freq_dim must be even, got {self.freq_dim}")
+        if not _pow2(self.vae_spatial) or self.vae_spatial < 2:
+            raise ValueError(f"model.tiny.vae_spatial must be a power of 2 >= 2, got {self.vae_spatial}")
+        if not _pow2(self.vae_temporal) or self.vae_temporal > self.vae_spatial:
+            raise ValueError(
+                f"model.tiny.vae_temporal must be a power of 2 in [1, model.tiny.vae_spatial="
+                f"{self.vae_spatial}] (each temporal downsample rides on a spatial one), got {self.vae_temporal}"
+            )
+
+    @property
+    def scales(self) -> tuple[int, int]:
+        """(temporal, spatial) compression of the latents (1, 1 in pixel space)."""
+        return (1, 1) if self.pixel_space else (self.vae_temporal, self.vae_spatial)
+
+
+@dataclass
+class WanModelConfig:
+    """Which Wan 2.1 T2V model to build (exactly one of `pretrained_path` / `tiny`), and the clip
+    length it samples.
+
+    Attributes:
+        pretrained_path: local diffusers directory of a Wan 2.1 T2V model (`WanPipeline`).
+        tiny: tiny-model config used when `pretrained_path` is null.
+        num_frames: frames per video; with a VAE of temporal compression t it must be 1 + k t
+            (Wan's VAE: 1, 5, ..., 81).
+        dtype: parameter dtype of the frozen components (UMT5, VAE); the trainable transformer
+            stays fp32 master weights unless the backend casts it.
+    """
+
+    modality: ClassVar[str] = "diffusion"
+
+    pretrained_path: str | None = None
+    tiny: TinyWanConfig | None = field(default_factory=TinyWanConfig)
+    num_frames: int = 81
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiny, dict):
+            self.tiny = TinyWanConfig(**self.tiny)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.num_frames < 1:
+            raise ValueError(f"model.num_frames must be >= 1, got {self.num_frames}")
+        if self.pretrained_path is None and self.tiny is None:
+            raise ValueError("model: set model.pretrained_path to a Wan 2.1 directory or give model.tiny")
+
+    def trainable_on_meta(self) -> torch.nn.Module:
+        """The transformer's module tree on the meta device (no weights read)."""
+        from diffusers import WanTransformer3DModel
+
+        from unirl.models.wan.bundle import tiny_transformer
+
+        with torch.device("meta"):
+            if self.pretrained_path:
+                config = WanTransformer3DModel.load_config(os.path.join(self.pretrained_path, "transformer"))
+                return WanTransformer3DModel.from_config(config)
+            return tiny_transformer(self.tiny)
+
+    def build(self):
+        """The `WanBundle`: from `pretrained_path`, else from the tiny config."""
+        from unirl.models.wan.bundle import WanBundle
+
+        if self.pretrained_path:
+            return WanBundle.from_pretrained(self.pretrained_path, self.num_frames, dtype=_DTYPES[self.dtype])
+        return WanBundle.tiny(self.tiny, self.num_frames)
+
+    def load_checkpoint(self, path: str):
+        """The bundle of a UniRL checkpoint of a Wan run, fp32, sampling `num_frames`."""
+        from unirl.models.wan.bundle import load_checkpoint
+
+        return load_checkpoint(path, self.num_frames)
+
+    def directory_problems(self) -> list[str]:
+        """`pretrained_path`, when set, is a directory whose `model_index.json` names WanPipeline."""
+        return pipeline_directory_problems(self.pretrained_path, PIPELINE_CLASS, "Wan 2.1 T2V")
+
+    def size_problems(self, height: int, width: int) -> list[str]:
+        """Wan's geometry: height and width multiples of the VAE's spatial scale x the 2x2 patch
+        (16 px with Wan's VAE), and `model.num_frames` = 1 + k x the VAE's temporal scale (Wan's
+        causal VAE keeps the first frame alone and compresses the rest in groups)."""
+        scales = self.scales()
+        if scales is None:
+            return []
+        temporal, spatial = scales
+        cell = spatial * PATCH[1]
+        problems = [
+            f"sampling.{key}={value} must be a multiple of {cell} (Wan patches 2x2 latent cells of "
+            f"{spatial} px), e.g. {max(cell, value // cell * cell)} or {(value // cell + 1) * cell}"
+            for key, value in (("height", height), ("width", width))
+            if value % cell
+        ]
+        if (self.num_frames - 1) % temporal:
+            below = max(1, (self.num_frames - 1) // temporal * temporal + 1)
+            problems.append(
+                f"model.num_frames={self.num_frames}: Wan's VAE (temporal compression {temporal}) takes "
+                f"1 + {temporal}k frames (1, {1 + temporal}, {1 + 2 * temporal}, ...), e.g. {below} or "
+                f"{below + temporal}"
+            )
+        return problems
+
+    def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
+        """Wan runs classifier-free guidance (cond and uncond forwards): any scale >= 1 (1 is
+        unguided); the type and range checks of the key refuse the rest."""
+        return []
+
+    def scales(self) -> tuple[int, int] | None:
+        """(temporal, spatial) compression, from the tiny config or the directory's vae/config.json
+        (no vae/: pixel space, (1, 1)); None when unreadable (reported by the load)."""
+        if not self.pretrained_path:
+            return self.tiny.scales
+        if not os.path.isdir(os.path.join(self.pretrained_path, "vae")):
+            return (1, 1)
+        try:
+            with open(os.path.join(self.pretrained_path, "vae", "config.json")) as f:
+                vae = json.load(f)
+            return int(vae.get("scale_factor_temporal") or 4), int(vae.get("scale_factor_spatial") or 8)
+        except (OSError, KeyError, ValueError, TypeError):
+            return None
