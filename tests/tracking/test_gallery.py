@@ -232,3 +232,23 @@ def test_gallery_breaks_eval_accuracy_down_by_group(tmp_path: Path) -> None:
     assert (
         "Eval accuracy by op" in by_op and "op=add (last 0.600)" in by_op and "op=mul (last 0.400)" in by_op
     )
+
+
+def test_videos_are_saved_as_frame_strips_one_per_row(tmp_path: Path) -> None:
+    """[B, F, 3, H, W] videos: one row per video, its frames left to right; the gallery labels
+    the strips (row, 0)."""
+    videos = torch.randint(
+        0, 256, (3, 4, 3, 6, 5), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
+    )
+    path = tmp_path / "run" / "samples" / "step_0001.png"
+    save_image_grid(videos, str(path), ["a", "b", "c"], [0.1, 0.2, 0.3])
+    grid = png_pixels(path.read_bytes())
+    assert grid.shape == (3 * 6, 4 * 5, 3)
+    for i in range(3):
+        for k in range(4):
+            tile = grid[i * 6 : (i + 1) * 6, k * 5 : (k + 1) * 5]
+            assert np.array_equal(tile, videos[i, k].permute(1, 2, 0).numpy())
+    assert [e["frames"] for e in json.loads(path.with_suffix(".json").read_text())] == [4, 4, 4]
+    src, _ = parse(write_gallery(str(tmp_path / "run")))
+    for i in range(3):
+        assert f'<td class="num">{i}</td><td class="num">{i},0</td>' in src

@@ -389,6 +389,8 @@ def image_section(png: str, label: str = "", id_prefix: str = "") -> str:
             notes.append("Captions file could not be read.")
     if entries is not None:
         ncols = _grid_ncols(len(entries), *size) if size is not None else max(1, min(len(entries), 8))
+        if any(isinstance(e, dict) and "frames" in e for e in entries):
+            ncols = 1  # videos: one frame strip per row (save_image_grid)
         trs = []
         for i, e in enumerate(entries):
             e = e if isinstance(e, dict) else {"prompt": e}

@@ -61,7 +61,16 @@ def save_image_grid(
     images: torch.Tensor, path: str, captions: list[str], rewards: list[float], ncols: int | None = None
 ) -> None:
     """Save [B, 3, H, W] uint8 images as one PNG grid at `path`, and their
-    prompts and rewards beside it as `<path stem>.json`."""
+    prompts and rewards beside it as `<path stem>.json`.
+
+    Videos [B, F, 3, H, W] are saved as frame strips: one row per video, its F frames left to
+    right (a tile of H x F*W), and each caption entry carries `"frames": F` (the gallery reads
+    the grid as one column of strips)."""
+    frames = None
+    if images.dim() == 5:
+        b, frames, c, h, w = images.shape
+        images = images.permute(0, 2, 3, 1, 4).reshape(b, c, h, frames * w)
+        ncols = 1
     b, _, h, w = images.shape
     ncols = ncols or min(b, 8)
     nrows = math.ceil(b / ncols)
@@ -73,4 +82,6 @@ def save_image_grid(
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     Image.fromarray(grid).save(path)
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
-        json.dump([{"prompt": p, "reward": r} for p, r in zip(captions, rewards, strict=True)], f, indent=1)
+        extra = {} if frames is None else {"frames": frames}
+        rows = [{"prompt": p, "reward": r, **extra} for p, r in zip(captions, rewards, strict=True)]
+        json.dump(rows, f, indent=1)

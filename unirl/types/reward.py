@@ -11,14 +11,15 @@ import torch
 
 @dataclass
 class RewardRequest:
-    """Images or texts to score, one per sample.
+    """Images, videos or texts to score, one per sample.
 
     Exactly one of `images` and `texts` is set.
 
     Attributes:
         sample_ids: per sample, used to name failures.
         prompts: per sample.
-        images: [B, 3, H, W] uint8 RGB, or None for a text request.
+        images: [B, 3, H, W] uint8 RGB images, or [B, F, 3, H, W] uint8 RGB videos of F frames (a
+            video stage; `is_video`), or None for a text request.
         metadata: per-sample dicts from the data source (empty, or one per sample).
         texts: per-sample decoded responses of a text stage, or None for an image request.
         response_lengths: per-sample response length in tokens (text requests
@@ -42,10 +43,14 @@ class RewardRequest:
             got = "both" if self.images is not None else "neither"
             raise ValueError(f"RewardRequest needs exactly one of images and texts, got {got}")
         if self.images is not None:
-            if self.images.dtype != torch.uint8 or self.images.dim() != 4 or self.images.shape[1] != 3:
+            if (
+                self.images.dtype != torch.uint8
+                or self.images.dim() not in (4, 5)
+                or self.images.shape[-3] != 3
+            ):
                 raise ValueError(
-                    f"RewardRequest.images must be uint8 [B, 3, H, W], got {self.images.dtype} "
-                    f"{list(self.images.shape)}"
+                    f"RewardRequest.images must be uint8 [B, 3, H, W] (or videos [B, F, 3, H, W]), got "
+                    f"{self.images.dtype} {list(self.images.shape)}"
                 )
             if self.images.shape[0] != batch:
                 raise ValueError(f"RewardRequest has {batch} sample_ids but {self.images.shape[0]} images")
@@ -73,12 +78,30 @@ class RewardRequest:
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    @property
+    def is_video(self) -> bool:
+        """Whether the request carries videos ([B, F, 3, H, W] frames)."""
+        return self.images is not None and self.images.dim() == 5
+
     def require_images(self, scorer: str) -> torch.Tensor:
-        """`images`, or a ValueError saying that `scorer` needs images and got text."""
+        """`images` [B, 3, H, W], or a ValueError saying that `scorer` needs images and got text or
+        videos."""
         if self.images is None:
             raise ValueError(
                 f"{scorer} needs images, but the request carries text: use a text scorer for a text stage"
             )
+        if self.is_video:
+            raise ValueError(
+                f"{scorer} scores images, but the request carries videos {list(self.images.shape)}: wrap it "
+                "in unirl.reward.local.video.FrameMean (the per-frame score averaged over frames)"
+            )
+        return self.images
+
+    def require_videos(self, scorer: str) -> torch.Tensor:
+        """`images` as videos [B, F, 3, H, W], or a ValueError saying that `scorer` needs videos."""
+        if not self.is_video:
+            got = "text" if self.images is None else f"images {list(self.images.shape)}"
+            raise ValueError(f"{scorer} needs videos [B, F, 3, H, W], but the request carries {got}")
         return self.images
 
     def require_texts(self, scorer: str) -> list[str]:

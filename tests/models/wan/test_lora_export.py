@@ -39,6 +39,8 @@ def test_exported_lora_loads_back_through_wan_pipeline(tmp_path) -> None:
     sigma = torch.tensor([0.3, 0.8])
     with torch.no_grad():
         trained = bundle.predict(backend.module, x, sigma, cond)
-        torch.testing.assert_close(loaded.predict(loaded.transformer, x, sigma, cond), trained, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            loaded.predict(loaded.transformer, x, sigma, cond), trained, rtol=0, atol=1e-6
+        )
         backend.module.disable_adapters()
         assert not torch.allclose(bundle.predict(backend.module, x, sigma, cond), trained, atol=1e-4)

@@ -163,7 +163,9 @@ class WanBundle:
             return latents.float().transpose(1, 2)
         c = self.vae.config.z_dim
         latents = latents.to(self.vae.dtype)
-        mean = torch.tensor(self.vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+        mean = (
+            torch.tensor(self.vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+        )
         inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, c, 1, 1, 1).to(
             latents.device, latents.dtype
         )

@@ -4,11 +4,14 @@ from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, TargetCharFraction
+from unirl.reward.local.video import ColorMotion, FrameMean
 
 __all__ = [
+    "ColorMotion",
     "ColorTarget",
     "ExactAnswer",
     "FormatCheck",
+    "FrameMean",
     "JpegCompressibility",
     "JpegIncompressibility",
     "OverlongPenalty",

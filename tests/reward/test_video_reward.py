@@ -1,0 +1,81 @@
+"""Rewards over videos: a per-frame image scorer averaged over frames, and the colour-motion
+reward, against hand computations; image scorers refuse videos and video scorers images."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unirl.reward.local import ColorMotion, ColorTarget, FrameMean
+from unirl.types.reward import RewardRequest
+
+
+def request(videos: torch.Tensor) -> RewardRequest:
+    b = videos.shape[0]
+    return RewardRequest(sample_ids=[f"s{i}" for i in range(b)], prompts=["p"] * b, images=videos)
+
+
+def moving_square(frames: int, size: int = 12, side: int = 3, step: int = 2, rgb=(255, 0, 0)) -> torch.Tensor:
+    """[F, 3, size, size] uint8: a `side`-pixel square of `rgb` on black, `step` px further right
+    each frame, from column 1."""
+    video = torch.zeros(frames, 3, size, size, dtype=torch.uint8)
+    for k in range(frames):
+        col = 1 + k * step
+        video[k, :, 4 : 4 + side, col : col + side] = torch.tensor(rgb, dtype=torch.uint8).view(3, 1, 1)
+    return video
+
+
+def test_frame_mean_is_the_mean_of_the_per_frame_scores() -> None:
+    videos = torch.randint(
+        0, 256, (2, 3, 3, 4, 5), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
+    )
+    scores = FrameMean(ColorTarget([1.0, 0.0, 0.0]))(request(videos))
+    target = torch.tensor([1.0, 0.0, 0.0]).view(3, 1, 1)
+    for i in range(2):  # by hand: 1 - mean |pixel / 255 - target| per frame, then over frames
+        per_frame = [1 - (videos[i, k].float() / 255 - target).abs().mean() for k in range(3)]
+        assert scores[i].item() == pytest.approx(sum(per_frame).item() / 3, abs=1e-6)
+    floats = videos.float().div(255).requires_grad_()
+    diff = FrameMean(ColorTarget([1.0, 0.0, 0.0])).score_differentiable(floats, ["p", "p"], [{}, {}])
+    torch.testing.assert_close(diff, scores, rtol=0, atol=1e-6)
+    diff.sum().backward()
+    assert floats.grad is not None and floats.grad.abs().sum() > 0
+
+
+def test_color_motion_rewards_a_red_object_moving_right() -> None:
+    right = moving_square(4)
+    still = moving_square(4, step=0)
+    videos = torch.stack([right, right.flip(0), still, torch.zeros_like(still)])
+    scores = ColorMotion([1.0, 0.0, 0.0], "right")(request(videos))
+    # by hand: the square's columns 1..3 -> centre 2.5 px, then 8.5 px after 3 steps of 2 px, of 12
+    moved = (8.5 - 2.5) / 12
+    torch.testing.assert_close(scores, torch.tensor([moved, -moved, 0.0, 0.0]), rtol=0, atol=1e-6)
+    assert ColorMotion([1.0, 0.0, 0.0], "left")(request(videos))[1].item() == pytest.approx(moved)
+    blue = torch.stack([moving_square(4, rgb=(0, 0, 255))])  # moves, but is not the colour
+    assert ColorMotion([1.0, 0.0, 0.0])(request(blue)).item() == 0.0
+
+
+def test_color_motion_weighs_pixels_by_closeness_to_the_colour() -> None:
+    """A near-red pixel counts at its weight 1 - 2 max_c |p - t| (here 0.6); black pixels count 0."""
+    video = torch.zeros(2, 3, 1, 4, dtype=torch.uint8)
+    video[0, 0, 0, 0] = 255  # frame 0: pure red at column 0 (x = 0.125)
+    video[1, 0, 0, 0] = 255
+    video[1, :, 0, 3] = torch.tensor([204, 51, 0], dtype=torch.uint8)  # frame 1: + (0.8, 0.2, 0) at x = 0.875
+    w = 1 - 2 * 0.2
+    expected = (0.125 + w * 0.875) / (1 + w) - 0.125
+    assert ColorMotion()(request(video[None])).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_image_and_video_scorers_refuse_the_other_modality() -> None:
+    videos = torch.zeros(1, 2, 3, 4, 4, dtype=torch.uint8)
+    with pytest.raises(
+        ValueError, match="ColorTarget scores images, but the request carries videos.*FrameMean"
+    ):
+        ColorTarget()(request(videos))
+    with pytest.raises(
+        ValueError, match=r"ColorMotion needs videos \[B, F, 3, H, W\], but the request carries images"
+    ):
+        ColorMotion()(request(videos[:, 0]))
+    with pytest.raises(ValueError, match="direction must be 'right' or 'left'"):
+        ColorMotion(direction="up")
+    with pytest.raises(ValueError, match="must be uint8 \\[B, 3, H, W\\] \\(or videos"):
+        request(torch.zeros(1, 2, 4, 4, 4, dtype=torch.uint8))

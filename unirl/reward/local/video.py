@@ -1,0 +1,101 @@
+"""Rewards over videos ([B, F, 3, H, W] uint8 frames): any image scorer averaged over frames, and
+a temporal reward that only motion can earn."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from unirl.types.reward import RewardRequest
+
+
+class FrameMean:
+    """Scorer (and `DifferentiableReward` when the inner one is): an image scorer's score of every
+    frame, averaged over the frames of each video.
+
+    The frames of all B videos are scored as one image request of B x F images (sample ids
+    `<id>/frame<k>`, each frame with its video's prompt and metadata), then averaged per video.
+
+    Args:
+        scorer: an image scorer (e.g. `ColorTarget`), built by Hydra from its node.
+    """
+
+    def __init__(self, scorer: Any) -> None:
+        if not callable(scorer):
+            raise ValueError(
+                f"FrameMean scorer must be an image scorer (callable on a request), got {scorer!r}"
+            )
+        self.scorer = scorer
+
+    def __call__(self, req: RewardRequest) -> torch.Tensor:
+        """[B] fp32: the mean over frames of the inner scorer's [B * F] frame scores."""
+        videos = req.require_videos("FrameMean")
+        b, f = videos.shape[:2]
+        frames = RewardRequest(
+            sample_ids=[f"{sid}/frame{k}" for sid in req.sample_ids for k in range(f)],
+            prompts=[p for p in req.prompts for _ in range(f)],
+            images=videos.reshape(b * f, *videos.shape[2:]),
+            metadata=[m for m in req.metadata for _ in range(f)],
+        )
+        return self.scorer(frames).to(torch.float32).view(b, f).mean(dim=1)
+
+    def score_differentiable(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]
+    ) -> torch.Tensor:
+        """[B] mean over frames of the inner `score_differentiable` of float videos [B, F, 3, H, W]
+        in [0, 1], with the graph."""
+        if not hasattr(self.scorer, "score_differentiable"):
+            raise ValueError(f"FrameMean: its scorer {type(self.scorer).__name__} is not differentiable")
+        b, f = images.shape[:2]
+        scores = self.scorer.score_differentiable(
+            images.reshape(b * f, *images.shape[2:]),
+            [p for p in prompts for _ in range(f)],
+            [m for m in metadata for _ in range(f)],
+        )
+        return scores.view(b, f).mean(dim=1)
+
+
+class ColorMotion:
+    """Scorer: how far the mass of a colour moves along x from the first frame to the last.
+
+    Each pixel p (RGB in [0, 1]) weighs w = max(0, 1 - 2 max_c |p_c - target_c|) (1 at the target
+    colour, 0 once any channel is 0.5 away). A frame's centroid is sum(w x) / sum(w) with x the
+    pixel column's centre in [0, 1] ((col + 0.5) / W); a frame without mass (sum(w) = 0) counts as
+    centred (0.5). The score is centroid(last) - centroid(first), times -1 for `direction: left`:
+    in [-1, 1), positive when the colour moved the asked way, 0 for any still video, so only
+    motion earns it (with the target red and `right`: a red object moving left to right).
+
+    Args:
+        target: RGB colour, three values in [0, 1].
+        direction: "right" (x grows over time) or "left".
+    """
+
+    def __init__(self, target: Sequence[float] = (1.0, 0.0, 0.0), direction: str = "right") -> None:
+        values = list(target)
+        if len(values) != 3 or not all(
+            isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0 for v in values
+        ):
+            raise ValueError(f"ColorMotion target must be 3 RGB values in [0, 1], got {target!r}")
+        if direction not in ("right", "left"):
+            raise ValueError(f"ColorMotion direction must be 'right' or 'left', got {direction!r}")
+        self.target = torch.tensor(values, dtype=torch.float32)
+        self.sign = 1.0 if direction == "right" else -1.0
+
+    def centroids(self, videos: torch.Tensor) -> torch.Tensor:
+        """[B, F] x-centroids in [0, 1] of the colour's mass of uint8 videos [B, F, 3, H, W]."""
+        frames = videos.to(torch.float32) / 255.0
+        dist = (frames - self.target.view(1, 1, 3, 1, 1)).abs().amax(dim=2)  # [B, F, H, W]
+        w = (1.0 - 2.0 * dist).clamp(min=0.0)
+        width = w.shape[-1]
+        x = (torch.arange(width, dtype=torch.float32) + 0.5) / width
+        mass = w.sum(dim=(2, 3))
+        moment = (w * x).sum(dim=(2, 3))
+        return torch.where(mass > 0, moment / mass.clamp(min=1e-12), torch.full_like(mass, 0.5))
+
+    def __call__(self, req: RewardRequest) -> torch.Tensor:
+        """[B] fp32: sign x (centroid of the last frame - centroid of the first)."""
+        c = self.centroids(req.require_videos("ColorMotion"))
+        return self.sign * (c[:, -1] - c[:, 0])
