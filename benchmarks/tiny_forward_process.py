@@ -1,5 +1,5 @@
 """Reward vs training wall clock on the tiny redness world: Flow-GRPO against the forward-process
-losses (AWM, DiffusionNFT), with random-reward controls.
+losses (AWM, DiffusionNFT, DGPO, CRD), with random-reward controls.
 
 Each run is its recipe through the real entry point (`python -m unirl.train_diffusion`,
 in-process, inband data plane, `--threads` torch threads), `--steps` steps, one after another
@@ -49,7 +49,11 @@ RUNS: dict[str, tuple[str, list[str]]] = {
         ["algorithm.config.ema_kl_beta=0.0", "+algorithm.config.allow_unconstrained=true", "train.ema=null"],
     ),
     "nft": ("diffusion/tiny_awm", NFT),
+    "dgpo": ("diffusion/tiny_dgpo", []),
+    "crd": ("diffusion/tiny_crd", []),
     "control_random_awm": ("diffusion/tiny_awm", RANDOM_REWARD),
+    "control_random_dgpo": ("diffusion/tiny_dgpo", RANDOM_REWARD),
+    "control_random_crd": ("diffusion/tiny_crd", RANDOM_REWARD),
     "control_random_flowgrpo": ("diffusion/tiny_sd3_flowgrpo", RANDOM_REWARD),
 }
 REWARD = "reward/redness/mean"

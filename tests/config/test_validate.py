@@ -215,6 +215,11 @@ SHAPES_VARIANTS = ("diffusion/shapes_dancegrpo", "diffusion/shapes_mixgrpo")
 SHAPES_VARIANTS += tuple(f"diffusion/shapes_{n}" for n in ("ddpo", "dpok", "flowdppo", "diffusiondpo"))
 # shapes_nft with AWM's algorithm node and an EMA; its keys are mutated in tiny_awm
 SHAPES_VARIANTS += ("diffusion/shapes_awm",)
+# shapes_flowgrpo with tiny_ppo's advantage, algorithm and critic nodes; tiny_ppo is tiny_sd3_flowgrpo
+# with those nodes, mutated in test_tiny_ppo_critic_and_advantage_leaves_reject_bad_values
+SHAPES_VARIANTS += ("diffusion/shapes_ppo", "diffusion/tiny_ppo")
+# shapes_awm with DGPO's or CRD's algorithm node (and CRD's sampling EMA); mutated in tiny_dgpo, tiny_crd
+SHAPES_VARIANTS += ("diffusion/shapes_dgpo", "diffusion/shapes_crd")
 # flux_flowgrpo with a tiny node at FLUX.1-dev's size; its keys are mutated there and in tiny_flux_flowgrpo
 FLUX_VARIANTS = ("diffusion/flux_dev_random_flowgrpo",)
 # the VQA recipes' keys are those of vlm/tiny_vqa_smoke (their base, on a tiny model), mutated there
@@ -226,8 +231,22 @@ NOT_MUTATED = ARITH_VARIANTS + SHAPES_VARIANTS + FLUX_VARIANTS + VLM_VARIANTS
 def test_every_leaf_rejects_bad_values_with_its_full_key(name, monkeypatch):
     monkeypatch.setenv("PRETRAINED_MODEL", "/nonexistent/model")  # real-model recipes: only the path fails
     tree = OmegaConf.to_container(recipe(name), resolve=True)
+    assert leaves_rejected(tree) > 60
+
+
+def test_tiny_ppo_critic_and_advantage_leaves_reject_bad_values():
+    """diffusion/tiny_ppo is tiny_sd3_flowgrpo (mutated whole) plus these nodes."""
+    tree = OmegaConf.to_container(recipe("diffusion/tiny_ppo"), resolve=True)
+    assert leaves_rejected(tree, ("critic.", "advantage.", "algorithm.")) > 15
+
+
+def leaves_rejected(tree, prefixes: tuple[str, ...] = ("",)) -> int:
+    """Mutate every leaf of `tree` under `prefixes` (`mutations`); each bad value must be refused
+    naming its full key. Returns the number of mutations checked."""
     checked = 0
     for key, container, index, good in list(leaves(tree)):
+        if not key.startswith(prefixes):
+            continue
         node_path, _, leaf = key.rpartition(".")
         list_key = key.split("[")[0]
         for bad in mutations(good, key):
@@ -240,7 +259,7 @@ def test_every_leaf_rejects_bad_values_with_its_full_key(name, monkeypatch):
                 for line in lines
             ), f"{key}={bad!r} not named:\n{msg}"
             checked += 1
-    assert checked > 60
+    return checked
 
 
 def test_unmodified_recipes_validate():
