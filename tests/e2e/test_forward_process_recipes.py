@@ -74,7 +74,11 @@ def test_bad_awm_recipes_are_refused_before_ray(tmp_path, overrides, needle):
         ("tiny_dgpo", ["train.stack.micro_batch_size=4"], "train.stack.micro_batch_size=4"),
         ("tiny_crd", ["train.stack.micro_batch_size=4"], "train.stack.micro_batch_size=4"),
         ("tiny_dgpo", ["sampling.samples_per_prompt=1"], "sampling.samples_per_prompt=1"),
-        ("tiny_dgpo", ["sampling.guidance_scale=1.0", "algorithm.config.kl_guidance_scale=4.5"], "kl_guidance_scale"),
+        (
+            "tiny_dgpo",
+            ["sampling.guidance_scale=1.0", "algorithm.config.kl_guidance_scale=4.5"],
+            "kl_guidance_scale",
+        ),
         ("tiny_crd", ["sampling.guidance_scale=1.0"], "algorithm.config.kl_guidance_scale=2.0"),
         ("tiny_crd", ["train.ema=null"], "train.ema is null"),
         ("tiny_crd", ["algorithm.config.centering=median"], "algorithm.config.centering"),
