@@ -42,7 +42,7 @@ def check_algorithm(
         if k < 2:
             problems.append(
                 f"sampling.samples_per_prompt={k}: {name} compares the samples of a prompt group "
-                "(best vs worst by reward); set it to >= 2"
+                "with each other; set it to >= 2"
             )
         elif stack is not None and stack.micro_batch_size % k:
             problems.append(
