@@ -14,10 +14,21 @@ from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.ema import EMAConfig
 
 
+SNAPSHOT = EMAConfig(decay=0.9, schedule="linear", decay_start=0.25, decay_slope=0.1)  # a loss's (CRD's old policy)
+
+
 def full_finetune(seed: int) -> TrainBackend:
-    """A full fine-tune keeping its reference (as Flow-GRPO with beta > 0) and an EMA."""
+    """A full fine-tune keeping its reference (as Flow-GRPO with beta > 0), an EMA and a loss snapshot."""
     module = tiny_model_config(seed=seed).build().transformer
-    return TrainBackend(module, None, OptimConfig(lr=1e-2), 10, ema=EMAConfig(decay=0.5), keep_reference=True)
+    return TrainBackend(
+        module,
+        None,
+        OptimConfig(lr=1e-2),
+        10,
+        ema=EMAConfig(decay=0.5),
+        snapshots={"old": SNAPSHOT},
+        keep_reference=True,
+    )
 
 
 def one_step(b: TrainBackend) -> None:
@@ -60,6 +71,11 @@ def test_full_finetune_state_round_trip_keeps_the_initial_reference(tmp_path):
     assert resumed.ema.num_updates == 2
     for name, shadow in saved.ema.state_dict()["shadow"].items():
         assert torch.equal(resumed.ema.state_dict()["shadow"][name], shadow), name
+    old = saved.snapshots["old"].state_dict()
+    assert resumed.snapshots["old"].num_updates == 2 and old["num_updates"] == 2
+    with resumed.snapshot_weights("old"):  # the snapshot (decays 0.25 then 0.35) is neither the weights nor the EMA
+        assert all(torch.equal(p, old["shadow"][n]) for n, p in resumed.named_params)
+        assert not torch.equal(resumed.params[0], trained[0])
     for p, q in zip(saved.params, resumed.params, strict=True):
         for key, value in saved.optimizer.state[p].items():
             assert torch.equal(resumed.optimizer.state[q][key], value), key
