@@ -13,8 +13,9 @@ from unirl.train.backend import OptimConfig, TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.ema import EMAConfig
 
-
-SNAPSHOT = EMAConfig(decay=0.9, schedule="linear", decay_start=0.25, decay_slope=0.1)  # a loss's (CRD's old policy)
+SNAPSHOT = EMAConfig(
+    decay=0.9, schedule="linear", decay_start=0.25, decay_slope=0.1
+)  # a loss's (CRD's old policy)
 
 
 def full_finetune(seed: int) -> TrainBackend:
@@ -73,7 +74,9 @@ def test_full_finetune_state_round_trip_keeps_the_initial_reference(tmp_path):
         assert torch.equal(resumed.ema.state_dict()["shadow"][name], shadow), name
     old = saved.snapshots["old"].state_dict()
     assert resumed.snapshots["old"].num_updates == 2 and old["num_updates"] == 2
-    with resumed.snapshot_weights("old"):  # the snapshot (decays 0.25 then 0.35) is neither the weights nor the EMA
+    with resumed.snapshot_weights(
+        "old"
+    ):  # the snapshot (decays 0.25 then 0.35) is neither the weights nor the EMA
         assert all(torch.equal(p, old["shadow"][n]) for n, p in resumed.named_params)
         assert not torch.equal(resumed.params[0], trained[0])
     for p, q in zip(saved.params, resumed.params, strict=True):
