@@ -3,8 +3,9 @@
 #   1. the CUDA tests (pytest -m gpu: device placement of every worker tensor, bf16 autocast, ...);
 #   2. the tiny recipe for a few steps on one GPU with the in-process worker (needs no Ray), then
 #      through Ray on one GPU and on 2 ranks (FSDP2 over NCCL) where Ray is installed and 2 GPUs exist;
-#   3. Flow-GRPO on an SD3.5-Medium-sized random transformer (diffusion/sd35m_random_flowgrpo) and on
-#      a FLUX.1-dev-sized one (diffusion/flux_dev_random_flowgrpo), printing step time and peak GPU memory.
+#   3. Flow-GRPO on an SD3.5-Medium-sized random transformer (diffusion/sd35m_random_flowgrpo), on
+#      a FLUX.1-dev-sized one (diffusion/flux_dev_random_flowgrpo) and on a Wan 2.1 1.3B-sized
+#      text-to-video one (diffusion/wan13b_random_flowgrpo), printing step time and peak GPU memory.
 # Usage: bash scripts/gpu_tier.sh [output dir, default outputs/gpu_tier]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,3 +48,6 @@ summary "$OUT/sd35m"
 
 python -m unirl.train_diffusion --config-name=diffusion/flux_dev_random_flowgrpo output_dir="$OUT/flux_dev"
 summary "$OUT/flux_dev"
+
+python -m unirl.train_diffusion --config-name=diffusion/wan13b_random_flowgrpo output_dir="$OUT/wan13b"
+summary "$OUT/wan13b"

@@ -213,10 +213,10 @@ class WanBundle:
             temporal = cfg.vae_temporal.bit_length() - 1
             c = cfg.latent_channels
             vae = AutoencoderKLWan(
-                base_dim=8,
+                base_dim=cfg.vae_base_dim,
                 z_dim=c,
-                dim_mult=[1] + [2] * levels,
-                num_res_blocks=1,
+                dim_mult=[1, 2, 4, 4, 4, 4][: levels + 1],  # Wan's (1, 2, 4, 4) at 8x
+                num_res_blocks=cfg.vae_res_blocks,
                 temperal_downsample=[i >= levels - temporal for i in range(levels)],
                 latents_mean=torch.linspace(-0.5, 0.5, c).tolist(),
                 latents_std=torch.linspace(0.8, 2.0, c).tolist(),

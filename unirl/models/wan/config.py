@@ -44,8 +44,9 @@ class TinyWanConfig:
     `AutoencoderKLWan` (causal 3D convolutions) compresses `vae_spatial`x along each side and
     `vae_temporal`x along time (the first frame alone, then groups of `vae_temporal`: Wan's
     1 + 4k frames at temporal 4) into `latent_channels` channels, normalized per channel by
-    a fixed latents mean / std as Wan's VAE is. The transformer patches (1, 2, 2). `words` become
-    whole-word tokens of the tiny UMT5 tokenizer.
+    a fixed latents mean / std as Wan's VAE is; its widths are `vae_base_dim` x Wan's multipliers
+    (1, 2, 4, 4) with `vae_res_blocks` residual blocks per level (Wan's VAE: 96 and 2 at 8x / 4x).
+    The transformer patches (1, 2, 2). `words` become whole-word tokens of the tiny UMT5 tokenizer.
     """
 
     resolution: int = 16
@@ -62,19 +63,21 @@ class TinyWanConfig:
     latent_channels: int = 4
     vae_spatial: int = 2
     vae_temporal: int = 2
+    vae_base_dim: int = 8
+    vae_res_blocks: int = 1
 
     def __post_init__(self) -> None:
         self.words = list(self.words)
         for key in (
             "resolution", "num_layers", "attention_head_dim", "num_attention_heads", "ffn_dim", "freq_dim",
-            "text_hidden_size", "text_layers", "latent_channels",
+            "text_hidden_size", "text_layers", "latent_channels", "vae_base_dim", "vae_res_blocks",
         ):  # fmt: skip
             if getattr(self, key) < 1:
                 raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
-        if self.attention_head_dim % 6:
+        if self.attention_head_dim % 2 or self.attention_head_dim < 6:
             raise ValueError(
-                f"model.tiny.attention_head_dim must be a multiple of 6 (Wan's rotary embedding splits it "
-                f"over frames, rows and columns), got {self.attention_head_dim}"
+                f"model.tiny.attention_head_dim must be even and >= 6 (Wan's rotary embedding splits it "
+                f"into even parts over frames, rows and columns), got {self.attention_head_dim}"
             )
         if self.freq_dim % 2:
             raise ValueError(f"model.tiny.freq_dim must be even, got {self.freq_dim}")
