@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -80,3 +81,55 @@ def test_text_samples_are_kept_as_json(tmp_path):
     rows = json.loads((tmp_path / "samples" / "step_0001.json").read_text())
     assert [r["response"] for r in rows] == track.texts
     assert [r["response_tokens"] for r in rows] == [1, 3, 2, 4] and rows[1]["reward"] == 1.0
+
+
+def test_evaluation_runs_at_its_own_size():
+    """Decoupled resolution: rollouts at 16x16, evaluation at 32x32 (`eval.sampling.height/width`),
+    through the real tiny SD3 stage: the images the scorer gets are 32x32, the evaluation schedule
+    is pinned for 32x32's token count, and the rollout request keeps 16x16."""
+    from unirl.models.flow.stage import FlowMatchingStage
+    from unirl.models.sd3 import SD3ModelConfig
+    from unirl.rollout.trainside import TrainsideEngine
+    from unirl.trainer.evaluation import EvalSampling
+
+    bundle = SD3ModelConfig(
+        tiny={"resolution": 32, "pixel_space": True, "patch_size": 4, "num_layers": 1, "clip_max_length": 8}
+    ).build()
+    stage = FlowMatchingStage(bundle)
+    sp = DiffusionSamplingParams(num_steps=2, height=16, width=16, shift=3.0, max_sequence_length=8)
+    mod = modality_for(sp, stage.model_info())
+    assert mod.request(EXAMPLES, 0).sampling.height == 16
+    seen = {}
+
+    def sample(req):
+        seen["sigmas"], seen["size"] = req.sigmas, (req.sampling.height, req.sampling.width)
+        return TrainsideEngine(stage, 8).generate(req).track("diffusion").media
+
+    class Shapes:
+        def evaluate(self, images, prompts):
+            seen["images"] = tuple(images.shape)
+            return {"n": float(len(prompts))}
+
+    cfg = EvalSampling(num_steps=2, height=32, width=32)
+    assert mod.evaluate(sample, EXAMPLES, Shapes(), cfg) == {"n": 2.0}
+    assert seen["images"] == (2, 3, 32, 32) and seen["size"] == (32, 32)
+    assert torch.equal(seen["sigmas"], sigmas_for(replace(sp, height=32, width=32, eta=0.0), 64))
+    mod.evaluate(sample, EXAMPLES, Shapes(), EvalSampling(num_steps=2))  # null: the rollouts' size
+    assert seen["images"] == (2, 3, 16, 16)
+    with pytest.raises(ValueError, match="eval.sampling.height must be >= 1"):
+        EvalSampling(height=0)
+
+
+def test_reward_scorer_means_per_source():
+    from unirl.reward.local.color import ColorTarget
+    from unirl.trainer.evaluation import RewardScorer
+
+    examples = [PromptExample("a", "0", {"source": "x"}), PromptExample("b", "1", {"source": "y"})]
+    scorer = RewardScorer({"red": ColorTarget([1.0, 0.0, 0.0])}, examples)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (4, 3, 2, 2), generator=g, dtype=torch.uint8)
+    out = scorer.evaluate(images, ["a", "b", "a", "b"])
+    hand = 1 - (images.float() / 255 - torch.tensor([1.0, 0, 0]).view(1, 3, 1, 1)).abs().mean(dim=(1, 2, 3))
+    assert out["red"] == pytest.approx(float(hand.mean()))
+    assert out["red/x"] == pytest.approx(float(hand[[0, 2]].mean()))
+    assert out["red/y"] == pytest.approx(float(hand[[1, 3]].mean()))

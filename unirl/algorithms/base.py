@@ -38,6 +38,9 @@ class StageAlgorithm(ABC):
             samples_per_prompt); validation checks both before Ray starts.
         uses_values: the loss trains on a critic's values (PPO: GAE advantages), so the
             recipe needs a `critic`; a recipe with a critic needs such a loss.
+        uses_reward: the loss trains on the rollout's rewards (through its advantages). A
+            loss that does not (distillation from teachers: DiffusionOPD) sets it False, and
+            validation then refuses a weighted reward component (weight-0 monitors only).
 
     State that evolves over training (an adaptive KL coefficient) is updated in
     `end_of_rollout` and saved with the checkpoint through `state_dict` /
@@ -51,6 +54,7 @@ class StageAlgorithm(ABC):
     supports_kept_graph: ClassVar[bool] = False
     compares_within_groups: ClassVar[bool] = False
     uses_values: ClassVar[bool] = False
+    uses_reward: ClassVar[bool] = True
 
     def dynamic_sampling_limit(self) -> int | None:
         """Dynamic sampling: None (the default) trains on every sampled group; an int n lets the

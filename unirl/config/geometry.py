@@ -31,6 +31,21 @@ def check_geometry(run: Any, sampling: Any, stack: Any, model: Any, problems: li
         problems.extend(sizes(sampling.height, sampling.width))
 
 
+def check_eval_size(model: Any, sampling: Any, eval_sampling: Any, problems: list[str]) -> None:
+    """Decoupled resolution: an evaluation size (`eval.sampling.height` / `width`, each defaulting
+    to the rollouts') vs the model's patch grid, as the model config states it."""
+    sizes = getattr(model, "size_problems", None)
+    height, width = (getattr(eval_sampling, k, None) for k in ("height", "width"))
+    if sizes is None or not isinstance(sampling, DiffusionSamplingParams) or (height is None and width is None):
+        return
+    h, w = height or sampling.height, width or sampling.width
+    try:
+        found = sizes(h, w, key="eval.sampling")
+    except TypeError:  # a family whose size_problems names only `sampling.*`
+        found = [p.replace("sampling.", "eval.sampling.", 1) for p in sizes(h, w)]
+    problems.extend(p for p in found if (height and ".height=" in p) or (width and ".width=" in p))
+
+
 def check_guidance(model: Any, sampling: Any, eval_sampling: Any, problems: list[str]) -> None:
     """`sampling.guidance_scale` and `eval.sampling.guidance_scale` vs the guidance the model takes
     (as the model config states it: a guidance-distilled model without true CFG, say)."""

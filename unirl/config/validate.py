@@ -9,7 +9,8 @@ Two phases, both reporting every problem they find:
 2. Cross-component rules run on whatever phase 1 built, one module per concern: the modality
    (`modality`), batch and image geometry (`geometry`), the algorithm vs sampling, updates,
    EMA, SDE, kept graphs and advantages (`algorithm`), PPO's critic and mini-batches
-   (`critic`), devices, FSDP, LoRA, transport and
+   (`critic`), a distillation recipe's teachers and its reward-free training (`distill`), devices,
+   FSDP, LoRA, transport and
    resume (`distributed`), the rollout engine and weight sync (`engines`), and the paths and
    names a recipe refers to (`references`). A rule is skipped only when one of its inputs
    failed phase 1.
@@ -31,9 +32,10 @@ from unirl.config.algorithm import (
     check_sde,
 )
 from unirl.config.critic import check_critic, check_mini_batches
+from unirl.config.distill import check_distillation
 from unirl.config.distributed import check_distributed, check_transport
 from unirl.config.engines import check_rollout
-from unirl.config.geometry import check_geometry, check_guidance
+from unirl.config.geometry import check_eval_size, check_geometry, check_guidance
 from unirl.config.modality import check_eval_sampling, check_modality, check_text
 from unirl.config.references import check_model_path, check_prompt_keys, check_tracking
 from unirl.config.run import RL_SECTIONS, SFT_SECTIONS
@@ -59,6 +61,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
     modality = check_modality(cfg, sampling, model, algorithm, expect, problems)
     check_geometry(passed.get(""), sampling, stack, model, problems)
     check_guidance(model, sampling, passed.get("eval.sampling"), problems)
+    check_eval_size(model, sampling, passed.get("eval.sampling"), problems)
     if modality == "text":
         check_text(cfg, sampling, model, problems, passed.get("eval.sampling"))
     check_eval_sampling(cfg, modality, problems)
@@ -68,6 +71,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
     if modality == "diffusion":
         check_sde(cfg, sampling, problems)
     check_reward_backprop(cfg, algorithm, passed.get("algorithm"), sampling, problems)
+    check_distillation(cfg, passed, algorithm, sampling, problems)
     check_advantage(passed.get("algorithm"), passed.get("advantage"), sampling, modality, problems)
     check_critic(cfg, passed, algorithm, modality, problems)
     check_mini_batches(cfg, passed, algorithm, problems)

@@ -18,6 +18,7 @@ from unirl.models.flow.stage import FlowMatchingStage
 from unirl.models.stage import DiffusionStage
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
+from unirl.types.reward import RewardRequest
 from unirl.types.rollout_req import PromptExample, RolloutReq
 from unirl.types.sampling import DiffusionSamplingParams
 
@@ -31,16 +32,25 @@ class Scorer(Protocol):
 @dataclass
 class EvalSampling:
     """How evaluation samples: `num_steps` Euler steps (eta 0), CFG `guidance_scale`,
-    `samples_per_prompt` images per prompt from seeds derived from `seed`."""
+    `samples_per_prompt` images per prompt from seeds derived from `seed`, at `height` x `width`
+    pixels (null: the rollouts' `sampling.height` / `sampling.width`).
+
+    Decoupled resolution: rollouts and training at `sampling`'s size, evaluation at another (RL
+    gains at a lower resolution carry over to the full one, and a transformer's cost grows with
+    the square of its token count). The validator checks both sizes against the model family's
+    geometry (`FlowModelConfig.size_problems`). The sigma schedule is pinned for the evaluation
+    size (its token count sets a dynamic shift)."""
 
     num_steps: int = 20
     guidance_scale: float = 1.0
     samples_per_prompt: int = 1
     seed: int = 1234
     forward_batch_size: int | None = 64
+    height: int | None = None
+    width: int | None = None
 
     def __post_init__(self) -> None:
-        for key in ("num_steps", "samples_per_prompt", "forward_batch_size"):
+        for key in ("num_steps", "samples_per_prompt", "forward_batch_size", "height", "width"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"eval.sampling.{key} must be >= 1, got {value}")
@@ -51,19 +61,23 @@ class EvalSampling:
 
 
 def eval_request(
-    examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling, image_seq_len: int
+    examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling, cell: int
 ) -> RolloutReq:
     """The deterministic evaluation request: every example x `samples_per_prompt`,
-    Euler sampling (eta 0) with the evaluation steps, guidance and seeds."""
+    Euler sampling (eta 0) with the evaluation steps, guidance, seeds and size; `cell` is the
+    model's pixels per denoiser token along a side (vae_scale_factor x patch_size)."""
     sp = eval_params(base, cfg)
+    image_seq_len = (sp.height // cell) * (sp.width // cell)
     return RolloutReq.from_prompts(examples, sp, sigmas_for(sp, image_seq_len), rollout_id=0)
 
 
 def eval_params(base: DiffusionSamplingParams, cfg: EvalSampling) -> DiffusionSamplingParams:
     """`base` made deterministic for evaluation: Euler ODE (eta 0) with `cfg`'s steps, guidance,
-    samples per prompt and seed."""
+    samples per prompt, seed and size (the rollouts' where `cfg.height` / `cfg.width` are null)."""
     return replace(
         base,
+        height=cfg.height or base.height,
+        width=cfg.width or base.width,
         num_steps=cfg.num_steps,
         guidance_scale=cfg.guidance_scale,
         samples_per_prompt=cfg.samples_per_prompt,
@@ -81,8 +95,7 @@ def sample_eval_images(
 ) -> tuple[torch.Tensor, list[str]]:
     """([N, 3, H, W] uint8 images, prompts) for every example x samples_per_prompt, deterministic."""
     info = stage.model_info()
-    cell = info["vae_scale_factor"] * info["patch_size"]
-    req = eval_request(examples, base, cfg, (base.height // cell) * (base.width // cell))
+    req = eval_request(examples, base, cfg, info["vae_scale_factor"] * info["patch_size"])
     track = TrainsideEngine(stage, cfg.forward_batch_size).generate(req).track("diffusion")
     return track.media, track.prompts
 
@@ -116,3 +129,36 @@ class BundleEvaluator:
         stage = FlowMatchingStage(bundle)
         images, prompts = sample_eval_images(stage, self.examples, self.sampling, self.eval_sampling)
         return self.scorer.evaluate(images, prompts)
+
+
+class RewardScorer:
+    """An evaluation scorer from reward components: `evaluate(images, prompts)` ->
+    `{name: mean score}` over every image and, with `examples`, `{name/<source>: mean}` over the
+    images of each data source's prompts (`metadata[source_key]` of the example with that prompt).
+
+    Args:
+        components: name -> a reward scorer (`scorer(RewardRequest) -> [B]`, e.g.
+            `unirl.reward.local.color.ColorTarget`).
+        examples: the evaluation prompts (a list, or a data source holding them in `.examples`)
+            whose metadata names their sources; None: no per-source means.
+        source_key: the metadata key naming a prompt's data source.
+    """
+
+    def __init__(self, components: dict, examples: object = None, source_key: str = "source") -> None:
+        if not components:
+            raise ValueError("eval.scorer.components must name at least one reward scorer")
+        self.components = dict(components)
+        rows = list(getattr(examples, "examples", examples) or [])
+        self.sources = {e.prompt: str(e.metadata.get(source_key)) for e in rows if source_key in e.metadata}
+
+    def evaluate(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+        req = RewardRequest(sample_ids=[str(i) for i in range(len(prompts))], prompts=list(prompts), images=images)
+        out: dict[str, float] = {}
+        for name, scorer in self.components.items():
+            scores = scorer(req).float()
+            out[name] = float(scores.mean())
+            for source in sorted(set(self.sources.values())):
+                idx = [i for i, p in enumerate(prompts) if self.sources.get(p) == source]
+                if idx:
+                    out[f"{name}/{source}"] = float(scores[idx].mean())
+        return out

@@ -43,8 +43,8 @@ class ImageModality:
 
     def __init__(self, sampling: DiffusionSamplingParams, model_info: dict[str, Any]) -> None:
         self.sampling = sampling
-        cell = model_info["vae_scale_factor"] * model_info["patch_size"]
-        self.image_seq_len = (sampling.height // cell) * (sampling.width // cell)
+        self.cell = model_info["vae_scale_factor"] * model_info["patch_size"]
+        self.image_seq_len = (sampling.height // self.cell) * (sampling.width // self.cell)
         self.sigmas = sigmas_for(sampling, self.image_seq_len)
 
     def request(self, examples: list[PromptExample], rollout_id: int) -> RolloutReq:
@@ -55,8 +55,9 @@ class ImageModality:
         save_image_grid(track.media, path_stem + ".png", track.prompts, track.rewards.tolist())
 
     def evaluate(self, sample, examples: list[PromptExample], scorer, cfg: EvalSampling) -> dict[str, float]:
-        """Deterministic ODE images of the examples, scored by `scorer.evaluate(images, prompts)`."""
-        req = eval_request(examples, self.sampling, cfg, self.image_seq_len)
+        """Deterministic ODE images of the examples (at `cfg`'s size, if set), scored by
+        `scorer.evaluate(images, prompts)`."""
+        req = eval_request(examples, self.sampling, cfg, self.cell)
         return scorer.evaluate(sample(req), req.prompts)
 
 

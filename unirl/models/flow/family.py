@@ -146,11 +146,12 @@ class FlowModelConfig(Protocol):
         naming `model.pretrained_path` and what it should be; [] when unset or fine."""
         ...
 
-    def size_problems(self, height: int, width: int) -> list[str]:
+    def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """Problems with sampling at height x width pixels (not a multiple of the pixels per
         latent patch, larger than a tiny model's position embedding), each naming
-        `sampling.height` or `sampling.width` and the valid values; [] when it fits or the
-        geometry cannot be read (an unreadable directory is `directory_problems`' report)."""
+        `{key}.height` or `{key}.width` (`sampling`, or `eval.sampling` for the evaluation size)
+        and the valid values; [] when it fits or the geometry cannot be read (an unreadable
+        directory is `directory_problems`' report)."""
         ...
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:

@@ -148,16 +148,16 @@ class FluxModelConfig:
         """`pretrained_path`, when set, is a directory whose `model_index.json` names FluxPipeline."""
         return pipeline_directory_problems(self.pretrained_path, PIPELINE_CLASS, "FLUX.1")
 
-    def size_problems(self, height: int, width: int) -> list[str]:
+    def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """height and width must be multiples of vae_scale_factor * 2 (the VAE's downsample times
-        the 2x2 packing: 16 px with FLUX's VAE)."""
+        the 2x2 packing: 16 px with FLUX's VAE); the messages name `{key}.height` / `{key}.width`."""
         cell = self._read("cell")
         if cell is None:
             return []
         return [
-            f"sampling.{key}={value} must be a multiple of {cell} (FLUX packs 2x2 latent cells of "
+            f"{key}.{side}={value} must be a multiple of {cell} (FLUX packs 2x2 latent cells of "
             f"{cell // 2} px), e.g. {max(cell, value // cell * cell)} or {(value // cell + 1) * cell}"
-            for key, value in (("height", height), ("width", width))
+            for side, value in (("height", height), ("width", width))
             if value % cell
         ]
 

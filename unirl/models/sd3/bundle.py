@@ -165,22 +165,23 @@ class SD3ModelConfig:
             self.pretrained_path, StableDiffusion3Pipeline.__name__, "SD3 / SD3.5"
         )
 
-    def size_problems(self, height: int, width: int) -> list[str]:
+    def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """height / width vs the latent patch grid (vae scale x patch size pixels per token) and,
-        for a tiny model, its position embedding (at most `tiny.resolution`)."""
+        for a tiny model, its position embedding (at most `tiny.resolution`); the messages name
+        `{key}.height` / `{key}.width`."""
         geometry = self._geometry()
         if geometry is None:
             return []
         cell, largest = geometry
         problems = []
-        for key, value in (("height", height), ("width", width)):
+        for side, value in (("height", height), ("width", width)):
             if value % cell:
                 problems.append(
-                    f"sampling.{key}={value} must be a multiple of {cell}, the pixels per latent patch of the model"
+                    f"{key}.{side}={value} must be a multiple of {cell}, the pixels per latent patch of the model"
                 )
             if largest is not None and value > largest:
                 problems.append(
-                    f"sampling.{key}={value} exceeds model.tiny.resolution={largest}, the largest size "
+                    f"{key}.{side}={value} exceeds model.tiny.resolution={largest}, the largest size "
                     "the tiny model's position embedding covers"
                 )
         return problems
