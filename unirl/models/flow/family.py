@@ -10,8 +10,10 @@ Two protocols, checked structurally (no base class to inherit):
 - `FlowModelConfig`, the recipe's `model` node: builds a bundle, and answers the validator's
   questions about its own directory and geometry before any work starts.
 
-Shapes: B samples; a latent sample has the family's `latent_shape` (images: [C, h, w]);
-conditioning tensors are [B, ...] with the family's own keys.
+Shapes: B samples; a latent sample has the family's `latent_shape` (images: [C, h, w]; videos:
+[C, f, h, w]); conditioning tensors are [B, ...] with the family's own keys. A video family decodes
+to frames [B, F, 3, H, W] where an image family gives [B, 3, H, W]; rewards, the data plane and
+the gallery take either (`RewardRequest.is_video`).
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class FlowFamily(Protocol):
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """The shape of one latent sample for an image of height x width pixels (images:
-        (C, h, w)); an error naming `sampling.height/width` when the geometry cannot take it."""
+        (C, h, w); videos (C, f, h, w), the clip length being the model config's); an error naming
+        `sampling.height/width` when the geometry cannot take it."""
         ...
 
     def image_seq_len(self, height: int, width: int) -> int:
@@ -86,9 +89,9 @@ class FlowFamily(Protocol):
         ...
 
     def pixels(self, latents: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped) from latents [B, *latent_shape],
-        differentiable: the VAE decode with the family's scaling and shift, or the identity
-        in pixel space."""
+        """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped) from latents [B, *latent_shape]
+        (a video family: frames [B, F, 3, H, W]), differentiable: the VAE decode with the family's
+        scaling and shift, or the identity in pixel space."""
         ...
 
     def model_info(self) -> dict[str, Any]:

@@ -4,7 +4,8 @@ for any family that supplies a `FlowFamily` bundle (`family.py`).
 `diffuse` and `replay` share one velocity function and one step strategy
 (named by `sde`, from `unirl.sde.strategies.SDE_STRATEGIES`), so the log-prob a
 rollout records and the one replay recomputes come from the same arithmetic.
-Shapes: B samples, latents [B, *latent_shape] (images: [B, C, h, w]), K SDE steps.
+Shapes: B samples, latents [B, *latent_shape] (images: [B, C, h, w]; videos: [B, C, f, h, w]),
+K SDE steps.
 """
 
 from __future__ import annotations
@@ -294,12 +295,13 @@ class FlowMatchingStage:
     # ---- media ------------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] uint8 RGB from final latents (pixel space: x in [-1, 1])."""
+        """[B, 3, H, W] uint8 RGB (a video family: [B, F, 3, H, W] frames) from final latents
+        (pixel space: x in [-1, 1])."""
         return ((self.bundle.pixels(latents).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
     def decode_float(self, latents: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] fp32 RGB in [0, 1] from latents, differentiable (through the VAE, if
-        any): `decode` before its rounding, (clamp(x, -1, 1) + 1) / 2; the reward-backprop
+        """[B, 3, H, W] fp32 RGB in [0, 1] (videos: [B, F, 3, H, W]) from latents, differentiable
+        (through the VAE, if any): `decode` before its rounding, (clamp(x, -1, 1) + 1) / 2; the reward-backprop
         losses score it with a `DifferentiableReward`. `decode(l) == round(255 * decode_float(l))`
         up to float rounding."""
         return (self.bundle.pixels(latents).clamp(-1, 1) + 1) * 0.5
