@@ -1,10 +1,14 @@
 """The GPU backends of weight sync (the GPU tier: `pytest -m gpu`; skipped without CUDA).
 
-NOT RUN YET: no machine of this project has had a GPU. Two spawned processes:
-the parent sends, a child receives and sends back what it got.
+Two spawned processes: the parent sends, a child receives and sends back what it got.
+On an H200 (2026-11-26, docs/results/gpu.md) the CUDA IPC test gave no result within
+100 s; that run's test waited on the child without checking it was alive, so whether the
+engine died or hung is not known. It now fails at once, with the exit code, if the child dies.
 """
 
 from __future__ import annotations
+
+import queue
 
 import pytest
 import torch
@@ -29,6 +33,20 @@ def _engine(cfg: dict, device: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
     receiver.close()
 
 
+def _result(child, outbox: mp.Queue, timeout_s: float = 120.0):
+    """The child's result; fails at once, with its exit code, if the child dies first (an engine
+    that cannot open the IPC handle must not read as a hang)."""
+    waited = 0.0
+    while waited < timeout_s:
+        try:
+            return outbox.get(timeout=2.0)
+        except queue.Empty:
+            waited += 2.0
+            if not child.is_alive():
+                pytest.fail(f"the engine process died before answering (exit code {child.exitcode})")
+    pytest.fail(f"no answer from the engine process in {timeout_s:.0f} s (alive: {child.is_alive()})")
+
+
 def _sync(backend: str, engine_device: str) -> None:
     cfg = {"backend": backend, "bucket_mb": 0.01, "wire_dtype": "bfloat16", "verify": True}
     ctx = mp.get_context("spawn")
@@ -45,7 +63,7 @@ def _sync(backend: str, engine_device: str) -> None:
         ticket = sender.send(trainer.named_parameters(), 1)
         if backend != "broadcast":
             inbox.put(ticket)
-        got = outbox.get(timeout=300)
+        got = _result(child, outbox)
         sent = {n: t.detach().cpu() for n, t in select(trainer.named_parameters(), "lora").items()}
         assert list(got) == list(sent)
         assert all(torch.equal(got[n], t.to(torch.bfloat16).float()) for n, t in sent.items())

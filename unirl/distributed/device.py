@@ -33,7 +33,8 @@ def resolve_device(requested: str | torch.device | None = None) -> torch.device:
 
     Args:
         requested: an explicit device ("cpu", "cuda", "cuda:1"; a worker told
-            its device) or None / "auto" (decide as the module docstring says).
+            its device; "cuda" resolves to ``cuda:<LOCAL_RANK>``, always indexed) or
+            None / "auto" (decide as the module docstring says).
 
     Raises:
         RuntimeError: a CUDA device is requested and CUDA is not available, or
@@ -45,6 +46,8 @@ def resolve_device(requested: str | torch.device | None = None) -> torch.device:
             raise RuntimeError(f"device {str(device)!r} requested but torch sees no CUDA device")
         if device.type not in BACKENDS:
             raise ValueError(f"device {str(device)!r}: UniRL workers run on {sorted(BACKENDS)}")
+        if device.type == "cuda" and device.index is None:  # "cuda": this process's GPU, by its index
+            device = _local_gpu()
         return device
     gpu_ids = _ray_gpu_ids()
     if gpu_ids:
@@ -55,8 +58,15 @@ def resolve_device(requested: str | torch.device | None = None) -> torch.device:
             )
         return torch.device("cuda", 0)
     if gpu_ids is None and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        return _local_gpu()
     return torch.device("cpu")
+
+
+def _local_gpu() -> torch.device:
+    """``cuda:<LOCAL_RANK>`` (modulo the visible GPUs): always with its index, so a worker's
+    device compares equal to the device of every tensor it allocates (a tensor on "cuda" reports
+    ``cuda:0``)."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
 def process_group_backend(device: torch.device) -> str:
