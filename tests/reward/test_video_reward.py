@@ -79,3 +79,10 @@ def test_image_and_video_scorers_refuse_the_other_modality() -> None:
         ColorMotion(direction="up")
     with pytest.raises(ValueError, match="must be uint8 \\[B, 3, H, W\\] \\(or videos"):
         request(torch.zeros(1, 2, 4, 4, 4, dtype=torch.uint8))
+
+
+def test_the_remote_wire_refuses_videos() -> None:
+    from unirl.reward.wire import encode_request
+
+    with pytest.raises(ValueError, match="carries images and texts, not videos"):
+        encode_request(request(torch.zeros(1, 2, 3, 4, 4, dtype=torch.uint8)))

@@ -152,7 +152,13 @@ def decode_image(node: Any, fail, max_pixels: int) -> torch.Tensor:
 
 
 def encode_request(req: RewardRequest, image_encoding: str = "png") -> dict[str, Any]:
-    """The JSON body scoring `req`. Metadata must be JSON (ValueError naming the sample if not)."""
+    """The JSON body scoring `req`. Metadata must be JSON (ValueError naming the sample if not);
+    videos are not carried (ValueError)."""
+    if req.is_video:
+        raise ValueError(
+            f"the remote reward wire (unirl.reward.v1) carries images and texts, not videos "
+            f"{list(req.images.shape)}: score videos with a LocalRewardBackend"
+        )
     samples = []
     for i, sid in enumerate(req.sample_ids):
         sample: dict[str, Any] = {"sample_id": sid, "prompt": req.prompts[i]}
