@@ -47,6 +47,7 @@ SMALL = {  # the shrunk set of each recipe that has one
     "diffusion/tiny_sd3_flowgrpo": SD3,
     "diffusion/tiny_sd3_dedicated_colocate": SD3,
     "diffusion/tiny_sd3_dedicated_separate": SD3,
+    "diffusion/tiny_ppo": SD3,
     "llm/tiny_lm_grpo": LM,
     "llm/tiny_lm_dapo": LM,
     "llm/tiny_lm_dedicated": LM,
@@ -63,13 +64,17 @@ def composed(name: str, out, *overrides: str) -> DictConfig:
 
 
 def recipe(name: str, out, *overrides: str, expect: str | None = None) -> DictConfig:
-    """`composed(name, out, *overrides)`, validated: a `pe/` recipe by the composed validator,
-    any other as a recipe of modality `expect` (None: either)."""
+    """`composed(name, out, *overrides)`, validated: a `pe/` recipe by the composed validator, a
+    `unified/` one by the unified validator, any other as a recipe of modality `expect` (None: either)."""
     cfg = composed(name, out, *overrides)
     if name.startswith("pe/"):
         from unirl.config.composed import validate_composed_config
 
         validate_composed_config(cfg)
+    elif name.startswith("unified/"):
+        from unirl.config.unified import validate_unified_config
+
+        validate_unified_config(cfg)
     else:
         from unirl.config.validate import validate_rl_config
 
@@ -82,6 +87,8 @@ def run(name: str, out, *overrides: str) -> list[dict]:
     cfg = recipe(name, out, *overrides)
     if name.startswith("pe/"):
         from unirl.trainer.composed import ComposedTrainer as trainer
+    elif name.startswith("unified/"):
+        from unirl.trainer.unified import UnifiedTrainer as trainer
     else:
         from unirl.trainer.trainer import Trainer as trainer
     trainer(cfg).run()

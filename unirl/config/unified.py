@@ -102,7 +102,7 @@ def _sections(cfg: DictConfig) -> dict[str, type]:
 def _check_segments(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     tracks = cfg.get("tracks")
     chain = list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
-    if not isinstance(tracks, DictConfig) or len(chain) != 2:
+    if not isinstance(tracks, DictConfig) or len(chain) != 2 or not all(isinstance(t, str) for t in chain):
         problems.append(f"rollout.tracks: name the plan track then the image track, got {chain}")
         return
     if sorted(tracks.keys()) != sorted(chain):

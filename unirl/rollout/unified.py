@@ -38,6 +38,8 @@ class ImageTokenStage(Protocol):
     - `image_context(prompt_ids [P], plan_ids [R]) -> [C]`: the text context an image is drawn after.
     - `generate(contexts, seeds, sampling) -> (TokenSegment, media [B, 3, H, W] uint8)`.
     - `token_log_probs(segment) -> [B, N]` fp32, differentiable (replay).
+    - `check_tokens(segment, sample_ids)`: raise naming the sample whose image tokens are not
+      the model's count of codebook indices.
     """
 
     module: torch.nn.Module
@@ -49,6 +51,8 @@ class ImageTokenStage(Protocol):
     ) -> tuple[TokenSegment, Any]: ...
 
     def token_log_probs(self, segment: TokenSegment) -> torch.Tensor: ...
+
+    def check_tokens(self, segment: TokenSegment, sample_ids: list[str] | None = None) -> None: ...
 
     def model_info(self) -> dict[str, Any]: ...
 

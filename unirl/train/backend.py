@@ -181,6 +181,10 @@ class TrainBackend:
             with kind "lora" (peft state dict) or "full" (the module's full state
             dict), both unsharded on the CPU; `module` is the trained (wrapped)
             module (its `peft_config`, its class and config). Needed by `save_weights`.
+        frozen: names of submodules no loss reaches (a unified model's VQ-VAE and
+            understanding tower): their parameters, and LoRA adapters inside them, stay
+            frozen, so the optimizer holds state only for what trains. A name matches a
+            whole component of a parameter's path ("vqmodel" matches "model.vqmodel.x").
     """
 
     def __init__(
@@ -194,6 +198,7 @@ class TrainBackend:
         snapshots: dict[str, EMAConfig] | None = None,
         keep_reference: bool = False,
         writer: Callable[[str, str, dict[str, torch.Tensor], torch.nn.Module], None] | None = None,
+        frozen: tuple[str, ...] = (),
     ) -> None:
         self.module = module
         self.writer = writer
@@ -203,6 +208,9 @@ class TrainBackend:
             self._inject_lora(lora)
         else:
             module.requires_grad_(True)
+        for name, param in module.named_parameters():
+            if set(name.split(".")) & set(frozen):
+                param.requires_grad_(False)
         if fsdp is not None and fsdp.activation_checkpointing:
             checkpoint_blocks(module, fsdp.block_classes)
         world = dist.get_world_size() if dist.is_initialized() else 1

@@ -29,8 +29,9 @@ def mark_complete(path: str) -> None:
 
 def _identity(cfg: DictConfig) -> dict[str, Any]:
     """What a checkpoint must agree on with the recipe that resumes it (a composed recipe: per
-    track, its model, whether it is trained and its LoRA)."""
-    if "tracks" in cfg:
+    track, its model, whether it is trained and its LoRA; a unified recipe: its one model and
+    LoRA, and which segments are trained)."""
+    if "tracks" in cfg and "model" not in cfg:
         tracks = {}
         for name, node in cfg.tracks.items():
             lora = node.get("train", {}).get("lora") if node.get("train") else None
@@ -40,13 +41,16 @@ def _identity(cfg: DictConfig) -> dict[str, Any]:
                 "lora": OmegaConf.to_container(lora, resolve=True) if lora else None,
             }
         return {"tracks": tracks, "num_devices": int(cfg.num_devices)}
-    return {
+    identity = {
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "num_devices": int(cfg.num_devices),
         "lora": OmegaConf.to_container(cfg.train.get("lora"), resolve=True)
         if cfg.train.get("lora")
         else None,
     }
+    if "tracks" in cfg:
+        identity["trained"] = {name: bool(node.get("trained", True)) for name, node in cfg.tracks.items()}
+    return identity
 
 
 def write_driver_state(

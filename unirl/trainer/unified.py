@@ -96,6 +96,7 @@ class UnifiedWorker(ProcessWorker):
             ema=build(train.get("ema")),
             keep_reference=any(a.needs_reference_policy for a in algorithms.values()),
             writer=self.bundle.write_weights,
+            frozen=tuple(getattr(self.bundle, "frozen_modules", ())),
         )
         for stage in self.stages.values():
             stage.module = self.backend.module
@@ -140,6 +141,10 @@ class UnifiedWorker(ProcessWorker):
         batches = {}
         for name, meta in metas.items():
             batch = get_batch(self.transport, meta)
+            if (
+                name == self.engine.tracks[1]
+            ):  # image tokens from the transport: in the codebook, named if not
+                self.stages[name].check_tokens(batch.segment, batch.sample_ids)
             batch.rewards = rewards[name].to(self.device)
             batch.advantages = advantages[name].to(self.device)
             batches[name] = batch

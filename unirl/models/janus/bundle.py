@@ -147,6 +147,9 @@ class JanusBundle(CausalLMBundle):
     """
 
     auto_model: ClassVar[type] = JanusForConditionalGeneration
+    # what no loss of a unified run reaches: the VQ-VAE (decode runs without gradient) and the
+    # understanding tower (no image inputs); the train backend leaves them frozen
+    frozen_modules: ClassVar[tuple[str, ...]] = ("vqmodel", "vision_model", "aligner")
 
     def __init__(self, model, tokenizer, where: str) -> None:
         super().__init__(model, tokenizer, where)

@@ -1,0 +1,122 @@
+"""A unified recipe's bad input is refused before Ray, every problem naming its key."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import EXAMPLES
+from unirl.config.unified import validate_unified_config
+from unirl.config.validate import ConfigError
+
+FREEZE_PLAN = ["tracks.plan.trained=false", "~tracks.plan.algorithm", "~tracks.plan.advantage"]
+FREEZE_IMAGE = ["tracks.image.trained=false", "~tracks.image.algorithm", "~tracks.image.advantage"]
+
+
+def recipe(*overrides: str):
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        return compose("unified/tiny_bicot_smoke", overrides=list(overrides))
+
+
+def problems(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate_unified_config(recipe(*overrides))
+    return info.value.problems
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        os.path.splitext(f)[0] for f in os.listdir(os.path.join(EXAMPLES, "unified")) if f.endswith(".yaml")
+    ),
+)
+def test_every_unified_recipe_is_valid(name: str) -> None:
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        validate_unified_config(compose(f"unified/{name}"))
+
+
+def test_each_ablation_is_one_segment_frozen() -> None:
+    validate_unified_config(recipe(*FREEZE_PLAN))
+    validate_unified_config(recipe(*FREEZE_IMAGE))
+
+
+def test_both_segments_frozen_names_both_keys() -> None:
+    (p,) = problems(*FREEZE_PLAN, *FREEZE_IMAGE)
+    assert "tracks.plan.trained and tracks.image.trained are both false" in p
+
+
+def test_all_segment_weights_zero_names_the_keys() -> None:
+    (p,) = problems("tracks.plan.weight=0", "tracks.image.weight=0")
+    assert p.startswith("tracks.plan.weight and tracks.image.weight: the segment weights") and "all 0" in p
+    (p,) = problems("tracks.plan.weight=0")
+    assert p.startswith("tracks.plan.weight is 0 but tracks.plan.trained is true")
+    assert "weight must be >= 0" in " ".join(problems("tracks.image.weight=-1"))
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["++tracks.image.sampling.samples_per_prompt=2"],
+            "tracks.image.sampling.samples_per_prompt=2: a unified run",
+        ),
+        (["tracks.plan.sampling.stop_tokens=[END]"], "tracks.plan.sampling.stop_tokens: 'END' is 3 tokens"),
+        (
+            ["tracks.plan.sampling.max_new_tokens=100"],
+            "tracks.plan.sampling.max_prompt_length (64) + max_new_tokens",
+        ),
+        (["tracks.plan.trained=false"], "tracks.plan: segment 'plan' is frozen (trained: false) but sets"),
+        (["~tracks.image.advantage"], "tracks.image.advantage: segment 'image' is trained"),
+        (["num_devices=2", "launcher=ray"], "num_devices=2: a unified run trains on one worker"),
+        (["train.stack.micro_batch_size=3"], "train.stack.micro_batch_size=3 does not divide the batch of 8"),
+        (["~rewards.image"], "rewards.image: the image track needs a reward"),
+        (
+            [
+                "tracks.image.algorithm._target_=unirl.algorithms.flow_grpo.FlowGRPO",
+                "~tracks.image.algorithm.config",
+            ],
+            "tracks.image.algorithm: unirl.algorithms.flow_grpo.FlowGRPO is a diffusion algorithm",
+        ),
+        (
+            [
+                "model._target_=unirl.models.causal_lm.CausalLMConfig",
+                "~model.tiny",
+                "+model.tiny={hidden_size: 32}",
+            ],
+            "model: unirl.models.causal_lm.CausalLMConfig is not a unified model",
+        ),
+    ],
+)
+def test_bad_input_names_its_key(overrides, expected) -> None:
+    found = problems(*overrides)
+    assert any(expected in p for p in found), found
+
+
+def test_every_leaf_of_the_smoke_recipe_rejects_bad_values_with_its_full_key() -> None:
+    """As tests/config/test_validate.py does for the single-track recipes: every scalar leaf of
+    unified/tiny_bicot_smoke set to a wrong type (and -1 where it has a range) is refused, and
+    the problem names its key."""
+    from omegaconf import OmegaConf
+
+    from tests.config.test_validate import leaves, mutations
+
+    tree = OmegaConf.to_container(recipe(), resolve=True)
+    checked = 0
+    for key, container, index, good in list(leaves(tree)):
+        node_path, _, leaf = key.rpartition(".")
+        for bad in mutations(good, key):
+            if ".backend.weights." in key and bad == -1.0:
+                continue  # a negative reward weight flips a reward on purpose
+            container[index] = bad
+            with pytest.raises(ConfigError) as info:
+                validate_unified_config(OmegaConf.create(tree))
+            container[index] = good
+            lines = [line for line in str(info.value).splitlines() if repr(bad) in line or str(bad) in line]
+            assert any(
+                key in line or key.split("[")[0] in line or (node_path in line and leaf.split("[")[0] in line)
+                for line in lines
+            ), f"{key}={bad!r} not named:\n{info.value}"
+            checked += 1
+    assert checked > 60

@@ -1,0 +1,187 @@
+"""The Janus family on a tiny random model: image tokens against the library's own generation
+and decode, log-prob parity of both segments (KV-cache rollout vs no-cache replay vs lone
+per-sample forwards written here), CFG batching, the heads each segment reads, save / load,
+bad input naming the sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
+
+from unirl.models.causal_lm import CausalLMStage
+from unirl.models.janus import JanusImageStage, JanusModelConfig
+from unirl.types import ImageTokenSamplingParams, PromptExample, RolloutReq, TextSamplingParams
+from unirl.types.segments import TokenSegment
+
+TINY = {"hidden_size": 32, "num_layers": 1, "max_position_embeddings": 128, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return JanusModelConfig(tiny=TINY).build()
+
+
+def contexts(bundle, stage):
+    tok = bundle.tokenizer
+    pairs = [("a red circle", "big red<end_of_plan>"), ("blue", "x"), ("two green squares", "left and right")]
+    return [stage.image_context(torch.tensor(tok.encode(p)), torch.tensor(tok.encode(q))) for p, q in pairs]
+
+
+def lone_guided_log_probs(bundle, context, image, scale, temperature):
+    """[N] log-probs of one sample's image tokens, written out: the cond row and Janus's uncond row
+    (pad everywhere but BOI) each in its own unpadded forward, guided u + s (c - u)."""
+    model = bundle.model
+    uncond = torch.where(
+        context == bundle.boi_token_id, context, torch.full_like(context, bundle.tokenizer.pad_token_id)
+    )
+    heads = []
+    for row in (context, uncond):
+        embeds = torch.cat(
+            [
+                model.get_input_embeddings()(row),
+                model.model.generation_aligner(model.model.generation_embeddings(image[:-1])),
+            ]
+        )[None]
+        hidden = model.model.language_model(inputs_embeds=embeds).last_hidden_state[0]
+        heads.append(model.model.generation_head(hidden[row.numel() - 1 :]).double())
+    c, u = heads
+    guided = u + scale * (c - u)
+    return torch.log_softmax(guided / temperature, -1).gather(-1, image[:, None].long()).squeeze(-1)
+
+
+def test_greedy_cfg_equals_library_generate(bundle):
+    """Greedy image tokens through the stage (cond + uncond rows batched, KV cache) equal
+    `JanusForConditionalGeneration.generate(generation_mode="image")`'s for the same context."""
+    stage = JanusImageStage(bundle)
+    ctx = contexts(bundle, stage)[0]
+    seg, _ = stage.generate([ctx], [0], ImageTokenSamplingParams(temperature=0, guidance_scale=3.0))
+    gen = bundle.model.generation_config
+    gen.pad_token_id, gen.bos_token_id = bundle.tokenizer.pad_token_id, bundle.tokenizer.eos_token_id
+    gen.generation_kwargs = {"boi_token_id": bundle.boi_token_id}
+    ref = bundle.model.generate(
+        ctx[None],
+        attention_mask=torch.ones_like(ctx[None]),
+        generation_mode="image",
+        guidance_scale=3.0,
+        do_sample=False,
+    )
+    assert torch.equal(ref[0], seg.response_ids[0])
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_image_log_probs_recorded_replayed_and_lone_agree(bundle, scale):
+    """Three contexts of different lengths sampled in one left-padded batch with a KV cache: the
+    recorded log-probs equal the batched no-cache replay and each sample's own cond / uncond
+    forwards written above (CFG batching equals separate passes)."""
+    stage = JanusImageStage(bundle)
+    ctx = contexts(bundle, stage)
+    sampling = ImageTokenSamplingParams(temperature=0.7, top_k=8, guidance_scale=scale)
+    seg, media = stage.generate(ctx, [1, 2, 3], sampling)
+    assert media.shape == (3, 3, bundle.image_size, bundle.image_size) and media.dtype == torch.uint8
+    replayed = stage.token_log_probs(seg)
+    torch.testing.assert_close(replayed, seg.padded("log_probs"), atol=2e-5, rtol=0)
+    with torch.no_grad():
+        for i in range(3):
+            lone = lone_guided_log_probs(bundle, ctx[i], seg.response_ids[i], scale, 0.7)
+            torch.testing.assert_close(replayed[i].double(), lone, atol=2e-5, rtol=0)
+    alone, _ = stage.generate(ctx[1:2], [2], sampling)  # a sample's tokens do not depend on its batch
+    assert torch.equal(alone.response_ids[0], seg.response_ids[1])
+
+
+def plan_request(n_new: int = 6) -> RolloutReq:
+    sampling = TextSamplingParams(
+        samples_per_prompt=2, max_new_tokens=n_new, stop_tokens=["<end_of_plan>"], chat_template=False, seed=5
+    )
+    examples = [PromptExample("a red circle", "p0"), PromptExample("three blue squares", "p1")]
+    return RolloutReq.from_prompts(examples, sampling, None, rollout_id=0)
+
+
+def test_plan_log_probs_cache_vs_replay(bundle):
+    """The plan through the shared text stage on the Janus backbone: KV-cache log-probs equal the
+    no-cache replay; image tokens of the text vocabulary are never sampled."""
+    stage = CausalLMStage(bundle)
+    seg, texts = stage.generate(plan_request())
+    torch.testing.assert_close(stage.token_log_probs(seg), seg.padded("log_probs"), atol=1e-5, rtol=0)
+    ids = torch.cat(seg.response_ids)
+    assert not torch.isin(ids, torch.tensor(bundle.vision_token_ids)).any() and len(texts) == 4
+
+
+def test_each_segment_reads_only_its_own_head(bundle):
+    """Masks: the image loss never sees a plan token's prediction and the reverse. The image
+    log-probs' gradient reaches the image head and not the text head (lm_head); the plan's
+    reaches the text head and not the image head."""
+    plan_stage, image_stage = CausalLMStage(bundle), JanusImageStage(bundle)
+    plan, _ = plan_stage.generate(plan_request())
+    ctx = [image_stage.image_context(p, r) for p, r in zip(plan.prompt_ids, plan.response_ids, strict=True)]
+    image, _ = image_stage.generate(ctx, [0, 1, 2, 3], ImageTokenSamplingParams(guidance_scale=2.0))
+    model = bundle.model
+    text_head, image_head = model.lm_head.weight, model.model.generation_head.vision_head.weight
+    for stage, seg, used, unused in (
+        (image_stage, image, image_head, text_head),
+        (plan_stage, plan, text_head, image_head),
+    ):
+        model.zero_grad(set_to_none=True)
+        (stage.token_log_probs(seg) * seg.response_mask()).sum().backward()
+        assert used.grad is not None and used.grad.abs().sum() > 0
+        assert unused.grad is None
+    model.zero_grad(set_to_none=True)
+    # the plan conditions the image: its tokens are context, not loss positions
+    assert image.response_mask().shape == (4, bundle.num_image_tokens)
+    assert all(
+        torch.equal(c[-r.numel() - 1 : -1], r)
+        for c, r in zip(image.prompt_ids, plan.response_ids, strict=True)
+    )
+
+
+def test_vq_decode_equals_the_library(bundle):
+    """The stage's images are the library's VQ-VAE decode (`JanusVQVAE.decode`) through its image
+    processor's postprocess (with Janus-Pro's normalization, mean 0.5 / std 0.5), pixel for pixel."""
+    tokens = torch.randint(
+        0, bundle.codebook_size, (3, bundle.num_image_tokens), generator=torch.Generator().manual_seed(0)
+    )
+    ours = JanusImageStage(bundle).decode(tokens)
+    with torch.no_grad():
+        pixels = bundle.model.model.vqmodel.decode(tokens).numpy()  # [B, 3, S, S]
+    ref = JanusImageProcessorPil(image_mean=[0.5] * 3, image_std=[0.5] * 3).postprocess(
+        list(pixels), return_tensors="np"
+    )["pixel_values"]
+    assert np.array_equal(ours.numpy(), np.asarray(ref))
+
+
+def test_out_of_codebook_token_names_the_sample(bundle):
+    stage = JanusImageStage(bundle)
+    n = bundle.num_image_tokens
+    bad = torch.zeros(n, dtype=torch.long)
+    bad[3] = bundle.codebook_size
+    seg = TokenSegment(
+        prompt_ids=[torch.tensor([1, bundle.boi_token_id])] * 2,
+        response_ids=[torch.zeros(n, dtype=torch.long), bad],
+        log_probs=[torch.zeros(n)] * 2,
+        guidance_scale=1.0,
+    )
+    with pytest.raises(
+        ValueError, match=r"sample 'p/1/0': image token id 32 is outside the codebook \[0, 32\)"
+    ):
+        stage.check_tokens(seg, ["p/0/0", "p/1/0"])
+
+
+def test_save_and_load_round_trip(bundle, tmp_path):
+    """`save_pretrained` then `JanusModelConfig(pretrained_path=dir)`: the same weights, tokens and
+    image geometry; a directory of another model is refused naming its type."""
+    bundle.save_pretrained(tmp_path / "janus")
+    cfg = JanusModelConfig(pretrained_path=str(tmp_path / "janus"))
+    assert cfg.directory_problems() == []
+    loaded = cfg.build()
+    a, b = bundle.model.state_dict(), loaded.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (loaded.boi_token_id, loaded.num_image_tokens, loaded.image_size) == (
+        bundle.boi_token_id,
+        bundle.num_image_tokens,
+        bundle.image_size,
+    )
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"model_type": "qwen3"}')
+    (problem,) = JanusModelConfig(pretrained_path=str(tmp_path / "other")).directory_problems()
+    assert "'qwen3' model, not a Janus" in problem
