@@ -9,6 +9,7 @@ A unified recipe has one `model` (a family whose config has `modality: "unified"
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,6 +251,18 @@ def validate_unified_config(cfg: DictConfig) -> None:
     check_transport(cfg, problems)
     _check_segments(cfg, passed, problems)
     train_examples = examples_of(passed.get("data_source"))
+    if train_examples is not None:  # what the engine adds to every image's metadata
+        key = (
+            cfg.rollout.get("prompt_key", "user_prompt")
+            if isinstance(cfg.get("rollout"), DictConfig)
+            else None
+        )
+        train_examples = [
+            dataclasses.replace(
+                e, metadata={**e.metadata, key: e.prompt, "plan": "", "plan_truncated": False}
+            )
+            for e in train_examples
+        ]
     for path in passed:
         if path.startswith("rewards.") and path.count(".") == 1:
             check_scorer_keys(passed, path, train_examples, "data_source", problems)
