@@ -53,6 +53,8 @@ def test_tiny_opd_trains(tmp_path):
         (["sampling.eta=0.7", "algorithm.config.target=v"], "algorithm.config.target=v .*sampling.eta=0.7"),
         (["train.lora.target_modules=[to_q,to_k,to_v]"], r"teachers.redness=.*only by the teacher \["),
         (["train.lora.rank=4"], "train.lora.rank=4"),
+        (["+train.lora.dropout=0.1"], "train.lora.dropout=0.1"),
+        (["launcher=ray", "num_devices=2"], "num_devices=2: DiffusionOPD"),
         (["stage.store_trajectory=false"], "stage.store_trajectory"),
         (["~algorithm.config.teachers.blueness"], r"data sources \['blueness'\]"),
         (["eval.sampling.height=30"], "eval.sampling.height=30 must be a multiple of 4"),

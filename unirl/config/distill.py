@@ -70,6 +70,11 @@ def check_distillation(
             f"train.lora is null: {name} distils LoRA teachers into a LoRA student; set train.lora"
         )
         lora = None
+    if lora is not None and lora.dropout > 0:
+        problems.append(
+            f"train.lora.dropout={lora.dropout}: {name} runs its teachers through the student's LoRA layers, "
+            "so dropout would noise the teachers' targets; set train.lora.dropout: 0"
+        )
     check_teachers(config, lora, model, problems)
     source = passed.get("data_source")
     examples = getattr(source, "examples", None)
