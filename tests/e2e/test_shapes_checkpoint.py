@@ -26,8 +26,12 @@ def test_shapes_recipe_validates_with_the_committed_model():
 
 
 def test_committed_base_leaves_rl_room(capsys):
+    """`python -m unirl.evaluate` with a recipe override: one seed per held-out prompt (51 images,
+    a quarter of the recipe's 4) takes a quarter of the time; its strict accuracy was 0.315
+    (0.389 over the recipe's 4 seeds), inside the 10-60% band with room on both sides."""
     capsys.readouterr()
-    assert evaluate_main(["--recipe", "diffusion/shapes_flowgrpo"]) == 0  # `python -m unirl.evaluate`
+    overrides = ["eval.sampling.samples_per_prompt=1"]
+    assert evaluate_main(["--recipe", "diffusion/shapes_flowgrpo", *overrides]) == 0
     m = json.loads(capsys.readouterr().out)
     assert 0.10 <= m["eval/accuracy_strict"] <= 0.60, m
     cats = [m[f"eval/accuracy/{c}"] for c in ("two_objects", "counting", "position")]
