@@ -105,8 +105,8 @@ class TableCritic:
         self.module = torch.nn.Module()
         self.module.v = torch.nn.Parameter(init.clone())
 
-    def token_values(self, seg: TokenSegment) -> torch.Tensor:
-        return torch.where(seg.response_mask().bool(), self.module.v, 0.0)
+    def values(self, track: RolloutTrack) -> torch.Tensor:
+        return torch.where(track.segment.response_mask().bool(), self.module.v, 0.0)
 
 
 def test_clipped_value_loss_and_gradient_match_a_direct_computation():

@@ -146,9 +146,10 @@ def guard_log_ratio(
 def clipped_policy_loss(
     new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Elementwise PPO loss max(-A r, -A clip(r)) and the ratio r; shapes [B, k], adv [B]."""
+    """Elementwise PPO loss max(-A r, -A clip(r)) and the ratio r; shapes [B, k], adv [B] (one
+    advantage per sample) or [B, k] (per step: Flow-PPO's GAE)."""
     ratio = torch.exp(new_logp - old_logp)
-    a = adv.unsqueeze(1)
+    a = adv.unsqueeze(1) if adv.dim() == 1 else adv
     loss = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip))
     return loss, ratio
 
@@ -242,7 +243,8 @@ class FlowGRPO(StageAlgorithm):
         self, chunk: StepChunk, track: RolloutTrack, adv: torch.Tensor, ctx: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Per-step policy loss [B, k], the ratios [B, k] and loss-specific float metrics
-        (averaged over chunks, weighted by their step counts); adv [B]."""
+        (averaged over chunks, weighted by their step counts); adv [B], or [B, k] the chunk's
+        columns of per-step advantages (Flow-PPO)."""
         clip = self.config.clip_at(ctx["progress"])
         if not getattr(self.config, "guard", False):
             loss, ratio = clipped_policy_loss(chunk.new_logp, chunk.old_logp, adv, clip)
@@ -254,7 +256,7 @@ class FlowGRPO(StageAlgorithm):
         std = chunk.transition_std.to(chunk.means.device)
         z, bias = guard_log_ratio(chunk.new_logp, chunk.old_logp, chunk.means, old_means, std)
         ratio = torch.exp(z)
-        a = adv.unsqueeze(1)
+        a = adv.unsqueeze(1) if adv.dim() == 1 else adv
         sig = track.segment.sigmas.to(torch.float32)
         dt = torch.stack([sig[i + 1] - sig[i] for i in chunk.steps]).to(z.device)
         loss = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip)) / (-dt).unsqueeze(0)
@@ -298,7 +300,8 @@ class FlowGRPO(StageAlgorithm):
             new_logp, means, std_dev_t = found if found is not None else stage.replay(seg, cond, steps)
             std = transition_std(stage, seg, steps).to(std_dev_t.device)
             chunk = StepChunk(steps, cols, new_logp, seg.log_probs[:, cols], means, std_dev_t, std)
-            per_elem, ratio, extra = self.policy_loss(chunk, track, track.advantages, ctx)
+            adv = track.advantages if track.advantages.dim() == 1 else track.advantages[:, cols]
+            per_elem, ratio, extra = self.policy_loss(chunk, track, adv, ctx)
             policy = per_elem.mean()
             loss = policy
             w = len(steps)

@@ -172,17 +172,25 @@ def check_advantage(
     built: Any, advantage: Any, sampling: Any, modality: str | None, problems: list[str]
 ) -> None:
     """The advantage estimator vs the algorithm (its `check_advantage`), the modality (token-level
-    estimators need text) and the group size (RLOO needs siblings)."""
+    estimators need text, but gae without KL runs over a diffusion track's SDE steps) and the
+    group size (RLOO needs siblings)."""
     check = getattr(built, "check_advantage", None)
     if callable(check) and advantage is not None:
         try:
             check(advantage)
         except ValueError as exc:
             problems.append(str(exc))
-    if advantage is not None and modality == "diffusion" and getattr(advantage, "needs_tokens", False):
+    per_step_gae = getattr(advantage, "estimator", None) == "gae" and getattr(advantage, "kl_coef", 0) == 0
+    if (
+        advantage is not None
+        and modality == "diffusion"
+        and getattr(advantage, "needs_tokens", False)
+        and not per_step_gae  # GAE over the SDE steps (Flow-PPO's critic values each step)
+    ):
         problems.append(
             f"advantage: estimator={advantage.estimator} with kl_coef={advantage.kl_coef} needs per-token "
-            "data that diffusion tracks do not have; use estimator grpo or rloo with kl_coef 0"
+            "data that diffusion tracks do not have; use estimator grpo or rloo (or gae with a critic) "
+            "with kl_coef 0"
         )
     if advantage is not None and getattr(advantage, "estimator", "grpo") == "rloo" and sampling is not None:
         if sampling.samples_per_prompt < 2:

@@ -2,7 +2,7 @@
 
 A `critic` is needed exactly when the algorithm trains on values (`uses_values`: PPO) and
 whenever `advantage.estimator` is gae; it runs on the policy's trainside workers (a dedicated
-engine's rollouts carry no values), on text; its warm-up leaves the policy steps to train; its
+engine's rollouts carry no values), on the modality its value model values; its warm-up leaves the policy steps to train; its
 LoRA targets and FSDP blocks exist in its network. `train.stack.num_mini_batches` splits the
 per-rank micro-batches evenly and, above 1, needs an algorithm that takes several updates.
 """
@@ -30,7 +30,7 @@ def check_critic(
     if algorithm is not None and has_critic and not uses_values:
         problems.append(
             f"critic: {name} ignores a critic's values; remove the critic section or use "
-            "unirl.algorithms.ppo.PPO"
+            "unirl.algorithms.ppo.PPO (text) or unirl.algorithms.flow_ppo.FlowPPO (diffusion)"
         )
     advantage = passed.get("advantage")
     if advantage is not None and advantage.estimator == "gae" and not has_critic:
@@ -45,16 +45,20 @@ def check_critic(
     if model is not None and not hasattr(model, "build_value_stage"):
         problems.append(
             f"critic.model: {type(model).__name__} is not a value-model config; use the policy family's "
-            "(unirl.models.causal_lm.value.CausalLMValueConfig)"
+            "(unirl.models.causal_lm.value.CausalLMValueConfig, unirl.models.flow.value.FlowValueConfig)"
         )
         return
+    value_modality = getattr(model, "modality", None) if model is not None else None
     if critic is not None and run is not None and critic.warmup_steps >= run.num_steps:
         problems.append(
             f"critic.warmup_steps={critic.warmup_steps} must be < num_steps={run.num_steps}: the policy "
             "is frozen during the warm-up, so it would never train"
         )
-    if modality is not None and modality != "text":
-        problems.append(f"critic: the critic values text responses, but this is a {modality} recipe")
+    if modality is not None and value_modality is not None and modality != value_modality:
+        problems.append(
+            f"critic.model: {type(model).__name__} values {value_modality} tracks, but this is a {modality} "
+            "recipe; use the policy family's value config"
+        )
     from unirl.rollout.dedicated import is_dedicated
 
     if isinstance(cfg.get("rollout"), DictConfig) and is_dedicated(cfg.rollout):

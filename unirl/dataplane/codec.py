@@ -201,13 +201,30 @@ def flatten(obj: Any, prefix: str = "") -> tuple[dict[str, Any], Skeleton]:
     return fields, Skeleton(type(obj), shared, children)
 
 
+def _fetched(skeleton: Skeleton, fields: dict[str, Any]) -> str | None:
+    """Which per-sample fields of the (nested) batch `skeleton` are in `fields`: "all" (also when
+    it has none), "some" or None."""
+    found: list[str | None] = []
+    for how, where in skeleton.children.values():
+        if how == "field":
+            found.append("all" if where in fields else None)
+        elif how == "dict":
+            found.extend("all" if f in fields else None for f in where.values())
+        elif how == "batch":
+            found.append(_fetched(where, fields))
+    if all(f == "all" for f in found):
+        return "all"
+    return "some" if any(found) else None
+
+
 def unflatten(skeleton: Skeleton, fields: dict[str, Any], partial: bool = False) -> Any:
     """Rebuild the batch dataclass from `fields` (decoded values) and its skeleton.
 
-    With `partial`, per-sample fields missing from `fields` (and nested
-    batches with any missing field) are left None and the dataclass is
-    built without running its validation (a driver-side view holding only
-    what it fetched); otherwise a missing field raises KeyError.
+    With `partial`, per-sample fields missing from `fields` are left None and the
+    dataclass is built without running its validation (a driver-side view holding
+    only what it fetched); a nested batch none of whose fields was fetched is None,
+    one with some of them a partial view too (``segment.values`` alone gives a
+    segment holding only its values). Otherwise a missing field raises KeyError.
     """
     kwargs = dict(skeleton.shared)
     for name, (how, where) in skeleton.children.items():
@@ -219,13 +236,11 @@ def unflatten(skeleton: Skeleton, fields: dict[str, Any], partial: bool = False)
             kwargs[name] = fields.get(where)
         elif how == "dict":
             kwargs[name] = {k: fields[f] for k, f in where.items() if f in fields or not partial}
+        elif partial:
+            fetched = _fetched(where, fields)
+            kwargs[name] = unflatten(where, fields, partial=fetched != "all") if fetched else None
         else:
-            try:
-                kwargs[name] = unflatten(where, fields)
-            except KeyError:
-                if not partial:
-                    raise
-                kwargs[name] = None
+            kwargs[name] = unflatten(where, fields)
     if partial:
         obj = object.__new__(skeleton.cls)
         obj.__dict__.update(kwargs)

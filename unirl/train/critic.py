@@ -1,5 +1,7 @@
-"""PPO's critic on a train rank: its value network, its own backend (optimizer, LR schedule,
-LoRA or full fine-tune, FSDP2) and the same mini-batch loop as the policy (`TrainStack`).
+"""PPO's critic on a train rank: its value network (text: per-token values,
+`unirl.models.causal_lm.value`; diffusion: per-SDE-step values, `unirl.models.flow.value`), its
+own backend (optimizer, LR schedule, LoRA or full fine-tune, FSDP2) and the same mini-batch loop
+as the policy (`TrainStack`).
 
 It lives on the policy's workers (colocated: same devices, same ranks). The worker asks it for
 the values of each rollout it samples (`attach_values`, before the track leaves the worker, so
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from unirl.algorithms.ppo import ValueLoss
+from unirl.algorithms.ppo import ValueLoss, ValueNorm
 from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.fsdp import FSDPConfig
@@ -25,6 +27,7 @@ from unirl.train.stack import TrainStack, TrainStackConfig
 from unirl.types.advantages import AdvantageConfig
 from unirl.types.batch import even_chunks
 from unirl.types.rollout_resp import RolloutTrack
+from unirl.types.segments import TokenSegment
 
 
 @dataclass
@@ -42,7 +45,12 @@ class CriticConfig:
             frozen: no policy update); must be < num_steps.
         cliprange_value: c of the clipped value loss (`unirl.algorithms.ppo.ValueLoss`).
         loss_agg_mode: "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum".
-    The critic trains with the policy's `train.stack` geometry (micro-batches, passes, mini-batches).
+        epochs: the critic's passes over each rollout (verl's critic.ppo_epochs); null: the
+            policy's `train.stack.num_updates_per_batch`.
+        value_norm_beta: the critic learns normalized returns under running statistics with
+            this decay per step (`unirl.algorithms.ppo.ValueNorm`, in (0, 1)); null: raw returns.
+    The critic otherwise trains with the policy's `train.stack` geometry (micro-batches,
+    mini-batches).
     """
 
     model: Any
@@ -52,8 +60,14 @@ class CriticConfig:
     warmup_steps: int = 0
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    epochs: int | None = None
+    value_norm_beta: float | None = None
 
     def __post_init__(self) -> None:
+        if self.value_norm_beta is not None:
+            ValueNorm(self.value_norm_beta)  # range-checks it
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"critic.epochs must be >= 1 or null, got {self.epochs}")
         if self.warmup_steps < 0:
             raise ValueError(f"critic.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.cliprange_value > 0:
@@ -65,10 +79,13 @@ class Critic:
 
     Args:
         cfg: the recipe's `critic`.
-        stack: the policy's `train.stack` (the critic's batch geometry).
+        stack: the policy's `train.stack` (the critic's batch geometry; `cfg.epochs` replaces
+            its passes).
         advantage: the run's advantage settings (the value targets are its GAE returns).
-        total_steps: optimizer steps of the run (LR schedule length).
+        total_steps: the policy's optimizer steps of the run (the LR schedule's length, scaled
+            by epochs / the policy's passes when `cfg.epochs` is set).
         device: where it computes.
+        policy: the policy's stage (a diffusion critic reads its dimensions from it).
     """
 
     def __init__(
@@ -78,45 +95,61 @@ class Critic:
         advantage: AdvantageConfig,
         total_steps: int,
         device: torch.device,
+        policy: Any = None,
     ) -> None:
         self.config = cfg
-        self.stage = cfg.model.build_value_stage().to(device)
+        self.stage = cfg.model.build_value_stage(policy).to(device)
+        if cfg.epochs is not None:
+            total_steps = total_steps * cfg.epochs // stack.num_updates_per_batch
         lora = cfg.lora
         if lora is not None:  # the head is new: it trains whole, beside the backbone's adapters
             lora = dataclasses.replace(lora, modules_to_save=[*lora.modules_to_save, cfg.model.head_name])
         self.backend = TrainBackend(self.stage.module, lora, cfg.optim, total_steps, fsdp=cfg.fsdp)
         self.stage.module = self.backend.module
-        self.loss = ValueLoss(advantage, cfg.cliprange_value, cfg.loss_agg_mode)
+        norm = ValueNorm(cfg.value_norm_beta) if cfg.value_norm_beta is not None else None
+        self.loss = ValueLoss(advantage, cfg.cliprange_value, cfg.loss_agg_mode, norm)
+        if cfg.epochs is not None:
+            stack = dataclasses.replace(stack, num_updates_per_batch=cfg.epochs)
         self.stack = TrainStack(self.stage, self.backend, self.loss, stack)
 
     @torch.no_grad()
     def attach_values(self, track: RolloutTrack) -> None:
-        """Set `track.segment.values`: the critic's values of the sampled responses (forwards of
-        `micro_batch_size` samples)."""
+        """Set `track.segment.values`: the critic's values of the sampled responses (a text
+        track: per sample [R_i]) or of the states before the SDE steps (a diffusion track:
+        [B, K]), in forwards of `micro_batch_size` samples."""
         seg, size = track.segment, self.stack.config.micro_batch_size
         self.stage.module.eval()
+        chunks = even_chunks(len(track), -(-len(track) // size))
         try:
-            rows = []
-            for idx in even_chunks(len(track), -(-len(track) // size)):
-                part = track.select(idx).segment
-                values = self.stage.token_values(part)
-                rows += [values[i, : r.numel()].clone() for i, r in enumerate(part.response_ids)]
+            parts = [self.loss.raw(self.stage.values(track.select(idx))) for idx in chunks]
         finally:
             self.stage.module.train()
-        seg.values = rows
+        if isinstance(seg, TokenSegment):  # jagged: each response's own length
+            seg.values = [
+                part[i, : seg.response_ids[j].numel()].clone()
+                for idx, part in zip(chunks, parts, strict=True)
+                for i, j in enumerate(idx)
+            ]
+        else:
+            seg.values = torch.cat(parts)
 
     def train(self, track: RolloutTrack, progress: float) -> dict[str, float]:
         """One step's critic updates on `track` (rewards and the rollout's values set); its metrics
         as `critic/...`: the stack's (`vf_loss`, `vf_clipfrac`, `vpred_mean`, `train/grad_norm`,
-        `train/lr`, ...) and, over this rank's response tokens before the updates, the returns'
-        and rollout values' means and `vf_explained_var` = 1 - Var(R - V) / Var(R)."""
-        mask = track.segment.response_mask().bool()
+        `train/lr`, ...), with a `ValueNorm` its `norm_mean` / `norm_std`, and, over this rank's response tokens (SDE steps) before the updates,
+        the returns' and rollout values' means and `vf_explained_var` = 1 - Var(R - V) / Var(R)."""
+        inputs = track.token_inputs(self.loss.advantage)
+        mask = inputs["mask"].bool()
         returns = track.value_targets(self.loss.advantage)[mask]
-        values = track.segment.padded("values").float()[mask]
+        values = inputs["values"][mask]
         var = returns.var(unbiased=False)
         explained = float(1 - (returns - values).var(unbiased=False) / var) if var > 0 else 0.0
+        if self.loss.norm is not None:
+            self.loss.norm.update(returns)
         metrics = self.stack.train_track(track, progress)
         out = {f"critic/{k}": v for k, v in metrics.items()}
+        if self.loss.norm is not None:
+            out.update({"critic/norm_mean": self.loss.norm.mean, "critic/norm_std": self.loss.norm.std})
         out.update(
             {
                 "critic/returns_mean": float(returns.mean()),
@@ -128,8 +161,8 @@ class Critic:
 
     def save(self, path: str, rank: int) -> None:
         """Write this rank's critic state under `path/critic` (collective when sharded)."""
-        save_train_state(os.path.join(path, "critic"), self.backend, rank)
+        save_train_state(os.path.join(path, "critic"), self.backend, rank, self.loss)
 
     def load(self, path: str, rank: int) -> None:
         """Restore what `save` wrote (collective when sharded)."""
-        load_train_state(os.path.join(path, "critic"), self.backend, rank)
+        load_train_state(os.path.join(path, "critic"), self.backend, rank, self.loss)

@@ -335,6 +335,8 @@ class Trainer:
                     self.step_stats.update(self._guard(step, "weight sync", self.rollouts.prepare, step))
                 flight = self._guard(step, "rollout", self.rollouts.submit, req, partition)
             fields = modality.reward_fields
+            if self.advantage.estimator == "gae" and "segment" not in fields:  # GAE's per-step values
+                fields = [*fields, "segment.values"]
             meta, track, t_done = self._guard(step, "rollout", flight.collect, self.transport, fields, score)
             t_first = t_first or t_done
             if k == 0:

@@ -165,7 +165,9 @@ class RLWorker(ProcessWorker):
         self.critic = None
         if cfg.get("critic") is not None:
             critic_cfg, advantage = build(cfg["critic"]), build(cfg["advantage"])
-            self.critic = Critic(critic_cfg, self.stack.config, advantage, total_optimizer_steps, self.device)
+            self.critic = Critic(
+                critic_cfg, self.stack.config, advantage, total_optimizer_steps, self.device, policy=self.stage
+            )
         self.num_steps = int(cfg["num_steps"])
         if is_dedicated(cfg["rollout"]):  # engines sample the rollouts; this one samples evaluations
             self.engine = TrainsideEngine(self.stage, cfg["rollout"].get("forward_batch_size"))

@@ -35,7 +35,8 @@ class RolloutTrack:
         segment: the trajectory (`LatentSegment` or `TokenSegment`).
         conditions: per-sample condition tensors replay needs (e.g. prompt
             embeddings), each [B, ...].
-        media: [B, 3, H, W] uint8 images (or None for text stages).
+        media: [B, 3, H, W] uint8 images, [B, F, 3, H, W] uint8 videos (a video family), or
+            None for text stages.
         texts: per-sample decoded response text of a text stage (None for images).
         rewards: [B] fp32 once scored.
         reward_components: name -> [B] fp32 unweighted component scores.
@@ -116,10 +117,13 @@ class RolloutTrack:
     def token_inputs(self, cfg: AdvantageConfig) -> dict[str, torch.Tensor]:
         """`mask` ([B, Rmax]), with `cfg.kl_coef > 0` `token_kl` ([B, Rmax], `cfg.kl_estimator`
         of the rollout log-probs against the reference's) and with estimator gae `values` (the
-        critic's, [B, Rmax]) for `compute_advantages`; {} when `cfg` needs none of them."""
+        critic's, [B, Rmax]) for `compute_advantages`; {} when `cfg` needs none of them. A
+        diffusion track with estimator gae gives `step_inputs()`: its SDE steps are the tokens."""
         if not cfg.needs_tokens:
             return {}
         seg = self.segment
+        if isinstance(seg, LatentSegment) and cfg.estimator == "gae" and cfg.kl_coef == 0:
+            return self.step_inputs()
         if not isinstance(seg, TokenSegment):
             raise ValueError(
                 f"advantage.estimator={cfg.estimator!r} with advantage.kl_coef={cfg.kl_coef} needs "
@@ -143,6 +147,19 @@ class RolloutTrack:
                 )
             out["values"] = seg.padded("values").float()
         return out
+
+    def step_inputs(self) -> dict[str, torch.Tensor]:
+        """GAE's inputs over a diffusion track's K SDE steps: `mask` [B, K] of ones (every sample
+        takes every step) and `values` [B, K] (the critic's, `LatentSegment.values`). The reward
+        then sits on the last step, as a text response's on its last token."""
+        values = getattr(self.segment, "values", None)
+        if values is None:
+            raise ValueError(
+                f"advantage.estimator=gae needs per-step values, but track {self.name!r} has none: "
+                "the recipe's critic records them at rollout (set critic)"
+            )
+        values = values.float()
+        return {"mask": torch.ones_like(values), "values": values}
 
 
 @dataclass

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, PreTrained
 
 from unirl.models.causal_lm.bundle import _DTYPES, CausalLMBundle, CausalLMConfig
 from unirl.models.causal_lm.stage import AUTOCAST_DTYPES
+from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment, pad_right
 
 
@@ -50,6 +51,7 @@ class CausalLMValueConfig(CausalLMConfig):
     head_seed: int = 0
 
     head_name: ClassVar[str] = "score"  # the head's module name (trained whole under LoRA)
+    modality: ClassVar[str] = "text"  # the tracks it values (checked by the validator)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,8 +70,9 @@ class CausalLMValueConfig(CausalLMConfig):
         with torch.device("meta"):
             return AutoModelForTokenClassification.from_config(_value_config(config))
 
-    def build_value_stage(self) -> CausalLMValueStage:
-        """The critic (backbone and head in `dtype`), on the CPU."""
+    def build_value_stage(self, policy: object = None) -> CausalLMValueStage:
+        """The critic (backbone and head in `dtype`), on the CPU. `policy` (the policy's stage)
+        is not read: this config names the architecture and weights itself."""
         dtype = _DTYPES[self.dtype]
         if self.pretrained_path is not None:
             policy = CausalLMBundle.from_pretrained(self.pretrained_path, dtype=dtype)
@@ -99,6 +102,14 @@ class CausalLMValueStage:
     @property
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
+
+    def values(self, track: RolloutTrack) -> torch.Tensor:
+        """`token_values` of the track's `TokenSegment` (the value stages' common call)."""
+        if not isinstance(track.segment, TokenSegment):
+            raise ValueError(
+                f"track {track.name!r} holds a {type(track.segment).__name__}; this critic values text"
+            )
+        return self.token_values(track.segment)
 
     def token_values(self, segment: TokenSegment) -> torch.Tensor:
         """[B, Rmax] fp32 values of the response tokens' states, right-padded with 0 (mask:
