@@ -13,16 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from unirl.models.causal_lm.bundle import CausalLMBundle
+from unirl.models.causal_lm.bundle import IGNORE_INDEX, CausalLMBundle, encode_pairs  # noqa: F401 (re-exported)
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -43,43 +41,6 @@ class TextPairSource(Protocol):
     placeholders, one per image, as in RL rows)."""
 
     def sample_batch(self, n: int, rng: np.random.Generator) -> list[tuple]: ...
-
-
-def encode_pairs(
-    tokenizer: Any, pairs: list[tuple[str, str]], max_positions: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokenize (prompt, completion) pairs into one right-padded batch.
-
-    Row i is prompt_i + completion_i + [EOS] (prompt and completion each through
-    `tokenizer(text, add_special_tokens=False)`, as rollouts tokenize prompts).
-
-    Returns (input_ids [B, L] long, padded with the pad id; attention_mask [B, L] long;
-    labels [B, L] long: the token at completion and EOS positions, IGNORE_INDEX at prompt
-    and padding positions). A row longer than `max_positions` is an error naming it.
-    """
-    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
-    completions = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-    rows, labels = [], []
-    for (prompt, completion), p, c in zip(pairs, prompts, completions, strict=True):
-        if not p:
-            raise ValueError(f"the prompt of pair {(prompt, completion)!r} is empty (0 tokens)")
-        seq = p + c + [tokenizer.eos_token_id]
-        if len(seq) > max_positions:
-            raise ValueError(
-                f"pair {(prompt, completion)!r} is {len(seq)} tokens with EOS, more than the model's "
-                f"max_position_embeddings ({max_positions}); shorten the data or enlarge the model"
-            )
-        rows.append(seq)
-        labels.append([IGNORE_INDEX] * len(p) + c + [tokenizer.eos_token_id])
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    target = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    for i, (r, lab) in enumerate(zip(rows, labels, strict=True)):
-        input_ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-        target[i, : len(r)] = torch.tensor(lab)
-    return input_ids, mask, target
 
 
 def completion_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -126,28 +87,9 @@ class CausalLMSFT(SupervisedRun):
     def batch_loss(self) -> tuple[torch.Tensor, dict[str, float]]:
         """The completion loss of a fresh batch, and its non-padding token count (`tokens`)."""
         rows = self.data.sample_batch(self.cfg.batch_size, self.rng)
-        device = self.bundle.device
-        if self.bundle.has_vision:  # expand each prompt's <image> placeholders, as rollouts do
-            prepared = [
-                self.bundle.prepare(r[0], list(r[2]) if len(r) > 2 else [], f"sft/{i}")
-                for i, r in enumerate(rows)
-            ]
-            pairs = [(text, r[1]) for (text, _, _), r in zip(prepared, rows, strict=True)]
-        elif any(len(r) > 2 and r[2] for r in rows):
-            raise ValueError(
-                "the data gives images with its pairs but the model is a text-only causal LM; use "
-                "model._target_=unirl.models.causal_lm.VLMConfig"
-            )
-        else:
-            pairs = [(r[0], r[1]) for r in rows]
-        input_ids, mask, labels = encode_pairs(self.bundle.tokenizer, pairs, self.max_positions)
-        input_ids, mask = input_ids.to(device), mask.to(device)
-        extra = {}
-        if self.bundle.has_vision:
-            extra = self.bundle.vision_inputs([p[1] for p in prepared], [p[2] for p in prepared], device)
-            extra["position_ids"] = self.bundle.positions(input_ids, mask, extra.get("image_grid_thw"))
-        logits = self.model(input_ids=input_ids, attention_mask=mask, **extra).logits
-        return completion_loss(logits, labels.to(device)), {"tokens": float(mask.sum())}
+        inputs, labels = self.bundle.pair_batch(rows, "sft", self.max_positions)
+        logits = self.model(**inputs).logits
+        return completion_loss(logits, labels), {"tokens": float(inputs["attention_mask"].sum())}
 
     def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:
         """Write model (weights in `dtype`) and tokenizer to `path`, a directory that

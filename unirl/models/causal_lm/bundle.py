@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from transformers import (
@@ -31,6 +31,7 @@ from transformers import (
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+IGNORE_INDEX = -100  # a label position no loss reads (prompt, padding)
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 # ChatML, as Qwen's templates render it (no system prompt is added)
@@ -259,6 +260,41 @@ class CausalLMBundle:
         self.model.to(device)
         return self
 
+    def pair_batch(
+        self, rows: list[tuple], where: str, max_positions: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """One right-padded batch of (prompt, completion) rows, or (prompt, completion, images)
+        for a vision-language bundle, on the bundle's device: (the forward's keyword arguments,
+        labels [B, L] long). Tokens as `encode_pairs` makes them (prompt + completion + EOS,
+        labels only at completion and EOS); a VLM's `<image>` placeholders are expanded as
+        rollouts expand them (`prepare`, sample ids `<where>/<i>`) and the arguments add
+        `pixel_values`, `image_grid_thw` and the rotary `position_ids`. `max_positions` (None:
+        the model's) bounds a row. Rows with images for a text-only bundle are an error."""
+        if max_positions is None:
+            max_positions = self.model.config.get_text_config().max_position_embeddings
+        if self.has_vision:
+            prepared = [
+                self.prepare(r[0], list(r[2]) if len(r) > 2 else [], f"{where}/{i}")
+                for i, r in enumerate(rows)
+            ]
+            pairs = [(text, r[1]) for (text, _, _), r in zip(prepared, rows, strict=True)]
+        elif any(len(r) > 2 and r[2] for r in rows):
+            raise ValueError(
+                f"{where}: the data gives images with its pairs but the model is a text-only causal LM; use "
+                "model._target_=unirl.models.causal_lm.VLMConfig"
+            )
+        else:
+            pairs = [(r[0], r[1]) for r in rows]
+        input_ids, mask, labels = encode_pairs(self.tokenizer, pairs, max_positions)
+        device = self.device
+        inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+        if self.has_vision:
+            inputs.update(self.vision_inputs([p[1] for p in prepared], [p[2] for p in prepared], device))
+            inputs["position_ids"] = self.positions(
+                inputs["input_ids"], inputs["attention_mask"], inputs.get("image_grid_thw")
+            )
+        return inputs, labels.to(device)
+
     @staticmethod
     def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
         """The train backend's exporter: a LoRA state as a peft adapter directory
@@ -287,6 +323,43 @@ class CausalLMBundle:
         """Write model and tokenizer into `path` (`from_pretrained` reads them back)."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+
+
+def encode_pairs(
+    tokenizer: Any, pairs: list[tuple[str, str]], max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokenize (prompt, completion) pairs into one right-padded batch.
+
+    Row i is prompt_i + completion_i + [EOS] (prompt and completion each through
+    `tokenizer(text, add_special_tokens=False)`, as rollouts tokenize prompts).
+
+    Returns (input_ids [B, L] long, padded with the pad id; attention_mask [B, L] long;
+    labels [B, L] long: the token at completion and EOS positions, IGNORE_INDEX at prompt
+    and padding positions). A row longer than `max_positions` is an error naming it.
+    """
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    completions = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+    rows, labels = [], []
+    for (prompt, completion), p, c in zip(pairs, prompts, completions, strict=True):
+        if not p:
+            raise ValueError(f"the prompt of pair {(prompt, completion)!r} is empty (0 tokens)")
+        seq = p + c + [tokenizer.eos_token_id]
+        if len(seq) > max_positions:
+            raise ValueError(
+                f"pair {(prompt, completion)!r} is {len(seq)} tokens with EOS, more than the model's "
+                f"max_position_embeddings ({max_positions}); shorten the data or enlarge the model"
+            )
+        rows.append(seq)
+        labels.append([IGNORE_INDEX] * len(p) + c + [tokenizer.eos_token_id])
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    target = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for i, (r, lab) in enumerate(zip(rows, labels, strict=True)):
+        input_ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+        target[i, : len(r)] = torch.tensor(lab)
+    return input_ids, mask, target
 
 
 def load_checkpoint(
