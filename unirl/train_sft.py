@@ -64,7 +64,7 @@ def main(cfg: DictConfig) -> None:
     trainer_cls = trainer_class(sft_cfg, model_cfg)
     bundle = model_cfg.build().to(resolve_device())  # a GPU when there is one, else the CPU
     trainer = trainer_cls(bundle, build(cfg.data), sft_cfg, str(cfg.output_dir), build(cfg.get("eval")))
-    trainer.run(max_seconds=cfg.get("max_seconds"))
+    trainer.run(max_seconds=cfg.get("max_seconds"), recipe=cfg)
     if trainer.step >= trainer.cfg.num_steps and cfg.get("export_dir"):
         trainer.export(str(cfg.export_dir))
 

@@ -188,6 +188,8 @@ class SFTRunConfig:
         max_seconds: wall-clock budget of one invocation (null: run to the end).
         threads: torch threads (null: all cores).
         eval: a `_target_` node (an evaluator), or null.
+        tracking: trackers beside the run's log, by name, as an RL recipe's (`unirl/tracking/README.md`;
+            checked by `unirl.config.references.check_tracking`).
         hydra: Hydra's own settings.
     """
 
@@ -199,6 +201,7 @@ class SFTRunConfig:
     max_seconds: float | None = None
     threads: int | None = None
     eval: Any = None
+    tracking: Any = None
     hydra: Any = None
 
     def __post_init__(self) -> None:

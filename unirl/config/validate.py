@@ -88,5 +88,6 @@ def validate_sft_config(cfg: DictConfig) -> None:
     problems: list[str] = []
     passed = check_recipe(cfg, SFT_SECTIONS, problems)
     check_model_path(passed.get("model"), problems)
+    check_tracking(cfg, problems)
     if problems:
         raise ConfigError(problems)

@@ -321,10 +321,12 @@ class Tracking:
         self.trackers = trackers  # (key in the recipe, tracker, optional)
 
     @classmethod
-    def start(cls, run_dir: str, spec: Any, config: dict[str, Any]) -> Tracking:
-        """Open `<run_dir>/metrics.jsonl` and start each tracker of the `tracking` node `spec`
-        with the resolved recipe `config`. Raises `TrackerError` naming the first required
-        tracker that fails to start (the ones already started are closed)."""
+    def start(
+        cls, run_dir: str, spec: Any, config: dict[str, Any], metrics_name: str = "metrics.jsonl"
+    ) -> Tracking:
+        """Open `<run_dir>/<metrics_name>` (appending) and start each tracker of the `tracking`
+        node `spec` with the resolved recipe `config`. Raises `TrackerError` naming the first
+        required tracker that fails to start (the ones already started are closed)."""
         entries, problems = _entries(spec)
         if problems:
             raise TrackerError("; ".join(problems))
@@ -345,14 +347,14 @@ class Tracking:
                     f"`tracking`, or set `optional: true` on it to run without it"
                 ) from exc
             started.append((key, tracker, optional))
-        return cls(JsonlWriter(os.path.join(run_dir, "metrics.jsonl")), started)
+        return cls(JsonlWriter(os.path.join(run_dir, metrics_name)), started)
 
     @classmethod
-    def from_recipe(cls, run_dir: str, cfg: DictConfig) -> Tracking:
+    def from_recipe(cls, run_dir: str, cfg: DictConfig, metrics_name: str = "metrics.jsonl") -> Tracking:
         """`start` with the recipe's `tracking` node and the resolved recipe (less `hydra`)."""
         config = OmegaConf.to_container(cfg, resolve=True)
         config.pop("hydra", None)
-        return cls.start(run_dir, config.get("tracking"), config)
+        return cls.start(run_dir, config.get("tracking"), config, metrics_name)
 
     def _each(self, what: str, call) -> None:
         for entry in list(self.trackers):

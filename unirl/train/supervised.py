@@ -21,7 +21,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 
+from unirl.tracking.trackers import Tracking
 from unirl.train.backend import LR_SCHEDULES, lr_factor
 
 
@@ -197,17 +199,23 @@ class SupervisedRun(ABC):
                 m.train()
 
     # ---- the loop ---------------------------------------------------------------------------
-    def run(self, max_seconds: float | None = None) -> list[dict[str, Any]]:
+    def run(self, max_seconds: float | None = None, recipe: DictConfig | None = None) -> list[dict[str, Any]]:
         """Train to `num_steps` (or until `max_seconds` of wall clock pass), logging and
         saving resumable state; returns the rows written.
 
         A log row every `log_every` steps holds the window's mean loss, the lr of its
         last step, `step_s` (mean seconds per step) and, when `batch_loss` counts
-        `tokens`, `tokens_per_s` (tokens trained per second of training).
+        `tokens`, `tokens_per_s` (tokens trained per second of training). Rows go to the log
+        (`log_name`) and, given the `recipe`, to the trackers of its `tracking` list, started
+        with the resolved recipe as run metadata (`unirl.tracking.trackers.Tracking`, as the RL
+        trainers').
         """
         cfg = self.cfg
         self.load_state()
-        log = open(self.log_path, "a")
+        if recipe is not None:
+            log = Tracking.from_recipe(self.out, recipe, self.log_name)
+        else:
+            log = Tracking.start(self.out, None, {}, self.log_name)
         rows: list[dict[str, Any]] = []
         losses: list[float] = []
         tokens, seconds, t_start = 0.0, 0.0, time.perf_counter()
@@ -232,8 +240,7 @@ class SupervisedRun(ABC):
                 if self.evaluate is not None and cfg.eval_every and self.step % cfg.eval_every == 0:
                     row = (row or {"step": self.step}) | self._eval()
                 if row is not None:
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
+                    log.log(row)
                     rows.append(row)
                 if self.step % cfg.checkpoint_every == 0:
                     self.save_state()
@@ -242,7 +249,7 @@ class SupervisedRun(ABC):
             self.save_state()
             if self.evaluate is not None and self.step >= cfg.num_steps:
                 row = {"step": self.step, "final": True} | self._eval()
-                log.write(json.dumps(row) + "\n")
+                log.log(row)
                 rows.append(row)
         finally:
             log.close()
