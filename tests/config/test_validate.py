@@ -226,6 +226,9 @@ SHAPES_VARIANTS += ("diffusion/shapes_awm",)
 SHAPES_VARIANTS += ("diffusion/shapes_ppo", "diffusion/tiny_ppo")
 # shapes_awm with DGPO's or CRD's algorithm node (and CRD's sampling EMA); mutated in tiny_dgpo, tiny_crd
 SHAPES_VARIANTS += ("diffusion/shapes_dgpo", "diffusion/shapes_crd")
+# shapes_flowgrpo with the VLM judge as its reward node; the judge's arguments are checked in
+# tests/reward/test_judge.py
+SHAPES_VARIANTS += ("diffusion/shapes_flowgrpo_vlmjudge",)
 # flux_flowgrpo with a tiny node at FLUX.1-dev's size; its keys are mutated there and in tiny_flux_flowgrpo
 FLUX_VARIANTS = ("diffusion/flux_dev_random_flowgrpo",)
 # the VQA recipes' keys are those of vlm/tiny_vqa_smoke (their base, on a tiny model), mutated there

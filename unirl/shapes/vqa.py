@@ -34,7 +34,16 @@ import numpy as np
 import torch
 
 from unirl.data.data_source import ListDataSource
-from unirl.shapes.world import COLORS, RELATIONS, SHAPES, SceneSpec, ShapeSpec, render, split_scenes
+from unirl.shapes.world import (
+    COLORS,
+    RELATIONS,
+    SHAPES,
+    SceneSpec,
+    ShapeSpec,
+    parse_prompt,
+    render,
+    split_scenes,
+)
 from unirl.types.reward import RewardRequest
 from unirl.types.rollout_req import PromptExample
 
@@ -74,6 +83,30 @@ def questions(spec: SceneSpec) -> list[tuple[str, str, str]]:
                 )
             )
     return out
+
+
+def prompt_questions(spec: SceneSpec) -> list[tuple[str, str]]:
+    """(question, answer) pairs in this world's templates whose answers are all right exactly
+    when an image shows `spec` as `GenEvalMini`'s strict verdict wants it: every wanted object
+    is there ("is there a red circle?" -> yes), each wanted shape is drawn as often as asked
+    ("how many circles?" -> its count among the wanted objects), and a position prompt's
+    relation holds ("is the red circle left of the blue square?" -> yes)."""
+    wanted = spec.rendered_objects()
+    out = [(f"is there a {o.phrase}?", "yes") for o in dict.fromkeys(wanted)]
+    for shape in dict.fromkeys(o.shape for o in wanted):
+        out.append((f"how many {shape}s?", str(sum(o.shape == shape for o in wanted))))
+    if spec.category == "position":
+        a, b = spec.objects
+        out.append((f"is the {a.phrase} {spec.relation} the {b.phrase}?", "yes"))
+    return out
+
+
+class JudgeQuestions:
+    """`VLMJudge` questions (`unirl.reward.judge`) for shapes prompts: `prompt_questions` of
+    the prompt's scene. A prompt outside the grammar is a ValueError naming it."""
+
+    def __call__(self, prompt: str, metadata: dict) -> list[tuple[str, str]]:
+        return prompt_questions(parse_prompt(prompt))
 
 
 def _seed(*parts: object) -> int:
