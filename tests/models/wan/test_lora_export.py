@@ -1,9 +1,11 @@
 """Wan's LoRA targets are its own module names, and a trained LoRA exported by the train backend
-loads back through `WanPipeline.load_lora_weights` (`load_checkpoint`) at the trained scale."""
+loads back through `WanPipeline.load_lora_weights` (`load_checkpoint`) at the trained scale, on a
+base directory laid out as a real one (UniPC scheduler at its flow shift)."""
 
 from __future__ import annotations
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from unirl.models.wan import LORA_TARGETS, WanBundle, load_checkpoint
 from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend, lora_target_problem
@@ -20,6 +22,10 @@ def test_lora_targets_name_wan_modules() -> None:
 
 def test_exported_lora_loads_back_through_wan_pipeline(tmp_path) -> None:
     bundle = tiny_wan_config().build()
+    # a real Wan directory ships UniPC at its flow shift: loaded, it is the Euler scheduler at that shift
+    bundle.pipeline.scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0
+    )
     bundle.save_pretrained(str(tmp_path / "base"))
     backend = TrainBackend(
         bundle.transformer, LoRAConfig(rank=2, alpha=8, target_modules=LORA_TARGETS), OptimConfig(), 1,
@@ -33,6 +39,8 @@ def test_exported_lora_loads_back_through_wan_pipeline(tmp_path) -> None:
     backend.save_weights(str(tmp_path / "ckpt"), base_model=str(tmp_path / "base"))
     loaded = load_checkpoint(str(tmp_path / "ckpt"), num_frames=5)
     assert loaded.num_frames == 5 and loaded.latent_shape(8, 8) == bundle.latent_shape(8, 8)
+    assert isinstance(loaded.pipeline.scheduler, FlowMatchEulerDiscreteScheduler)
+    assert loaded.pipeline.scheduler.config.shift == 5.0
 
     x = torch.randn(2, *bundle.latent_shape(8, 8), generator=torch.Generator().manual_seed(1))
     cond = {"prompt_embeds": torch.randn(2, 8, 32)}
