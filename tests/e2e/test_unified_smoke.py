@@ -6,6 +6,7 @@ weights of the run that never stopped."""
 
 from __future__ import annotations
 
+import html
 import json
 
 import pytest
@@ -41,10 +42,13 @@ def test_entry_point_trains_both_segments_and_shows_plans(tmp_path):
     captions = json.loads((out / "samples/step_0002.json").read_text())
     plans = json.loads((out / "samples/lineage_step_0002.json").read_text())
     assert len(plans) == 2 and all(len(p["rewrites"]) == 4 for p in plans)
-    assert len(captions) == 8 and all(" -> " in json.dumps(c) for c in captions)
-    assert (
-        "lineage_step_0002" in (out / "gallery.html").read_text() or (out / "samples/step_0002.png").exists()
-    )
+    # the gallery shows each image captioned "user prompt -> plan", the plan being the one sampled
+    sampled = {r["rewrite"] for p in plans for r in p["rewrites"]}
+    assert len(captions) == 8 and all(c["prompt"].split(" -> ", 1)[1] in sampled for c in captions)
+    page = (out / "gallery.html").read_text()
+    assert (out / "samples/step_0002.png").exists() and html.escape(
+        captions[0]["prompt"].split(" -> ")[0]
+    ) in page
     base = load_file(out / "base_model/model.safetensors")
     final = JanusModelConfig(pretrained_path=str(out / "base_model")).load_checkpoint(
         str(out / "checkpoints/final")
