@@ -1,8 +1,9 @@
 """DevicePool and worker groups spanning Ray nodes, and `init_ray`.
 
 The "nodes" are simulated: a `ray.cluster_utils.Cluster` with a head and one
-extra raylet (2 CPUs each) on this machine, all on 127.0.0.1. One cluster for
-the module.
+extra raylet (1 CPU each) on this machine, all on 127.0.0.1. One cluster for
+the module, and for the 2-worker tiny recipe run across its two nodes (the first test after
+the cluster's own, before any pool holds a share of a node).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch
 from ray.cluster_utils import Cluster
 
 from tests.ray_loopback import release_shared_ray
+from tests.recipes import recipe
 from unirl.distributed.group import DevicePool, Worker, WorkerGroup, init_ray, placement, remote
 from unirl.distributed.group import cluster as cluster_mod
+from unirl.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.ray
 
@@ -61,14 +64,14 @@ def alive_node_ids_by_ip() -> list[str]:
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Cluster:
     release_shared_ray()  # this module needs a cluster of its own
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 
     def finish() -> None:
         ray.shutdown()
         c.shutdown()
 
     request.addfinalizer(finish)
-    c.add_node(num_cpus=2)
+    c.add_node(num_cpus=1)
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)
     return c
@@ -76,8 +79,8 @@ def cluster(request: pytest.FixtureRequest) -> Cluster:
 
 @pytest.fixture(scope="module")
 def spread_pool(cluster: Cluster) -> Iterator[DevicePool]:
-    # 0.5 CPU per device: leaves 1.5 CPUs per node for the other pools below.
-    pool = DevicePool(2, cpus_per_device=0.5, use_gpu=False, devices_per_node=1, timeout_s=30)
+    # 0.25 CPU per device: leaves 0.75 CPU per node for the other pools below.
+    pool = DevicePool(2, cpus_per_device=0.25, use_gpu=False, devices_per_node=1, timeout_s=30)
     yield pool
     pool.shutdown()
 
@@ -93,6 +96,16 @@ def test_cluster_is_two_loopback_nodes(cluster: Cluster) -> None:
     nodes = [n for n in ray.nodes() if n["Alive"]]
     assert len(nodes) == 2
     assert {n["NodeManagerAddress"] for n in nodes} == {"127.0.0.1"}
+
+
+def test_two_worker_recipe_spans_two_nodes(cluster: Cluster, tmp_path) -> None:
+    """The tiny recipe on 2 workers: one device per 1-CPU node, trained across them (gloo FSDP2)."""
+    trainer = Trainer(recipe("diffusion/tiny_sd3_flowgrpo", tmp_path, "num_devices=2", "num_steps=2"))
+    rows = trainer.run()
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(abs(r["ratio/first_update_mean"] - 1.0) < 1e-4 for r in rows)
+    placed = json.loads((tmp_path / "placement.json").read_text())
+    assert placed["num_nodes"] == 2 and len(set(placed["bundle_node_ids"])) == 2
 
 
 def test_pool_puts_one_rank_per_node_in_node_order(
@@ -134,8 +147,8 @@ def test_gloo_all_reduce_across_nodes(spread_group: WorkerGroup) -> None:
 
 
 def test_inferred_layout_fills_nodes_in_order(spread_pool: DevicePool) -> None:
-    # 1.5 CPUs per device: each 2-CPU node holds one, so 2 devices need both nodes.
-    with DevicePool(2, cpus_per_device=1.5, use_gpu=False, timeout_s=30) as pool:
+    # 0.75 CPU per device: each 1-CPU node holds one, so 2 devices need both nodes.
+    with DevicePool(2, cpus_per_device=0.75, use_gpu=False, timeout_s=30) as pool:
         assert pool.multi_node and pool.devices_per_node == 1
         assert pool.bundle_node_ids() == alive_node_ids_by_ip()
         assert pool.num_nodes == 2
@@ -156,7 +169,7 @@ def test_single_node_layout_is_kept_when_devices_fit(spread_pool: DevicePool) ->
 def test_layout_errors_name_the_request_and_the_cluster(cluster: Cluster) -> None:
     with pytest.raises(RuntimeError, match=r"num_devices=4, devices_per_node=3.*cannot hold") as exc:
         DevicePool(4, use_gpu=False, devices_per_node=3, timeout_s=30)
-    assert "127.0.0.1/" in str(exc.value) and "CPU: 4" in str(exc.value)
+    assert "127.0.0.1/" in str(exc.value) and "CPU: 2" in str(exc.value)
     with pytest.raises(
         RuntimeError, match=r"reserve 5 CPU-slot devices.*devices_per_node=None.*Lower num_devices"
     ):
@@ -187,7 +200,7 @@ def test_init_ray_joins_ray_address(cluster: Cluster) -> None:
         [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=90
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"started": False, "nodes": 2, "cpus": 4.0}
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"started": False, "nodes": 2, "cpus": 2.0}
     assert len(alive_node_ids_by_ip()) == 2  # the cluster outlives the joined driver
 
 

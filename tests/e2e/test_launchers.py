@@ -9,7 +9,7 @@ instance on the machine.
 The worker role is not run: `ray start --address=...` (Ray 2.60) refuses to join when Ray is
 held to loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, tests/ray_loopback.py), and without that
 it rewrites 127.0.0.1 to the machine's outward IP, where a loopback head does not listen. The
-placement across nodes is tested with simulated nodes in tests/trainer/test_multinode_run.py.
+placement across nodes is tested with simulated nodes in tests/distributed/test_multinode.py.
 """
 
 from __future__ import annotations
