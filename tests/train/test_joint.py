@@ -127,3 +127,27 @@ def test_plans_over_budget_are_truncated_and_marked(bundle):
     )
     assert image.parent_ids == plan.sample_ids and image.group_ids == plan.group_ids == image.root_ids
     assert image.sample_ids == [f"{s}/0" for s in plan.sample_ids]
+
+
+def test_drawing_without_a_plan_is_the_image_after_the_prompt_alone(bundle):
+    """The evaluation's floor: `draw` gives the images the image stage draws after prompt + BOI
+    (no plan), seeded from the image's id as a rollout's image is."""
+    from unirl.types.lineage import child_seed
+
+    stages, _ = setup(bundle)
+    sampling = ImageTokenSamplingParams(guidance_scale=2.0, seed=7)
+    engine = UnifiedEngine(["plan", "image"]).bind(
+        stages, {"plan": TextSamplingParams(chat_template=False), "image": sampling}
+    )
+    req = RolloutReq.from_prompts(
+        [PromptExample("a red circle", "p0"), PromptExample("blue", "p1")],
+        TextSamplingParams(samples_per_prompt=2, chat_template=False),
+        None,
+        rollout_id=3,
+    )
+    images = engine.draw(req)
+    tok = bundle.tokenizer
+    contexts = [torch.tensor(tok.encode(p) + [bundle.boi_token_id]) for p in req.prompts]
+    seeds = [child_seed(7, 3, f"{sid}/0") for sid in req.sample_ids]
+    _, expected = stages["image"].generate(contexts, seeds, sampling)
+    assert torch.equal(images, expected)

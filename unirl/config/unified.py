@@ -16,7 +16,13 @@ from typing import Any
 from omegaconf import DictConfig
 
 from unirl.config.distributed import check_transport, meta_module
-from unirl.config.references import check_model_path, check_scorer_keys, check_tracking, examples_of
+from unirl.config.references import (
+    check_metadata_key,
+    check_model_path,
+    check_scorer_keys,
+    check_tracking,
+    examples_of,
+)
 from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.types.sampling import ImageTokenSamplingParams, TextSamplingParams
@@ -53,6 +59,7 @@ class UnifiedRunConfig:
     launcher: str = "ray"
     checkpoint: Any = None
     logging: Any = None
+    eval: Any = None
     tracking: Any = None
     hydra: Any = None
 
@@ -87,11 +94,14 @@ class SegmentConfig:
 
 
 def _sections(cfg: DictConfig) -> dict[str, type]:
+    from unirl.trainer.composed_eval import ComposedEvalConfig  # its consumer's schema
+
     sections: dict[str, type] = {
         "": UnifiedRunConfig,
         "checkpoint": CheckpointConfig,
         "logging": LoggingConfig,
         "train": TrainConfig,
+        "eval": ComposedEvalConfig,
     }
     tracks = cfg.get("tracks")
     if isinstance(tracks, DictConfig):
@@ -227,6 +237,33 @@ def _check_geometry(cfg: DictConfig, passed: dict[str, Any], plan: str, problems
             problems.append(problem)
 
 
+def _check_eval(passed: dict[str, Any], problems: list[str]) -> None:
+    """`eval`: the image sampling is `ImageTokenSamplingParams`, the greedy plans fit the model and
+    stop on one-token stop tokens, and the scorers, `intent_key` and `group_by` find their keys in
+    `eval.examples` (`eval.rewrite_scorer`, a text scorer, judges the greedy plans)."""
+    from unirl.trainer.text_eval import TextEvalSampling
+
+    ev = passed.get("eval")
+    if ev is None:
+        return
+    sampling, text = passed.get("eval.sampling"), passed.get("eval.text_sampling")
+    if sampling is not None and not isinstance(sampling, ImageTokenSamplingParams):
+        problems.append("eval.sampling: a unified evaluation draws images with ImageTokenSamplingParams")
+    if text is not None and not isinstance(text, TextEvalSampling):
+        problems.append("eval.text_sampling: the plans decode with unirl.trainer.text_eval.TextEvalSampling")
+    elif text is not None and passed.get("model") is not None:
+        problems.extend(
+            f"eval.text_sampling.{p.removeprefix('sampling.')}"
+            for p in passed["model"].text_problems(text.params(0.0, 1))
+        )
+    held_out = examples_of(passed.get("eval.examples"))
+    for scorer in ("eval.scorer", "eval.rewrite_scorer"):
+        check_scorer_keys(passed, scorer, held_out, "eval.examples", problems)
+    check_metadata_key("eval.intent_key", ev.intent_key, held_out, "eval.examples", problems)
+    for name in ev.group_by:
+        check_metadata_key("eval.group_by", name, held_out, "eval.examples", problems)
+
+
 def validate_unified_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every problem of a unified (`unirl.train_unified_model`) recipe."""
     from unirl.trainer.checkpoints import resolve_resume_path
@@ -266,6 +303,7 @@ def validate_unified_config(cfg: DictConfig) -> None:
     for path in passed:
         if path.startswith("rewards.") and path.count(".") == 1:
             check_scorer_keys(passed, path, train_examples, "data_source", problems)
+    _check_eval(passed, problems)
     check_tracking(cfg, problems)
     if "" in passed:
         try:

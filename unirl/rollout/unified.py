@@ -100,6 +100,31 @@ class UnifiedEngine:
         size = self.forward_batch_size or n
         return [list(range(k, min(k + size, n))) for k in range(0, n, size)]
 
+    def draw(self, req: RolloutReq, samplings: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """[B, 3, H, W] uint8: one image after each prompt of `req` alone, with no plan (the
+        evaluation's floor: the model drawing without thinking first)."""
+        plan_name, image_name = self.tracks
+        sampling = (samplings or {}).get(image_name, self.samplings[image_name])
+        stage = self.stages[image_name]
+        prompts = self.stages[plan_name].encode_prompts(req)
+        empty = torch.zeros(0, dtype=torch.long)
+        contexts = [stage.image_context(p, empty) for p in prompts]
+        ids = [f"{sid}/0" for sid in req.sample_ids]
+        return torch.cat([m for _, m in self._images(stage, contexts, ids, sampling, req.rollout_id)])
+
+    def _images(self, stage, contexts: list, ids: list[str], sampling: Any, rollout_id: int) -> list[tuple]:
+        """(segment, media) per forward batch of images after `contexts`, seeded from `ids`."""
+        seeds = [child_seed(sampling.seed, rollout_id, sid) for sid in ids]
+        parts = []
+        was_training = stage.module.training
+        stage.module.eval()
+        try:
+            for idx in self._chunks(len(ids)):
+                parts.append(stage.generate([contexts[i] for i in idx], [seeds[i] for i in idx], sampling))
+        finally:
+            stage.module.train(was_training)
+        return parts
+
     def generate(self, req: RolloutReq, samplings: Mapping[str, Any] | None = None) -> RolloutResp:
         """Plans for the root request `req` (user prompts x N, `req.sampling` the plan's), then
         one image per plan under `samplings[image]` (default: the recipe's)."""
@@ -114,16 +139,7 @@ class UnifiedEngine:
             meta["plan_truncated"] = cut
         ids = [f"{sid}/0" for sid in plan.sample_ids]
         contexts = [stage.image_context(p, r) for p, r in zip(seg.prompt_ids, seg.response_ids, strict=True)]
-        seeds = [child_seed(sampling.seed, req.rollout_id, sid) for sid in ids]
-        parts = []
-        was_training = stage.module.training
-        stage.module.eval()
-        try:
-            for idx in self._chunks(len(ids)):
-                segment, media = stage.generate([contexts[i] for i in idx], [seeds[i] for i in idx], sampling)
-                parts.append((segment, media))
-        finally:
-            stage.module.train(was_training)
+        parts = self._images(stage, contexts, ids, sampling, req.rollout_id)
         image_seg = concat([p[0] for p in parts])
         metadata = []
         for i, meta in enumerate(plan.metadata):

@@ -19,10 +19,11 @@ the joint step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.group import Dispatch, RankInfo, dispatch
@@ -32,6 +33,7 @@ from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.joint import JointTrainStack
 from unirl.train.stack import reduce_metrics
 from unirl.trainer.composed import ComposedTrainer
+from unirl.trainer.composed_eval import ComposedEval, ComposedEvalConfig
 from unirl.trainer.composed_worker import track_partition
 from unirl.trainer.engines import RolloutSettings
 from unirl.trainer.step_record import StepRecord
@@ -133,6 +135,23 @@ class UnifiedWorker(ProcessWorker):
         }
 
     @dispatch(Dispatch.DP_SCATTER)
+    def sample_eval(self, req: RolloutReq, samplings: dict, feed: str = "rewrite") -> dict[str, Any]:
+        """This rank's shard of an evaluation (`ComposedEval`'s `sample`): the plans and the images
+        ([n, 3, H, W] uint8 on the CPU) of the deterministic request `req` (greedy plans). `feed`:
+        "rewrite" (think, then draw: the plan's texts and images after prompt + plan), "user" (draw
+        after the user prompt with no plan: the floor) or "canonical" (after `metadata["canonical"]`
+        with no plan: the ceiling)."""
+        if feed == "rewrite":
+            resp = self.engine.generate(req, samplings)
+            plan, image = (resp.track(n) for n in self.engine.tracks)
+            return {"texts": list(plan.texts), "images": image.media.cpu()}
+        if feed == "canonical":
+            req = dataclasses.replace(req, prompts=[m["canonical"] for m in req.metadata])
+        elif feed != "user":
+            raise ValueError(f"feed must be rewrite, user or canonical, got {feed!r}")
+        return {"texts": [""] * len(req), "images": self.engine.draw(req, samplings).cpu()}
+
+    @dispatch(Dispatch.DP_SCATTER)
     def train_joint(
         self, metas: dict[str, BatchMeta], rewards: dict, advantages: dict, progress: float
     ) -> dict[str, float]:
@@ -173,6 +192,24 @@ class UnifiedWorker(ProcessWorker):
             self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
 
 
+def unified_eval(node: Any, image_track: str) -> ComposedEval:
+    """The composed evaluation over a unified run (`eval`, a `ComposedEvalConfig` whose `sampling`
+    is the image track's `ImageTokenSamplingParams`): held-out prompts -> greedy plans -> images
+    scored against `metadata[intent_key]`; the floor and the ceiling draw with no plan."""
+    cfg = ComposedEvalConfig(**OmegaConf.to_container(node, resolve=True))
+    examples = build(cfg.examples)
+    return ComposedEval(
+        list(getattr(examples, "examples", examples)),
+        build(cfg.scorer),
+        build(cfg.text_sampling),
+        {image_track: build(cfg.sampling)},
+        cfg.intent_key,
+        build(cfg.rewrite_scorer),
+        cfg.group_by,
+        cfg.references,
+    )
+
+
 class UnifiedTrainer(ComposedTrainer):
     """Runs the unified recipe `cfg` (validated by `unirl.config.unified`) up to `cfg.num_steps`.
 
@@ -207,8 +244,9 @@ class UnifiedTrainer(ComposedTrainer):
         self.last_checkpoint: str | None = None
         self.restore_s: float | None = None
         self.transport = make_transport(cfg.transport)
-        self.eval_every = 0
-        self.evaluator = None
+        ev = cfg.get("eval")
+        self.eval_every = int(ev.get("every_n_steps", 0) or 0) if ev else 0
+        self.evaluator = unified_eval(ev, self.leaf) if ev else None
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
