@@ -73,6 +73,10 @@ def test_all_segment_weights_zero_names_the_keys() -> None:
         (["train.stack.micro_batch_size=3"], "train.stack.micro_batch_size=3 does not divide the batch of 8"),
         (["~rewards.image"], "rewards.image: the image track needs a reward"),
         (
+            ["tracks.image.stage._target_=unirl.models.causal_lm.CausalLMStage"],
+            "tracks.image.stage: unirl.models.causal_lm.CausalLMStage is not an image-token stage",
+        ),
+        (
             [
                 "tracks.image.algorithm._target_=unirl.algorithms.flow_grpo.FlowGRPO",
                 "~tracks.image.algorithm.config",

@@ -162,6 +162,16 @@ def _check_segments(cfg: DictConfig, passed: dict[str, Any], problems: list[str]
             problems.append(
                 f"{key}.sampling: the {'plan' if n == plan else 'image'} track samples with {kind_name}"
             )
+        stage = target_class(node, "stage") if node.get("stage") is not None else None
+        needs = "stop_token_ids" if n == plan else "image_context"
+        if stage is not None and not hasattr(stage, needs):
+            what = (
+                "a text stage (unirl.models.causal_lm.CausalLMStage)" if n == plan else "an image-token stage"
+            )
+            problems.append(
+                f"{key}.stage: {node.stage._target_} is not {what}; the {'plan' if n == plan else 'image'} "
+                f"track needs one (see unirl/rollout/unified.py)"
+            )
         if trained[n]:
             for part in ("algorithm", "advantage"):
                 if node.get(part) is None:
