@@ -33,13 +33,29 @@ SHRINK = [
 OWN_KEYS = {
     "tiny_awm": {"awm/weighted_error", "awm/sigma_mean", "ema_kl", "policy_loss"},
     "tiny_dgpo": {"dgpo/group_sum_abs", "dgpo/group_weight", "dgpo/error_ref", "kl", "policy_loss"},
+    "tiny_dgpo_cfg_free": {"dgpo/group_sum_abs", "clipfrac", "ratio/max", "kl"},
     "tiny_crd": {"crd/implicit_reward_mean", "crd/error_old", "crd/kl_coef", "kl", "policy_loss"},
+}
+# DGPO's other published mode: CFG-free sampling, the fast EMA reference (beta 2000), the clip
+# (acting from a rollout's second update)
+VARIANTS = {
+    "tiny_dgpo_cfg_free": (
+        "tiny_dgpo",
+        [
+            "sampling.guidance_scale=1.0",
+            "algorithm.config.reference=ema",
+            "algorithm.config.beta=2000",
+            "algorithm.config.clip_range=1e-5",
+            "train.stack.num_updates_per_batch=2",
+        ],
+    )
 }
 
 
 @pytest.mark.parametrize("name", sorted(OWN_KEYS))
 def test_tiny_forward_process_recipe_trains(name, tmp_path):
-    rows = run(f"diffusion/{name}", tmp_path, *SHRINK)
+    base, extra = VARIANTS.get(name, (name, []))
+    rows = run(f"diffusion/{base}", tmp_path, *SHRINK, *extra)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert OWN_KEYS[name] <= set(r), OWN_KEYS[name] - set(r)
@@ -49,6 +65,8 @@ def test_tiny_forward_process_recipe_trains(name, tmp_path):
         assert rows[0]["ema_kl"] == 0.0 < rows[1]["ema_kl"]  # the EMA starts as the weights, then trails them
     if name == "tiny_dgpo":  # step 1 is at the frozen reference (LoRA starts at zero): every S_G = 0
         assert rows[0]["dgpo/group_sum_abs"] == 0.0 < rows[1]["dgpo/group_sum_abs"]
+    if name == "tiny_dgpo_cfg_free":  # the second update of each rollout moved off the sampling weights
+        assert all(r["clipfrac"] > 0 and r["ratio/first_update_mean"] == 1.0 for r in rows)
     if name == "tiny_crd":  # step 1 is at the old snapshot (a copy of the start), step 2 is not
         assert rows[0]["crd/implicit_reward_mean"] == 0.0 != rows[1]["crd/implicit_reward_mean"]
 
