@@ -153,7 +153,8 @@ class TrainStack:
             ctx["ema"] = self.backend.ema_weights
         if self.backend.snapshots:  # the loss's own snapshots (DGPO's EMA reference, CRD's old policy)
             ctx["snapshots"] = {
-                name: functools.partial(self.backend.snapshot_weights, name) for name in self.backend.snapshots
+                name: functools.partial(self.backend.snapshot_weights, name)
+                for name in self.backend.snapshots
             }
         if kept is not None:
             ctx.update(kept=kept, deferred=[])
