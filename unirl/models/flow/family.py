@@ -26,11 +26,14 @@ NEGATIVE = "negative_"
 """Prefix of the unconditional (classifier-free guidance) twin of a conditioning key:
 `cond["negative_" + k]` is the uncond branch's value of `cond[k]`."""
 
-GUIDANCE_STYLES = ("cfg", "embedded")
+GUIDANCE_STYLES = ("cfg", "embedded", "true_cfg")
 """How a family's network is guided (`FlowFamily.guidance`): "cfg", classifier-free (the stage
 runs the cond and `NEGATIVE` halves and combines v_u + s (v_c - v_u)); "embedded", the guidance
 scale is an input of the network (guidance-distilled models): one forward, `predict` receives
-the scale, there is no uncond branch."""
+the scale, there is no uncond branch; "true_cfg", classifier-free with the family's own
+combination: the cond and `NEGATIVE` halves in forwards of their own (cond first, their
+conditioning may differ in length) and `FlowFamily.combine_guidance(v_uncond, v_cond, s)`
+(Qwen-Image: v_u + s (v_c - v_u) rescaled to the norm of v_c)."""
 
 
 @runtime_checkable
@@ -61,7 +64,7 @@ class FlowFamily(Protocol):
     ) -> dict[str, torch.Tensor]:
         """Conditioning tensors of `prompts` (U distinct prompts), each [U, ...], any dtype;
         with `guided` also the unconditional twins under `NEGATIVE`-prefixed keys (the uncond
-        branch of classifier-free guidance; only a "cfg" family is asked for them);
+        branch of classifier-free guidance; only a "cfg" or "true_cfg" family is asked for them);
         `max_sequence_length` is the text token budget.
         Differentiable in the text encoders (the stage calls it under `no_grad`; supervised
         training may train the encoders through it)."""
@@ -77,6 +80,10 @@ class FlowFamily(Protocol):
         stage runs it under autocast when asked and casts the result to fp32). An "embedded"
         family is also given `guidance=` [B] fp32, the guidance scale of each row."""
         ...
+
+    # A "true_cfg" family also has
+    #   combine_guidance(v_uncond, v_cond, scale) -> [B, *latent_shape]: the guided velocity from the
+    #   two branches' velocities (fp32, [B, *latent_shape]), differentiable in both.
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """The shape of one latent sample for an image of height x width pixels (images:

@@ -91,10 +91,11 @@ class FlowMatchingStage:
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict:
         """Per-sample condition tensors [B, ...] fp32 (the family's keys; with guidance_scale > 1
-        and a "cfg" family also their `negative_` twins, the empty prompt's). Unique prompts are
+        and a "cfg" / "true_cfg" family also their `negative_` twins, the family's negative prompt's).
+        Unique prompts are
         encoded once."""
         unique = list(dict.fromkeys(prompts))
-        guided = self.bundle.guidance == "cfg" and guidance_scale > 1.0
+        guided = self.bundle.guidance in ("cfg", "true_cfg") and guidance_scale > 1.0
         encoded = self.bundle.encode_text(unique, guided, max_sequence_length)
         idx = torch.tensor([unique.index(p) for p in prompts], device=next(iter(encoded.values())).device)
         return {k: v[idx].float() for k, v in encoded.items()}
@@ -120,7 +121,9 @@ class FlowMatchingStage:
         keeps only the cond half's activations).
 
         An "embedded" family (`FlowFamily.guidance`) takes the scale as a network input
-        instead: one forward with `guidance` = s per row, no uncond branch.
+        instead: one forward with `guidance` = s per row, no uncond branch. A "true_cfg" family
+        runs the cond half, then the uncond half, in forwards of their own (without autograd when
+        `detach_uncond`), and combines them with its `combine_guidance(v_uncond, v_cond, s)`.
         """
         sigma = sigma.to(device=x.device, dtype=torch.float32)
         positive = {k: cond[k] for k in self.bundle.cond_keys}
@@ -129,6 +132,11 @@ class FlowMatchingStage:
         if guidance_scale <= 1.0:
             return self._forward(x, sigma, positive)
         negative = {k: cond[NEGATIVE + k] for k in positive}
+        if self.bundle.guidance == "true_cfg":
+            v_cond = self._forward(x, sigma, positive)
+            with torch.no_grad() if self.detach_uncond else contextlib.nullcontext():
+                v_uncond = self._forward(x, sigma, negative)
+            return self.bundle.combine_guidance(v_uncond, v_cond, guidance_scale)
         if separate_uncond:
             with torch.no_grad() if self.detach_uncond else contextlib.nullcontext():
                 v_uncond = self._forward(x, sigma, negative)

@@ -1,0 +1,360 @@
+"""The Qwen-Image family: diffusers' `QwenImageTransformer2DModel` with a Qwen2.5-VL prompt encoder
+and the `AutoencoderKLQwenImage`, as a `FlowFamily` (`unirl.models.flow.family`) the shared
+`FlowMatchingStage` samples and replays.
+
+What differs from SD3 and FLUX, all inside this file:
+- latents [B, C, h, w] (h, w even) are packed 2x2 into tokens [B, h/2 * w/2, 4C] for the network
+  and unpacked after, with `img_shapes` (1, h/2, w/2) for the rotary embedding, as
+  `QwenImagePipeline` does; the stage's latents stay [B, C, h, w];
+- prompts go through QwenImagePipeline's chat template into Qwen2.5-VL, whose last hidden states
+  after the template's 34 system tokens are the conditioning, padded here to
+  `max_sequence_length` with `prompt_embeds_mask` marking the real tokens (the transformer masks
+  the rest out of attention; a mask of all ones is passed as None, as the pipeline does);
+- guidance is "true_cfg": the negative prompt's branch and the cond branch run in forwards of
+  their own and combine as v_u + s (v_c - v_u), rescaled per packed token to the norm of v_c
+  (`combine_guidance`: QwenImagePipeline's `true_cfg_scale` arithmetic);
+- the transformer's timestep is `(sigma * 1000) / 1000` (the pipeline's arithmetic);
+- decode is the VAE of `latents / (1 / latents_std) + latents_mean` per channel on one frame.
+
+The sigma schedule is the recipe's (`sampling.sigma_grid: steps`, `sampling.dynamic_shift: true`
+is what `QwenImagePipeline` samples with; mu from the packed token count).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+
+from unirl.models.flow.loading import check_scheduler_config
+from unirl.models.qwenimage.config import TinyQwenImageConfig
+
+TEMPLATE_WORDS = (
+    "system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:\nuser\nassistant\n"
+)
+"""The words of QwenImagePipeline's prompt template (without its special tokens): whole tokens of
+the tiny tokenizer, so the template's prefix is 34 tokens as with Qwen2.5-VL's tokenizer."""
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, h/2 * w/2, 4C]: each 2x2 cell one token (QwenImagePipeline's packing)."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, h/2 * w/2, 4C] -> [B, C, h, w], the inverse of `pack`."""
+    b, _, d = tokens.shape
+    return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+
+
+class QwenImageBundle:
+    """The modules of one Qwen-Image model plus the `QwenImagePipeline` that owns them.
+
+    Attributes:
+        pipeline: a `QwenImagePipeline` (vae None in pixel space); its `encode_prompt` is the
+            prompt encoder of record.
+        transformer: the `QwenImageTransformer2DModel` (the trainable module).
+        vae: `AutoencoderKLQwenImage` or None (pixel space).
+        latent_channels, vae_scale_factor: the latent grid (C = transformer in_channels / 4).
+        sample_size: the image side in pixels (a tiny model's resolution; QwenImagePipeline's
+            default 1024 for a directory).
+        negative_prompt: true CFG's uncond prompt (None: the family cannot run guided).
+        cond_keys: `encode_text`'s keys. guidance: "true_cfg".
+    """
+
+    cond_keys = ("prompt_embeds", "prompt_embeds_mask")
+    guidance = "true_cfg"
+
+    def __init__(self, pipeline: QwenImagePipeline, sample_size: int, negative_prompt: str | None = " ") -> None:
+        self.pipeline = pipeline
+        self.transformer: QwenImageTransformer2DModel = pipeline.transformer
+        self.vae: AutoencoderKLQwenImage | None = pipeline.vae
+        self.latent_channels = self.transformer.config.in_channels // 4
+        self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample) if self.vae is not None else 1
+        self.sample_size = sample_size
+        self.negative_prompt = negative_prompt
+        for module in self.frozen_modules():
+            module.requires_grad_(False)
+            module.eval()
+
+    @property
+    def denoiser(self) -> QwenImageTransformer2DModel:
+        return self.transformer
+
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """The Qwen2.5-VL encoder (`Qwen2_5_VLForConditionalGeneration`)."""
+        return [self.pipeline.text_encoder]
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        return self.text_encoders() + ([self.vae] if self.vae is not None else [])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def to(self, device: str | torch.device | torch.dtype) -> QwenImageBundle:
+        self.pipeline.to(device)
+        return self
+
+    # ---- geometry ---------------------------------------------------------------------------
+    def _cell(self, height: int, width: int) -> int:
+        cell = 2 * self.vae_scale_factor
+        if height % cell or width % cell:
+            raise ValueError(
+                f"sampling.height/width ({height}x{width}) must be multiples of {cell} "
+                f"(vae scale {self.vae_scale_factor} x the 2x2 packing)"
+            )
+        return cell
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """(C, h, w) unpacked latents, h = height / vae_scale_factor (even)."""
+        cell = self._cell(height, width)
+        return self.latent_channels, 2 * (height // cell), 2 * (width // cell)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Packed tokens per image, (height / 2s) x (width / 2s) with s the VAE scale."""
+        cell = self._cell(height, width)
+        return (height // cell) * (width // cell)
+
+    def model_info(self) -> dict:
+        """`patch_size` is the 2x2 packing: vae_scale_factor x patch_size pixels per token side."""
+        return {"pixel_space": self.vae is None, "vae_scale_factor": self.vae_scale_factor, "patch_size": 2}
+
+    # ---- network ----------------------------------------------------------------------------
+    def _encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`QwenImagePipeline.encode_prompt` ([U, L', D], L' the longest prompt's tokens, at most
+        `max_sequence_length`) padded with zeros to [U, max_sequence_length, D], and its mask
+        [U, max_sequence_length] (1 on real tokens)."""
+        pe, mask = self.pipeline.encode_prompt(
+            prompt=prompts, device=self.device, max_sequence_length=max_sequence_length
+        )
+        u, length, _ = pe.shape
+        if mask is None:
+            mask = torch.ones(u, length, dtype=torch.long, device=pe.device)
+        pad = max_sequence_length - length
+        return (
+            torch.nn.functional.pad(pe, (0, 0, 0, pad)),
+            torch.nn.functional.pad(mask.to(torch.long), (0, pad)),
+        )
+
+    def encode_text(
+        self, prompts: list[str], guided: bool, max_sequence_length: int
+    ) -> dict[str, torch.Tensor]:
+        """prompt_embeds [U, L, D] (Qwen2.5-VL's last hidden states after the template prefix,
+        zero-padded to L = max_sequence_length) and prompt_embeds_mask [U, L]; with `guided`
+        also the `negative_prompt`'s under `negative_` keys (repeated to U rows)."""
+        pe, mask = self._encode(prompts, max_sequence_length)
+        out = {"prompt_embeds": pe, "prompt_embeds_mask": mask}
+        if guided:
+            if self.negative_prompt is None:
+                raise ValueError(
+                    "Qwen-Image's true CFG needs a negative prompt: set model.negative_prompt or "
+                    "sampling.guidance_scale: 1.0"
+                )
+            npe, nmask = self._encode([self.negative_prompt], max_sequence_length)
+            out["negative_prompt_embeds"] = npe.expand(len(prompts), -1, -1)
+            out["negative_prompt_embeds_mask"] = nmask.expand(len(prompts), -1)
+        return out
+
+    def predict(self, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict) -> torch.Tensor:
+        """Velocity [B, C, h, w] at latents x [B, C, h, w] and sigma [B]: packed 2x2, with
+        `img_shapes` (1, h/2, w/2), the timestep `(sigma * 1000) / 1000` and the text mask (None
+        when every position is a real token, as QwenImagePipeline passes it)."""
+        dtype = next(module.parameters()).dtype
+        b, _, h, w = x.shape
+        mask = cond["prompt_embeds_mask"]
+        out = module(
+            hidden_states=pack(x).to(dtype),
+            timestep=(sigma * 1000.0 / 1000).to(dtype),
+            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+            encoder_hidden_states_mask=None if bool(mask.bool().all()) else mask.to(torch.long),
+            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            return_dict=False,
+        )[0]
+        return unpack(out, h, w)
+
+    @staticmethod
+    def combine_guidance(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Qwen-Image's true CFG on [B, C, h, w] velocities: comb = v_u + s (v_c - v_u), then
+        comb * |v_c| / |comb| with the norms over each packed token's 4C values (QwenImagePipeline
+        takes them over the last dim of the packed [B, tokens, 4C] predictions)."""
+        _, _, h, w = v_cond.shape
+        cond, comb = pack(v_cond), pack(v_uncond + scale * (v_cond - v_uncond))
+        return unpack(comb * (cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True)), h, w)
+
+    def pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped), differentiable: the VAE decode of
+        `latents / (1 / latents_std) + latents_mean` on one frame (QwenImagePipeline's arithmetic),
+        or the latents themselves in pixel space."""
+        if self.vae is None:
+            return latents.float()
+        c = self.vae.config.z_dim
+        latents = latents.unsqueeze(2).to(self.vae.dtype)
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, c, 1, 1, 1).to(
+            latents.device, latents.dtype
+        )
+        return self.vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0].float()
+
+    # ---- building and saving ----------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, path: str, dtype: torch.dtype = torch.float32, negative_prompt: str | None = " "
+    ) -> QwenImageBundle:
+        """Load a local diffusers Qwen-Image directory; a missing vae/ means pixel space."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
+        extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
+        pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=dtype, **extra)
+        check_scheduler_config(dict(pipe.scheduler.config), os.path.join(path, "scheduler"))
+        pipe.transformer.to(torch.float32)
+        scale = 2 ** len(pipe.vae.temperal_downsample) if pipe.vae is not None else 1
+        sample_size = pipe.default_sample_size * (scale if pipe.vae is not None else 8)
+        return cls(pipe, sample_size=sample_size, negative_prompt=negative_prompt)
+
+    @classmethod
+    def tiny(cls, cfg: TinyQwenImageConfig, negative_prompt: str | None = " ") -> QwenImageBundle:
+        """A randomly initialized tiny Qwen-Image, deterministic in `cfg.seed`."""
+        torch.manual_seed(cfg.seed)
+        tokenizer = tiny_qwen_tokenizer(cfg.words)
+        vae = None
+        if not cfg.pixel_space:
+            levels = cfg.vae_downsample.bit_length() - 1  # spatial downsamples
+            c = cfg.latent_channels
+            vae = AutoencoderKLQwenImage(
+                base_dim=cfg.vae_base_dim,
+                z_dim=c,
+                dim_mult=[1, 2, 4, 4, 4, 4][: levels + 1],  # Qwen-Image's (1, 2, 4, 4) at 8x
+                num_res_blocks=1,
+                temperal_downsample=[False] * levels,  # one frame: no temporal compression
+                latents_mean=torch.linspace(-0.5, 0.5, c).tolist(),
+                latents_std=torch.linspace(0.8, 2.0, c).tolist(),
+            )
+        pipe = QwenImagePipeline(
+            # Qwen-Image's scheduler: exponential time shift, dynamic mu in [0.5, 0.9] over 256..8192 tokens
+            scheduler=FlowMatchEulerDiscreteScheduler(
+                shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                base_image_seq_len=256, max_image_seq_len=8192,
+            ),  # fmt: skip
+            vae=vae,
+            text_encoder=tiny_text_encoder(cfg, tokenizer),
+            tokenizer=tokenizer,
+            transformer=tiny_transformer(cfg),
+        )
+        return cls(pipe, sample_size=cfg.resolution, negative_prompt=negative_prompt)
+
+    def save_pretrained(self, path: str) -> None:
+        """The diffusers layout `from_pretrained` (and `QwenImagePipeline.from_pretrained`) reads."""
+        self.pipeline.save_pretrained(path)
+
+    @staticmethod
+    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+        """The train backend's exporter: a LoRA as `pytorch_lora_weights.safetensors` with its
+        adapter config (alpha) in the metadata, what `QwenImagePipeline.load_lora_weights` reads; a
+        full state as a `transformer/` directory."""
+        if kind == "lora":
+            QwenImagePipeline.save_lora_weights(
+                path,
+                transformer_lora_layers=state,
+                transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
+            )
+            return
+        cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+        fresh = cls.from_config(module.config)
+        fresh.load_state_dict(state)
+        fresh.save_pretrained(os.path.join(path, "transformer"))
+
+
+def tiny_qwen_tokenizer(words: list[str] = ()):
+    """A Qwen2-style byte-level BPE tokenizer built in code (no files): GPT-2 pre-tokenization,
+    `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` and Qwen2.5-VL's vision tokens as special
+    tokens, and merges under which every word of the prompt template and of `words` is one token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from unirl.models.causal_lm.bundle import EOS_TOKEN, SPECIAL_TOKENS
+    from unirl.models.causal_lm.vision import VISION_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [TEMPLATE_WORDS, " ".join(words), " " + " ".join(words)]  # each word alone and after a space
+    trainer = trainers.BpeTrainer(
+        vocab_size=100_000, min_frequency=1, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(corpus, trainer)  # merges until every word of the corpus is one token
+    special = (*SPECIAL_TOKENS, *VISION_TOKENS)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=list(special[1:]),
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def tiny_text_encoder(cfg: TinyQwenImageConfig, tokenizer):
+    """A tiny random `Qwen2_5_VLForConditionalGeneration` over `tokenizer` (the causal-LM package's
+    tiny VLM builder: 2 heads, a 1-layer vision tower the pipeline never calls)."""
+    from unirl.models.causal_lm.bundle import EOS_TOKEN
+    from unirl.models.causal_lm.vision import VISION_TOKENS, TinyVLMConfig, tiny_vlm_model
+
+    vlm = TinyVLMConfig(
+        architecture="qwen2_5_vl",
+        hidden_size=cfg.text_hidden_size,
+        num_layers=cfg.text_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=2 * cfg.text_hidden_size,
+        vision_depth=1,
+        vision_hidden_size=16,
+        vision_intermediate_size=32,
+        seed=cfg.seed,
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    ids["eos"] = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    return tiny_vlm_model(vlm, len(tokenizer), ids).eval()
+
+
+def tiny_transformer(cfg: TinyQwenImageConfig) -> QwenImageTransformer2DModel:
+    """The denoiser alone: 4 x (3 pixel channels, or `latent_channels`) in and out per token."""
+    channels = 3 if cfg.pixel_space else cfg.latent_channels
+    return QwenImageTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * channels,
+        out_channels=4 * channels,
+        num_layers=cfg.num_layers,
+        attention_head_dim=cfg.attention_head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        joint_attention_dim=cfg.text_hidden_size,
+        axes_dims_rope=tuple(cfg.axes_dims_rope),
+    )
+
+
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, negative_prompt: str | None = " ") -> QwenImageBundle:
+    """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
+    `unirl_checkpoint.json`) with the LoRA loaded by `QwenImagePipeline.load_lora_weights`, or the
+    full `transformer/` directory."""
+    meta_path = os.path.join(path, "unirl_checkpoint.json")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    bundle = QwenImageBundle.from_pretrained(meta["base_model"], dtype=dtype, negative_prompt=negative_prompt)
+    if meta["kind"] == "lora":
+        bundle.pipeline.load_lora_weights(path)
+    else:
+        transformer = QwenImageTransformer2DModel.from_pretrained(os.path.join(path, "transformer"))
+        bundle.pipeline.transformer = bundle.transformer = transformer
+    return bundle

@@ -1,0 +1,196 @@
+"""The Qwen-Image family's recipe node: which model to build, its negative prompt, and its answers
+to the validator.
+
+`QwenImageModelConfig(pretrained_path=<dir>)` names a local diffusers Qwen-Image directory (a
+`QwenImagePipeline`: transformer/ (QwenImageTransformer2DModel), vae/ (AutoencoderKLQwenImage),
+text_encoder/ (Qwen2.5-VL), tokenizer/, scheduler/); `QwenImageModelConfig(tiny=TinyQwenImageConfig(...))`
+a tiny random one built from configs, offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from unirl.models.flow.loading import pipeline_directory_problems
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PIPELINE_CLASS = "QwenImagePipeline"
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+"""Qwen-Image's attention projections, as peft name suffixes: the image stream (`to_*`) and the
+text stream (`add_*`, `to_add_out`) of every double-stream block; add "img_mlp.net.0.proj",
+"img_mlp.net.2", "txt_mlp.net.0.proj" and "txt_mlp.net.2" to train the feed-forwards too (verl's
+Qwen-Image Flow-GRPO example trains all twelve)."""
+
+
+@dataclass
+class TinyQwenImageConfig:
+    """A tiny Qwen-Image-architecture model for CPU runs and tests (random weights).
+
+    `resolution` is the image side in pixels the model is built for (the rotary embedding takes
+    any size; `sample_size` reports this one). In pixel space the transformer denoises RGB in
+    [-1, 1] packed 2x2 (12 channels per token); otherwise a small random `AutoencoderKLQwenImage`
+    (Wan-style causal 3D convolutions on one frame) with a `vae_downsample`x spatial downsample
+    gives `latent_channels` latents, normalized per channel by a fixed latents mean / std as
+    Qwen-Image's VAE is, packed 2x2. `axes_dims_rope` (frame, row, column) must sum to
+    `attention_head_dim`. The text encoder is a tiny `Qwen2_5_VLForConditionalGeneration`
+    (`unirl.models.causal_lm.vision.tiny_vlm_model`, `text_hidden_size` wide, `text_layers`
+    deep); its tokenizer is byte-level BPE with the prompt template's words and `words` as whole
+    tokens, so the template's system prefix is the 34 tokens QwenImagePipeline drops, as with
+    Qwen2.5-VL's own tokenizer.
+    """
+
+    resolution: int = 32
+    pixel_space: bool = True
+    num_layers: int = 2
+    attention_head_dim: int = 16
+    num_attention_heads: int = 2
+    axes_dims_rope: list[int] = field(default_factory=lambda: [4, 6, 6])
+    text_hidden_size: int = 32
+    text_layers: int = 1
+    words: list[str] = field(default_factory=list)
+    seed: int = 0
+    latent_channels: int = 4
+    vae_downsample: int = 2
+    vae_base_dim: int = 8
+
+    def __post_init__(self) -> None:
+        self.axes_dims_rope = list(self.axes_dims_rope)
+        self.words = list(self.words)
+        for key in (
+            "resolution", "num_layers", "attention_head_dim", "num_attention_heads", "text_hidden_size",
+            "text_layers", "latent_channels", "vae_base_dim",
+        ):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        if self.vae_downsample < 2 or self.vae_downsample & (self.vae_downsample - 1):
+            raise ValueError(
+                f"model.tiny.vae_downsample must be a power of 2 >= 2, got {self.vae_downsample}"
+            )
+        if len(self.axes_dims_rope) != 3 or sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"model.tiny.axes_dims_rope={self.axes_dims_rope} must be 3 sizes summing to "
+                f"model.tiny.attention_head_dim={self.attention_head_dim} (the rotary embedding's axes)"
+            )
+        if any(d % 2 for d in self.axes_dims_rope):
+            raise ValueError(f"model.tiny.axes_dims_rope={self.axes_dims_rope} must be even sizes")
+        if self.text_hidden_size % 16:
+            raise ValueError(
+                "model.tiny.text_hidden_size must be a multiple of 16 (2 heads whose dim splits into "
+                f"Qwen2.5-VL's multimodal rotary sections), got {self.text_hidden_size}"
+            )
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent cell along a side (1 in pixel space)."""
+        return 1 if self.pixel_space else self.vae_downsample
+
+
+@dataclass
+class QwenImageModelConfig:
+    """Which Qwen-Image model to build (exactly one of `pretrained_path` / `tiny`).
+
+    Attributes:
+        pretrained_path: local diffusers directory of a Qwen-Image model (`QwenImagePipeline`).
+        tiny: tiny-model config used when `pretrained_path` is null.
+        dtype: parameter dtype of the frozen components (text encoder, VAE); the trainable
+            transformer stays fp32 master weights unless the backend casts it.
+        negative_prompt: the prompt of true CFG's uncond branch (QwenImagePipeline's
+            `negative_prompt`; " " is its documented default). With `sampling.guidance_scale` > 1
+            it must be set: QwenImagePipeline runs no CFG without one.
+    """
+
+    modality: ClassVar[str] = "diffusion"
+
+    pretrained_path: str | None = None
+    tiny: TinyQwenImageConfig | None = field(default_factory=TinyQwenImageConfig)
+    dtype: str = "float32"
+    negative_prompt: str | None = " "
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiny, dict):
+            self.tiny = TinyQwenImageConfig(**self.tiny)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.pretrained_path is None and self.tiny is None:
+            raise ValueError("model: set model.pretrained_path to a Qwen-Image directory or give model.tiny")
+
+    def trainable_on_meta(self) -> torch.nn.Module:
+        """The transformer's module tree on the meta device (no weights read)."""
+        from diffusers import QwenImageTransformer2DModel
+
+        from unirl.models.qwenimage.bundle import tiny_transformer
+
+        with torch.device("meta"):
+            if self.pretrained_path:
+                config = QwenImageTransformer2DModel.load_config(os.path.join(self.pretrained_path, "transformer"))
+                return QwenImageTransformer2DModel.from_config(config)
+            return tiny_transformer(self.tiny)
+
+    def build(self):
+        """The `QwenImageBundle`: from `pretrained_path`, else from the tiny config."""
+        from unirl.models.qwenimage.bundle import QwenImageBundle
+
+        if self.pretrained_path:
+            return QwenImageBundle.from_pretrained(
+                self.pretrained_path, dtype=_DTYPES[self.dtype], negative_prompt=self.negative_prompt
+            )
+        return QwenImageBundle.tiny(self.tiny, negative_prompt=self.negative_prompt)
+
+    def load_checkpoint(self, path: str):
+        """The bundle of a UniRL checkpoint of a Qwen-Image run, fp32."""
+        from unirl.models.qwenimage.bundle import load_checkpoint
+
+        return load_checkpoint(path, negative_prompt=self.negative_prompt)
+
+    def directory_problems(self) -> list[str]:
+        """`pretrained_path`, when set, is a directory whose `model_index.json` names QwenImagePipeline."""
+        return pipeline_directory_problems(self.pretrained_path, PIPELINE_CLASS, "Qwen-Image")
+
+    def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
+        """Sides must be multiples of 2 x the VAE's spatial scale (the 2x2 packing of latent cells:
+        16 px with Qwen-Image's 8x VAE, 2 x vae_downsample for a tiny one, 2 in pixel space)."""
+        cell = self._cell()
+        if cell is None:
+            return []
+        return [
+            f"{key}.{side}={value} must be a multiple of {cell} (Qwen-Image packs 2x2 latent cells of "
+            f"{cell // 2} px), e.g. {max(cell, value // cell * cell)} or {(value // cell + 1) * cell}"
+            for side, value in (("height", height), ("width", width))
+            if value % cell
+        ]
+
+    def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
+        """Qwen-Image's guidance is true CFG (`true_cfg_scale`): 1.0 runs none, a scale > 1 runs the
+        negative prompt's branch and the norm-rescaled combination, and needs `model.negative_prompt`
+        (QwenImagePipeline runs no CFG without one); a scale below 1 is none of these."""
+        if guidance_scale < 1.0:
+            return [
+                f"{key}={guidance_scale}: Qwen-Image takes 1.0 (no guidance) or a true CFG scale > 1 "
+                "(QwenImagePipeline's true_cfg_scale, 4.0 by default)"
+            ]
+        if guidance_scale > 1.0 and self.negative_prompt is None:
+            return [
+                f"{key}={guidance_scale} runs Qwen-Image's true CFG, whose uncond branch is the negative "
+                "prompt, but model.negative_prompt is null; set model.negative_prompt (e.g. ' ', "
+                f"QwenImagePipeline's default) or {key}: 1.0"
+            ]
+        return []
+
+    def _cell(self) -> int | None:
+        """Pixels per packed token along a side, from the tiny config or the directory's VAE
+        config; None when unreadable (reported by the load)."""
+        if not self.pretrained_path:
+            return 2 * self.tiny.vae_scale_factor
+        try:
+            if not os.path.isdir(os.path.join(self.pretrained_path, "vae")):
+                return 2  # pixel space: the 2x2 packing of pixels
+            with open(os.path.join(self.pretrained_path, "vae", "config.json")) as f:
+                return 2 * 2 ** len(json.load(f)["temperal_downsample"])
+        except (OSError, KeyError, ValueError, TypeError):
+            return None
