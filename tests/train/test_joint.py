@@ -5,6 +5,8 @@ log-probs; a frozen segment adds nothing."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -58,9 +60,14 @@ def expected_loss(stage, track, mode: str) -> torch.Tensor:
     return (per_token.sum(1) / mask.sum(1)).mean()
 
 
+@pytest.fixture(scope="module")
+def rollout(bundle):
+    return setup(bundle)
+
+
 @pytest.mark.parametrize("trained", [("plan", "image"), ("image",), ("plan",)])
-def test_joint_gradient_is_the_weighted_sum_and_frozen_adds_nothing(bundle, trained):
-    stages, resp = setup(bundle)
+def test_joint_gradient_is_the_weighted_sum_and_frozen_adds_nothing(bundle, rollout, trained):
+    stages, resp = rollout[0], copy.deepcopy(rollout[1])
     rewards = torch.tensor([0.1, 0.9, 0.4, 0.3, 0.8, 0.2, 0.6, 0.5])
     for track in resp.tracks.values():
         track.rewards = rewards.clone()  # the image's reward credited to its plan
@@ -134,7 +141,7 @@ def test_drawing_without_a_plan_is_the_image_after_the_prompt_alone(bundle):
     (no plan), seeded from the image's id as a rollout's image is."""
     from unirl.types.lineage import child_seed
 
-    stages, _ = setup(bundle)
+    stages = {"plan": CausalLMStage(bundle), "image": JanusImageStage(bundle)}
     sampling = ImageTokenSamplingParams(guidance_scale=2.0, seed=7)
     engine = UnifiedEngine(["plan", "image"]).bind(
         stages, {"plan": TextSamplingParams(chat_template=False), "image": sampling}
