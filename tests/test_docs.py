@@ -46,6 +46,8 @@ ALLOWED: dict[str, str] = {
     "TransferQueueController": "TransferQueue's controller actor, found by name",
     "NonTensorStack": "tensordict's container, what TransferQueue returns for non-tensor fields",
     "NodeManagerAddress": "a key of Ray's ray.nodes() records",
+    "WanTransformerBlock": "diffusers' Wan block, which the Wan recipes name as a string (fsdp.block_classes)",
+    "HunyuanVideoTransformer3DModel": "diffusers' HunyuanVideo transformer, in the note on what that family would add",
 }
 
 SKIP_DIRS = {".git", ".venv", "node_modules", "outputs", "__pycache__", ".ruff_cache", ".pytest_cache"}
