@@ -2,7 +2,8 @@
 this process (inband data plane, shrunk: 2 prompts x 8 samples at 16x16, 4 denoising steps), and
 their recipe errors before Ray: AWM with neither constraint, its EMA KL without an EMA, a timestep
 range outside [0, 1] or holding none of the schedule's sigmas; a DGPO or CRD geometry that splits
-a prompt group, a loss-side CFG scale without a guided rollout, CRD without its sampling snapshot."""
+a prompt group, a loss-side CFG scale without a guided rollout, CRD without its sampling snapshot;
+DGPO's group sums on one worker and on two (the shared Ray instance)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,19 @@ def test_bad_awm_recipes_are_refused_before_ray(tmp_path, overrides, needle):
 def test_bad_dgpo_and_crd_recipes_are_refused_before_ray(tmp_path, name, overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         recipe(f"diffusion/{name}", tmp_path, *SHRINK, *overrides, expect="diffusion")
+
+
+@pytest.mark.ray
+def test_dgpo_group_sums_are_the_same_on_one_and_two_workers(tmp_path, ray_cluster):
+    """tiny_dgpo 2 steps on one worker (in process) and on two (Ray, FSDP2, 8 samples = one
+    prompt group per rank): every rank holds whole groups, so the group sums, the loss and the
+    gradient norm are the single worker's (to the order of the gradient reduction's sums)."""
+    shrink = [s for s in SHRINK if s not in IN_PROCESS] + ["train.stack.micro_batch_size=8"]
+    one = run("diffusion/tiny_dgpo", tmp_path / "one", *shrink, *IN_PROCESS)
+    two = run("diffusion/tiny_dgpo", tmp_path / "two", *shrink, "num_devices=2", "transport=inband")
+    assert one[1]["dgpo/group_sum_abs"] > 0  # step 2 is off the reference: the sums are not trivially 0
+    for r1, r2 in zip(one, two, strict=True):
+        assert r1["reward/mean"] == pytest.approx(r2["reward/mean"], abs=1e-6)
+        for key in ("dgpo/group_sum_mean", "dgpo/group_sum_abs", "loss"):
+            assert r1[key] == pytest.approx(r2[key], rel=1e-4, abs=1e-7), key
+        assert r1["train/grad_norm"] == pytest.approx(r2["train/grad_norm"], rel=1e-4)
