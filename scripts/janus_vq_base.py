@@ -28,12 +28,39 @@ from unirl.models.janus import JanusModelConfig
 from unirl.shapes import ShapesDataset
 
 
+def normalized_vq_forward(vq, x: torch.Tensor, beta: float = 0.25) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reconstruction [B, 3, S, S], codebook + commitment loss) of the quantizer Janus decodes
+    with: latents and codebook l2-normalised (as `get_codebook_entry` normalises the codes at
+    generation), nearest code by cosine, straight-through gradient to the encoder (LlamaGen's VQ)."""
+    z = F.normalize(vq.quant_conv(vq.encoder(x)), dim=1)  # [B, D, h, w]
+    codes = F.normalize(vq.quantize.embedding.weight, dim=-1)  # [K, D]
+    flat = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
+    q = codes[(flat @ codes.T).argmax(-1)]
+    loss = (q - flat.detach()).square().mean() + beta * (q.detach() - flat).square().mean()
+    q = (flat + (q - flat).detach()).reshape(z.shape[0], z.shape[2], z.shape[3], -1).permute(0, 3, 1, 2)
+    return vq.decoder(vq.post_quant_conv(q)), loss
+
+
+def nearest_codes(vq, x: torch.Tensor) -> torch.Tensor:
+    """[B * h * w] the code of each latent of `x` by cosine (the normalised quantizer's choice)."""
+    z = (
+        F.normalize(vq.quant_conv(vq.encoder(x)), dim=1)
+        .permute(0, 2, 3, 1)
+        .reshape(-1, vq.quantize.embedding_dim)
+    )
+    return (z @ F.normalize(vq.quantize.embedding.weight, dim=-1).T).argmax(-1)
+
+
 @torch.no_grad()
 def restart_dead_codes(vq, x: torch.Tensor) -> int:
     """Move every codebook vector no latent of batch `x` chose onto a random latent of the batch
     (the usual cure for codebook collapse); returns how many moved."""
-    latents = vq.quant_conv(vq.encoder(x)).permute(0, 2, 3, 1).reshape(-1, vq.quantize.embedding_dim)
-    used = vq.encode(x).image_tokens.unique()
+    latents = (
+        F.normalize(vq.quant_conv(vq.encoder(x)), dim=1)
+        .permute(0, 2, 3, 1)
+        .reshape(-1, vq.quantize.embedding_dim)
+    )
+    used = nearest_codes(vq, x).unique()
     dead = torch.ones(vq.quantize.num_embeddings, dtype=torch.bool)
     dead[used] = False
     picks = torch.randint(0, latents.shape[0], (int(dead.sum()),))
@@ -66,9 +93,9 @@ def main() -> None:
         x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1  # [-1, 1], as Janus normalises
         if x.shape[-1] != size:
             x = F.interpolate(x, size=(size, size), mode="area")
-        out = vq(x)
-        mse = (out.decoded_pixel_values - x).square().mean()
-        loss = mse + out.embedding_loss
+        decoded, codebook_loss = normalized_vq_forward(vq, x)
+        mse = (decoded - x).square().mean()
+        loss = mse + codebook_loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -76,7 +103,7 @@ def main() -> None:
             restart_dead_codes(vq, x)
         if step % 50 == 0 or step == args.steps:
             with torch.no_grad():
-                codes = vq.encode(x).image_tokens.unique().numel()
+                codes = nearest_codes(vq, x).unique().numel()
             row = {
                 "step": step,
                 "mse": float(mse.detach()),
