@@ -195,7 +195,10 @@ def test_token_track_flattens_to_jagged_fields_and_back() -> None:
     track = make_token_track()
     fields, skeleton = flatten(track)
     assert spec_of("segment.prompt_ids", fields["segment.prompt_ids"], 4).kind == "jagged"
-    assert fields["texts"] == track.texts and skeleton.children["segment"][1].shared == {"temperature": 0.7}
+    assert fields["texts"] == track.texts and skeleton.children["segment"][1].shared == {
+        "temperature": 0.7,
+        "guidance_scale": None,  # a text segment; an image-token segment carries its CFG scale
+    }
     jagged = ("segment.prompt_ids", "segment.response_ids", "segment.log_probs", "segment.ref_log_probs")
     nested = {
         k: torch.nested.nested_tensor(v, layout=torch.jagged) if k in jagged else v for k, v in fields.items()
