@@ -4,8 +4,10 @@
 #   2. the tiny recipe for a few steps on one GPU with the in-process worker (needs no Ray), then
 #      through Ray on one GPU and on 2 ranks (FSDP2 over NCCL) where Ray is installed and 2 GPUs exist;
 #   3. Flow-GRPO on an SD3.5-Medium-sized random transformer (diffusion/sd35m_random_flowgrpo), on
-#      a FLUX.1-dev-sized one (diffusion/flux_dev_random_flowgrpo) and on a Wan 2.1 1.3B-sized
-#      text-to-video one (diffusion/wan13b_random_flowgrpo), printing step time and peak GPU memory.
+#      a FLUX.1-dev-sized one (diffusion/flux_dev_random_flowgrpo), on a Wan 2.1 1.3B-sized
+#      text-to-video one (diffusion/wan13b_random_flowgrpo) and on a Qwen-Image-sized one
+#      (diffusion/qwenimage_random_flowgrpo: its fp32 transformer is ~82 GB, skipped on a GPU under
+#      120 GB), printing step time and peak GPU memory.
 # Usage: bash scripts/gpu_tier.sh [output dir, default outputs/gpu_tier]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,3 +53,11 @@ summary "$OUT/flux_dev"
 
 python -m unirl.train_diffusion --config-name=diffusion/wan13b_random_flowgrpo output_dir="$OUT/wan13b"
 summary "$OUT/wan13b"
+
+GPU_GB=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
+if [ "$GPU_GB" -ge 120 ]; then
+  python -m unirl.train_diffusion --config-name=diffusion/qwenimage_random_flowgrpo output_dir="$OUT/qwenimage"
+  summary "$OUT/qwenimage"
+else
+  echo "== the Qwen-Image-sized check needs a GPU of 120 GB or more (its fp32 transformer is ~82 GB): skipped"
+fi

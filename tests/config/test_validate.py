@@ -169,6 +169,7 @@ NEEDS_MODEL_DIR = (
     "diffusion/sd3_flowgrpo",
     "diffusion/flux_flowgrpo",
     "diffusion/wan_flowgrpo",
+    "diffusion/qwenimage_flowgrpo",
     "llm/qwen3_grpo",
     "vlm/qwen25vl_grpo",
 )
@@ -236,7 +237,9 @@ VLM_VARIANTS = ("vlm/shapes_vqa_grpo", "vlm/qwen25vl_grpo")
 # wan_flowgrpo's keys are tiny_wan_flowgrpo's (mutated there) plus keys every other real-model recipe has
 # (sampling.same_initial_noise, stage.autocast_dtype, model.dtype); wan13b_random_flowgrpo is it with a tiny node
 WAN_VARIANTS = ("diffusion/wan_flowgrpo", "diffusion/wan13b_random_flowgrpo")
-NOT_MUTATED = ARITH_VARIANTS + SHAPES_VARIANTS + FLUX_VARIANTS + VLM_VARIANTS + WAN_VARIANTS
+# qwenimage_flowgrpo with a tiny node at Qwen-Image's size; its keys are mutated there and in tiny_qwenimage_flowgrpo
+QWENIMAGE_VARIANTS = ("diffusion/qwenimage_random_flowgrpo",)
+NOT_MUTATED = ARITH_VARIANTS + SHAPES_VARIANTS + FLUX_VARIANTS + VLM_VARIANTS + WAN_VARIANTS + QWENIMAGE_VARIANTS
 
 
 @pytest.mark.parametrize("name", [r for r in RL_RECIPES if r not in NOT_MUTATED])

@@ -113,6 +113,11 @@ class DiffusionSamplingParams:
             raise ValueError(
                 f"sampling.max_seq_len ({self.max_seq_len}) must be > sampling.base_seq_len ({self.base_seq_len})"
             )
+        if self.max_shift < self.base_shift:
+            raise ValueError(
+                f"sampling.max_shift ({self.max_shift}) must be >= sampling.base_shift ({self.base_shift}): "
+                "the dynamic shift grows with the image's token count"
+            )
         if self.eta < 0:
             raise ValueError(f"sampling.eta must be >= 0, got {self.eta}")
         if not self.shift > 0:

@@ -74,7 +74,9 @@ class QwenImageBundle:
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
     guidance = "true_cfg"
 
-    def __init__(self, pipeline: QwenImagePipeline, sample_size: int, negative_prompt: str | None = " ") -> None:
+    def __init__(
+        self, pipeline: QwenImagePipeline, sample_size: int, negative_prompt: str | None = " "
+    ) -> None:
         self.pipeline = pipeline
         self.transformer: QwenImageTransformer2DModel = pipeline.transformer
         self.vae: AutoencoderKLQwenImage | None = pipeline.vae
@@ -165,7 +167,9 @@ class QwenImageBundle:
             out["negative_prompt_embeds_mask"] = nmask.expand(len(prompts), -1)
         return out
 
-    def predict(self, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict) -> torch.Tensor:
+    def predict(
+        self, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict
+    ) -> torch.Tensor:
         """Velocity [B, C, h, w] at latents x [B, C, h, w] and sigma [B]: packed 2x2, with
         `img_shapes` (1, h/2, w/2), the timestep `(sigma * 1000) / 1000` and the text mask (None
         when every position is a real token, as QwenImagePipeline passes it)."""
@@ -199,7 +203,9 @@ class QwenImageBundle:
             return latents.float()
         c = self.vae.config.z_dim
         latents = latents.unsqueeze(2).to(self.vae.dtype)
-        mean = torch.tensor(self.vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+        mean = (
+            torch.tensor(self.vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+        )
         inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, c, 1, 1, 1).to(
             latents.device, latents.dtype
         )
@@ -242,8 +248,12 @@ class QwenImageBundle:
         pipe = QwenImagePipeline(
             # Qwen-Image's scheduler: exponential time shift, dynamic mu in [0.5, 0.9] over 256..8192 tokens
             scheduler=FlowMatchEulerDiscreteScheduler(
-                shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                base_image_seq_len=256, max_image_seq_len=8192,
+                shift=1.0,
+                use_dynamic_shifting=True,
+                base_shift=0.5,
+                max_shift=0.9,
+                base_image_seq_len=256,
+                max_image_seq_len=8192,
             ),  # fmt: skip
             vae=vae,
             text_encoder=tiny_text_encoder(cfg, tokenizer),
@@ -342,7 +352,9 @@ def tiny_transformer(cfg: TinyQwenImageConfig) -> QwenImageTransformer2DModel:
     )
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, negative_prompt: str | None = " ") -> QwenImageBundle:
+def load_checkpoint(
+    path: str, dtype: torch.dtype = torch.float32, negative_prompt: str | None = " "
+) -> QwenImageBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
     `unirl_checkpoint.json`) with the LoRA loaded by `QwenImagePipeline.load_lora_weights`, or the
     full `transformer/` directory."""

@@ -128,7 +128,9 @@ class QwenImageModelConfig:
 
         with torch.device("meta"):
             if self.pretrained_path:
-                config = QwenImageTransformer2DModel.load_config(os.path.join(self.pretrained_path, "transformer"))
+                config = QwenImageTransformer2DModel.load_config(
+                    os.path.join(self.pretrained_path, "transformer")
+                )
                 return QwenImageTransformer2DModel.from_config(config)
             return tiny_transformer(self.tiny)
 
@@ -166,14 +168,10 @@ class QwenImageModelConfig:
         ]
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
-        """Qwen-Image's guidance is true CFG (`true_cfg_scale`): 1.0 runs none, a scale > 1 runs the
-        negative prompt's branch and the norm-rescaled combination, and needs `model.negative_prompt`
-        (QwenImagePipeline runs no CFG without one); a scale below 1 is none of these."""
-        if guidance_scale < 1.0:
-            return [
-                f"{key}={guidance_scale}: Qwen-Image takes 1.0 (no guidance) or a true CFG scale > 1 "
-                "(QwenImagePipeline's true_cfg_scale, 4.0 by default)"
-            ]
+        """Qwen-Image's guidance is true CFG (`true_cfg_scale`; the sampling params already refuse
+        scales below 1): 1.0 runs none, a scale > 1 runs the negative prompt's branch and the
+        norm-rescaled combination, and needs `model.negative_prompt` (QwenImagePipeline runs no
+        CFG without one)."""
         if guidance_scale > 1.0 and self.negative_prompt is None:
             return [
                 f"{key}={guidance_scale} runs Qwen-Image's true CFG, whose uncond branch is the negative "
