@@ -14,6 +14,7 @@ clocks then share the cores: compare per step, not per second).
 
     python benchmarks/diffusion_ppo.py --world tiny [--steps 30] [--seeds 0] [--parallel 3]
     python benchmarks/diffusion_ppo.py --world shapes [--steps 20] [--seeds 0,1,2] [--parallel 2]
+        [--eval-samples 4]
         [--only ppo,flowgrpo,...] [--out benchmarks/figures/diffusion_ppo.jsonl]
 
 Writes one JSON line per run (`world, run, seed, steps, clock_s, reward_first, reward_last`, and
@@ -51,7 +52,16 @@ DEFAULT_RUNS = {"tiny": "flowgrpo,ppo,control_random_ppo", "shapes": "flowgrpo,p
 REWARD = {"tiny": "reward/redness/mean", "shapes": "reward/geneval/mean"}
 
 
-def command(world: str, recipe: str, overrides: list[str], steps: int, seed: int, threads: int, out: str):
+def command(
+    world: str,
+    recipe: str,
+    overrides: list[str],
+    steps: int,
+    seed: int,
+    threads: int,
+    out: str,
+    eval_samples: int,
+):
     cmd = [
         sys.executable,
         "-m",
@@ -69,7 +79,7 @@ def command(world: str, recipe: str, overrides: list[str], steps: int, seed: int
         *overrides,
     ]
     if world == "shapes":
-        cmd.append(f"eval.every_n_steps={steps}")
+        cmd += [f"eval.every_n_steps={steps}", f"eval.sampling.samples_per_prompt={eval_samples}"]
     return cmd
 
 
@@ -104,6 +114,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--only", default=None)
+    ap.add_argument(
+        "--eval-samples", type=int, default=4, help="shapes: held-out images per prompt (recipes: 4)"
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "figures", "diffusion_ppo.jsonl"))
     args = ap.parse_args()
     world = WORLDS[args.world]
@@ -118,7 +131,9 @@ def main() -> None:
                 name, seed = pending.pop(0)
                 recipe, overrides = world[name]
                 out = os.path.join(root, f"{name}_{seed}")
-                cmd = command(args.world, recipe, overrides, args.steps, seed, args.threads, out)
+                cmd = command(
+                    args.world, recipe, overrides, args.steps, seed, args.threads, out, args.eval_samples
+                )
                 log = open(out + ".log", "w")  # noqa: SIM115  (closed when the run ends)
                 running.append(
                     (name, seed, out, log, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
@@ -142,7 +157,7 @@ def main() -> None:
         mine = [r for r in lines if r["run"] == name]
         first = statistics.fmean(r["reward_first"] for r in mine)
         last = [r["reward_last"] for r in mine]
-        strict = [r["eval_last"].get("strict") for r in mine if "eval_last" in r]
+        strict = [r["eval_last"].get("accuracy_strict") for r in mine if "eval_last" in r]
         ev = (
             f"{statistics.fmean(strict):.3f} +- {statistics.pstdev(strict):.3f}"
             if strict and None not in strict
