@@ -147,3 +147,28 @@ def test_steps_grid_is_the_scheduler_given_linspace_1_over_t(
         ).tolist()
         or num_steps == 1
     )
+
+
+@pytest.mark.parametrize("num_steps", [2, 10])
+def test_steps_grid_with_shift_terminal_is_the_schedulers(num_steps: int) -> None:
+    """Qwen-Image's schedule: the steps grid, dynamic shift on its (256, 0.5) - (8192, 0.9) line,
+    stretched to end at shift_terminal 0.02, bit-equal to the scheduler's."""
+    p = DiffusionSamplingParams(
+        num_steps=num_steps,
+        dynamic_shift=True,
+        max_seq_len=8192,
+        max_shift=0.9,
+        sigma_grid="steps",
+        shift_terminal=0.02,
+    )
+    mu = calculate_shift(1024, 256, 8192, 0.5, 0.9)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, shift_terminal=0.02, max_image_seq_len=8192, max_shift=0.9
+    )
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+    ours = sigmas_for(p, image_seq_len=1024)
+    assert torch.equal(ours, scheduler.sigmas) and abs(ours[-2].item() - 0.02) < 1e-6
+    with pytest.raises(ValueError, match="sampling.shift_terminal=0.02 stretches the 'steps' grid"):
+        DiffusionSamplingParams(sigma_grid="scheduler", shift_terminal=0.02)
+    with pytest.raises(ValueError, match=r"sampling.shift_terminal must be in \(0, 1\)"):
+        DiffusionSamplingParams(sigma_grid="steps", shift_terminal=1.5)

@@ -89,11 +89,15 @@ def dynamic_shift_sigmas(
     return _with_terminal_zero(math.exp(mu) / (math.exp(mu) + (1 / t - 1)))
 
 
-def steps_grid_sigmas(num_steps: int, shift: float = 1.0, mu: float | None = None) -> torch.Tensor:
+def steps_grid_sigmas(
+    num_steps: int, shift: float = 1.0, mu: float | None = None, shift_terminal: float | None = None
+) -> torch.Tensor:
     """[T+1] fp32 sigmas of `FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=linspace(1, 1/T, T),
     mu=mu)`: the grid a pipeline passes itself (FluxPipeline, QwenImagePipeline), then the
     exponential time shift `e^mu / (e^mu + (1/t - 1))` when `mu` is given (dynamic shifting), else the
-    static shift `shift*t / (1 + (shift-1)*t)`, and a final 0.
+    static shift `shift*t / (1 + (shift-1)*t)`, then with `shift_terminal` the scheduler's stretch
+    `1 - (1 - s) / ((1 - s[-1]) / (1 - shift_terminal))` (the last sigma becomes shift_terminal),
+    and a final 0.
 
     The scheduler casts a given grid to fp32 numpy and shifts it there, so this does too: the
     schedule is then bit-identical to the scheduler's.
@@ -105,6 +109,9 @@ def steps_grid_sigmas(num_steps: int, shift: float = 1.0, mu: float | None = Non
         shifted = shift * t / (1 + (shift - 1) * t)
     else:
         shifted = math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)
+    if shift_terminal:
+        one_minus_z = 1 - shifted
+        shifted = 1 - (one_minus_z / (one_minus_z[-1] / (1 - shift_terminal)))
     return _with_terminal_zero(shifted)
 
 
@@ -121,7 +128,7 @@ def sigmas_for(sampling: DiffusionSamplingParams, image_seq_len: int) -> torch.T
             sampling.max_shift,
         )
     if sampling.sigma_grid == "steps":
-        return steps_grid_sigmas(sampling.num_steps, sampling.shift, mu)
+        return steps_grid_sigmas(sampling.num_steps, sampling.shift, mu, sampling.shift_terminal)
     if mu is not None:
         return dynamic_shift_sigmas(sampling.num_steps, mu)
     return static_shift_sigmas(sampling.num_steps, sampling.shift)

@@ -35,6 +35,8 @@ class DiffusionSamplingParams:
         sigma_grid: the unshifted grid the shift is applied to: "scheduler", the grid of
             the scheduler's own `set_timesteps(T)` (StableDiffusion3Pipeline), or "steps",
             `linspace(1, 1/T, T)` (the grid FluxPipeline and QwenImagePipeline pass it).
+        shift_terminal: stretch the shifted "steps" grid so its last sigma before the final 0
+            is this value (the scheduler's `shift_terminal`: Qwen-Image's 0.02); None: no stretch.
         max_sequence_length: T5 token budget of the prompt encoder.
         sde_scheduler: which steps are SDE steps (stochastic, with a log-prob):
             "all", "fixed" (the list `sde_steps`), "random" (`sde_num_steps`
@@ -81,6 +83,7 @@ class DiffusionSamplingParams:
     base_shift: float = 0.5
     max_shift: float = 1.15
     sigma_grid: str = "scheduler"
+    shift_terminal: float | None = None
     max_sequence_length: int = 77
     sde_scheduler: str = "all"
     sde_steps: list[int] = field(default_factory=list)
@@ -155,6 +158,16 @@ class DiffusionSamplingParams:
                 )
         if self.sigma_grid not in SIGMA_GRIDS:
             raise ValueError(f"sampling.sigma_grid must be one of {SIGMA_GRIDS}, got {self.sigma_grid!r}")
+        if self.shift_terminal is not None:
+            if not 0 < self.shift_terminal < 1:
+                raise ValueError(
+                    f"sampling.shift_terminal must be in (0, 1) or null, got {self.shift_terminal}"
+                )
+            if self.sigma_grid != "steps":
+                raise ValueError(
+                    f"sampling.shift_terminal={self.shift_terminal} stretches the 'steps' grid; set "
+                    f"sampling.sigma_grid: steps (got {self.sigma_grid!r}) or shift_terminal: null"
+                )
         if self.ode_solver not in ODE_SOLVERS:
             raise ValueError(f"sampling.ode_solver must be one of {ODE_SOLVERS}, got {self.ode_solver!r}")
         if self.noise_all_steps and self.ode_solver != "euler":

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import QwenImagePipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
 from unirl.models.qwenimage import QwenImageStage
 from unirl.models.qwenimage.bundle import pack, unpack
@@ -29,8 +29,17 @@ PROMPTS = ["a red square", "a blue dot"]  # 8 tokens each after the template pre
 PADDED_ATOL = 1e-5  # measured 1e-6 on latents of magnitude ~2 (4 steps)
 
 
-def sample_both(bundle, negative: str, guidance: float, max_len: int, num_steps: int = 3, size: int = 16):
-    """(ours, theirs, x_T, our images, their images, our sigmas, their sigmas)."""
+def sample_both(
+    bundle,
+    negative: str,
+    guidance: float,
+    max_len: int,
+    shift_terminal: float | None = None,
+    num_steps: int = 3,
+):
+    """(ours, theirs, x_T, our images, their images, our sigmas, their sigmas); with `shift_terminal`
+    the pipeline's scheduler stretches its schedule to it (Qwen-Image's scheduler: 0.02)."""
+    size = 16
     bundle.negative_prompt = negative
     sp = DiffusionSamplingParams(
         num_steps=num_steps,
@@ -43,6 +52,7 @@ def sample_both(bundle, negative: str, guidance: float, max_len: int, num_steps:
         max_seq_len=8192,
         max_shift=0.9,
         sigma_grid="steps",
+        shift_terminal=shift_terminal,
         max_sequence_length=max_len,
     )
     stage = QwenImageStage(bundle)
@@ -55,7 +65,12 @@ def sample_both(bundle, negative: str, guidance: float, max_len: int, num_steps:
         [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds]
     )
 
-    pipe = QwenImagePipeline(**bundle.pipeline.components)
+    components = dict(bundle.pipeline.components)
+    if shift_terminal is not None:
+        components["scheduler"] = FlowMatchEulerDiscreteScheduler.from_config(
+            components["scheduler"].config, shift_terminal=shift_terminal
+        )
+    pipe = QwenImagePipeline(**components)
     pipe.set_progress_bar_config(disable=True)
     final = {}
 
@@ -89,11 +104,11 @@ def test_template_prefix_is_the_34_tokens_the_pipeline_drops(qwen_bundle) -> Non
     assert pipe.tokenizer.decode(tokens[:3]) == "a red square"
 
 
-@pytest.mark.parametrize("guidance", [4.0, 1.0])
-def test_ode_sampling_matches_qwenimage_pipeline(qwen_bundle, guidance: float) -> None:
+@pytest.mark.parametrize(("guidance", "shift_terminal"), [(4.0, None), (1.0, 0.02)])
+def test_ode_sampling_matches_qwenimage_pipeline(qwen_bundle, guidance: float, shift_terminal) -> None:
     """Negative prompt as long as the prompts, max_sequence_length = their length: bit for bit."""
     ours, theirs, x_t, our_images, images, sigmas, their_sigmas = sample_both(
-        qwen_bundle, "a blue square", guidance, max_len=8
+        qwen_bundle, "a blue square", guidance, max_len=8, shift_terminal=shift_terminal
     )
     assert torch.equal(their_sigmas, sigmas)  # the pinned schedule is the pipeline's
     assert (ours - x_t).abs().max().item() > 0.1  # it did denoise something

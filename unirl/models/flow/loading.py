@@ -29,10 +29,12 @@ _SCHEDULER_REFUSED = (
 )
 
 
-def check_scheduler_config(config: dict, where: str) -> None:
+def check_scheduler_config(config: dict, where: str, reproduced: tuple[str, ...] = ()) -> None:
     """Raise if a scheduler config asks for a schedule `unirl.sde.schedules` does not
-    reproduce (other training timesteps, terminal stretch, Karras/beta sigmas, ...)."""
-    bad = {k: config[k] for k in _SCHEDULER_REFUSED if config.get(k)}
+    reproduce (other training timesteps, terminal stretch, Karras/beta sigmas, ...). `reproduced`
+    names options the family's recipes set as sampling keys instead (Qwen-Image: `shift_terminal`,
+    `sampling.shift_terminal`), as they set the shift."""
+    bad = {k: config[k] for k in _SCHEDULER_REFUSED if config.get(k) and k not in reproduced}
     if config.get("num_train_timesteps", NUM_TRAIN_TIMESTEPS) != NUM_TRAIN_TIMESTEPS:
         bad["num_train_timesteps"] = config["num_train_timesteps"]
     if config.get("time_shift_type", "exponential") != "exponential":

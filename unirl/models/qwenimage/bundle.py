@@ -221,7 +221,10 @@ class QwenImageBundle:
             raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
         extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
         pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=dtype, **extra)
-        check_scheduler_config(dict(pipe.scheduler.config), os.path.join(path, "scheduler"))
+        # the terminal stretch is the recipe's `sampling.shift_terminal` (Qwen-Image's 0.02), like the shift
+        check_scheduler_config(
+            dict(pipe.scheduler.config), os.path.join(path, "scheduler"), ("shift_terminal",)
+        )
         pipe.transformer.to(torch.float32)
         scale = 2 ** len(pipe.vae.temperal_downsample) if pipe.vae is not None else 1
         sample_size = pipe.default_sample_size * (scale if pipe.vae is not None else 8)
