@@ -51,6 +51,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "nft": ("diffusion/tiny_awm", NFT),
     "dgpo": ("diffusion/tiny_dgpo", []),
     "crd": ("diffusion/tiny_crd", []),
+    "dgpo_lr6e-3": ("diffusion/tiny_dgpo", ["train.optim.lr=6e-3"]),
     "control_random_awm": ("diffusion/tiny_awm", RANDOM_REWARD),
     "control_random_dgpo": ("diffusion/tiny_dgpo", RANDOM_REWARD),
     "control_random_crd": ("diffusion/tiny_crd", RANDOM_REWARD),
