@@ -47,6 +47,7 @@ ALLOWED: dict[str, str] = {
     "NonTensorStack": "tensordict's container, what TransferQueue returns for non-tensor fields",
     "NodeManagerAddress": "a key of Ray's ray.nodes() records",
     "WanTransformerBlock": "diffusers' Wan block, which the Wan recipes name as a string (fsdp.block_classes)",
+    "QwenImageTransformerBlock": "diffusers' Qwen-Image block, which its recipes name as a string (fsdp.block_classes)",
     "HunyuanVideoTransformer3DModel": "diffusers' HunyuanVideo transformer, in the note on what that family would add",
 }
 
