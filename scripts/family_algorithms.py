@@ -1,0 +1,136 @@
+"""Every diffusion algorithm on one model family through the shared stage: each named recipe
+(default: one per algorithm) with its model swapped for the family's tiny pixel-space model and
+the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
+recipes score 32 px images (their learned reward), the rest 16 px.
+
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | wan | qwenimage
+
+- flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
+- wan: 5-frame videos, classifier-free guidance with the empty prompt, the Euler grid shifted by
+  3.0, and every image reward component wrapped in `FrameMean` (its score averaged over frames).
+- qwenimage: true CFG 4.0 against the negative prompt " ", norm rescaled; `sigma_grid: steps`,
+  dynamic shift on Qwen-Image's (256, 0.5) - (8192, 0.9) line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import tempfile
+import time
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+from tests.conftest import EXAMPLES
+from unirl.config.validate import validate_rl_config
+from unirl.trainer.trainer import Trainer
+
+RECIPES = [
+    "tiny_sd3_flowgrpo", "tiny_sd3_ddpo", "tiny_sd3_dpok", "tiny_sd3_flowdppo", "tiny_sd3_diffusiondpo",
+    "shapes_nft", "shapes_dancegrpo", "shapes_mixgrpo", "shapes_draft", "shapes_refl", "shapes_alignprop",
+]  # fmt: skip
+LEARNED_REWARD = {"shapes_draft", "shapes_refl", "shapes_alignprop"}  # SceneNet scores 32 px
+
+
+def flux(cfg, size: int, lora_targets: list[str]) -> None:
+    cfg.model = {
+        "_target_": "unirl.models.flux.FluxModelConfig",
+        "pretrained_path": None,
+        "tiny": {"resolution": size, "num_layers": 1, "num_single_layers": 1, "clip_max_length": 8},
+    }
+    cfg.stage._target_ = "unirl.models.flux.FluxStage"
+    cfg.sampling.guidance_scale = 3.5
+    cfg.sampling.dynamic_shift = True
+    cfg.sampling.sigma_grid = "steps"
+    lora_targets.append("proj_out")
+    cfg.train.fsdp.block_classes = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
+
+
+def wan(cfg, size: int, lora_targets: list[str]) -> None:
+    cfg.model = {
+        "_target_": "unirl.models.wan.WanModelConfig",
+        "pretrained_path": None,
+        "num_frames": 5,
+        "tiny": {"resolution": size, "num_layers": 1},
+    }
+    cfg.stage._target_ = "unirl.models.wan.WanStage"
+    cfg.sampling.shift = 3.0
+    cfg.sampling.dynamic_shift = False
+    cfg.sampling.sigma_grid = "scheduler"
+    cfg.train.fsdp.block_classes = ["WanTransformerBlock"]
+    cfg.reward = OmegaConf.to_container(cfg.reward, resolve=True)
+    components = cfg.reward.backend.components
+    for name in list(components):  # every image reward averaged over the frames
+        components[name] = {"_target_": "unirl.reward.local.video.FrameMean", "scorer": components[name]}
+    if "reward" in cfg.algorithm:  # the reward-backprop algorithms differentiate the same reward
+        cfg.algorithm.reward = OmegaConf.to_container(cfg.reward)
+
+
+def qwenimage(cfg, size: int, lora_targets: list[str]) -> None:
+    cfg.model = {
+        "_target_": "unirl.models.qwenimage.QwenImageModelConfig",
+        "pretrained_path": None,
+        "negative_prompt": " ",
+        "tiny": {"resolution": size, "num_layers": 1},
+    }
+    cfg.stage._target_ = "unirl.models.qwenimage.QwenImageStage"
+    cfg.sampling.guidance_scale = 4.0
+    cfg.sampling.dynamic_shift = True
+    cfg.sampling.max_seq_len = 8192
+    cfg.sampling.max_shift = 0.9
+    cfg.sampling.sigma_grid = "steps"
+    cfg.train.fsdp.block_classes = ["QwenImageTransformerBlock"]
+
+
+FAMILIES = {"flux": flux, "wan": wan, "qwenimage": qwenimage}
+
+
+def run(family: str, name: str, out: str) -> list[dict]:
+    size = 32 if name in LEARNED_REWARD else 16
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        cfg = compose(
+            f"diffusion/{name}",
+            overrides=[
+                "++launcher=in_process", "transport=inband", "num_devices=1", "num_steps=2", "threads_per_worker=1",
+                f"output_dir={out}", "logging.progress=false", "logging.save_images_every=0", "prompts_per_rollout=2",
+                "sampling.samples_per_prompt=4", f"sampling.height={size}", f"sampling.width={size}",
+                "sampling.max_sequence_length=8", "train.stack.micro_batch_size=4",
+            ],
+        )  # fmt: skip
+    lora_targets = list(importlib.import_module(f"unirl.models.{family}").LORA_TARGETS)
+    with open_dict(cfg):
+        FAMILIES[family](cfg, size, lora_targets)
+        if cfg.train.get("lora") is not None:
+            cfg.train.lora.target_modules = lora_targets
+        cfg.pop("eval", None)
+    validate_rl_config(cfg, expect="diffusion")
+    Trainer(cfg).run()
+    with open(f"{out}/metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in FAMILIES:
+        print(
+            f"usage: python scripts/family_algorithms.py {{{'|'.join(FAMILIES)}}} [recipe ...]",
+            file=sys.stderr,
+        )
+        return 2
+    family, names = argv[0], argv[1:]
+    failed = 0
+    for name in names or RECIPES:
+        start = time.time()
+        try:
+            rows = run(family, name, tempfile.mkdtemp(prefix=f"{family}_{name}_"))
+            losses = [round(r["loss"], 5) for r in rows]
+            print(f"OK   {name}: {len(rows)} steps, loss {losses}, {time.time() - start:.0f} s", flush=True)
+        except Exception as e:  # report every recipe, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
