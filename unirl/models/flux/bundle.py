@@ -25,6 +25,7 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
 from unirl.models.flow.loading import check_scheduler_config, tiny_clip_t5_tokenizers, vae_pixels
+from unirl.models.flow.packing import Packed2x2Bundle
 from unirl.models.flux.config import TinyFluxConfig
 
 
@@ -48,7 +49,7 @@ def image_ids(rows: int, cols: int) -> torch.Tensor:
     return ids.reshape(rows * cols, 3)
 
 
-class FluxBundle:
+class FluxBundle(Packed2x2Bundle):
     """The modules of one FLUX.1 model plus the `FluxPipeline` that owns them.
 
     Attributes:
@@ -90,41 +91,6 @@ class FluxBundle:
     def text_encoders(self) -> list[torch.nn.Module]:
         """CLIP (pooled output) and T5, in `encode_prompt`'s order."""
         return [self.pipeline.text_encoder, self.pipeline.text_encoder_2]
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        return self.text_encoders() + ([self.vae] if self.vae is not None else [])
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    def to(self, device: str | torch.device | torch.dtype) -> FluxBundle:
-        self.pipeline.to(device)
-        return self
-
-    # ---- geometry ---------------------------------------------------------------------------
-    def _cell(self, height: int, width: int) -> int:
-        cell = 2 * self.vae_scale_factor
-        if height % cell or width % cell:
-            raise ValueError(
-                f"sampling.height/width ({height}x{width}) must be multiples of {cell} "
-                f"(vae scale {self.vae_scale_factor} x the 2x2 packing)"
-            )
-        return cell
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        """(C, h, w) unpacked latents, h = height / vae_scale_factor (even)."""
-        cell = self._cell(height, width)
-        return self.latent_channels, 2 * (height // cell), 2 * (width // cell)
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        """Packed tokens per image, (height / 2s) x (width / 2s) with s the VAE scale."""
-        cell = self._cell(height, width)
-        return (height // cell) * (width // cell)
-
-    def model_info(self) -> dict:
-        """`patch_size` is the 2x2 packing: vae_scale_factor x patch_size pixels per token side."""
-        return {"pixel_space": self.vae is None, "vae_scale_factor": self.vae_scale_factor, "patch_size": 2}
 
     # ---- network ----------------------------------------------------------------------------
     def encode_text(

@@ -34,6 +34,7 @@ from diffusers import (
 )
 
 from unirl.models.flow.loading import check_scheduler_config
+from unirl.models.flow.packing import Packed2x2Bundle
 from unirl.models.qwenimage.config import TinyQwenImageConfig
 
 TEMPLATE_WORDS = (
@@ -56,7 +57,7 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
 
 
-class QwenImageBundle:
+class QwenImageBundle(Packed2x2Bundle):
     """The modules of one Qwen-Image model plus the `QwenImagePipeline` that owns them.
 
     Attributes:
@@ -95,41 +96,6 @@ class QwenImageBundle:
     def text_encoders(self) -> list[torch.nn.Module]:
         """The Qwen2.5-VL encoder (`Qwen2_5_VLForConditionalGeneration`)."""
         return [self.pipeline.text_encoder]
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        return self.text_encoders() + ([self.vae] if self.vae is not None else [])
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    def to(self, device: str | torch.device | torch.dtype) -> QwenImageBundle:
-        self.pipeline.to(device)
-        return self
-
-    # ---- geometry ---------------------------------------------------------------------------
-    def _cell(self, height: int, width: int) -> int:
-        cell = 2 * self.vae_scale_factor
-        if height % cell or width % cell:
-            raise ValueError(
-                f"sampling.height/width ({height}x{width}) must be multiples of {cell} "
-                f"(vae scale {self.vae_scale_factor} x the 2x2 packing)"
-            )
-        return cell
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        """(C, h, w) unpacked latents, h = height / vae_scale_factor (even)."""
-        cell = self._cell(height, width)
-        return self.latent_channels, 2 * (height // cell), 2 * (width // cell)
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        """Packed tokens per image, (height / 2s) x (width / 2s) with s the VAE scale."""
-        cell = self._cell(height, width)
-        return (height // cell) * (width // cell)
-
-    def model_info(self) -> dict:
-        """`patch_size` is the 2x2 packing: vae_scale_factor x patch_size pixels per token side."""
-        return {"pixel_space": self.vae is None, "vae_scale_factor": self.vae_scale_factor, "patch_size": 2}
 
     # ---- network ----------------------------------------------------------------------------
     def _encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
