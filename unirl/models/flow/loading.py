@@ -1,13 +1,18 @@
-"""What flow-matching families share to load and build: the scheduler options the pinned sigma
-schedules reproduce, the tiny CLIP / T5 tokenizers built in code (no files, no hub), and the
-VAE decode with scaling and shift (`vae_pixels`)."""
+"""What flow-matching families share to load, build and export: the scheduler options the pinned
+sigma schedules reproduce, the tiny CLIP / T5 tokenizers built in code (no files, no hub), the
+VAE decode with scaling and shift (`vae_pixels`), and the diffusers weight export
+(`write_diffusers_weights`)."""
 
 from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 from unirl.sde.schedules import NUM_TRAIN_TIMESTEPS
+
+if TYPE_CHECKING:
+    import torch
 
 
 def vae_pixels(vae, latents):
@@ -121,3 +126,24 @@ def tiny_clip_t5_tokenizers(clip_max_length: int, t5_max_length: int, words: lis
     pieces += [("\u2581" + w, -0.5) for w in dict.fromkeys(words)]
     t5 = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=t5_max_length)
     return clip, t5
+
+
+def write_diffusers_weights(
+    pipeline_cls: type, path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module
+) -> None:
+    """The train backend's exporter for a diffusers family: a LoRA as
+    `pytorch_lora_weights.safetensors` with its adapter config (alpha) in the file's metadata,
+    what `pipeline_cls.load_lora_weights` reads (without the metadata diffusers loads
+    lora_alpha = rank and scales the update by 1 instead of alpha / rank); a full state as a
+    `transformer/` directory, written by a fresh unsharded copy of the module's own class."""
+    if kind == "lora":
+        pipeline_cls.save_lora_weights(
+            path,
+            transformer_lora_layers=state,
+            transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
+        )
+        return
+    cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+    fresh = cls.from_config(module.config)
+    fresh.load_state_dict(state)
+    fresh.save_pretrained(os.path.join(path, "transformer"))

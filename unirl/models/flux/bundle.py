@@ -24,7 +24,12 @@ import os
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-from unirl.models.flow.loading import check_scheduler_config, tiny_clip_t5_tokenizers, vae_pixels
+from unirl.models.flow.loading import (
+    check_scheduler_config,
+    tiny_clip_t5_tokenizers,
+    vae_pixels,
+    write_diffusers_weights,
+)
 from unirl.models.flow.packing import Packed2x2Bundle
 from unirl.models.flux.config import TinyFluxConfig
 
@@ -227,17 +232,7 @@ class FluxBundle(Packed2x2Bundle):
         """The train backend's exporter: a LoRA as `pytorch_lora_weights.safetensors` with its
         adapter config (alpha) in the metadata, what `FluxPipeline.load_lora_weights` reads; a
         full state as a `transformer/` directory."""
-        if kind == "lora":
-            FluxPipeline.save_lora_weights(
-                path,
-                transformer_lora_layers=state,
-                transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
-            )
-            return
-        cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
-        fresh = cls.from_config(module.config)
-        fresh.load_state_dict(state)
-        fresh.save_pretrained(os.path.join(path, "transformer"))
+        write_diffusers_weights(FluxPipeline, path, kind, state, module)
 
 
 def tiny_transformer(cfg: TinyFluxConfig) -> FluxTransformer2DModel:

@@ -33,7 +33,7 @@ from diffusers import (
     QwenImageTransformer2DModel,
 )
 
-from unirl.models.flow.loading import check_scheduler_config
+from unirl.models.flow.loading import check_scheduler_config, write_diffusers_weights
 from unirl.models.flow.packing import Packed2x2Bundle
 from unirl.models.qwenimage.config import TinyQwenImageConfig
 
@@ -240,17 +240,7 @@ class QwenImageBundle(Packed2x2Bundle):
         """The train backend's exporter: a LoRA as `pytorch_lora_weights.safetensors` with its
         adapter config (alpha) in the metadata, what `QwenImagePipeline.load_lora_weights` reads; a
         full state as a `transformer/` directory."""
-        if kind == "lora":
-            QwenImagePipeline.save_lora_weights(
-                path,
-                transformer_lora_layers=state,
-                transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
-            )
-            return
-        cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
-        fresh = cls.from_config(module.config)
-        fresh.load_state_dict(state)
-        fresh.save_pretrained(os.path.join(path, "transformer"))
+        write_diffusers_weights(QwenImagePipeline, path, kind, state, module)
 
 
 def tiny_qwen_tokenizer(words: list[str] = ()):

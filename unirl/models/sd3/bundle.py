@@ -39,6 +39,7 @@ from unirl.models.flow.loading import (
     pipeline_directory_problems,
     tiny_clip_t5_tokenizers,
     vae_pixels,
+    write_diffusers_weights,
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -430,20 +431,7 @@ class SD3Bundle:
         """The train backend's exporter: a LoRA state as `pytorch_lora_weights.safetensors`
         (what `StableDiffusion3Pipeline.load_lora_weights` reads), a full state as a
         `transformer/` directory of the module's diffusers class."""
-        if kind == "lora":
-            # the adapter config (alpha among it) rides in the file's metadata: without it diffusers
-            # loads lora_alpha = rank and scales the update by 1 instead of alpha / rank
-            StableDiffusion3Pipeline.save_lora_weights(
-                path,
-                transformer_lora_layers=state,
-                transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
-            )
-            return
-        # A fresh unsharded copy of the module's own (diffusers) class writes the standard layout.
-        cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
-        fresh = cls.from_config(module.config)
-        fresh.load_state_dict(state)
-        fresh.save_pretrained(os.path.join(path, "transformer"))
+        write_diffusers_weights(StableDiffusion3Pipeline, path, kind, state, module)
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> SD3Bundle:

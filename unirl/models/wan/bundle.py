@@ -27,7 +27,7 @@ import os
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
-from unirl.models.flow.loading import tiny_clip_t5_tokenizers
+from unirl.models.flow.loading import tiny_clip_t5_tokenizers, write_diffusers_weights
 from unirl.models.wan.config import PATCH, TinyWanConfig
 
 
@@ -241,17 +241,7 @@ class WanBundle:
         """The train backend's exporter: a LoRA as `pytorch_lora_weights.safetensors` with its
         adapter config (alpha) in the metadata, what `WanPipeline.load_lora_weights` reads; a
         full state as a `transformer/` directory."""
-        if kind == "lora":
-            WanPipeline.save_lora_weights(
-                path,
-                transformer_lora_layers=state,
-                transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
-            )
-            return
-        cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
-        fresh = cls.from_config(module.config)
-        fresh.load_state_dict(state)
-        fresh.save_pretrained(os.path.join(path, "transformer"))
+        write_diffusers_weights(WanPipeline, path, kind, state, module)
 
 
 def _flow_shift(scheduler_config: str) -> float:
