@@ -1,9 +1,9 @@
 """The GPU backends of weight sync (the GPU tier: `pytest -m gpu`; skipped without CUDA).
 
 Two spawned processes: the parent sends, a child receives and sends back what it got.
-On an H200 (2026-11-26, docs/results/gpu.md) the CUDA IPC test gave no result within
-100 s; that run's test waited on the child without checking it was alive, so whether the
-engine died or hung is not known. It now fails at once, with the exit code, if the child dies.
+The CUDA IPC test passed on an H200 (docs/results/devices.md). Its first two tries there hung:
+the child put its LoRA parameters (which require grad) on the queue undetached, the queue's
+feeder thread refused to pickle them, and the parent waited for a result that never came.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _engine(cfg: dict, device: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
     receiver.connect()
     ticket = None if cfg["backend"] == "broadcast" else inbox.get()
     receiver.receive(ticket, into=bind(module, plan))
-    outbox.put({n: t.cpu() for n, t in select(module.named_parameters(), "lora").items()})
+    outbox.put({n: t.detach().cpu() for n, t in select(module.named_parameters(), "lora").items()})
     inbox.get()  # hold on until the parent has the result
     receiver.close()
 

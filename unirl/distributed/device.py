@@ -6,6 +6,10 @@ A worker's device is the GPU Ray assigned it when it has one (Ray exports
 benchmarks, the GPU test tier) it is ``cuda:<LOCAL_RANK>`` when CUDA is
 available, else the CPU. The process-group backend follows the device: NCCL for
 CUDA tensors, gloo for CPU tensors; FSDP2's device mesh uses the device type.
+
+A process that resolves a CUDA device also turns off PyTorch's cuDNN backend of
+``scaled_dot_product_attention`` (`avoid_cudnn_attention`); flash, memory-efficient
+and math attention remain.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def resolve_device(requested: str | torch.device | None = None) -> torch.device:
             raise ValueError(f"device {str(device)!r}: UniRL workers run on {sorted(BACKENDS)}")
         if device.type == "cuda" and device.index is None:  # "cuda": this process's GPU, by its index
             device = _local_gpu()
-        return device
+        return avoid_cudnn_attention(device)
     gpu_ids = _ray_gpu_ids()
     if gpu_ids:
         if not torch.cuda.is_available():
@@ -56,10 +60,24 @@ def resolve_device(requested: str | torch.device | None = None) -> torch.device:
                 f"Ray assigned GPU(s) {gpu_ids} to this worker but torch sees no CUDA device "
                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); install a CUDA build of torch"
             )
-        return torch.device("cuda", 0)
+        return avoid_cudnn_attention(torch.device("cuda", 0))
     if gpu_ids is None and torch.cuda.is_available():
-        return _local_gpu()
+        return avoid_cudnn_attention(_local_gpu())
     return torch.device("cpu")
+
+
+def avoid_cudnn_attention(device: torch.device) -> torch.device:
+    """`device`, after turning off the cuDNN backend of `scaled_dot_product_attention` in this
+    process when `device` is a GPU (process-wide; CPU devices change nothing).
+
+    On an H200 (torch 2.11, cu130) the FLUX.1-dev-sized recipe's first backward failed in the
+    cuDNN attention kernel (``mha_graph.execute(...).is_good()``, then an illegal memory
+    access), a known cuDNN SDPA defect (pytorch/pytorch#134001, #190321); with cuDNN attention
+    off it trains (docs/results/devices.md). SDPA then picks flash, memory-efficient or math.
+    """
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return device
 
 
 def _local_gpu() -> torch.device:
