@@ -21,7 +21,7 @@ class WeightSyncConfig:
         backend: "object_store" (Ray object store buckets; any placement),
             "broadcast" (a torch.distributed group of trainer rank 0 and the
             engines: gloo on CPU, NCCL on GPU) or "cuda_ipc" (colocated GPUs
-            only; untested here).
+            only; its test passed on an H200).
         bucket_mb: capacity of one bucket in MiB (a tensor larger than a bucket
             is split between buckets). Bounds the sender's and the broadcast
             receiver's staging memory and is the unit of checksums.

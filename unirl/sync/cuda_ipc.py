@@ -10,11 +10,10 @@ the buckets alive until its next `send` or `close` (peak: the whole payload
 at the wire dtype on the GPU), so the driver must let every receiver finish
 before the next sync (the sequential loop does).
 
-UNTESTED HERE: written to the same contract as the other backends and
-sharing their packing and checking code, but no machine of this project had
-a GPU, so it has never run. Without CUDA, constructing either side raises a
-`WeightSyncError`, and recipe validation refuses the backend off GPUs and
-outside colocated placement (`weight_sync_problems`).
+Ran on one H200 (tests/sync/test_gpu.py: two processes on one GPU, bit-exact at the
+wire dtype; docs/results/devices.md); not yet inside a Ray run on a GPU. Without CUDA,
+constructing either side raises a `WeightSyncError`, and recipe validation refuses the backend
+off GPUs and outside colocated placement (`weight_sync_problems`).
 """
 
 from __future__ import annotations
