@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -207,61 +210,68 @@ def rejection(tree, key, value) -> str:
     return str(info.value)
 
 
-# the arithmetic algorithm variants change a few keys of llm/arith_grpo, whose leaves are all
-# mutated here
-ARITH_VARIANTS = (
-    "llm/arith_dapo",
-    "llm/arith_drgrpo",
-    "llm/arith_gspo",
-    "llm/arith_reinforcepp",
-    "llm/arith_rloo",
-)
-# shapes_flowgrpo plus sampling keys; the keys are mutated in their smoke variants (a tiny model)
-SHAPES_VARIANTS = ("diffusion/shapes_dancegrpo", "diffusion/shapes_mixgrpo")
-# shapes_flowgrpo with another algorithm node; its keys are mutated in the tiny_sd3_* variants
-SHAPES_VARIANTS += tuple(f"diffusion/shapes_{n}" for n in ("ddpo", "dpok", "flowdppo", "diffusiondpo"))
-# shapes_nft with AWM's algorithm node and an EMA; its keys are mutated in tiny_awm
-SHAPES_VARIANTS += ("diffusion/shapes_awm",)
-# shapes_flowgrpo with tiny_ppo's advantage, algorithm and critic nodes; tiny_ppo is tiny_sd3_flowgrpo
-# with those nodes, its own critic keys mutated in test_tiny_ppo_critic_leaves_reject_bad_values
-SHAPES_VARIANTS += ("diffusion/shapes_ppo", "diffusion/tiny_ppo")
-# shapes_awm with DGPO's or CRD's algorithm node (and CRD's sampling EMA); mutated in tiny_dgpo, tiny_crd
-SHAPES_VARIANTS += ("diffusion/shapes_dgpo", "diffusion/shapes_crd")
-# shapes_flowgrpo with the VLM judge as its reward node; the judge's arguments are checked in
-# tests/reward/test_judge.py
-SHAPES_VARIANTS += ("diffusion/shapes_flowgrpo_vlmjudge",)
-# flux_flowgrpo with a tiny node at FLUX.1-dev's size; its keys are mutated there and in tiny_flux_flowgrpo
-FLUX_VARIANTS = ("diffusion/flux_dev_random_flowgrpo",)
-# the VQA recipes' keys are those of vlm/tiny_vqa_smoke (their base, on a tiny model), mutated there
-VLM_VARIANTS = ("vlm/shapes_vqa_grpo", "vlm/qwen25vl_grpo")
-# wan_flowgrpo's keys are tiny_wan_flowgrpo's (mutated there) plus keys every other real-model recipe has
-# (sampling.same_initial_noise, stage.autocast_dtype, model.dtype); wan13b_random_flowgrpo is it with a tiny node
-WAN_VARIANTS = ("diffusion/wan_flowgrpo", "diffusion/wan13b_random_flowgrpo")
-# qwenimage_flowgrpo with a tiny node at Qwen-Image's size; its keys are mutated there and in tiny_qwenimage_flowgrpo
-QWENIMAGE_VARIANTS = ("diffusion/qwenimage_random_flowgrpo",)
-NOT_MUTATED = ARITH_VARIANTS + SHAPES_VARIANTS + FLUX_VARIANTS + VLM_VARIANTS + WAN_VARIANTS + QWENIMAGE_VARIANTS
+def leaf_signature(name: str, tree: dict, key: str, value) -> tuple[str, ...]:
+    """What decides how a leaf's bad values are refused: the recipe's domain (its top-level
+    schema), the leaf's key and type (its mutations), and the `_target_` of the mapping that holds
+    it (the class that checks it; none for a plain section, whose schema its key names). Two
+    recipes whose leaf has the same signature check it the same way, so one mutates it for both."""
+    path = re.sub(r"(\[\d+\])+$", "", key).rpartition(".")[0]
+    node = tree
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        node = node[int(part[1:-1])] if part.startswith("[") else node[part]
+    return name.split("/")[0], key, type(value).__name__, str(node.get("_target_"))
 
 
-@pytest.mark.parametrize("name", [r for r in RL_RECIPES if r not in NOT_MUTATED])
+@functools.cache
+def resolved_tree(name: str) -> dict:
+    """The recipe `name` resolved to a plain tree, with `PRETRAINED_MODEL` pointing nowhere
+    (real-model recipes: only the path fails). Shared: copy before changing it."""
+    old = os.environ.get("PRETRAINED_MODEL")
+    os.environ["PRETRAINED_MODEL"] = "/nonexistent/model"
+    try:
+        return OmegaConf.to_container(recipe(name), resolve=True)
+    finally:
+        if old is None:
+            del os.environ["PRETRAINED_MODEL"]
+        else:
+            os.environ["PRETRAINED_MODEL"] = old
+
+
+@functools.cache
+def mutation_plan() -> dict[str, frozenset[str]]:
+    """{recipe: the leaf keys to mutate in it}: every leaf of every RL recipe whose signature
+    (`leaf_signature`) no recipe before it in `RL_RECIPES` order had. Variants (the arithmetic
+    algorithms, the shapes algorithms, the real-size random models) thus add only what they
+    change; a recipe that changes nothing adds nothing."""
+    seen: set[tuple[str, ...]] = set()
+    plan = {}
+    for name in RL_RECIPES:
+        tree = resolved_tree(name)
+        keys = set()
+        for key, _, _, value in leaves(tree):
+            signature = leaf_signature(name, tree, key, value)
+            if signature not in seen:
+                seen.add(signature)
+                keys.add(key)
+        plan[name] = frozenset(keys)
+    return plan
+
+
+@pytest.mark.parametrize("name", RL_RECIPES)
 def test_every_leaf_rejects_bad_values_with_its_full_key(name, monkeypatch):
-    monkeypatch.setenv("PRETRAINED_MODEL", "/nonexistent/model")  # real-model recipes: only the path fails
-    tree = OmegaConf.to_container(recipe(name), resolve=True)
-    assert leaves_rejected(tree) > 60
+    """Every leaf of every recipe, each signature once over the recipes (`mutation_plan`): a bad
+    value is refused naming its full key."""
+    keys = mutation_plan()[name]
+    monkeypatch.setenv("PRETRAINED_MODEL", "/nonexistent/model")  # validation checks the path
+    assert leaves_rejected(copy.deepcopy(resolved_tree(name)), keys) >= len(keys)
 
 
-def test_tiny_ppo_critic_leaves_reject_bad_values():
-    """diffusion/tiny_ppo is tiny_sd3_flowgrpo (mutated whole) with llm/tiny_lm_ppo's critic keys
-    (mutated there) plus these."""
-    tree = OmegaConf.to_container(recipe("diffusion/tiny_ppo"), resolve=True)
-    assert leaves_rejected(tree, ("critic.model.", "critic.epochs", "critic.value_norm_beta")) >= 8
-
-
-def leaves_rejected(tree, prefixes: tuple[str, ...] = ("",)) -> int:
-    """Mutate every leaf of `tree` under `prefixes` (`mutations`); each bad value must be refused
-    naming its full key. Returns the number of mutations checked."""
+def leaves_rejected(tree, keys: frozenset[str]) -> int:
+    """Mutate the leaves `keys` of `tree` (`mutations`); each bad value must be refused naming its
+    full key. Returns the number of mutations checked."""
     checked = 0
     for key, container, index, good in list(leaves(tree)):
-        if not key.startswith(prefixes):
+        if key not in keys:
             continue
         node_path, _, leaf = key.rpartition(".")
         list_key = key.split("[")[0]
