@@ -52,10 +52,15 @@ def untimed(row: dict) -> dict:
 
 def pytest_collection_modifyitems(config, items):
     """A test on the shared Ray instance carries the `ray` marker (else the run stops here, naming
-    it); `gpu`-marked tests need CUDA: skipped, with the reason, where torch sees no GPU."""
+    it); files with `ray` tests run first; `gpu`-marked tests need CUDA: skipped, with the reason,
+    where torch sees no GPU."""
     unmarked = [i.nodeid for i in items if "ray_cluster" in i.fixturenames and "ray" not in i.keywords]
     if unmarked:
         raise pytest.UsageError(f"tests on the shared Ray instance need @pytest.mark.ray: {unmarked}")
+    # the files with Ray tests (the long end-to-end runs) first: pytest-xdist hands out files in
+    # this order, so the short ones fill in at the end instead of a long one running alone
+    ray_files = {i.path for i in items if "ray" in i.keywords}
+    items.sort(key=lambda i: i.path not in ray_files)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (the GPU tier: bash scripts/gpu_tier.sh)")
@@ -97,7 +102,8 @@ def _quiet_and_threads():
     from unirl.trainer.worker import quiet_library_logs
 
     quiet_library_logs()
-    torch.set_num_threads(2)
+    # 2 cores: two threads in one test process, one each under pytest-xdist's 2 workers
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""The launchers in examples/ run the shrunken tiny recipe for real.
+"""The multi-node launcher in examples/ runs the shrunken tiny recipe for real (the single-node
+launcher runs the README's main job in test_tiny_recipe.py).
 
-Single node: `run_experiment_single_node.sh` with env-var overrides. Several nodes:
+Several nodes:
 `run_experiment_multinode.sh` as the head of a one-node cluster on loopback, with its own GCS
 port, client-server port and temp dir, in its own session (`setsid`); the test stops exactly
 the processes left in that session, never with `ray stop`, which would kill every Ray
@@ -81,14 +82,6 @@ def assert_final_checkpoint(out: Path, optimizer_steps: int) -> None:
     assert (final / "pytorch_lora_weights.safetensors").stat().st_size > 0
     meta = json.loads((final / "unirl_checkpoint.json").read_text())
     assert meta["kind"] == "lora" and meta["optimizer_steps"] == optimizer_steps
-
-
-def test_single_node_launcher_trains(readme_main_job: Path) -> None:
-    """The launcher ran the README's main job (`readme_main_job`, its own Ray; NUM_STEPS and
-    OUTPUT_DIR from the environment, an override as an argument) to its last step and export;
-    test_tiny_recipe checks what that job learned and wrote."""
-    assert metrics_steps(readme_main_job) == list(range(1, 31))
-    assert_final_checkpoint(readme_main_job, optimizer_steps=30)
 
 
 def test_multinode_launcher_head_runs_the_recipe(tmp_path: Path) -> None:

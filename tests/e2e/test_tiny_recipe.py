@@ -8,12 +8,14 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO
+from tests.e2e.conftest import launcher_env
 from tests.recipes import rows as read_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -31,11 +33,37 @@ REQUIRED_KEYS = {
 }
 
 
+SINGLE = os.path.join(REPO, "examples", "run_experiment_single_node.sh")
+
+
 @pytest.fixture(scope="module")
-def run_dir(readme_main_job):
-    """The README's main job as it ships (30 steps), run once per session through the
-    single-node launcher, which execs `python -m unirl.train_diffusion` (tests/e2e/conftest.py)."""
-    return readme_main_job
+def run_dir(tmp_path_factory) -> Path:
+    """The README's main job as it ships (`diffusion/tiny_sd3_flowgrpo`, 30 steps, about 90 s on
+    2 idle cores) through `run_experiment_single_node.sh`, which starts its own Ray and execs
+    `python -m unirl.train_diffusion`: NUM_STEPS=30 (the recipe's own value) and OUTPUT_DIR from
+    the environment, `logging.progress=false` as an argument. Its output directory; the timeout
+    leaves room for a machine shared with other jobs."""
+    out = tmp_path_factory.mktemp("tiny_run")
+    res = subprocess.run(
+        ["bash", SINGLE, "diffusion/tiny_sd3_flowgrpo", "logging.progress=false"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=launcher_env(NUM_STEPS="30", OUTPUT_DIR=str(out)),
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+def test_single_node_launcher_trains(run_dir: Path) -> None:
+    """The launcher ran the job to its last step (NUM_STEPS from the environment) and exported
+    its final LoRA checkpoint."""
+    assert [r["step"] for r in read_rows(run_dir)] == list(range(1, 31))
+    final = run_dir / "checkpoints" / "final"
+    assert (final / "pytorch_lora_weights.safetensors").stat().st_size > 0
+    meta = json.loads((final / "unirl_checkpoint.json").read_text())
+    assert meta["kind"] == "lora" and meta["optimizer_steps"] == 30
 
 
 def test_metrics_rows(run_dir):
