@@ -182,3 +182,33 @@ def test_recipe_runs_through_train_sft(tmp_path):
         "unirl.train_sft", "--config-name=sft/shapes_diffusiondpo_offline", f"data.path={tmp_path}/x.jsonl"
     )
     assert bad.returncode == 2 and "x.jsonl does not exist" in bad.stderr
+
+
+def test_an_embedded_guidance_family_trains_offline_dpo_at_its_scale(tmp_path):
+    """A guidance-distilled FLUX.1 (the scale is a network input) trains on pairs at
+    `guidance_scale`: the first step is still log 2 (policy = reference), and the scale reaches
+    the network (another scale, another error on the same draws)."""
+    from unirl.models.flux import FluxModelConfig, TinyFluxConfig
+
+    def flux_run(scale: float, out: str) -> OfflineDiffusionDPO:
+        bundle = FluxModelConfig(tiny=TinyFluxConfig(resolution=16, clip_max_length=8)).build()
+        pairs = PreferencePairsFile(write_pairs(tmp_path))
+        return OfflineDiffusionDPO(bundle, pairs, config(guidance_scale=scale), str(tmp_path / out))
+
+    run = flux_run(3.5, "a")
+    loss, _ = run.batch_loss()
+    assert float(loss.detach()) == pytest.approx(math.log(2.0), abs=1e-7)
+    x, sigma = torch.rand(1, 3, 16, 16) * 2 - 1, torch.tensor([0.5])
+    cond = run.bundle.encode_text(["a"], False, 8)
+    errs = [
+        float(r._errors(r.bundle.denoiser, x, sigma, cond, x, x))
+        for r in (run, flux_run(1.0, "b"))  # the same seeded weights, two scales
+    ]
+    assert abs(errs[0] - errs[1]) > 1e-6
+
+
+def test_a_family_that_trains_unguided_refuses_a_dpo_guidance_scale(tmp_path):
+    with pytest.raises(ValueError, match=r"sft.guidance_scale=2.0: SD3Bundle guides by 'cfg'"):
+        OfflineDiffusionDPO(
+            tiny_model_config().build(), PreferencePairsFile(write_pairs(tmp_path)), config(guidance_scale=2.0), str(tmp_path)
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -116,3 +117,59 @@ def test_evaluation_is_deterministic(tmp_path):
     )
     a, b = evaluator(bundle), evaluator(bundle)
     assert a == b and "accuracy_strict" in a and 0.0 <= a["dense"] <= 1.0
+
+
+def flux_sft(tmp_path, guidance_scale: float) -> FlowMatchingSFT:
+    """A tiny pixel-space FLUX.1 (guidance-distilled: the scale is a network input) under SFT."""
+    from unirl.models.flux import FluxModelConfig, TinyFluxConfig
+
+    bundle = FluxModelConfig(tiny=TinyFluxConfig(resolution=32, words=WORDS, clip_max_length=12)).build()
+    cfg = FlowMatchingSFTConfig(
+        num_steps=2, batch_size=2, eval_every=0, guidance_scale=guidance_scale, train_text_encoders=False
+    )  # frozen encoders: no T5 dropout, so the test can recompute the loss
+    return FlowMatchingSFT(bundle, ShapesDataset("train"), cfg, str(tmp_path))
+
+
+def test_an_embedded_guidance_family_trains_at_its_guidance_scale(tmp_path):
+    """FLUX.1-dev's network takes the guidance scale: the SFT loss is the flow-matching error of
+    `predict(..., guidance=scale per row)` on the batch's own draws (recomputed here), and
+    another scale gives another loss."""
+    from unirl.train.sft import images_to_model
+
+    sft = flux_sft(tmp_path, 3.5)
+    rng, gen = copy.deepcopy(sft.rng), sft.gen.get_state()
+    loss, _ = sft.batch_loss()
+    images, prompts = sft.data.sample_batch(2, rng)  # the same draws, in the trainer's order
+    g = torch.Generator()
+    g.set_state(gen)
+    drop = torch.rand(2, generator=g) < sft.cfg.cond_dropout
+    prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
+    x0 = images_to_model(images)
+    eps = torch.randn(x0.shape, generator=g)
+    sigma = sample_sigmas(2, sft.cfg, g)
+    x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * eps
+    cond = sft.bundle.encode_text(prompts, False, sft.cfg.max_sequence_length)
+    pred = sft.bundle.predict(sft.bundle.denoiser, x_t, sigma, cond, guidance=torch.full((2,), 3.5))
+    assert float(loss) == pytest.approx(float(((pred - (eps - x0)) ** 2).mean()), rel=1e-5)
+    other = flux_sft(tmp_path / "one", 1.0)
+    assert abs(float(other.batch_loss()[0]) - float(loss)) > 1e-6
+
+
+def test_a_family_that_trains_unguided_refuses_a_guidance_scale(tmp_path):
+    bundle = tiny_model_config(resolution=32, words=WORDS).build()
+    cfg = FlowMatchingSFTConfig(num_steps=2, batch_size=2, eval_every=0, guidance_scale=3.5)
+    with pytest.raises(ValueError, match=r"sft.guidance_scale=3.5: SD3Bundle guides by 'cfg'.*Set sft.guidance_scale: 1.0"):
+        FlowMatchingSFT(bundle, ShapesDataset("train"), cfg, str(tmp_path))
+
+
+def test_validation_names_a_scale_a_flux_model_without_guidance_embedding_cannot_take():
+    from unirl.config.geometry import check_training_guidance
+    from unirl.models.flux import FluxModelConfig, TinyFluxConfig
+
+    problems: list[str] = []
+    schnell = FluxModelConfig(tiny=TinyFluxConfig(guidance_embeds=False))
+    check_training_guidance(schnell, FlowMatchingSFTConfig(guidance_scale=3.5), problems)
+    assert len(problems) == 1 and problems[0].startswith("sft.guidance_scale=3.5: this FLUX model has no guidance")
+    problems.clear()
+    check_training_guidance(schnell, FlowMatchingSFTConfig(guidance_scale=1.0), problems)
+    assert problems == []

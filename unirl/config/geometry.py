@@ -46,6 +46,16 @@ def check_eval_size(model: Any, sampling: Any, eval_sampling: Any, problems: lis
     problems.extend(p for p in found if (height and ".height=" in p) or (width and ".width=" in p))
 
 
+def check_training_guidance(model: Any, sft: Any, problems: list[str]) -> None:
+    """`sft.guidance_scale` of a supervised diffusion run vs the guidance the model takes (a FLUX
+    model without a guidance embedding takes none); a family that trains unguided refuses a
+    scale other than 1.0 when its trainer is built (`unirl.models.flow.family.training_guidance`)."""
+    ask = getattr(model, "guidance_problems", None)
+    scale = getattr(sft, "guidance_scale", None)
+    if ask is not None and scale is not None:
+        problems.extend(ask(scale, "sft.guidance_scale"))
+
+
 def check_guidance(model: Any, sampling: Any, eval_sampling: Any, problems: list[str]) -> None:
     """`sampling.guidance_scale` and `eval.sampling.guidance_scale` vs the guidance the model takes
     (as the model config states it: a guidance-distilled model without true CFG, say)."""

@@ -35,7 +35,7 @@ from unirl.config.critic import check_critic, check_mini_batches
 from unirl.config.distill import check_distillation
 from unirl.config.distributed import check_distributed, check_transport
 from unirl.config.engines import check_rollout
-from unirl.config.geometry import check_eval_size, check_geometry, check_guidance
+from unirl.config.geometry import check_eval_size, check_geometry, check_guidance, check_training_guidance
 from unirl.config.modality import check_eval_sampling, check_modality, check_text
 from unirl.config.references import check_model_path, check_prompt_keys, check_tracking
 from unirl.config.run import RL_SECTIONS, SFT_SECTIONS
@@ -88,6 +88,7 @@ def validate_sft_config(cfg: DictConfig) -> None:
     problems: list[str] = []
     passed = check_recipe(cfg, SFT_SECTIONS, problems)
     check_model_path(passed.get("model"), problems)
+    check_training_guidance(passed.get("model"), passed.get("sft"), problems)
     check_tracking(cfg, problems)
     if problems:
         raise ConfigError(problems)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from unirl.algorithms.diffusion_dpo import diffusion_dpo_loss, flow_matching_error
-from unirl.models.flow.family import FlowFamily
+from unirl.models.flow.family import FlowFamily, training_guidance
 from unirl.train.sft import check_sigma_sampling, export_bundle, sample_sigmas
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
 
@@ -37,6 +37,8 @@ class OfflineDiffusionDPOConfig(SupervisedConfig):
         beta: the DPO inverse temperature on mean-reduced errors (> 0).
         sigma_sampling: "logit_normal" or "uniform"; shift: as the sampling schedule's.
         max_sequence_length: T5 token budget.
+        guidance_scale: the guidance scale an "embedded" family (FLUX.1-dev) is trained at
+            (`training_guidance`); 1.0 for a family that trains unguided.
     """
 
     num_steps: int = 200
@@ -48,9 +50,10 @@ class OfflineDiffusionDPOConfig(SupervisedConfig):
     sigma_sampling: str = "logit_normal"
     shift: float = 1.0
     max_sequence_length: int = 16
+    guidance_scale: float = 1.0
 
     AT_LEAST_ONE: ClassVar[tuple[str, ...]] = ("max_sequence_length",)
-    POSITIVE: ClassVar[tuple[str, ...]] = ("beta", "shift")
+    POSITIVE: ClassVar[tuple[str, ...]] = ("beta", "shift", "guidance_scale")
 
     def __post_init__(self) -> None:
         check_sigma_sampling(self.sigma_sampling)
@@ -86,12 +89,14 @@ class OfflineDiffusionDPO(SupervisedRun):
         out_dir: str,
         evaluate: Callable[[FlowFamily], dict[str, float]] | None = None,
     ) -> None:
+        training_guidance(bundle, torch.ones(1), config.guidance_scale)  # refused before any step
         self.bundle, self.data = bundle, data
         self.reference = copy.deepcopy(bundle.denoiser).requires_grad_(False).eval()
         super().__init__([bundle.denoiser], config, out_dir, evaluate, bundle)
 
     def _errors(self, module: torch.nn.Module, x_t, sigma, cond, x0, eps) -> torch.Tensor:
-        return flow_matching_error(self.bundle.predict(module, x_t, sigma, cond), x0, eps)
+        guidance = training_guidance(self.bundle, sigma, self.cfg.guidance_scale)
+        return flow_matching_error(self.bundle.predict(module, x_t, sigma, cond, **guidance), x0, eps)
 
     def batch_loss(self) -> tuple[torch.Tensor, dict[str, float]]:
         """The DPO loss of a fresh batch of pairs (two forwards of 2n samples: policy, reference)."""

@@ -19,7 +19,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 
-from unirl.models.flow.family import FlowFamily
+from unirl.models.flow.family import FlowFamily, training_guidance
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
 
 SIGMA_SAMPLING = ("logit_normal", "uniform")
@@ -36,6 +36,8 @@ class FlowMatchingSFTConfig(SupervisedConfig):
         cond_dropout: probability of training on the empty prompt.
         train_text_encoders: also train the text encoders (a tiny model's are random).
         max_sequence_length: T5 token budget.
+        guidance_scale: the guidance scale an "embedded" family (FLUX.1-dev) is trained at,
+            a network input (`training_guidance`); 1.0 for a family that trains unguided.
     """
 
     num_steps: int = 10000
@@ -47,9 +49,10 @@ class FlowMatchingSFTConfig(SupervisedConfig):
     cond_dropout: float = 0.1
     train_text_encoders: bool = True
     max_sequence_length: int = 16
+    guidance_scale: float = 1.0
 
     AT_LEAST_ONE: ClassVar[tuple[str, ...]] = ("max_sequence_length",)
-    POSITIVE: ClassVar[tuple[str, ...]] = ("shift",)
+    POSITIVE: ClassVar[tuple[str, ...]] = ("shift", "guidance_scale")
 
     def __post_init__(self) -> None:
         check_sigma_sampling(self.sigma_sampling)
@@ -120,6 +123,7 @@ class FlowMatchingSFT(SupervisedRun):
         modules = [bundle.denoiser]
         if config.train_text_encoders:
             modules += bundle.text_encoders()
+        training_guidance(bundle, torch.ones(1), config.guidance_scale)  # refused before any step
         super().__init__(modules, config, out_dir, evaluate, bundle)
 
     def batch_loss(self) -> tuple[torch.Tensor, dict[str, float]]:
@@ -141,7 +145,8 @@ class FlowMatchingSFT(SupervisedRun):
         s = sigma.view(-1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * eps
         cond = self.bundle.encode_text(prompts, False, cfg.max_sequence_length)
-        pred = self.bundle.predict(self.bundle.denoiser, x_t, sigma, cond)
+        guidance = training_guidance(self.bundle, sigma, cfg.guidance_scale)
+        pred = self.bundle.predict(self.bundle.denoiser, x_t, sigma, cond, **guidance)
         return flow_matching_loss(pred, x0, eps), {}
 
     def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:

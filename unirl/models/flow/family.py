@@ -169,3 +169,24 @@ class FlowModelConfig(Protocol):
         `sampling.guidance_scale`), each naming `key` and the values the model takes; []
         when it takes it or the model cannot be read."""
         ...
+
+
+def training_guidance(bundle: FlowFamily, sigma: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+    """`predict`'s guidance keyword for training the denoiser on its own (the supervised losses:
+    flow-matching SFT, offline Diffusion-DPO): {"guidance": `scale` per row, [B] like `sigma`}
+    for an "embedded" family (FLUX.1-dev takes the scale as a network input, so it is trained at
+    one), {} for a "cfg" or "true_cfg" family, whose network takes no scale and trains unguided.
+
+    Raises:
+        ValueError: `scale` is not 1.0 for a family that trains unguided (it would be ignored),
+            naming `sft.guidance_scale`.
+    """
+    if bundle.guidance == "embedded":
+        return {"guidance": torch.full_like(sigma, scale)}
+    if scale != 1.0:
+        raise ValueError(
+            f"sft.guidance_scale={scale}: {type(bundle).__name__} guides by {bundle.guidance!r} "
+            "(two branches at sampling), so it trains unguided and the scale would be ignored; "
+            "only an 'embedded' family (FLUX.1-dev) trains at a guidance scale. Set sft.guidance_scale: 1.0"
+        )
+    return {}
