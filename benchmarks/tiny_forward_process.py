@@ -56,6 +56,8 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "control_random_dgpo": ("diffusion/tiny_dgpo", RANDOM_REWARD),
     "control_random_crd": ("diffusion/tiny_crd", RANDOM_REWARD),
     "control_random_flowgrpo": ("diffusion/tiny_sd3_flowgrpo", RANDOM_REWARD),
+    "control_random_dgpo_lr6e-3": ("diffusion/tiny_dgpo", ["train.optim.lr=6e-3", *RANDOM_REWARD]),
+    "flowgrpo_lr6e-3": ("diffusion/tiny_sd3_flowgrpo", ["train.optim.lr=6e-3"]),
 }
 REWARD = "reward/redness/mean"
 
