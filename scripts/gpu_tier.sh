@@ -29,7 +29,7 @@ print(f"{sys.argv[1]}: {len(rows)} steps, step {sum(times) / len(times):.2f} s (
 PY
 }
 
-python -m pytest -q -m gpu -rs tests
+python -m pytest -q -n 0 -m gpu -rs tests  # one process: the GPU tests spawn their own
 
 TINY=(--config-name=diffusion/tiny_sd3_flowgrpo num_steps=5 logging.progress=false)
 python -m unirl.train_diffusion "${TINY[@]}" launcher=in_process transport=inband output_dir="$OUT/tiny_in_process"
