@@ -28,14 +28,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runs import ROOT, Job, run_jobs  # noqa: E402
 from tiny_forward_process import RANDOM_REWARD  # noqa: E402  (the redness world's control)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLDS: dict[str, dict[str, tuple[str, list[str]]]] = {
     "tiny": {
         "flowgrpo": ("diffusion/tiny_sd3_flowgrpo", []),
@@ -124,28 +123,17 @@ def main() -> None:
     jobs = [(n, int(s)) for s in args.seeds.split(",") for n in names]
     lines = []
     with tempfile.TemporaryDirectory() as root:
-        pending, running = list(jobs), []
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
-        while pending or running:
-            while pending and len(running) < args.parallel:
-                name, seed = pending.pop(0)
-                recipe, overrides = world[name]
-                out = os.path.join(root, f"{name}_{seed}")
-                cmd = command(
-                    args.world, recipe, overrides, args.steps, seed, args.threads, out, args.eval_samples
-                )
-                log = open(out + ".log", "w")  # noqa: SIM115  (closed when the run ends)
-                running.append(
-                    (name, seed, out, log, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
-                )
-            name, seed, out, log, proc = running.pop(0)
-            if proc.wait() != 0:
-                log.close()
-                sys.exit(f"{name} seed {seed} failed:\n" + open(out + ".log").read()[-3000:])
-            log.close()
-            with open(os.path.join(out, "metrics.jsonl")) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            lines.append(summary(args.world, name, seed, rows, args.window))
+        runs = []
+        for name, seed in jobs:
+            recipe, overrides = world[name]
+            out = os.path.join(root, f"{name}_{seed}")
+            cmd = command(
+                args.world, recipe, overrides, args.steps, seed, args.threads, out, args.eval_samples
+            )
+            runs.append(Job((name, seed), cmd, out))
+        for job, rows, _ in run_jobs(runs, args.parallel, env):
+            lines.append(summary(args.world, *job.key, rows, args.window))
             print(json.dumps(lines[-1]), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "a") as f:
