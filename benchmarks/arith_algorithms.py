@@ -29,7 +29,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runs import ROOT, Job, read_metrics, run_jobs  # noqa: E402
+from runs import ROOT, Job, in_process_command, read_metrics, run_jobs  # noqa: E402
 
 RECIPES = {"ppo": "llm/arith_ppo", "grpo": "llm/arith_grpo", "reinforcepp": "llm/arith_reinforcepp"}
 EVAL = {  # the summary's name -> the run's metric
@@ -41,21 +41,7 @@ CRITIC = {"vf_loss": "critic/vf_loss", "explained_var": "critic/vf_explained_var
 
 
 def command(recipe: str, steps: int, seed: int, threads: int, out: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "unirl.train_vlm",
-        f"--config-name={recipe}",
-        "launcher=in_process",
-        "transport=inband",
-        "num_devices=1",
-        f"threads_per_worker={threads}",
-        f"num_steps={steps}",
-        f"seed={seed}",
-        f"output_dir={out}",
-        "logging.progress=false",
-        "logging.save_images_every=0",
-    ]
+    return in_process_command("unirl.train_vlm", recipe, steps, seed, threads, out)
 
 
 def summary(name: str, seed: int, rows: list[dict], wall_s: float | None, window: int) -> dict:

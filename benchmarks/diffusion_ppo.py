@@ -32,7 +32,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runs import ROOT, Job, run_jobs  # noqa: E402
+from runs import ROOT, Job, in_process_command, run_jobs  # noqa: E402
 from tiny_forward_process import RANDOM_REWARD  # noqa: E402  (the redness world's control)
 
 WORLDS: dict[str, dict[str, tuple[str, list[str]]]] = {
@@ -61,22 +61,7 @@ def command(
     out: str,
     eval_samples: int,
 ):
-    cmd = [
-        sys.executable,
-        "-m",
-        "unirl.train_diffusion",
-        f"--config-name={recipe}",
-        "++launcher=in_process",
-        "transport=inband",
-        "num_devices=1",
-        f"threads_per_worker={threads}",
-        f"num_steps={steps}",
-        f"seed={seed}",
-        f"output_dir={out}",
-        "logging.progress=false",
-        "logging.save_images_every=0",
-        *overrides,
-    ]
+    cmd = in_process_command("unirl.train_diffusion", recipe, steps, seed, threads, out, *overrides)
     if world == "shapes":
         cmd += [f"eval.every_n_steps={steps}", f"eval.sampling.samples_per_prompt={eval_samples}"]
     return cmd

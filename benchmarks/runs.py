@@ -26,6 +26,30 @@ class Job:
     out: str
 
 
+def in_process_command(
+    module: str, recipe: str, steps: int, seed: int, threads: int, out: str, *overrides: str
+) -> list[str]:
+    """argv of one recipe run through its entry point `module` (`unirl.train_diffusion`,
+    `unirl.train_vlm`): one in-process worker, inband data plane, `threads` torch threads, no
+    progress bar or sample images, then `overrides`."""
+    return [
+        sys.executable,
+        "-m",
+        module,
+        f"--config-name={recipe}",
+        "++launcher=in_process",  # ++: the shapes recipes have no launcher key
+        "transport=inband",
+        "num_devices=1",
+        f"threads_per_worker={threads}",
+        f"num_steps={steps}",
+        f"seed={seed}",
+        f"output_dir={out}",
+        "logging.progress=false",
+        "logging.save_images_every=0",
+        *overrides,
+    ]
+
+
 def read_metrics(out: str) -> list[dict]:
     """The rows of `<out>/metrics.jsonl`, in order."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
