@@ -73,8 +73,11 @@ def test_tensorboard_events_hold_the_rows_samples_and_config(tmp_path: Path) -> 
 
 
 def wandb_records(path: str) -> list:
-    """The records of a W&B run file (`run-<id>.wandb`: a 7-byte header, then the LevelDB log
-    format: 32 KiB blocks of records, each a 7-byte header (crc, length, type) and a chunk)."""
+    """The complete records of a W&B run file (`run-<id>.wandb`: a 7-byte header, then the LevelDB
+    log format: 32 KiB blocks of records, each a 7-byte header (crc, length, type) and a chunk).
+    wandb's service process may be writing the file while it is read: a tail whose chunk is cut
+    short, or does not parse yet, ends the list (the caller reads again until the exit record)."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(path).read_bytes()
@@ -85,11 +88,16 @@ def wandb_records(path: str) -> list:
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # the writer has not finished this chunk
+            break
         chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST: a record is complete
             record = pb.Record()
-            record.ParseFromString(chunk)
+            try:
+                record.ParseFromString(chunk)
+            except DecodeError:  # bytes not yet flushed read as zeros
+                break
             records.append(record)
             chunk = b""
     return records
