@@ -2,9 +2,11 @@
 
 Procedurally rendered 32x32 scenes of coloured shapes (`world`) and a
 weight-free GenEval-in-miniature scorer (`scorer`); user prompts in other surface forms for a
-prompt enhancer (`paraphrase`) and its rewrite reward (`rewrite`). See README.md.
+prompt enhancer (`paraphrase`) and its rewrite reward (`rewrite`); its video analogue, a red
+square moving left, right or not at all (`motion`). See README.md.
 """
 
+from unirl.shapes.motion import MovingSquares
 from unirl.shapes.paraphrase import (
     COLOR_FORMS,
     COUNT_FORMS,
@@ -72,6 +74,7 @@ __all__ = [
     "ShapesPEDataset",
     "ShapesPESFTSource",
     "Detection",
+    "MovingSquares",
     "GenEvalMini",
     "SceneSpec",
     "ShapeSpec",

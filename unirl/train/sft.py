@@ -1,6 +1,7 @@
-"""Supervised flow-matching training of a text-to-image bundle (pretraining / the SFT stage).
+"""Supervised flow-matching training of a text-to-image or text-to-video bundle (pretraining /
+the SFT stage).
 
-Loss (rectified flow, as SD3): for clean images x0 in [-1, 1], noise eps and
+Loss (rectified flow, as SD3): for clean images (or videos) x0 in [-1, 1], noise eps and
 noise level sigma, x_sigma = (1 - sigma) x0 + sigma eps and the denoiser is
 regressed onto the velocity v = eps - x0:  L = mean ||v_theta(x_sigma, sigma, c) - v||^2.
 sigma is drawn logit-normal (SD3's default) or uniform, then shifted like the
@@ -68,7 +69,8 @@ def check_sigma_sampling(value: str) -> None:
 
 
 class ImageTextSource(Protocol):
-    """Supervised data: `sample_batch(n, rng) -> (uint8 images [n, H, W, 3], prompts)`."""
+    """Supervised data: `sample_batch(n, rng) -> (uint8 images [n, H, W, 3], prompts)`, or uint8
+    videos [n, F, H, W, 3] for a video family (F = the model's `num_frames`)."""
 
     def sample_batch(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, list[str]]: ...
 
@@ -88,8 +90,25 @@ def sample_sigmas(n: int, cfg: FlowMatchingSFTConfig, gen: torch.Generator) -> t
 
 
 def images_to_model(images: np.ndarray) -> torch.Tensor:
-    """uint8 [n, H, W, 3] -> fp32 [n, 3, H, W] in [-1, 1] (the pixel-space model's range)."""
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    """uint8 images [n, H, W, 3] -> fp32 [n, 3, H, W], or videos [n, F, H, W, 3] -> [n, 3, F, H, W]
+    (a video family's latent layout), in [-1, 1] (the pixel-space model's range)."""
+    return torch.from_numpy(images).float().movedim(-1, 1) / 127.5 - 1.0
+
+
+def check_data_geometry(x0: torch.Tensor, info: dict, size: int) -> None:
+    """Raise naming the model key unless `x0` ([n, 3, H, W] or [n, 3, F, H, W]) has the model's
+    resolution and, for a video family (`info["num_frames"]`), its frame count."""
+    if tuple(x0.shape[-2:]) != (size, size):
+        raise ValueError(
+            f"the data gives {tuple(x0.shape[-2:])} frames but the model is built for {size}x{size} "
+            "(match model.tiny.resolution to the data)"
+        )
+    frames = info.get("num_frames")
+    if frames is None and x0.dim() != 4:
+        raise ValueError(f"the data gives videos {tuple(x0.shape)} but the model is an image model")
+    if frames is not None and (x0.dim() != 5 or x0.shape[2] != frames):
+        got = f"{x0.shape[2]}-frame videos" if x0.dim() == 5 else "images"
+        raise ValueError(f"the data gives {got} but model.num_frames={frames}; match them")
 
 
 class FlowMatchingSFT(SupervisedRun):
@@ -134,15 +153,10 @@ class FlowMatchingSFT(SupervisedRun):
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         device = self.bundle.device
         x0 = images_to_model(images).to(device)
-        size = self.bundle.sample_size
-        if tuple(x0.shape[-2:]) != (size, size):
-            raise ValueError(
-                f"the data gives {tuple(x0.shape[-2:])} images but the model is built for {size}x{size} "
-                "(match model.tiny.resolution to the data)"
-            )
+        check_data_geometry(x0, self.bundle.model_info(), self.bundle.sample_size)
         eps = torch.randn(x0.shape, generator=self.gen).to(device)
         sigma = sample_sigmas(len(prompts), cfg, self.gen).to(device)
-        s = sigma.view(-1, 1, 1, 1)
+        s = sigma.view(-1, *[1] * (x0.dim() - 1))
         x_t = (1 - s) * x0 + s * eps
         cond = self.bundle.encode_text(prompts, False, cfg.max_sequence_length)
         guidance = training_guidance(self.bundle, sigma, cfg.guidance_scale)
