@@ -7,7 +7,7 @@ held-out evaluation every `--eval-every` steps (the recipes' own: 51 held-out pr
 fixed seeds, strict GenEval-mini by the weight-free scorer). A run is stopped at the first
 evaluation after `--budget-min` minutes of *training* wall clock (the sum of the rows'
 `time/step_s`: rollout + reward + train; evaluation time is not charged, it is the same
-for every algorithm). The controls are Flow-GRPO, DGPO and CRD trained on `RandomReward`
+for every algorithm). The controls are Flow-GRPO, DGPO, CRD and AWM trained on `RandomReward`
 (the real reward logged at weight 0).
 
     python benchmarks/diffusion_algorithms.py [--budget-min 5] [--eval-every 5] [--threads 2]
@@ -59,6 +59,7 @@ ALGORITHMS: dict[str, tuple[str, list[str]]] = {
     "control_random": ("diffusion/shapes_flowgrpo", RANDOM_REWARD),
     "control_random_dgpo": ("diffusion/shapes_dgpo", RANDOM_REWARD),
     "control_random_crd": ("diffusion/shapes_crd", RANDOM_REWARD),
+    "control_random_awm": ("diffusion/shapes_awm", RANDOM_REWARD),
 }
 
 
