@@ -1,13 +1,14 @@
 """One wall-clock budget on the shapes world for every diffusion algorithm the project has.
 
-Each algorithm is its recipe `examples/diffusion/shapes_<name>.yaml` on the committed base
+Each algorithm is its recipe `examples/diffusion/shapes_<name>.yaml` (GRPO-Guard: Flow-GRPO's
+with `+algorithm.config.guard=true`) on the committed base
 (`checkpoints/shapes_sd3`), run through the real entry point (`python -m
 unirl.train_diffusion`, in-process, inband data plane, `--threads` torch threads) with a
 held-out evaluation every `--eval-every` steps (the recipes' own: 51 held-out prompts x 4
 fixed seeds, strict GenEval-mini by the weight-free scorer). A run is stopped at the first
 evaluation after `--budget-min` minutes of *training* wall clock (the sum of the rows'
 `time/step_s`: rollout + reward + train; evaluation time is not charged, it is the same
-for every algorithm). The controls are Flow-GRPO, DGPO, CRD and AWM trained on `RandomReward`
+for every algorithm). The controls are Flow-GRPO, GRPO-Guard, DGPO, CRD and AWM trained on `RandomReward`
 (the real reward logged at weight 0).
 
     python benchmarks/diffusion_algorithms.py [--budget-min 5] [--eval-every 5] [--threads 2]
@@ -43,6 +44,7 @@ RANDOM_REWARD = [
 ALGORITHMS: dict[str, tuple[str, list[str]]] = {
     # name: (recipe, extra overrides)
     "flowgrpo": ("diffusion/shapes_flowgrpo", []),
+    "flowgrpo_guard": ("diffusion/shapes_flowgrpo", ["+algorithm.config.guard=true"]),  # GRPO-Guard
     "nft": ("diffusion/shapes_nft", []),
     "awm": ("diffusion/shapes_awm", []),
     "dancegrpo": ("diffusion/shapes_dancegrpo", []),
@@ -60,6 +62,7 @@ ALGORITHMS: dict[str, tuple[str, list[str]]] = {
     "control_random_dgpo": ("diffusion/shapes_dgpo", RANDOM_REWARD),
     "control_random_crd": ("diffusion/shapes_crd", RANDOM_REWARD),
     "control_random_awm": ("diffusion/shapes_awm", RANDOM_REWARD),
+    "control_random_guard": ("diffusion/shapes_flowgrpo", ["+algorithm.config.guard=true", *RANDOM_REWARD]),
 }
 
 
