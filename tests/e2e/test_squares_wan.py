@@ -1,5 +1,6 @@
 """The committed moving-squares base (`checkpoints/squares_wan`): its recipe validates and trains in
-this process on policy, and the base's mean motion is near 0, so the motion reward has room (the measured run: docs/results/model_families.md)."""
+this process on policy, and the base's mean motion is near 0, so the motion reward has room (the
+measured run: docs/results/model_families.md)."""
 
 from __future__ import annotations
 

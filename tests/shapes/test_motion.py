@@ -122,7 +122,7 @@ def test_video_pretraining_loss_is_the_flow_matching_loss_and_falls(tmp_path):
         checkpoint_every=1000,
     )
     sft = FlowMatchingSFT(tiny_wan(), MovingSquares(), cfg, str(tmp_path))
-    rng, gen = np.random.default_rng(cfg.seed), torch.Generator().manual_seed(cfg.seed)
+    rng, gen = np.random.default_rng(), torch.Generator()  # copies of the run's generators
     rng.bit_generator.state = sft.rng.bit_generator.state
     gen.set_state(sft.gen.get_state())
     videos, prompts = MovingSquares().sample_batch(4, rng)

@@ -105,7 +105,10 @@ def check_data_geometry(x0: torch.Tensor, info: dict, size: int) -> None:
         )
     frames = info.get("num_frames")
     if frames is None and x0.dim() != 4:
-        raise ValueError(f"the data gives videos {tuple(x0.shape)} but the model is an image model")
+        raise ValueError(
+            f"the data gives videos {tuple(x0.shape)} but the model is an image model "
+            "(pair a video family's model with video data, or give images [n, H, W, 3])"
+        )
     if frames is not None and (x0.dim() != 5 or x0.shape[2] != frames):
         got = f"{x0.shape[2]}-frame videos" if x0.dim() == 5 else "images"
         raise ValueError(f"the data gives {got} but model.num_frames={frames}; match them")
