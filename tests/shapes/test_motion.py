@@ -155,3 +155,27 @@ def test_video_data_of_the_wrong_frame_count_or_images_are_refused_naming_the_ke
     sft = FlowMatchingSFT(tiny_wan(), Stills(), cfg, str(tmp_path / "b"))
     with pytest.raises(ValueError, match=r"images but model.num_frames=5"):
         sft.train_step()
+
+
+def test_pretraining_continues_from_a_saved_wan_directory_at_the_datas_frame_size(tmp_path):
+    """A Wan directory does not record the frame size it was trained at (Wan's rotary embedding
+    takes any): supervised training from it takes 16 px clips, and refuses sides its 2x2 patch
+    does not divide, naming the multiple."""
+    tiny_wan().save_pretrained(str(tmp_path / "base"))
+    loaded = WanModelConfig(pretrained_path=str(tmp_path / "base"), num_frames=5, tiny=None).build()
+    cfg = FlowMatchingSFTConfig(batch_size=2, max_sequence_length=8, log_every=1, eval_every=0)
+    sft = FlowMatchingSFT(loaded, MovingSquares(), cfg, str(tmp_path / "a"))
+    before = [p.detach().clone() for p in sft.bundle.denoiser.parameters()]
+    row = sft.train_step()
+    assert np.isfinite(row["loss"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, sft.bundle.denoiser.parameters(), strict=True))
+
+    class OddClips:
+        def sample_batch(self, n, rng):
+            return np.zeros((n, 5, 15, 15, 3), dtype=np.uint8), ["a red square"] * n
+
+    sft = FlowMatchingSFT(loaded, OddClips(), cfg, str(tmp_path / "b"))
+    with pytest.raises(
+        ValueError, match=r"\(15, 15\) frames but the model takes sides that are multiples of 2"
+    ):
+        sft.train_step()

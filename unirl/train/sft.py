@@ -95,10 +95,18 @@ def images_to_model(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(images).float().movedim(-1, 1) / 127.5 - 1.0
 
 
-def check_data_geometry(x0: torch.Tensor, info: dict, size: int) -> None:
+def check_data_geometry(x0: torch.Tensor, info: dict, size: int | None) -> None:
     """Raise naming the model key unless `x0` ([n, 3, H, W] or [n, 3, F, H, W]) has the model's
-    resolution and, for a video family (`info["num_frames"]`), its frame count."""
-    if tuple(x0.shape[-2:]) != (size, size):
+    resolution (`size`; None: a model that takes any side its VAE scale x patch divides, such as a
+    Wan directory) and, for a video family (`info["num_frames"]`), its frame count."""
+    if size is None:
+        cell = int(info.get("vae_scale_factor", 1)) * int(info.get("patch_size", 1))
+        if any(side % cell for side in x0.shape[-2:]):
+            raise ValueError(
+                f"the data gives {tuple(x0.shape[-2:])} frames but the model takes sides that are "
+                f"multiples of {cell} (its VAE's scale x its patch); resize the data"
+            )
+    elif tuple(x0.shape[-2:]) != (size, size):
         raise ValueError(
             f"the data gives {tuple(x0.shape[-2:])} frames but the model is built for {size}x{size} "
             "(match model.tiny.resolution to the data)"
@@ -156,7 +164,8 @@ class FlowMatchingSFT(SupervisedRun):
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         device = self.bundle.device
         x0 = images_to_model(images).to(device)
-        check_data_geometry(x0, self.bundle.model_info(), self.bundle.sample_size)
+        size = None if getattr(self.bundle, "any_size", False) else self.bundle.sample_size
+        check_data_geometry(x0, self.bundle.model_info(), size)
         eps = torch.randn(x0.shape, generator=self.gen).to(device)
         sigma = sample_sigmas(len(prompts), cfg, self.gen).to(device)
         s = sigma.view(-1, *[1] * (x0.dim() - 1))

@@ -44,14 +44,21 @@ class WanBundle:
             space).
         sample_size: the frame side in pixels (a tiny model's resolution; 480 for a directory,
             Wan 2.1 1.3B's trained size).
+        any_size: True for a directory: it does not record the frame size it was trained at, and
+            Wan's rotary embedding takes any size, so supervised training takes data of any side
+            the VAE and the 2x2 patch divide (`FlowMatchingSFT`); False for a tiny model, which
+            takes its `resolution`.
         cond_keys: `encode_text`'s keys. guidance: "cfg".
     """
 
     cond_keys = ("prompt_embeds",)
     guidance = "cfg"
 
-    def __init__(self, pipeline: WanPipeline, num_frames: int, sample_size: int) -> None:
+    def __init__(
+        self, pipeline: WanPipeline, num_frames: int, sample_size: int, any_size: bool = False
+    ) -> None:
         self.pipeline = pipeline
+        self.any_size = any_size
         self.transformer: WanTransformer3DModel = pipeline.transformer
         self.vae: AutoencoderKLWan | None = pipeline.vae
         self.latent_channels = self.transformer.config.in_channels
@@ -187,7 +194,7 @@ class WanBundle:
         if pipe.vae is not None:
             pipe.vae.to(torch.float32)  # Wan's VAE decodes in fp32 (its reference and WanPipeline's)
         pipe.transformer.to(torch.float32)
-        return cls(pipe, num_frames, sample_size=480)
+        return cls(pipe, num_frames, sample_size=480, any_size=True)
 
     @classmethod
     def tiny(cls, cfg: TinyWanConfig, num_frames: int) -> WanBundle:
