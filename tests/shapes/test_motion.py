@@ -57,6 +57,17 @@ def test_clips_hold_one_whole_square_moving_speed_px_a_frame_in_the_prompts_size
     assert set(prompts) == {f"a {w} red square" for w in SQUARE_SIDES}
 
 
+def test_a_direction_subset_draws_only_those_directions():
+    """`directions=[right]` (supervised fine-tuning on the clips the motion reward asks for): every
+    clip's square moves +speed a frame, re-read from its pixels, and ColorMotion scores each +0.5."""
+    videos, prompts = MovingSquares(directions=["right"]).sample_batch(40, np.random.default_rng(1))
+    for clip in videos:
+        boxes = red_boxes(clip)
+        assert {b[0] - a[0] for a, b in zip(boxes, boxes[1:], strict=False)} == {2}
+    assert len(prompts) == 40
+    torch.testing.assert_close(motion(videos), torch.full((40,), 0.5))
+
+
 def test_the_motion_reward_scores_the_three_directions_plus_minus_travel_over_width():
     clips = np.stack(
         [render_clip(4, d, x, 5, 5, 16, 2) for d, x in (("right", 1), ("still", 6), ("left", 11))]
@@ -81,6 +92,8 @@ def test_prompts_make_a_data_source_and_the_vocabulary_covers_them():
         ({"num_frames": 1}, "num_frames must be >= 2"),
         ({"speed": 0}, "speed must be >= 1"),
         ({"num_frames": 9, "speed": 2, "size": 16}, "does not fit"),
+        ({"directions": []}, "directions must be a non-empty list"),
+        ({"directions": ["up"]}, r"directions must be a non-empty list of \['left', 'still', 'right'\]"),
     ],
 )
 def test_bad_settings_are_refused_naming_them(kwargs, match):

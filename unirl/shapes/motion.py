@@ -13,6 +13,8 @@ rise to s that RL has to find. Pretraining recipe: `sft/squares_wan_pretrain`; R
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from unirl.shapes.world import BACKGROUND, PALETTE
@@ -60,9 +62,17 @@ class MovingSquares:
         size: frame height and width in px.
         speed: px the square moves per frame (>= 1); the largest square must fit its whole path:
             max side + speed (num_frames - 1) <= size.
+        directions: the directions `sample_batch` draws from, uniformly (default all three;
+            `[right]` gives the clips a motion reward asks for, for supervised fine-tuning).
     """
 
-    def __init__(self, num_frames: int = 5, size: int = 16, speed: int = 2) -> None:
+    def __init__(
+        self,
+        num_frames: int = 5,
+        size: int = 16,
+        speed: int = 2,
+        directions: Sequence[str] = tuple(DIRECTIONS),
+    ) -> None:
         if num_frames < 2:
             raise ValueError(
                 f"MovingSquares num_frames must be >= 2 (motion needs two frames), got {num_frames}"
@@ -75,7 +85,12 @@ class MovingSquares:
                 f"MovingSquares: a {max(SQUARE_SIDES.values())} px square moving {travel} px does not fit "
                 f"{size} px frames; lower speed or num_frames, or raise size"
             )
-        self.num_frames, self.size, self.speed = num_frames, size, speed
+        directions = list(directions)
+        if not directions or any(d not in DIRECTIONS for d in directions):
+            raise ValueError(
+                f"MovingSquares directions must be a non-empty list of {list(DIRECTIONS)}, got {directions!r}"
+            )
+        self.num_frames, self.size, self.speed, self.directions = num_frames, size, speed, directions
         self.examples: list[PromptExample] = [
             PromptExample(prompt=square_prompt(w), prompt_id=f"squares/{w}") for w in SQUARE_SIDES
         ]
@@ -87,12 +102,12 @@ class MovingSquares:
         return self.examples[i]
 
     def sample_batch(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, list[str]]:
-        """n random clips: a size word, a direction and a placement drawn uniformly each.
+        """n random clips: a size word, a direction (of `directions`) and a placement drawn uniformly each.
 
         Returns:
             videos: uint8 [n, num_frames, size, size, 3]; prompts: n strings.
         """
-        words, directions = list(SQUARE_SIDES), list(DIRECTIONS)
+        words, directions = list(SQUARE_SIDES), self.directions
         travel = self.speed * (self.num_frames - 1)
         videos = np.empty((n, self.num_frames, self.size, self.size, 3), dtype=np.uint8)
         prompts = []
