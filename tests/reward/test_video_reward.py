@@ -52,6 +52,11 @@ def test_color_motion_rewards_a_red_object_moving_right() -> None:
     assert ColorMotion([1.0, 0.0, 0.0], "left")(request(videos))[1].item() == pytest.approx(moved)
     blue = torch.stack([moving_square(4, rgb=(0, 0, 255))])  # moves, but is not the colour
     assert ColorMotion([1.0, 0.0, 0.0])(request(blue)).item() == 0.0
+    # floor 0: the wrong way scores as a still video; the right way and still ones are unchanged
+    floored = ColorMotion([1.0, 0.0, 0.0], "right", floor=0.0)(request(videos))
+    torch.testing.assert_close(floored, torch.tensor([moved, 0.0, 0.0, 0.0]), rtol=0, atol=1e-6)
+    half = ColorMotion([1.0, 0.0, 0.0], "right", floor=-0.25)(request(videos))
+    torch.testing.assert_close(half, torch.tensor([moved, -0.25, 0.0, 0.0]), rtol=0, atol=1e-6)
 
 
 def test_color_motion_weighs_pixels_by_closeness_to_the_colour() -> None:
@@ -77,6 +82,9 @@ def test_image_and_video_scorers_refuse_the_other_modality() -> None:
         ColorMotion()(request(videos[:, 0]))
     with pytest.raises(ValueError, match="direction must be 'right' or 'left'"):
         ColorMotion(direction="up")
+    for floor in (0.5, -2.0, "0"):
+        with pytest.raises(ValueError, match=r"floor must be null or in \[-1, 0\]"):
+            ColorMotion(floor=floor)
     with pytest.raises(ValueError, match="must be uint8 \\[B, 3, H, W\\] \\(or videos"):
         request(torch.zeros(1, 2, 4, 4, 4, dtype=torch.uint8))
 

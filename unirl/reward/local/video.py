@@ -71,9 +71,13 @@ class ColorMotion:
     Args:
         target: RGB colour, three values in [0, 1].
         direction: "right" (x grows over time) or "left".
+        floor: None, or the lowest score (0.0: motion the wrong way scores as a still video,
+            so a policy cannot raise its reward by no longer moving, only by moving the asked way).
     """
 
-    def __init__(self, target: Sequence[float] = (1.0, 0.0, 0.0), direction: str = "right") -> None:
+    def __init__(
+        self, target: Sequence[float] = (1.0, 0.0, 0.0), direction: str = "right", floor: float | None = None
+    ) -> None:
         values = list(target)
         if len(values) != 3 or not all(
             isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0 for v in values
@@ -82,7 +86,10 @@ class ColorMotion:
         if direction not in ("right", "left"):
             raise ValueError(f"ColorMotion direction must be 'right' or 'left', got {direction!r}")
         self.target = torch.tensor(values, dtype=torch.float32)
+        if floor is not None and not (isinstance(floor, (int, float)) and -1.0 <= floor <= 0.0):
+            raise ValueError(f"ColorMotion floor must be null or in [-1, 0], got {floor!r}")
         self.sign = 1.0 if direction == "right" else -1.0
+        self.floor = floor
 
     def centroids(self, videos: torch.Tensor) -> torch.Tensor:
         """[B, F] x-centroids in [0, 1] of the colour's mass of uint8 videos [B, F, 3, H, W]."""
@@ -96,6 +103,7 @@ class ColorMotion:
         return torch.where(mass > 0, moment / mass.clamp(min=1e-12), torch.full_like(mass, 0.5))
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
-        """[B] fp32: sign x (centroid of the last frame - centroid of the first)."""
+        """[B] fp32: sign x (centroid of the last frame - centroid of the first), at least `floor`."""
         c = self.centroids(req.require_videos("ColorMotion"))
-        return self.sign * (c[:, -1] - c[:, 0])
+        score = self.sign * (c[:, -1] - c[:, 0])
+        return score if self.floor is None else score.clamp(min=self.floor)
