@@ -86,7 +86,9 @@ class ColorMotion:
         if direction not in ("right", "left"):
             raise ValueError(f"ColorMotion direction must be 'right' or 'left', got {direction!r}")
         self.target = torch.tensor(values, dtype=torch.float32)
-        if floor is not None and not (isinstance(floor, (int, float)) and -1.0 <= floor <= 0.0):
+        if floor is not None and (
+            isinstance(floor, bool) or not (isinstance(floor, (int, float)) and -1.0 <= floor <= 0.0)
+        ):
             raise ValueError(f"ColorMotion floor must be null or in [-1, 0], got {floor!r}")
         self.sign = 1.0 if direction == "right" else -1.0
         self.floor = floor
