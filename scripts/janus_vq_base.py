@@ -25,47 +25,27 @@ import torch
 import torch.nn.functional as F
 
 from unirl.models.janus import JanusModelConfig
-from unirl.shapes import ShapesDataset
-
-
-def normalized_vq_forward(vq, x: torch.Tensor, beta: float = 0.25) -> tuple[torch.Tensor, torch.Tensor]:
-    """(reconstruction [B, 3, S, S], codebook + commitment loss) of the quantizer Janus decodes
-    with: latents and codebook l2-normalised (as `get_codebook_entry` normalises the codes at
-    generation), nearest code by cosine, straight-through gradient to the encoder (LlamaGen's VQ)."""
-    z = F.normalize(vq.quant_conv(vq.encoder(x)), dim=1)  # [B, D, h, w]
-    codes = F.normalize(vq.quantize.embedding.weight, dim=-1)  # [K, D]
-    flat = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
-    q = codes[(flat @ codes.T).argmax(-1)]
-    loss = (q - flat.detach()).square().mean() + beta * (q.detach() - flat).square().mean()
-    q = (flat + (q - flat).detach()).reshape(z.shape[0], z.shape[2], z.shape[3], -1).permute(0, 3, 1, 2)
-    return vq.decoder(vq.post_quant_conv(q)), loss
-
-
-def nearest_codes(vq, x: torch.Tensor) -> torch.Tensor:
-    """[B * h * w] the code of each latent of `x` by cosine (the normalised quantizer's choice)."""
-    z = (
-        F.normalize(vq.quant_conv(vq.encoder(x)), dim=1)
-        .permute(0, 2, 3, 1)
-        .reshape(-1, vq.quantize.embedding_dim)
-    )
-    return (z @ F.normalize(vq.quantize.embedding.weight, dim=-1).T).argmax(-1)
+from unirl.models.janus.pretrain import nearest_codes, normalized_vq_forward, restart_dead_codes
+from unirl.shapes import GenEvalMini, ShapesDataset
 
 
 @torch.no_grad()
-def restart_dead_codes(vq, x: torch.Tensor) -> int:
-    """Move every codebook vector no latent of batch `x` chose onto a random latent of the batch
-    (the usual cure for codebook collapse); returns how many moved."""
-    latents = (
-        F.normalize(vq.quant_conv(vq.encoder(x)), dim=1)
-        .permute(0, 2, 3, 1)
-        .reshape(-1, vq.quantize.embedding_dim)
-    )
-    used = nearest_codes(vq, x).unique()
-    dead = torch.ones(vq.quantize.num_embeddings, dtype=torch.bool)
-    dead[used] = False
-    picks = torch.randint(0, latents.shape[0], (int(dead.sum()),))
-    vq.quantize.embedding.weight[dead] = latents[picks]
-    return int(dead.sum())
+def round_trip(bundle, n: int = 256, seed: int = 123) -> dict[str, float]:
+    """GenEvalMini (strict) of held-out renders through the tokenizer and back: encode, take
+    each latent's code (`nearest_codes`), decode with the library's `decode_image_tokens` (as
+    generation does). The ceiling of any image the AR model can draw with these codes."""
+    vq = bundle.model.model.vqmodel
+    images, prompts = ShapesDataset("eval", 0).sample_batch(n, np.random.default_rng(seed), bundle.image_size)
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+    codes = nearest_codes(vq, x)
+    decoded = bundle.decode(codes)
+    scores = GenEvalMini().evaluate(decoded, prompts)
+    return {
+        "round_trip_strict": scores["accuracy_strict_samples"],
+        "round_trip_dense": scores["dense"],
+        "renders_strict": GenEvalMini().evaluate(images, prompts)["accuracy_strict_samples"],
+        "codes_used": int(codes.unique().numel()),
+    }
 
 
 def main() -> None:
@@ -77,12 +57,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--restart_every", type=int, default=25, help="steps between dead-code restarts")
     parser.add_argument("--tiny", default="{}", help="TinyJanusConfig keys as JSON")
+    parser.add_argument("--eval_every", type=int, default=0, help="steps between round trips (0: at the end)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     bundle = JanusModelConfig(tiny=json.loads(args.tiny)).build()
     vq = bundle.model.model.vqmodel
     vq.train()
     opt = torch.optim.AdamW(vq.parameters(), lr=args.lr, weight_decay=0.0)
+    # cosine decay to 0 over the run (a constant rate leaves the codes jittering)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + np.cos(np.pi * s / args.steps)))
     data, rng = ShapesDataset("train", 0), np.random.default_rng(args.seed)
     size = bundle.image_size
     os.makedirs(args.out, exist_ok=True)
@@ -99,6 +82,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
         if step % args.restart_every == 0:
             restart_dead_codes(vq, x)
         if step % 50 == 0 or step == args.steps:
@@ -110,6 +94,10 @@ def main() -> None:
                 "codes_used": codes,
                 "seconds": time.perf_counter() - t0,
             }
+            if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+                vq.eval()
+                row.update(round_trip(bundle))
+                vq.train()
             print(json.dumps(row), flush=True)
             log.write(json.dumps(row) + "\n")
     log.close()

@@ -185,3 +185,57 @@ def test_save_and_load_round_trip(bundle, tmp_path):
     (tmp_path / "other" / "config.json").write_text('{"model_type": "qwen3"}')
     (problem,) = JanusModelConfig(pretrained_path=str(tmp_path / "other")).directory_problems()
     assert "'qwen3' model, not a Janus" in problem
+
+
+def test_pretraining_losses_are_the_stages_own_log_probs(bundle):
+    """`teacher_forced_losses` trains what the stage samples: its image term is minus the mean of
+    `JanusImageStage.token_log_probs` at guidance 1 over the same contexts (an unconditional row
+    replayed as its uncond twin), its plan term the text head's cross-entropy of the plan tokens in
+    a plain `model(input_ids=prompt + plan)` forward, unconditional rows left out."""
+    from unirl.models.janus.pretrain import plan_ids, teacher_forced_losses
+
+    stage = JanusImageStage(bundle)
+    tok = bundle.tokenizer
+    prompts = [torch.tensor(tok.encode(p)) for p in ("draw a red ball.", "two blue boxes, please.", "x.")]
+    plans = [plan_ids(bundle, t) for t in ("a red circle", "two blue squares", "a green triangle")]
+    assert int(plans[0][-1]) == tok.convert_tokens_to_ids("<end_of_plan>")
+    images = torch.randint(
+        0, bundle.codebook_size, (3, bundle.num_image_tokens), generator=torch.Generator().manual_seed(0)
+    )
+    uncond = [False, True, False]
+    plan_ce, image_ce = teacher_forced_losses(stage, prompts, plans, images, uncond)
+
+    ctx = [stage.image_context(p, q) for p, q in zip(prompts, plans, strict=True)]
+    ctx = [stage.unconditional(c) if u else c for c, u in zip(ctx, uncond, strict=True)]
+    segment = TokenSegment(
+        prompt_ids=ctx, response_ids=list(images), log_probs=None, temperature=1.0, guidance_scale=1.0
+    )
+    torch.testing.assert_close(image_ce, -stage.token_log_probs(segment).mean(), rtol=0, atol=1e-5)
+
+    nll = []
+    for p, q, u in zip(prompts, plans, uncond, strict=True):
+        if u:
+            continue
+        logits = bundle.model(input_ids=torch.cat([p, q])[None]).logits[0].double()
+        lp = torch.log_softmax(logits[p.numel() - 1 : -1], -1)
+        nll.append(-lp.gather(-1, q[:, None]).squeeze(-1))
+    torch.testing.assert_close(plan_ce.double(), torch.cat(nll).mean(), rtol=0, atol=1e-5)
+
+
+def test_nearest_codes_are_the_closest_normalised_codebook_vectors(bundle):
+    """The pretraining quantizer's code of each latent is the codebook vector nearest it in
+    Euclidean distance once both are l2-normalised (computed here by brute force), row-major."""
+    from unirl.models.janus.pretrain import nearest_codes
+
+    vq = bundle.model.model.vqmodel
+    x = (
+        torch.rand(2, 3, bundle.image_size, bundle.image_size, generator=torch.Generator().manual_seed(1)) * 2
+        - 1
+    )
+    with torch.no_grad():
+        got = nearest_codes(vq, x)
+        z = torch.nn.functional.normalize(vq.quant_conv(vq.encoder(x)), dim=1)  # [B, D, h, w]
+        e = torch.nn.functional.normalize(vq.quantize.embedding.weight, dim=-1)
+        dist = ((z.permute(0, 2, 3, 1)[..., None, :] - e) ** 2).sum(-1)  # [B, h, w, K]
+    assert got.shape == (2, bundle.num_image_tokens)
+    assert torch.equal(got, dist.argmin(-1).reshape(2, -1))
