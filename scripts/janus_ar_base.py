@@ -15,8 +15,10 @@ guidance has an unconditional model to push away from. The plan learns the SFT f
 RL-only synonyms and templates (`ShapesPEDataset`'s RL prompts) are left for BiCoT-GRPO's plan
 track, as the shapes PE base leaves them.
 
-    python scripts/janus_ar_base.py --vq outputs/janus_shapes/vq --out outputs/janus_shapes/base \
-        --steps 4000 --tiny '{"hidden_size": 128, "num_layers": 4, ...}'
+    python scripts/janus_ar_base.py --vq outputs/janus_shapes/vq --out outputs/janus_shapes/ar \
+        --steps 5000 --fp16 --tiny '{"hidden_size": 128, "num_layers": 4, ...}'
+
+(`checkpoints/shapes_janus/TRAINING.md` has the full command that made the committed base.)
 
 The VQ fields of `--tiny` (num_patches, codebook_size, vq_levels, vq_channels, vq_embed_dim)
 must be the VQ directory's. Every `--eval_every` steps (and at the end) it prints and logs to
@@ -136,6 +138,7 @@ def main() -> None:
     parser.add_argument("--cfg", type=float, default=5.0, help="guidance scale of the evaluation's images")
     parser.add_argument("--eval_every", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp16", action="store_true", help="save the weights in fp16 (loaded back as fp32)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     tiny = json.loads(args.tiny)
@@ -194,6 +197,8 @@ def main() -> None:
             log.flush()
     log.close()
     model.eval()
+    if args.fp16:
+        model.half()
     bundle.save_pretrained(args.out)
 
 

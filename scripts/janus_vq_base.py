@@ -1,16 +1,18 @@
 """Train the VQ tokenizer of a tiny Janus on the shapes renders and save the model directory.
 
-The first half of a Janus-style shapes base (issue 27, item 5): the VQ-VAE (encoder,
-codebook, decoder) learns to reconstruct the shapes world's training renders (resized to the
-model's image size), so its codes decode to distinct colours and parts of shapes; the
-backbone and both heads stay as initialised. `JanusModelConfig(pretrained_path=OUT)` (a
-recipe's `model.pretrained_path`, or `UNIFIED_MODEL` for `unified/shapes_bicot_grpo`) loads it.
+The first half of a Janus-style shapes base (issue 27, item 5; `janus_ar_base.py` trains the
+second on top of it): the VQ-VAE (encoder, codebook, decoder) learns to reconstruct the shapes
+world's training renders (resized to the model's image size) through the normalised quantizer of
+`unirl/models/janus/pretrain.py`, so its codes decode to colours and parts of shapes; the
+backbone and both heads stay as initialised.
 
-    python scripts/janus_vq_base.py --out outputs/janus_vq16 --steps 300 \
-        --tiny '{"max_position_embeddings": 128}'
+    python scripts/janus_vq_base.py --out outputs/janus_shapes/vq --steps 2000 --eval_every 250 \
+        --tiny '{"num_patches": 8, "codebook_size": 256, "vq_levels": 3, "vq_embed_dim": 8, "max_position_embeddings": 256}'
 
-Prints one line per 50 steps (step, reconstruction MSE, codes in use of the batch, seconds) and
-writes `vq_log.jsonl` beside the model.
+(the tokenizer of `checkpoints/shapes_janus`). Prints one line per 50 steps (step,
+reconstruction MSE, codes in use of the batch, seconds; at the end and every `--eval_every`
+steps the GenEvalMini round trip of held-out renders through codes and the library's decode)
+and writes `vq_log.jsonl` beside the model.
 """
 
 from __future__ import annotations
