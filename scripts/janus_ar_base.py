@@ -40,7 +40,7 @@ import torch
 
 from unirl.models.janus import JanusImageStage, JanusModelConfig, TinyJanusConfig
 from unirl.models.janus.bundle import PLAN_END_TOKEN
-from unirl.models.janus.pretrain import nearest_codes, plan_ids, teacher_forced_losses
+from unirl.models.janus.pretrain import nearest_codes, pixels, plan_ids, teacher_forced_losses
 from unirl.shapes import GenEvalMini, ShapesPESFTSource
 from unirl.shapes.paraphrase import paraphrase
 from unirl.shapes.world import parse_prompt, render, split_scenes
@@ -63,9 +63,8 @@ def build(vq_dir: str, tiny: dict):
 
 def codes_of(bundle, renders: np.ndarray) -> torch.Tensor:
     """[B, N] image tokens of uint8 renders [B, S, S, 3] (the frozen VQ's nearest codes)."""
-    x = torch.from_numpy(renders).permute(0, 3, 1, 2).float() / 127.5 - 1  # [-1, 1], as Janus normalises
     with torch.no_grad():
-        return nearest_codes(bundle.model.model.vqmodel, x)
+        return nearest_codes(bundle.model.model.vqmodel, pixels(renders))
 
 
 def prompt_ids(bundle, text: str) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from unirl.models.janus import JanusModelConfig
-from unirl.models.janus.pretrain import nearest_codes, normalized_vq_forward, restart_dead_codes
+from unirl.models.janus.pretrain import nearest_codes, normalized_vq_forward, pixels, restart_dead_codes
 from unirl.shapes import GenEvalMini, ShapesDataset
 
 
@@ -38,8 +38,7 @@ def round_trip(bundle, n: int = 256, seed: int = 123) -> dict[str, float]:
     generation does). The ceiling of any image the AR model can draw with these codes."""
     vq = bundle.model.model.vqmodel
     images, prompts = ShapesDataset("eval", 0).sample_batch(n, np.random.default_rng(seed), bundle.image_size)
-    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-    codes = nearest_codes(vq, x)
+    codes = nearest_codes(vq, pixels(images))
     decoded = bundle.decode(codes)
     scores = GenEvalMini().evaluate(decoded, prompts)
     return {
@@ -75,7 +74,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         images, _ = data.sample_batch(args.batch, rng)
-        x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1  # [-1, 1], as Janus normalises
+        x = pixels(images)
         if x.shape[-1] != size:
             x = F.interpolate(x, size=(size, size), mode="area")
         decoded, codebook_loss = normalized_vq_forward(vq, x)

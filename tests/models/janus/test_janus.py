@@ -248,7 +248,7 @@ def test_committed_shapes_base_encodes_plans_and_draws_the_world():
     the recipe samples) draw the asked scene far above the random-VQ Janus's 0."""
     import random
 
-    from unirl.models.janus.pretrain import nearest_codes, plan_ids
+    from unirl.models.janus.pretrain import nearest_codes, pixels, plan_ids
     from unirl.shapes import GenEvalMini, ShapesDataset
     from unirl.shapes.paraphrase import paraphrase
     from unirl.shapes.world import split_scenes
@@ -256,9 +256,8 @@ def test_committed_shapes_base_encodes_plans_and_draws_the_world():
     base = JanusModelConfig(pretrained_path="checkpoints/shapes_janus").build()
     base.model.eval()
     images, prompts = ShapesDataset("eval", 0).sample_batch(32, np.random.default_rng(5), base.image_size)
-    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
     with torch.no_grad():
-        decoded = base.decode(nearest_codes(base.model.model.vqmodel, x))
+        decoded = base.decode(nearest_codes(base.model.model.vqmodel, pixels(images)))
     assert GenEvalMini().evaluate(decoded, prompts)["accuracy_strict_samples"] >= 0.9
 
     py = random.Random(3)

@@ -20,36 +20,43 @@ S image side.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from unirl.models.janus.bundle import PLAN_END_TOKEN, JanusBundle
-from unirl.models.janus.stage import JanusImageStage
+from unirl.models.janus.stage import JanusImageStage, janus_of
+from unirl.types.segments import pad_right
+
+
+def pixels(images: np.ndarray) -> torch.Tensor:
+    """[B, 3, S, S] fp32 in [-1, 1] (as Janus normalises) of uint8 renders [B, S, S, 3]."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
 
 
 def _latents(vq, x: torch.Tensor) -> torch.Tensor:
-    """[B, D, h, w] l2-normalised encoder latents of images x [B, 3, S, S] in [-1, 1]."""
-    return F.normalize(vq.quant_conv(vq.encoder(x)), dim=1)
+    """[B, h, w, D] l2-normalised encoder latents of images x [B, 3, S, S] in [-1, 1]."""
+    return F.normalize(vq.quant_conv(vq.encoder(x)), dim=1).permute(0, 2, 3, 1)
+
+
+def _codebook(vq) -> torch.Tensor:
+    """[K, D] the l2-normalised codebook."""
+    return F.normalize(vq.quantize.embedding.weight, dim=-1)
 
 
 def nearest_codes(vq, x: torch.Tensor) -> torch.Tensor:
     """[B, h * w] the cosine-nearest code of each latent of images x (row-major, the image
     tokens' order)."""
-    z = _latents(vq, x)
-    flat = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
-    codes = (flat @ F.normalize(vq.quantize.embedding.weight, dim=-1).T).argmax(-1)
-    return codes.reshape(x.shape[0], -1)
+    return (_latents(vq, x) @ _codebook(vq).T).argmax(-1).flatten(1)
 
 
 def normalized_vq_forward(vq, x: torch.Tensor, beta: float = 0.25) -> tuple[torch.Tensor, torch.Tensor]:
     """(reconstruction [B, 3, S, S], codebook + `beta` x commitment loss) of images x through
     the normalised quantizer with a straight-through gradient."""
-    z = _latents(vq, x)
-    codes = F.normalize(vq.quantize.embedding.weight, dim=-1)  # [K, D]
-    flat = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
-    q = codes[(flat @ codes.T).argmax(-1)]
-    loss = (q - flat.detach()).square().mean() + beta * (q.detach() - flat).square().mean()
-    q = (flat + (q - flat).detach()).reshape(z.shape[0], z.shape[2], z.shape[3], -1).permute(0, 3, 1, 2)
+    z, codes = _latents(vq, x), _codebook(vq)
+    q = codes[(z @ codes.T).argmax(-1)]  # [B, h, w, D]
+    loss = (q - z.detach()).square().mean() + beta * (q.detach() - z).square().mean()
+    q = (z + (q - z).detach()).permute(0, 3, 1, 2)
     return vq.decoder(vq.post_quant_conv(q)), loss
 
 
@@ -57,10 +64,9 @@ def normalized_vq_forward(vq, x: torch.Tensor, beta: float = 0.25) -> tuple[torc
 def restart_dead_codes(vq, x: torch.Tensor) -> int:
     """Move every code no latent of images x chose onto a random latent of the batch (the usual
     cure for codebook collapse); returns how many moved."""
-    z = _latents(vq, x)
-    latents = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
+    latents = _latents(vq, x).flatten(0, 2)  # [B * h * w, D]
     dead = torch.ones(vq.quantize.num_embeddings, dtype=torch.bool)
-    dead[nearest_codes(vq, x).unique()] = False
+    dead[(latents @ _codebook(vq).T).argmax(-1).unique()] = False
     picks = torch.randint(0, latents.shape[0], (int(dead.sum()),))
     vq.quantize.embedding.weight[dead] = latents[picks]
     return int(dead.sum())
@@ -89,8 +95,7 @@ def teacher_forced_losses(
         images: [B, N] codebook indices.
         uncond: per row, train the unconditional twin (image tokens only, no plan loss).
     """
-    model = stage.module
-    janus = model.get_base_model() if hasattr(model, "get_base_model") else model
+    janus = janus_of(stage.module)
     embed_text = janus.get_input_embeddings()
     seqs, spans, ctx_lens = [], [], []
     for p, plan, img, drop in zip(prompts, plans, images, uncond, strict=True):
@@ -102,9 +107,7 @@ def teacher_forced_losses(
         ctx_lens.append(ctx.numel())
     width = max(s.shape[0] for s in seqs)
     embeds = torch.stack([F.pad(s, (0, 0, 0, width - s.shape[0])) for s in seqs])
-    mask = torch.zeros(len(seqs), width, dtype=torch.long, device=embeds.device)
-    for i, s in enumerate(seqs):
-        mask[i, : s.shape[0]] = 1
+    mask = pad_right([torch.ones(s.shape[0], dtype=torch.long, device=embeds.device) for s in seqs], 0)
     hidden = janus.model.language_model(
         inputs_embeds=embeds, attention_mask=mask, use_cache=False
     ).last_hidden_state  # [B, L, H]
