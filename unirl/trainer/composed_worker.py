@@ -21,6 +21,7 @@ import torch
 
 from unirl.algorithms.base import StageAlgorithm
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
+from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, dispatch
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
@@ -57,7 +58,7 @@ def build_track(
 ) -> TrackParts:
     """Build track `name` from its recipe node `cfg` (`tracks.<name>`) on `device`; rank 0 writes
     the untrained bundle to `base_dir` (tiny models) before LoRA is injected."""
-    bundle = build(cfg["model"]).build().to(device)
+    bundle = build_bundle(build(cfg["model"]), device)
     if base_dir and rank == 0:
         bundle.save_pretrained(base_dir)
     stage = build(cfg["stage"], bundle=bundle)

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from unirl.dataplane import BatchMeta, make_transport, put_batch
-from unirl.distributed.device import resolve_device
+from unirl.distributed.device import build_bundle, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.rollout.dedicated import EngineStateError
 from unirl.sync import (
@@ -79,13 +79,13 @@ class EngineWorker(Worker):
         torch.manual_seed(cfg["seed"])
         self.device = resolve_device(device)
         model_cfg = build(cfg["model"])
-        bundle = model_cfg.build().to(self.device)
+        bundle = build_bundle(model_cfg, self.device)
         stage = build(cfg["stage"], bundle=bundle)
         lora = build(cfg["train"].get("lora"))
         if lora is not None:
             inject_lora(stage.module, lora)
         stage.module.requires_grad_(False)
-        self.engine = build(cfg["rollout"], stage=stage, rebuild=model_cfg.build)
+        self.engine = build(cfg["rollout"], stage=stage, rebuild=lambda: build_bundle(model_cfg, self.device))
         self.transport = make_transport(cfg["transport"], device=self.device)
         self.transport.attach(transport_info or {})
         self.receiver: WeightSyncReceiver | None = None

@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
+from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, dispatch
 from unirl.reward.service import RewardService
 from unirl.train.backend import TrainBackend
@@ -80,7 +81,7 @@ class UnifiedWorker(ProcessWorker):
     ) -> None:
         super().__init__(rank_info)
         self.start_process(cfg, device)
-        self.bundle = build(cfg["model"]).build().to(self.device)
+        self.bundle = build_bundle(build(cfg["model"]), self.device)
         if base_model_dir and rank_info.rank == 0:
             self.bundle.save_pretrained(base_model_dir)
         order = list(cfg["rollout"]["tracks"])

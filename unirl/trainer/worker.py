@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
-from unirl.distributed.device import init_process_group, resolve_device
+from unirl.distributed.device import build_bundle, init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.rollout.dedicated import is_dedicated
 from unirl.rollout.trainside import TrainsideEngine
@@ -139,7 +139,7 @@ class RLWorker(ProcessWorker):
         super().__init__(rank_info)
         self.start_process(cfg, device)
         self.model_cfg = build(cfg["model"])
-        self.bundle = self.model_cfg.build().to(self.device)
+        self.bundle = build_bundle(self.model_cfg, self.device)
         if base_model_dir and rank_info.rank == 0:
             self.bundle.save_pretrained(base_model_dir)
         self.stage = build(cfg["stage"], bundle=self.bundle)
