@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.distributed.device import avoid_cudnn_attention, build_bundle, process_group_backend, resolve_device
+from unirl.distributed.device import (
+    avoid_cudnn_attention,
+    build_bundle,
+    process_group_backend,
+    resolve_device,
+)
 
 
 def test_cpu_is_resolved_and_its_backend_is_gloo() -> None:

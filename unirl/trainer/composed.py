@@ -90,8 +90,7 @@ class ComposedTrainer(Trainer):
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         updates = {
-            n: self.num_steps * build(self.cfg.tracks[n].train.stack).steps_per_rollout
-            for n in self.trained
+            n: self.num_steps * build(self.cfg.tracks[n].train.stack).steps_per_rollout for n in self.trained
         }
         bases = {
             n: None if self.cfg.tracks[n].model.get("pretrained_path") else self.base_model[n]

@@ -152,7 +152,9 @@ class RewardScorer:
         self.sources = {e.prompt: str(e.metadata.get(source_key)) for e in rows if source_key in e.metadata}
 
     def evaluate(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
-        req = RewardRequest(sample_ids=[str(i) for i in range(len(prompts))], prompts=list(prompts), images=images)
+        req = RewardRequest(
+            sample_ids=[str(i) for i in range(len(prompts))], prompts=list(prompts), images=images
+        )
         out: dict[str, float] = {}
         for name, scorer in self.components.items():
             scores = scorer(req).float()

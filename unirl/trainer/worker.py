@@ -166,7 +166,12 @@ class RLWorker(ProcessWorker):
         if cfg.get("critic") is not None:
             critic_cfg, advantage = build(cfg["critic"]), build(cfg["advantage"])
             self.critic = Critic(
-                critic_cfg, self.stack.config, advantage, total_optimizer_steps, self.device, policy=self.stage
+                critic_cfg,
+                self.stack.config,
+                advantage,
+                total_optimizer_steps,
+                self.device,
+                policy=self.stage,
             )
         self.num_steps = int(cfg["num_steps"])
         if is_dedicated(cfg["rollout"]):  # engines sample the rollouts; this one samples evaluations
@@ -213,7 +218,11 @@ class RLWorker(ProcessWorker):
             if self.algorithm.requires_ema_rollout:
                 stack.enter_context(self.backend.ema_weights())
             try:
-                resp = self.engine.generate(req, keep=True) if self.kept is not None else self.engine.generate(req)
+                resp = (
+                    self.engine.generate(req, keep=True)
+                    if self.kept is not None
+                    else self.engine.generate(req)
+                )
             except BaseException:
                 if self.kept is not None:
                     self.kept.clear()
