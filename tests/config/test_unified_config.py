@@ -15,6 +15,9 @@ FREEZE_PLAN = ["tracks.plan.trained=false", "~tracks.plan.algorithm", "~tracks.p
 FREEZE_IMAGE = ["tracks.image.trained=false", "~tracks.image.algorithm", "~tracks.image.advantage"]
 
 
+FSDP = "train.fsdp={_target_: unirl.train.fsdp.FSDPConfig, block_classes: [LlamaDecoderLayer]}"
+
+
 def recipe(*overrides: str):
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
         return compose("unified/tiny_bicot_smoke", overrides=list(overrides))
@@ -35,6 +38,10 @@ def problems(*overrides: str) -> list[str]:
 def test_every_unified_recipe_is_valid(name: str) -> None:
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
         validate_unified_config(compose(f"unified/{name}"))
+
+
+def test_two_ranks_with_fsdp_are_valid() -> None:
+    validate_unified_config(recipe("num_devices=2", "launcher=ray", FSDP))
 
 
 def test_each_ablation_is_one_segment_frozen() -> None:
@@ -69,8 +76,20 @@ def test_all_segment_weights_zero_names_the_keys() -> None:
         ),
         (["tracks.plan.trained=false"], "tracks.plan: segment 'plan' is frozen (trained: false) but sets"),
         (["~tracks.image.advantage"], "tracks.image.advantage: segment 'image' is trained"),
-        (["num_devices=2", "launcher=ray"], "num_devices=2: a unified run trains on one worker"),
-        (["train.stack.micro_batch_size=3"], "train.stack.micro_batch_size=3 does not divide the batch of 8"),
+        (["num_devices=2", "launcher=ray"], "train.fsdp: num_devices=2 needs FSDP2 settings for the backbone"),
+        (
+            ["num_devices=3", "launcher=ray", FSDP],
+            "= 8 samples do not split evenly over num_devices=3",
+        ),
+        (
+            ["num_devices=2", "launcher=ray", FSDP, "train.stack.micro_batch_size=8"],
+            "train.stack.micro_batch_size=8 does not divide each rank's batch of 4",
+        ),
+        (
+            [FSDP.replace("LlamaDecoderLayer", "JointTransformerBlock")],
+            "train.fsdp.block_classes ['JointTransformerBlock'] match no module",
+        ),
+        (["train.stack.micro_batch_size=3"], "train.stack.micro_batch_size=3 does not divide each rank's batch of 8"),
         (["~rewards.image"], "rewards.image: the image track needs a reward"),
         (
             ["tracks.image.stage._target_=unirl.models.causal_lm.CausalLMStage"],

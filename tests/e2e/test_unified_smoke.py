@@ -2,7 +2,8 @@
 `python -m unirl.train_unified_model`: both segments train in one step, the gallery's samples
 show each image with its plan, the export loads back with moved weights, bad input exits 2
 before any work; in this process, a run stopped at a checkpoint and resumed writes the rows and
-weights of the run that never stopped."""
+weights of the run that never stopped; on 2 ranks with FSDP2 (Ray) the run trains as the one-rank
+run does and resumes exactly."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import run_module, untimed
+from tests.recipes import exported_weights, run, same_weights, stopped_and_resumed
 from tests.recipes import rows as read_rows
-from tests.recipes import same_weights, stopped_and_resumed
 from unirl.models.janus import JanusModelConfig
 
 pytestmark = [pytest.mark.e2e]
@@ -74,3 +75,29 @@ def test_resume_is_exact(tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
     assert same_weights(tmp_path / "full", tmp_path / "part")
+
+
+FSDP = "train.fsdp={_target_: unirl.train.fsdp.FSDPConfig, block_classes: [LlamaDecoderLayer]}"
+
+
+@pytest.mark.ray
+def test_two_ranks_train_as_one_and_resume_exactly(tmp_path, ray_cluster):
+    """BiCoT-GRPO on 2 workers with FSDP2 (each submodule a stage calls sharded as its own root):
+    the same rewards, ratios and gradient norms as one worker, the same final weights to float
+    rounding; stopped at a step-2 checkpoint and resumed, the rows and weights of the run that never
+    stopped. The one-worker run writes no `base_model/` (`checkpoint.save_base_model=false`)."""
+    two = ["num_devices=2", "launcher=ray", "transport=ray", "threads_per_worker=1", FSDP]
+    full, resumed = stopped_and_resumed(SMOKE, tmp_path, *two, stop=2, steps=3)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
+    assert same_weights(tmp_path / "full", tmp_path / "part")
+    one = run(SMOKE, tmp_path / "one", "num_steps=3", "threads_per_worker=1", "++checkpoint.save_base_model=false")
+    assert not (tmp_path / "one" / "base_model").exists() and (tmp_path / "full" / "base_model").is_dir()
+    for a, b in zip(one, full, strict=True):
+        for seg in ("plan", "image"):
+            assert a[f"{seg}/reward/mean"] == b[f"{seg}/reward/mean"]
+            assert a[f"{seg}/ratio/first_update_mean"] == pytest.approx(1.0, abs=1e-6)
+            assert b[f"{seg}/ratio/first_update_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    wa, wb = exported_weights(tmp_path / "one"), exported_weights(tmp_path / "full")
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0) for k in wa)

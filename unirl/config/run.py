@@ -116,9 +116,15 @@ class RunConfig:
 
 @dataclass
 class CheckpointConfig:
-    """`checkpoint`: `every_n_steps` between resumable checkpoints (0: only the final weights)."""
+    """`checkpoint`: `every_n_steps` between resumable checkpoints (0: only the final weights).
+
+    `save_base_model`: a model with random weights (no `pretrained_path`) is written to
+    `output_dir/base_model/` before training, so its exports load onto it. false skips that: a
+    real-size random model's base is tens of GB (a Qwen-Image-sized one 82 GB); its exports then
+    load only onto the same seeded model built on the same kind of device."""
 
     every_n_steps: int = 0
+    save_base_model: bool = True
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.", "every_n_steps", self.every_n_steps, 0)

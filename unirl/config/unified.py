@@ -216,31 +216,47 @@ def _check_geometry(cfg: DictConfig, passed: dict[str, Any], plan: str, problems
     run, stack, sampling = passed.get(""), passed.get("train.stack"), passed.get(f"tracks.{plan}.sampling")
     if run is None:
         return
-    if run.num_devices != 1:
+    world = run.num_devices
+    fsdp = passed.get("train.fsdp")
+    if world > 1 and passed.get("train") is not None and fsdp is None:
         problems.append(
-            f"num_devices={run.num_devices}: a unified run trains on one worker (the image stage calls the backbone's "
-            "submodules outside an FSDP2 root forward); set num_devices: 1"
+            f"train.fsdp: num_devices={world} needs FSDP2 settings for the backbone "
+            "(e.g. {_target_: unirl.train.fsdp.FSDPConfig, block_classes: [LlamaDecoderLayer]})"
         )
     if stack is not None and stack.num_mini_batches != 1:
         problems.append(
             f"train.stack.num_mini_batches={stack.num_mini_batches}: one joint step holds both segments' whole batch; "
             "set it to 1"
         )
-    if stack is not None and isinstance(sampling, TextSamplingParams):
+    if isinstance(sampling, TextSamplingParams):
         total = run.prompts_per_rollout * sampling.samples_per_prompt
-        if total % stack.micro_batch_size:
+        if total % world:
             problems.append(
-                f"train.stack.micro_batch_size={stack.micro_batch_size} does not divide the batch of "
-                f"{total} samples (prompts_per_rollout x tracks.{plan}.sampling.samples_per_prompt)"
+                f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x tracks.{plan}.sampling."
+                f"samples_per_prompt ({sampling.samples_per_prompt}) = {total} samples do not split evenly over "
+                f"num_devices={world}"
+            )
+        elif stack is not None and (total // world) % stack.micro_batch_size:
+            problems.append(
+                f"train.stack.micro_batch_size={stack.micro_batch_size} does not divide each rank's batch of "
+                f"{total // world} samples (prompts_per_rollout x tracks.{plan}.sampling.samples_per_prompt / "
+                "num_devices)"
             )
     model, lora = passed.get("model"), passed.get("train.lora")
-    if model is not None and lora is not None:
+    if model is not None and (lora is not None or fsdp is not None):
         from unirl.train.backend import lora_target_problem
+        from unirl.train.fsdp import unmatched_block_classes
 
         try:
-            problem = lora_target_problem(
-                meta_module(model), lora.target_modules, "train.lora.target_modules"
-            )
+            tree = meta_module(model)
+            problem = lora_target_problem(tree, lora.target_modules, "train.lora.target_modules") if lora else None
+            missing = unmatched_block_classes(tree, fsdp.block_classes) if fsdp else []
+            if missing:
+                present = sorted({type(m).__name__ for m in tree.modules() if type(m).__name__.endswith("Layer")})
+                problems.append(
+                    f"train.fsdp.block_classes {missing} match no module of {type(tree).__name__} "
+                    f"(layer classes present: {present})"
+                )
         except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
             problem = f"model: cannot read the model's config ({type(exc).__name__}: {exc})"
         if problem:

@@ -185,6 +185,8 @@ class TrainBackend:
             understanding tower): their parameters, and LoRA adapters inside them, stay
             frozen, so the optimizer holds state only for what trains. A name matches a
             whole component of a parameter's path ("vqmodel" matches "model.vqmodel.x").
+        roots: with several ranks, the submodules sharded as FSDP roots of their own instead of
+            the whole module (`shard_module`): a unified model's stages call them directly.
     """
 
     def __init__(
@@ -199,6 +201,7 @@ class TrainBackend:
         keep_reference: bool = False,
         writer: Callable[[str, str, dict[str, torch.Tensor], torch.nn.Module], None] | None = None,
         frozen: tuple[str, ...] = (),
+        roots: tuple[str, ...] = (),
     ) -> None:
         self.module = module
         self.writer = writer
@@ -217,7 +220,7 @@ class TrainBackend:
         if world > 1:
             if fsdp is None:
                 raise ValueError(f"{world} data-parallel ranks need train.fsdp (FSDP2 sharding settings)")
-            shard_module(module, fsdp, next(module.parameters()).device.type)
+            shard_module(module, fsdp, next(module.parameters()).device.type, roots)
         self.sharded = world > 1
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]

@@ -72,9 +72,18 @@ def checkpoint_blocks(module: torch.nn.Module, block_classes: list[str]) -> int:
     return count
 
 
-def shard_module(module: torch.nn.Module, cfg: FSDPConfig, device_type: str) -> torch.nn.Module:
+def shard_module(
+    module: torch.nn.Module, cfg: FSDPConfig, device_type: str, roots: tuple[str, ...] = ()
+) -> torch.nn.Module:
     """FSDP2 on `module` in place: `fully_shard` per block (the activation-checkpoint
     wrappers when `checkpoint_blocks` ran first), then the root; returns it.
+
+    `roots`: for a model whose stages call submodules outside its own forward (Janus's image
+    stage runs `language_model`, `generation_head`, ... directly), the names of those submodules
+    (`submodule_named`): each is sharded as a root of its own after the blocks, and the whole
+    model is not (FSDP2 gathers a unit's parameters in that unit's forward, and the first forward
+    through a sub-unit would make it a root before the model's). Every trainable parameter must
+    then lie in a block or a named root; frozen ones outside them stay whole on every rank.
 
     Requires an initialized default process group; the mesh spans all its ranks.
     """
@@ -99,10 +108,52 @@ def shard_module(module: torch.nn.Module, cfg: FSDPConfig, device_type: str) -> 
     policy = MixedPrecisionPolicy(
         param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype]
     )
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    units = [submodule_named(module, name) for name in roots] or [module]
+    for unit in [*blocks, *units]:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    if roots:
+        from torch.distributed.tensor import DTensor
+
+        outside = [n for n, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if outside:
+            raise ValueError(
+                f"{len(outside)} trainable parameters lie outside the FSDP roots {list(roots)} and the blocks "
+                f"{cfg.block_classes} (e.g. {outside[:3]}): their gradients would not be reduced over the ranks"
+            )
     return module
+
+
+def submodule_named(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    """The one submodule of `module` whose qualified name ends in the components `name`
+    ("language_model" finds "base_model.model.model.language_model" inside a peft wrapper)."""
+    parts = name.split(".")
+    found = [m for q, m in module.named_modules() if q.split(".")[-len(parts) :] == parts]
+    if len(found) != 1:
+        raise ValueError(
+            f"FSDP root {name!r}: {len(found)} submodules of {type(module).__name__} end in that name, "
+            "it must name exactly one"
+        )
+    return found[0]
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether any part of `module` is an FSDP2 unit (its forwards are collectives)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def done_on_every_rank(done: bool, sharded: bool, device: torch.device) -> bool:
+    """`done` on every rank of the default group when `sharded` (one MIN all-reduce), else `done`.
+
+    A generation loop over an FSDP-sharded module must stop on every rank at the same step:
+    each forward all-gathers parameters, so a rank whose samples all stopped early would leave
+    the others waiting in (or matching the wrong) collective."""
+    import torch.distributed as dist
+
+    if not sharded or not dist.is_initialized() or dist.get_world_size() == 1:
+        return done
+    flag = torch.tensor([int(done)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def reshard_all(module: torch.nn.Module | None) -> None:

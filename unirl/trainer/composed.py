@@ -92,8 +92,9 @@ class ComposedTrainer(Trainer):
         updates = {
             n: self.num_steps * build(self.cfg.tracks[n].train.stack).steps_per_rollout for n in self.trained
         }
+        save_base = bool((self.cfg.get("checkpoint") or {}).get("save_base_model", True))
         bases = {
-            n: None if self.cfg.tracks[n].model.get("pretrained_path") else self.base_model[n]
+            n: None if self.cfg.tracks[n].model.get("pretrained_path") or not save_base else self.base_model[n]
             for n in self.order
         }
         return (plain, updates, bases, transport_info)

@@ -199,7 +199,8 @@ class Trainer:
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         """Arguments of every worker after its `RankInfo` (the resolved recipe first)."""
         updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
-        return (plain, updates, self.base_model if self.tiny else None, transport_info)
+        save_base = self.tiny and bool((self.cfg.get("checkpoint") or {}).get("save_base_model", True))
+        return (plain, updates, self.base_model if save_base else None, transport_info)
 
     def _export(self, group) -> None:
         """Write `checkpoints/final/` (and `final_ema/` with `train.ema`) after the last step."""

@@ -100,6 +100,7 @@ class UnifiedWorker(ProcessWorker):
             keep_reference=any(a.needs_reference_policy for a in algorithms.values()),
             writer=self.bundle.write_weights,
             frozen=tuple(getattr(self.bundle, "frozen_modules", ())),
+            roots=tuple(getattr(self.bundle, "fsdp_roots", ())),
         )
         for stage in self.stages.values():
             stage.module = self.backend.module
@@ -251,7 +252,8 @@ class UnifiedTrainer(ComposedTrainer):
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
-        base = None if self.cfg.model.get("pretrained_path") else self.base_model
+        save_base = bool((self.cfg.get("checkpoint") or {}).get("save_base_model", True))
+        base = None if self.cfg.model.get("pretrained_path") or not save_base else self.base_model
         return (plain, updates, base, transport_info)
 
     def _step(self, group, step: int, partition: str, record: StepRecord) -> dict:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from unirl.models.causal_lm.bundle import CausalLMBundle
+from unirl.train.fsdp import done_on_every_rank, is_sharded
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.sampling import TextSamplingParams
 from unirl.types.segments import TokenSegment, pad_right
@@ -207,7 +208,8 @@ class CausalLMStage:
         recorded log-prob is the token's under `log_softmax(logits /
         logit_temperature)`. A VLM's vision placeholder tokens are never chosen
         (as top-k, this shapes the choice, not the recorded log-prob). A sample ends at EOS or a stop token (kept in its
-        response ids, left out of its text) or after `max_new_tokens`.
+        response ids, left out of its text) or after `max_new_tokens`. Over an FSDP-sharded
+        module the loop runs until every rank's samples have ended (`done_on_every_rank`).
 
         Returns (TokenSegment on the module's device, decoded response texts).
         """
@@ -233,6 +235,7 @@ class CausalLMStage:
         done = torch.zeros(b, dtype=torch.bool, device=device)
         lengths = torch.zeros(b, dtype=torch.long, device=device)
         cache = None
+        sharded = is_sharded(self.module)  # then every rank runs the same number of forwards
         was_training = self.module.training
         self.module.eval()
         try:
@@ -265,7 +268,7 @@ class CausalLMStage:
                 log_probs.append(token_log_probs_of(logits, token, sp.logit_temperature))
                 lengths += ~done
                 done |= torch.isin(token, stop_ids)
-                if bool(done.all()):
+                if done_on_every_rank(bool(done.all()), sharded, device):
                     break
                 input_ids = token[:, None]
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

@@ -150,6 +150,13 @@ class JanusBundle(CausalLMBundle):
     # what no loss of a unified run reaches: the VQ-VAE (decode runs without gradient) and the
     # understanding tower (no image inputs); the train backend leaves them frozen
     frozen_modules: ClassVar[tuple[str, ...]] = ("vqmodel", "vision_model", "aligner")
+    # with several ranks, each submodule a stage calls is an FSDP root of its own, beside the decoder
+    # layers (`train.fsdp.block_classes`, roots too: no unit holds them): the image stage embeds
+    # text with embed_tokens outside language_model's forward, so language_model cannot be a unit
+    fsdp_roots: ClassVar[tuple[str, ...]] = (
+        "language_model.embed_tokens", "language_model.norm", "lm_head",
+        "generation_embeddings", "generation_aligner", "generation_head",
+    )  # fmt: skip
 
     def __init__(self, model, tokenizer, where: str) -> None:
         super().__init__(model, tokenizer, where)
