@@ -46,7 +46,7 @@ def untimed(row: dict) -> dict:
     return {
         k: v
         for k, v in row.items()
-        if not (k.startswith(("time/", "memory/")) or (k.startswith("dataplane/") and k.endswith("_s")))
+        if not (k.startswith(("time/", "memory/")) or (k.startswith(("dataplane/", "sync/")) and k.endswith("_s")))
     }
 
 

@@ -40,6 +40,51 @@ def test_every_unified_recipe_is_valid(name: str) -> None:
         validate_unified_config(compose(f"unified/{name}"))
 
 
+def dedicated(*overrides: str):
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        return compose("unified/tiny_bicot_dedicated", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["+rollout.max_staleness=1"],
+            "rollout.max_staleness=1: a unified engine samples the weights of the step",
+        ),
+        (
+            ["+rollout.overlap_reward=true"],
+            "rollout.overlap_reward=true: a unified engine returns a rollout whole",
+        ),
+        (["launcher=in_process", "transport=inband"], "a dedicated rollout engine is a Ray actor"),
+        (
+            ["rollout.num_engines=3", "rollout.placement=separate", "rollout.sleep_level=0"],
+            "do not split evenly over rollout.num_engines=3",
+        ),
+        (["~weight_sync"], "weight_sync"),
+        (
+            [
+                "rollout._target_=unirl.rollout.trainside.TrainsideEngine",
+                "~rollout.tracks",
+                "~rollout.placement",
+                "~rollout.num_engines",
+                "~rollout.sleep_level",
+            ],
+            "is not a unified engine",
+        ),
+    ],
+)
+def test_a_dedicated_engine_s_bad_input_names_its_key(overrides, expected) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_unified_config(dedicated(*overrides))
+    assert expected in str(err.value)
+
+
+def test_a_trainside_recipe_with_a_weight_sync_is_refused() -> None:
+    found = problems("+weight_sync={backend: object_store}")
+    assert any("weight_sync" in p for p in found), found
+
+
 def test_two_ranks_with_fsdp_are_valid() -> None:
     validate_unified_config(recipe("num_devices=2", "launcher=ray", FSDP))
 
@@ -76,7 +121,10 @@ def test_all_segment_weights_zero_names_the_keys() -> None:
         ),
         (["tracks.plan.trained=false"], "tracks.plan: segment 'plan' is frozen (trained: false) but sets"),
         (["~tracks.image.advantage"], "tracks.image.advantage: segment 'image' is trained"),
-        (["num_devices=2", "launcher=ray"], "train.fsdp: num_devices=2 needs FSDP2 settings for the backbone"),
+        (
+            ["num_devices=2", "launcher=ray"],
+            "train.fsdp: num_devices=2 needs FSDP2 settings for the backbone",
+        ),
         (
             ["num_devices=3", "launcher=ray", FSDP],
             "= 8 samples do not split evenly over num_devices=3",
@@ -89,7 +137,10 @@ def test_all_segment_weights_zero_names_the_keys() -> None:
             [FSDP.replace("LlamaDecoderLayer", "JointTransformerBlock")],
             "train.fsdp.block_classes ['JointTransformerBlock'] match no module",
         ),
-        (["train.stack.micro_batch_size=3"], "train.stack.micro_batch_size=3 does not divide each rank's batch of 8"),
+        (
+            ["train.stack.micro_batch_size=3"],
+            "train.stack.micro_batch_size=3 does not divide each rank's batch of 8",
+        ),
         (["~rewards.image"], "rewards.image: the image track needs a reward"),
         (
             ["tracks.image.stage._target_=unirl.models.causal_lm.CausalLMStage"],

@@ -3,7 +3,8 @@
 show each image with its plan, the export loads back with moved weights, bad input exits 2
 before any work; in this process, a run stopped at a checkpoint and resumed writes the rows and
 weights of the run that never stopped; on 2 ranks with FSDP2 (Ray) the run trains as the one-rank
-run does and resumes exactly."""
+run does and resumes exactly; with a dedicated engine (its own backbone, synced before every
+rollout) it trains as the train workers' own sampling does."""
 
 from __future__ import annotations
 
@@ -101,3 +102,24 @@ def test_two_ranks_train_as_one_and_resume_exactly(tmp_path, ray_cluster):
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
     wa, wb = exported_weights(tmp_path / "one"), exported_weights(tmp_path / "full")
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0) for k in wa)
+
+
+DEDICATED = "unified/tiny_bicot_dedicated"
+
+
+@pytest.mark.ray
+def test_a_dedicated_engine_samples_what_the_trainer_would_and_resumes_exactly(tmp_path, ray_cluster):
+    """The engine actor's rollouts (weights dropped while the trainer trains, rebuilt and synced
+    back: sleep level 2) give the rows and the final weights of the run whose train worker
+    samples itself; stopped at a step-2 checkpoint and resumed, the run that never stopped."""
+    full, resumed = stopped_and_resumed(DEDICATED, tmp_path, "rollout.sleep_level=2", stop=2, steps=3)
+    assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
+    assert same_weights(tmp_path / "full", tmp_path / "part")
+    assert all(r["sync/bytes"] > 0 and r["sync/buckets"] >= 1 for r in full)
+    trainside = run(SMOKE, tmp_path / "trainside", "num_steps=3", "threads_per_worker=1")
+    keep = ("reward/mean", "ratio/", "loss", "train/grad_norm")
+    for a, b in zip(trainside, full, strict=True):
+        assert {k: v for k, v in a.items() if any(x in k for x in keep)} == {
+            k: v for k, v in b.items() if any(x in k for x in keep)
+        }
+    assert same_weights(tmp_path / "trainside", tmp_path / "full")

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from unirl.config.distributed import check_transport, meta_module
+from unirl.config.engines import check_rollout
 from unirl.config.references import (
     check_metadata_key,
     check_model_path,
@@ -25,6 +26,7 @@ from unirl.config.references import (
 )
 from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
 from unirl.config.tree import ConfigError, check_recipe, target_class
+from unirl.sync.config import WeightSyncConfig
 from unirl.types.sampling import ImageTokenSamplingParams, TextSamplingParams
 
 
@@ -39,7 +41,9 @@ class UnifiedRunConfig:
         train: the backbone's train stack (`TrainConfig`).
         tracks: track name -> `SegmentConfig` node.
         rewards: track name -> a `RewardService` node (the image track's is required).
-        rollout: a `unirl.rollout.unified.UnifiedEngine` node naming [plan, image].
+        rollout: a `unirl.rollout.unified.UnifiedEngine` node naming [plan, image] (the train
+            workers sample), or a `DedicatedUnifiedEngine` (engine actors sample, fed by `weight_sync`).
+        weight_sync: how the trainer's weights reach the dedicated engines (`WeightSyncConfig`).
     """
 
     num_devices: int
@@ -57,6 +61,7 @@ class UnifiedRunConfig:
     threads_per_worker: int | None = None
     resume_from: str | None = None
     launcher: str = "ray"
+    weight_sync: Any = None
     checkpoint: Any = None
     logging: Any = None
     eval: Any = None
@@ -102,12 +107,40 @@ def _sections(cfg: DictConfig) -> dict[str, type]:
         "logging": LoggingConfig,
         "train": TrainConfig,
         "eval": ComposedEvalConfig,
+        "weight_sync": WeightSyncConfig,
     }
     tracks = cfg.get("tracks")
     if isinstance(tracks, DictConfig):
         for name in tracks:
             sections[f"tracks.{name}"] = SegmentConfig
     return sections
+
+
+def _check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    """`rollout` is a `UnifiedEngine` or a `DedicatedUnifiedEngine`; the engines' placement and
+    weight sync (`check_rollout`), and the root request splits evenly over the engines."""
+    from unirl.rollout.unified import DedicatedUnifiedEngine, UnifiedEngine
+
+    engine = target_class(cfg, "rollout") if isinstance(cfg.get("rollout"), DictConfig) else None
+    if engine is None:
+        return
+    if not (isinstance(engine, type) and issubclass(engine, UnifiedEngine | DedicatedUnifiedEngine)):
+        problems.append(
+            f"rollout: {cfg.rollout._target_} is not a unified engine; use unirl.rollout.unified.UnifiedEngine "
+            "(the train workers sample) or unirl.rollout.unified.DedicatedUnifiedEngine (engine actors)"
+        )
+        return
+    check_rollout(cfg, passed, problems)
+    run, tracks = passed.get(""), list(cfg.rollout.get("tracks") or ["plan"])
+    sampling = passed.get(f"tracks.{tracks[0]}.sampling")
+    if issubclass(engine, DedicatedUnifiedEngine) and run is not None and isinstance(sampling, TextSamplingParams):
+        engines = int(cfg.rollout.get("num_engines", 1))
+        if (run.prompts_per_rollout * sampling.samples_per_prompt) % engines:
+            problems.append(
+                f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x tracks.{tracks[0]}.sampling."
+                f"samples_per_prompt ({sampling.samples_per_prompt}) samples do not split evenly over "
+                f"rollout.num_engines={engines}"
+            )
 
 
 def _check_segments(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
@@ -312,6 +345,7 @@ def validate_unified_config(cfg: DictConfig) -> None:
         passed.pop("model")
     check_model_path(passed.get("model"), problems)
     check_transport(cfg, problems)
+    _check_rollout(cfg, passed, problems)
     _check_segments(cfg, passed, problems)
     train_examples = examples_of(passed.get("data_source"))
     if train_examples is not None:  # what the engine adds to every image's metadata

@@ -238,8 +238,8 @@ def modules_of(bundle: Any, module: torch.nn.Module | None) -> dict[str, torch.n
     else the bundle's `denoiser` / LM `model`) and "frozen<i>" for the bundle's `frozen_modules()`."""
     main = module if module is not None else getattr(bundle, "denoiser", None) or bundle.model
     out = {"module": main}
-    frozen = getattr(bundle, "frozen_modules", None)
-    for i, m in enumerate(frozen() if frozen is not None else []):
+    frozen = getattr(bundle, "frozen_modules", None)  # a Janus bundle's are names inside `main`
+    for i, m in enumerate(frozen() if callable(frozen) else []):
         out[f"frozen{i}"] = m
     return out
 

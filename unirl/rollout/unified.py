@@ -12,6 +12,9 @@ and, unlike a composed child, the *user prompt's* group (`group_ids` = `root_ids
 group id): BiCoT-GRPO compares a prompt's N (plan, image) pairs with each other, so both
 tracks' advantages are taken over the same group. A plan that reaches its budget without a
 stop token is kept as it is (truncated) and marked: `metadata["plan_truncated"]` on both tracks.
+
+`DedicatedUnifiedEngine` runs the same sampling in engine actors with their own copy of the
+backbone, fed by weight sync (`unirl.rollout.dedicated`): the train workers then only train.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from annotated_types import Ge
 
 from unirl.models.stage import TextStage
+from unirl.rollout.dedicated import DedicatedEngine
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.types.batch import concat
 from unirl.types.lineage import child_seed
@@ -160,3 +164,72 @@ class UnifiedEngine:
             rollout_id=req.rollout_id,
         )
         return RolloutResp(tracks={plan_name: plan, image_name: image})
+
+
+class DedicatedUnifiedEngine(DedicatedEngine):
+    """`UnifiedEngine`'s sampling in dedicated engine actors (`unirl.trainer.unified.UnifiedEngineWorker`),
+    each holding its own backbone, synced from the trainer before every rollout.
+
+    Args:
+        tracks, forward_batch_size, prompt_key: as `UnifiedEngine`.
+        placement, num_engines, sleep_level: as `DedicatedEngine` (read by the trainer); with
+            colocate and sleep level 1 or 2 an engine releases the backbone while the trainer trains.
+        max_staleness: 0 only (every rollout samples the weights of the step).
+        overlap_reward: false only: an engine returns a rollout whole, its plans and their images.
+        rebuild: as `DedicatedEngine` (sleep level 2).
+
+    The engine worker `bind`s its own stages and the sampling params; weight sync, sleep and
+    wake-up act on the plan stage's module, the whole backbone (both stages hold it).
+    """
+
+    def __init__(
+        self,
+        tracks: list[str] = ("plan", "image"),  # type: ignore[assignment]
+        forward_batch_size: Annotated[int, Ge(1)] | None = None,
+        placement: str = "colocate",
+        num_engines: Annotated[int, Ge(1)] = 1,
+        max_staleness: int = 0,
+        sleep_level: int = 1,
+        overlap_reward: bool = False,
+        prompt_key: str = "user_prompt",
+        rebuild: Any = None,
+    ) -> None:
+        if max_staleness != 0:
+            raise ValueError(
+                f"rollout.max_staleness={max_staleness}: a unified engine samples the weights of the step; set 0"
+            )
+        if overlap_reward:
+            raise ValueError(
+                "rollout.overlap_reward=true: a unified engine returns a rollout whole (plans, then their "
+                "images); set it to false"
+            )
+        self.unified = UnifiedEngine(tracks, forward_batch_size, prompt_key)
+        self.tracks = self.unified.tracks
+        self._settings = (forward_batch_size, placement, num_engines, max_staleness, sleep_level, rebuild)
+
+    def bind(self, stages: Mapping[str, Any], samplings: Mapping[str, Any]) -> DedicatedUnifiedEngine:
+        """Attach the engine's own stages and the sampling params (`UnifiedEngine.bind`); returns self."""
+        self.unified.bind(stages, samplings)
+        forward_batch_size, placement, num_engines, max_staleness, sleep_level, rebuild = self._settings
+        DedicatedEngine.__init__(
+            self,
+            stages[self.tracks[0]],
+            forward_batch_size,
+            placement,  # type: ignore[arg-type]
+            num_engines,
+            max_staleness,  # type: ignore[arg-type]
+            sleep_level,  # type: ignore[arg-type]
+            False,
+            rebuild,
+            track_name=self.tracks[0],
+        )
+        return self
+
+    def generate(self, req: RolloutReq) -> RolloutResp:
+        """`UnifiedEngine.generate` on the engine's synced backbone (both tracks)."""
+        self._check_ready()
+        return self.unified.generate(req)
+
+    def generate_chunks(self, req: RolloutReq):
+        """A unified rollout is returned whole (`overlap_reward` is false): the one response's tracks."""
+        yield from self.generate(req).tracks.values()

@@ -69,6 +69,14 @@ class RolloutSettings:
         return num_devices + (self.num_engines if self.placement == "separate" and self.dedicated else 0)
 
 
+def concat_metas(parts: list[Any]) -> Any:
+    """The engines' metas of one chunk, in engine order, as one: a `BatchMeta`, or (a unified
+    engine's) `{track: BatchMeta}` concatenated track by track."""
+    if isinstance(parts[0], dict):
+        return {name: BatchMeta.concat([p[name] for p in parts]) for name in parts[0]}
+    return BatchMeta.concat(parts)
+
+
 def request_order(chunks: list[Any], parts: int) -> Any:
     """Reassemble per-sample chunks into request order.
 
@@ -146,6 +154,8 @@ class DedicatedRollouts:
         trainer: the train workers' group (the weight-sync senders).
         transport_info: what the driver's transport `start()` returned.
         env: environment exported in the engine actors.
+        engine_class: the engine actor (`EngineWorker`; a unified run's `UnifiedEngineWorker`,
+            whose chunk is every track's meta by name).
 
     Builds the engines (colocate: on the first `num_engines` training devices;
     separate: on the devices after the training ones), then the sync: the
@@ -162,12 +172,13 @@ class DedicatedRollouts:
         trainer: Any,
         transport_info: dict[str, Any],
         env: dict[str, str] | None = None,
+        engine_class: type = EngineWorker,
     ) -> None:
         self.settings = settings
         self.trainer = trainer
         first = int(cfg["num_devices"]) if settings.placement == "separate" else 0
         where = placement(pool, settings.num_engines, first)
-        self.group = remote(EngineWorker, where, cfg, transport_info, env=env)
+        self.group = remote(engine_class, where, cfg, transport_info, env=env)
         self.version: int | None = None
         self.asleep = False
         try:
@@ -218,7 +229,7 @@ class DedicatedRollouts:
             def wait() -> BatchMeta:
                 if first:
                     started.result()
-                return BatchMeta.concat(call.result())
+                return concat_metas(call.result())
 
             return wait
 

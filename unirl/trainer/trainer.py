@@ -39,6 +39,7 @@ from unirl.trainer.checkpoints import (
     resolve_resume_path,
     write_driver_state,
 )
+from unirl.trainer.engine_worker import EngineWorker
 from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, RolloutSettings, TrainsideRollouts
 from unirl.trainer.modality import modality_for
 from unirl.trainer.step_record import StepRecord
@@ -162,6 +163,7 @@ class Trainer:
                     group,
                     transport_info,
                     WORKER_ENV,
+                    self.engine_class,
                 )
             else:
                 self.rollouts = TrainsideRollouts(group)
@@ -195,6 +197,7 @@ class Trainer:
                 ray.shutdown()
 
     worker_class: type = RLWorker
+    engine_class: type = EngineWorker  # a dedicated engine's actor
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         """Arguments of every worker after its `RankInfo` (the resolved recipe first)."""

@@ -14,6 +14,11 @@ Scoring, the step loop, sample grids with plans beside images (`samples/step_XXX
 captioned "user prompt -> plan", `lineage_step_XXXX.json`), the gallery, checkpoints and
 exact resume are the composed trainer's; what differs is one model, one train backend and
 the joint step.
+
+With `rollout: DedicatedUnifiedEngine` the rollouts run in engine actors (`UnifiedEngineWorker`)
+with their own backbone, synced from the train workers before every rollout (`weight_sync`),
+colocated (sleeping while the trainer trains) or on devices of their own; the train workers then
+train and evaluate only.
 """
 
 from __future__ import annotations
@@ -23,22 +28,25 @@ import dataclasses
 import os
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
-from unirl.distributed.device import build_bundle
-from unirl.distributed.group import Dispatch, RankInfo, dispatch
+from unirl.distributed.device import build_bundle, resolve_device
+from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.reward.service import RewardService
-from unirl.train.backend import TrainBackend
+from unirl.rollout.unified import UnifiedEngine
+from unirl.train.backend import TrainBackend, inject_lora
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.joint import JointTrainStack
 from unirl.train.stack import reduce_metrics
 from unirl.trainer.composed import ComposedTrainer
 from unirl.trainer.composed_eval import ComposedEval, ComposedEvalConfig
 from unirl.trainer.composed_worker import track_partition
+from unirl.trainer.engine_worker import EngineWorker, engine_threads
 from unirl.trainer.engines import RolloutSettings
 from unirl.trainer.step_record import StepRecord
-from unirl.trainer.worker import ProcessWorker, build
+from unirl.trainer.worker import ProcessWorker, build, quiet_library_logs
 from unirl.types.rollout_req import RolloutReq
 
 
@@ -112,9 +120,10 @@ class UnifiedWorker(ProcessWorker):
             {n: float(tracks[n].get("weight", 1.0)) for n in trained},
             build(train["stack"]),
         )
-        self.engine = build(cfg["rollout"]).bind(
-            self.stages, {n: build(tracks[n]["sampling"]) for n in order}
-        )
+        # the trainside sampler (its rollouts, or only its evaluations when engines roll out)
+        node = cfg["rollout"]
+        self.engine = UnifiedEngine(order, node.get("forward_batch_size"), node.get("prompt_key", "user_prompt"))
+        self.engine.bind(self.stages, {n: build(tracks[n]["sampling"]) for n in order})
         self.transport = make_transport(cfg["transport"], device=self.device)
         self.transport.attach(transport_info or {})
 
@@ -194,6 +203,61 @@ class UnifiedWorker(ProcessWorker):
             self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
 
 
+class UnifiedEngineWorker(EngineWorker):
+    """A dedicated engine of a unified run: its own backbone (with the trainer's LoRA adapter
+    injected, so parameter names match the sync plan), both stages on it, and a
+    `DedicatedUnifiedEngine`; a rollout puts both tracks into the transport and returns their
+    metas by track. Weight sync, sleep and wake-up are `EngineWorker`'s, on the backbone."""
+
+    def __init__(
+        self,
+        rank_info: RankInfo,
+        cfg: dict[str, Any],
+        transport_info: dict[str, Any] | None = None,
+        device: str | None = None,
+    ) -> None:
+        Worker.__init__(self, rank_info)
+        quiet_library_logs()
+        torch.set_num_threads(engine_threads(cfg))
+        torch.manual_seed(cfg["seed"])
+        self.device = resolve_device(device)
+        model_cfg = build(cfg["model"])
+        bundle = build_bundle(model_cfg, self.device)
+        lora = build(cfg["train"].get("lora"))
+        if lora is not None:
+            inject_lora(bundle.model, lora)
+        bundle.model.requires_grad_(False)
+        order, tracks = list(cfg["rollout"]["tracks"]), cfg["tracks"]
+        stages = {n: build(tracks[n]["stage"], bundle=bundle) for n in order}
+        for stage in stages.values():
+            stage.module = bundle.model
+        engine = build(cfg["rollout"], rebuild=lambda: build_bundle(model_cfg, self.device))
+        self.engine = engine.bind(stages, {n: build(tracks[n]["sampling"]) for n in order})
+        self.transport = make_transport(cfg["transport"], device=self.device)
+        self.transport.attach(transport_info or {})
+        self.receiver = None
+        self.pending: RolloutReq | None = None
+        self.partition = ""
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def rollout(self, req: RolloutReq, partition: str, chunked: bool) -> None:
+        """Take this engine's shard of the root request; `rollout_next` samples it whole."""
+        self.pending, self.partition = req, partition
+
+    @dispatch(Dispatch.BROADCAST)
+    def rollout_next(self) -> dict[str, BatchMeta]:
+        """Plans and images of the pending shard, each track put into the transport under
+        `track_partition(partition, name)`; returns the metas by track."""
+        if self.pending is None:
+            raise RuntimeError(f"rollout_next: the rollout into {self.partition!r} has no chunk left")
+        req, self.pending = self.pending, None
+        resp = self.engine.generate(req)
+        return {
+            name: put_batch(self.transport, track_partition(self.partition, name), track)
+            for name, track in resp.tracks.items()
+        }
+
+
 def unified_eval(node: Any, image_track: str) -> ComposedEval:
     """The composed evaluation over a unified run (`eval`, a `ComposedEvalConfig` whose `sampling`
     is the image track's `ImageTokenSamplingParams`): held-out prompts -> greedy plans -> images
@@ -223,6 +287,7 @@ class UnifiedTrainer(ComposedTrainer):
     """
 
     worker_class = UnifiedWorker
+    engine_class = UnifiedEngineWorker
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -236,7 +301,7 @@ class UnifiedTrainer(ComposedTrainer):
         self.rewards: dict[str, RewardService] = {n: build(node) for n, node in cfg.rewards.items()}
         self.data_source = build(cfg.data_source)
         self.num_steps = int(cfg.num_steps)
-        self.rollout_settings = RolloutSettings(dedicated=False)
+        self.rollout_settings = RolloutSettings.of(cfg)  # trainside, or DedicatedUnifiedEngine's engines
         self.rollouts = None
         self.keep_graph = False
         ckpt = cfg.get("checkpoint") or {}
@@ -262,8 +327,14 @@ class UnifiedTrainer(ComposedTrainer):
         row = record.row
         examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
         req = RolloutReq.from_prompts(examples, self.samplings[self.root], None, rollout_id=step)
-        per_rank = self._call(group, "rollout", step, req, partition)
-        metas = {n: BatchMeta.concat([m[n] for m in per_rank]) for n in self.order}
+        if self.rollout_settings.dedicated:  # engines synced to this step's weights, then asleep again
+            row.update(self._guard(step, "weight sync", self.rollouts.prepare, step))
+            flight = self._guard(step, "rollout", self.rollouts.submit, req, partition)
+            metas = self._guard(step, "rollout", flight.chunks[0])
+            self._guard(step, "sleep", self.rollouts.release)
+        else:
+            per_rank = self._call(group, "rollout", step, req, partition)
+            metas = {n: BatchMeta.concat([m[n] for m in per_rank]) for n in self.order}
         record.mark("rollout")
         views = self._score(step, metas, row)
         truncated = [bool(m.get("plan_truncated")) for m in views[self.root].metadata]

@@ -61,10 +61,13 @@ def build(node: Any, **kwargs: Any) -> Any:
 class ProcessWorker(Worker):
     """What every train worker process answers, whatever it trains: where it runs, its peak
     memory, its data-plane counters, and an orderly teardown. Subclasses set `device`,
-    `transport` and `sync_sender` (None without a weight-sync sender)."""
+    `transport` and `sync_sender` (None without a weight-sync sender); a worker that feeds
+    dedicated engines sets `backend` (its `TrainBackend`: the weights the sync sends)."""
 
     device: torch.device
     sync_sender: WeightSyncSender | None = None
+    backend: TrainBackend
+    samples_from_ema: bool = False  # the rollouts sample the EMA weights: the sync sends them
 
     def start_process(self, cfg: dict[str, Any], device: str | None) -> None:
         """Set up this worker's process from the recipe: library logs quiet, torch threads
@@ -101,6 +104,34 @@ class ProcessWorker(Worker):
     def dataplane_stats(self) -> dict[str, float]:
         """This worker's ``dataplane/...`` totals since the last call."""
         return self.transport.stats.drain()
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def sync_setup(
+        self, sync_cfg: dict[str, Any], num_engines: int
+    ) -> tuple[SyncPlan, dict[str, Any] | None, bool]:
+        """Make this rank's weight-sync sender (rank 0 transmits) for `num_engines` dedicated
+        engines: a LoRA payload with `train.lora`, else every weight. Returns (the plan, the
+        endpoint engines reach rank 0's sender at, whether the backend sends in band)."""
+        cfg = WeightSyncConfig(**sync_cfg)
+        plan = plan_for(self.backend.module, "lora" if self.backend.lora is not None else "full", cfg)
+        self.sync_sender = make_sender(
+            cfg, plan, num_receivers=num_engines, device=self.device, source=self.rank_info.rank == 0
+        )
+        return plan, self.sync_sender.endpoint(), self.sync_sender.in_band
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def sync_connect(self) -> None:
+        """Join the sync transport (at once with the engines' for in-band backends)."""
+        self.sync_sender.connect()
+
+    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
+    def sync_send(self, version: int) -> tuple[SyncTicket | None, dict[str, float]]:
+        """Send the weights rollouts sample (the EMA weights when the algorithm samples from
+        them) as `version`; every rank joins the gathers of sharded weights. Returns rank 0's
+        ticket and `sync/...` stats."""
+        with self.backend.ema_weights() if self.samples_from_ema else contextlib.nullcontext():
+            ticket = self.sync_sender.send(self.backend.module.named_parameters(), version)
+        return ticket, dict(self.sync_sender.stats)
 
     @dispatch(Dispatch.BROADCAST)
     def teardown(self) -> None:
@@ -144,6 +175,7 @@ class RLWorker(ProcessWorker):
             self.bundle.save_pretrained(base_model_dir)
         self.stage = build(cfg["stage"], bundle=self.bundle)
         self.algorithm = build(cfg["algorithm"])
+        self.samples_from_ema = self.algorithm.requires_ema_rollout
         # KL folded into the reward: the rollout records the reference policy's token log-probs
         self.kl_in_reward = float(cfg["advantage"].get("kl_coef", 0) or 0) > 0
         train = cfg["train"]
@@ -310,31 +342,3 @@ class RLWorker(ProcessWorker):
         with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
             self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
 
-    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
-    def sync_setup(
-        self, sync_cfg: dict[str, Any], num_engines: int
-    ) -> tuple[SyncPlan, dict[str, Any] | None, bool]:
-        """Make this rank's weight-sync sender (rank 0 transmits) for `num_engines` dedicated
-        engines: a LoRA payload with `train.lora`, else every weight. Returns (the plan, the
-        endpoint engines reach rank 0's sender at, whether the backend sends in band)."""
-        cfg = WeightSyncConfig(**sync_cfg)
-        plan = plan_for(self.backend.module, "lora" if self.backend.lora is not None else "full", cfg)
-        self.sync_sender = make_sender(
-            cfg, plan, num_receivers=num_engines, device=self.device, source=self.rank_info.rank == 0
-        )
-        return plan, self.sync_sender.endpoint(), self.sync_sender.in_band
-
-    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
-    def sync_connect(self) -> None:
-        """Join the sync transport (at once with the engines' for in-band backends)."""
-        self.sync_sender.connect()
-
-    @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
-    def sync_send(self, version: int) -> tuple[SyncTicket | None, dict[str, float]]:
-        """Send the weights rollouts sample (the EMA weights when the algorithm samples from
-        them) as `version`; every rank joins the gathers of sharded weights. Returns rank 0's
-        ticket and `sync/...` stats."""
-        ema = self.algorithm.requires_ema_rollout
-        with self.backend.ema_weights() if ema else contextlib.nullcontext():
-            ticket = self.sync_sender.send(self.backend.module.named_parameters(), version)
-        return ticket, dict(self.sync_sender.stats)
