@@ -136,26 +136,6 @@ def submodule_named(module: torch.nn.Module, name: str) -> torch.nn.Module:
     return found[0]
 
 
-def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether any part of `module` is an FSDP2 unit (its forwards are collectives)."""
-    return any(isinstance(m, FSDPModule) for m in module.modules())
-
-
-def done_on_every_rank(done: bool, sharded: bool, device: torch.device) -> bool:
-    """`done` on every rank of the default group when `sharded` (one MIN all-reduce), else `done`.
-
-    A generation loop over an FSDP-sharded module must stop on every rank at the same step:
-    each forward all-gathers parameters, so a rank whose samples all stopped early would leave
-    the others waiting in (or matching the wrong) collective."""
-    import torch.distributed as dist
-
-    if not sharded or not dist.is_initialized() or dist.get_world_size() == 1:
-        return done
-    flag = torch.tensor([int(done)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def reshard_all(module: torch.nn.Module | None) -> None:
     """Reshard every FSDP module in `module` (no-op for None or an unsharded module).
 

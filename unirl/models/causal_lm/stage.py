@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from unirl.models.causal_lm.bundle import CausalLMBundle
-from unirl.train.fsdp import done_on_every_rank, is_sharded
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.sampling import TextSamplingParams
 from unirl.types.segments import TokenSegment, pad_right
@@ -52,6 +52,26 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     target = uniforms.to(cdf) * cdf[:, -1:]
     return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether any part of `module` is an FSDP2 unit (its forwards are collectives)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def done_on_every_rank(done: bool, sharded: bool, device: torch.device) -> bool:
+    """`done` on every rank of the default group when `sharded` (one MIN all-reduce), else `done`.
+
+    A generation loop over an FSDP-sharded module must stop on every rank at the same step:
+    each forward all-gathers parameters, so a rank whose samples all stopped early would leave
+    the others waiting in (or matching the wrong) collective."""
+    import torch.distributed as dist
+
+    if not sharded or not dist.is_initialized() or dist.get_world_size() == 1:
+        return done
+    flag = torch.tensor([int(done)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 class CausalLMStage:
