@@ -301,7 +301,8 @@ class UnifiedTrainer(ComposedTrainer):
         self.rewards: dict[str, RewardService] = {n: build(node) for n, node in cfg.rewards.items()}
         self.data_source = build(cfg.data_source)
         self.num_steps = int(cfg.num_steps)
-        self.rollout_settings = RolloutSettings.of(cfg)  # trainside, or DedicatedUnifiedEngine's engines
+        # trainside, or DedicatedUnifiedEngine's engines, which return a rollout whole (one call each)
+        self.rollout_settings = dataclasses.replace(RolloutSettings.of(cfg), overlap_reward=False)
         self.rollouts = None
         self.keep_graph = False
         ckpt = cfg.get("checkpoint") or {}
