@@ -110,16 +110,22 @@ DEDICATED = "unified/tiny_bicot_dedicated"
 @pytest.mark.ray
 def test_a_dedicated_engine_samples_what_the_trainer_would_and_resumes_exactly(tmp_path, ray_cluster):
     """The engine actor's rollouts (weights dropped while the trainer trains, rebuilt and synced
-    back: sleep level 2) give the rows and the final weights of the run whose train worker
-    samples itself; stopped at a step-2 checkpoint and resumed, the run that never stopped."""
-    full, resumed = stopped_and_resumed(DEDICATED, tmp_path, "rollout.sleep_level=2", stop=2, steps=3)
+    back: sleep level 2; its shard in forward batches of 2) give the samples and rewards of the
+    run whose train worker samples itself, its losses, gradients and final weights to float
+    rounding; stopped at a step-2 checkpoint and resumed, the run that never stopped bit for bit."""
+    # forward batches of 2: the engine samples its shard in 4 batches, and is called once for it
+    dedicated = ["rollout.sleep_level=2", "rollout.forward_batch_size=2"]
+    full, resumed = stopped_and_resumed(DEDICATED, tmp_path, *dedicated, stop=2, steps=3)
     assert [untimed(r) for r in resumed[2:]] == [untimed(r) for r in full[2:]]
     assert same_weights(tmp_path / "full", tmp_path / "part")
     assert all(r["sync/bytes"] > 0 and r["sync/buckets"] >= 1 for r in full)
+    # the trainside run samples in forward batches of 8: the same samples and rewards, the
+    # recorded log-probs (so the losses and gradients) equal to float rounding
     trainside = run(SMOKE, tmp_path / "trainside", "num_steps=3", "threads_per_worker=1")
-    keep = ("reward/mean", "ratio/", "loss", "train/grad_norm")
     for a, b in zip(trainside, full, strict=True):
-        assert {k: v for k, v in a.items() if any(x in k for x in keep)} == {
-            k: v for k, v in b.items() if any(x in k for x in keep)
-        }
-    assert same_weights(tmp_path / "trainside", tmp_path / "full")
+        assert {k: v for k, v in a.items() if "reward/" in k} == {k: v for k, v in b.items() if "reward/" in k}
+        for k in (k for k in a if k.endswith("loss")):
+            assert a[k] == pytest.approx(b[k], abs=1e-6), k
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    wa, wb = exported_weights(tmp_path / "trainside"), exported_weights(tmp_path / "full")
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0) for k in wa)
