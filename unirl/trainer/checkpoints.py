@@ -18,6 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 COMPLETE = "COMPLETE"
 
 
+def saves_base_model(cfg: DictConfig) -> bool:
+    """`checkpoint.save_base_model` (default true): write a random model's base before training."""
+    return bool((cfg.get("checkpoint") or {}).get("save_base_model", True))
+
+
 def checkpoint_dir(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
 

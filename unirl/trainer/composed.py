@@ -30,6 +30,7 @@ from unirl.tracking.gallery import write_gallery
 from unirl.tracking.metrics import save_image_grid
 from unirl.tracking.trackers import Tracking
 from unirl.train.stack import reduce_metrics
+from unirl.trainer.checkpoints import saves_base_model
 from unirl.trainer.composed_eval import ComposedEval
 from unirl.trainer.composed_worker import ComposedWorker, track_partition
 from unirl.trainer.engines import RolloutSettings
@@ -92,7 +93,7 @@ class ComposedTrainer(Trainer):
         updates = {
             n: self.num_steps * build(self.cfg.tracks[n].train.stack).steps_per_rollout for n in self.trained
         }
-        save_base = bool((self.cfg.get("checkpoint") or {}).get("save_base_model", True))
+        save_base = saves_base_model(self.cfg)
         bases = {
             n: None if self.cfg.tracks[n].model.get("pretrained_path") or not save_base else self.base_model[n]
             for n in self.order

@@ -74,22 +74,37 @@ class EngineWorker(Worker):
         device: str | None = None,
     ) -> None:
         super().__init__(rank_info)
+        model_cfg, bundle = self.start_engine(cfg, device)
+        stage = build(cfg["stage"], bundle=bundle)
+        self.freeze_as_trained(stage.module, cfg)
+        self.engine = build(cfg["rollout"], stage=stage, rebuild=lambda: build_bundle(model_cfg, self.device))
+        self.attach(cfg, transport_info)
+        self.chunks: Iterator[RolloutTrack] = iter(())
+
+    def start_engine(self, cfg: dict[str, Any], device: str | None) -> tuple[Any, Any]:
+        """Set up this engine's process (library logs quiet, torch threads, the seed, `self.device`)
+        and build its own bundle there; returns (the model config, the bundle)."""
         quiet_library_logs()
         torch.set_num_threads(engine_threads(cfg))
         torch.manual_seed(cfg["seed"])
         self.device = resolve_device(device)
         model_cfg = build(cfg["model"])
-        bundle = build_bundle(model_cfg, self.device)
-        stage = build(cfg["stage"], bundle=bundle)
+        return model_cfg, build_bundle(model_cfg, self.device)
+
+    @staticmethod
+    def freeze_as_trained(module: torch.nn.Module, cfg: dict[str, Any]) -> None:
+        """Inject the trainer's LoRA adapter into `module` (so parameter names match the sync
+        plan) and freeze it: an engine never trains."""
         lora = build(cfg["train"].get("lora"))
         if lora is not None:
-            inject_lora(stage.module, lora)
-        stage.module.requires_grad_(False)
-        self.engine = build(cfg["rollout"], stage=stage, rebuild=lambda: build_bundle(model_cfg, self.device))
+            inject_lora(module, lora)
+        module.requires_grad_(False)
+
+    def attach(self, cfg: dict[str, Any], transport_info: dict[str, Any] | None) -> None:
+        """Join the run's transport; no weight-sync receiver until `sync_setup`."""
         self.transport = make_transport(cfg["transport"], device=self.device)
         self.transport.attach(transport_info or {})
         self.receiver: WeightSyncReceiver | None = None
-        self.chunks: Iterator[RolloutTrack] = iter(())
         self.partition = ""
 
     @dispatch(Dispatch.DP_SCATTER)

@@ -37,6 +37,7 @@ from unirl.trainer.checkpoints import (
     mark_complete,
     read_driver_state,
     resolve_resume_path,
+    saves_base_model,
     write_driver_state,
 )
 from unirl.trainer.engine_worker import EngineWorker
@@ -202,7 +203,7 @@ class Trainer:
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         """Arguments of every worker after its `RankInfo` (the resolved recipe first)."""
         updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
-        save_base = self.tiny and bool((self.cfg.get("checkpoint") or {}).get("save_base_model", True))
+        save_base = self.tiny and saves_base_model(self.cfg)
         return (plain, updates, self.base_model if save_base else None, transport_info)
 
     def _export(self, group) -> None:

@@ -28,25 +28,25 @@ import dataclasses
 import os
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
-from unirl.distributed.device import build_bundle, resolve_device
+from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.reward.service import RewardService
 from unirl.rollout.unified import UnifiedEngine
-from unirl.train.backend import TrainBackend, inject_lora
+from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.joint import JointTrainStack
 from unirl.train.stack import reduce_metrics
+from unirl.trainer.checkpoints import saves_base_model
 from unirl.trainer.composed import ComposedTrainer
 from unirl.trainer.composed_eval import ComposedEval, ComposedEvalConfig
 from unirl.trainer.composed_worker import track_partition
-from unirl.trainer.engine_worker import EngineWorker, engine_threads
+from unirl.trainer.engine_worker import EngineWorker
 from unirl.trainer.engines import RolloutSettings
 from unirl.trainer.step_record import StepRecord
-from unirl.trainer.worker import ProcessWorker, build, quiet_library_logs
+from unirl.trainer.worker import ProcessWorker, build
 from unirl.types.rollout_req import RolloutReq
 
 
@@ -217,27 +217,16 @@ class UnifiedEngineWorker(EngineWorker):
         device: str | None = None,
     ) -> None:
         Worker.__init__(self, rank_info)
-        quiet_library_logs()
-        torch.set_num_threads(engine_threads(cfg))
-        torch.manual_seed(cfg["seed"])
-        self.device = resolve_device(device)
-        model_cfg = build(cfg["model"])
-        bundle = build_bundle(model_cfg, self.device)
-        lora = build(cfg["train"].get("lora"))
-        if lora is not None:
-            inject_lora(bundle.model, lora)
-        bundle.model.requires_grad_(False)
+        model_cfg, bundle = self.start_engine(cfg, device)
+        self.freeze_as_trained(bundle.model, cfg)
         order, tracks = list(cfg["rollout"]["tracks"]), cfg["tracks"]
         stages = {n: build(tracks[n]["stage"], bundle=bundle) for n in order}
         for stage in stages.values():
             stage.module = bundle.model
         engine = build(cfg["rollout"], rebuild=lambda: build_bundle(model_cfg, self.device))
         self.engine = engine.bind(stages, {n: build(tracks[n]["sampling"]) for n in order})
-        self.transport = make_transport(cfg["transport"], device=self.device)
-        self.transport.attach(transport_info or {})
-        self.receiver = None
+        self.attach(cfg, transport_info)
         self.pending: RolloutReq | None = None
-        self.partition = ""
 
     @dispatch(Dispatch.DP_SCATTER)
     def rollout(self, req: RolloutReq, partition: str, chunked: bool) -> None:
@@ -318,7 +307,7 @@ class UnifiedTrainer(ComposedTrainer):
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
-        save_base = bool((self.cfg.get("checkpoint") or {}).get("save_base_model", True))
+        save_base = saves_base_model(self.cfg)
         base = None if self.cfg.model.get("pretrained_path") or not save_base else self.base_model
         return (plain, updates, base, transport_info)
 
