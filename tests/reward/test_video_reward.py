@@ -94,3 +94,44 @@ def test_the_remote_wire_refuses_videos() -> None:
 
     with pytest.raises(ValueError, match="carries images and texts, not videos"):
         encode_request(request(torch.zeros(1, 2, 3, 4, 4, dtype=torch.uint8)))
+
+
+def test_color_motion_is_differentiable_and_scores_as_the_scorer() -> None:
+    """`score_differentiable` of float frames equals the scorer's score of the same uint8 frames, and
+    its gradient is the centroid's: by hand for one half-red pixel, and by central differences."""
+    videos = torch.stack([moving_square(4), moving_square(4).flip(0), moving_square(4, step=0)])
+    floats = videos.float().div(255)
+    motion = ColorMotion([1.0, 0.0, 0.0], "right")
+    torch.testing.assert_close(
+        motion.score_differentiable(floats, ["p"] * 3, []), motion(request(videos)), rtol=0, atol=1e-6
+    )
+    # by hand: frame 0 has red at column 0 (x = 1/8) and one pixel at column 3 (x = 7/8) whose red
+    # channel r gives it weight w = 1 - 2 (1 - r); the last frame is red at column 3 alone, so the score
+    # is 7/8 - c0 with c0 = (1/8 + w 7/8) / (1 + w) and d score / dr = -2 dc0/dw = -2 (6/8) / (1 + w)^2
+    video = torch.zeros(1, 2, 3, 1, 4)
+    video[0, 0, 0, 0, 0] = 1.0
+    video[0, 1, 0, 0, 3] = 1.0
+    r = 0.8
+    video[0, 0, 0, 0, 3] = r
+    video.requires_grad_()
+    score = motion.score_differentiable(video, ["p"], [])
+    w = 1 - 2 * (1 - r)
+    assert score.item() == pytest.approx(7 / 8 - (1 / 8 + w * 7 / 8) / (1 + w), abs=1e-6)
+    score.sum().backward()
+    assert video.grad[0, 0, 0, 0, 3].item() == pytest.approx(-2 * (6 / 8) / (1 + w) ** 2, rel=1e-5)
+    # central differences on a random near-red video, every pixel channel that carries weight
+    gen = torch.Generator().manual_seed(0)
+    clip = (
+        torch.tensor([1.0, 0.0, 0.0]).view(1, 1, 3, 1, 1) + 0.3 * torch.rand(1, 3, 3, 2, 3, generator=gen)
+    ).clamp(0, 1)
+    clip = clip.double().requires_grad_()
+    (grad,) = torch.autograd.grad(motion.score_differentiable(clip, ["p"], []).sum(), clip)
+    eps = 1e-6
+    for idx in [(0, 0, 0, 0, 1), (0, 2, 1, 1, 2), (0, 1, 2, 0, 0), (0, 2, 0, 1, 0)]:
+        hi, lo = clip.detach().clone(), clip.detach().clone()
+        hi[idx] += eps
+        lo[idx] -= eps
+        numeric = (motion._score(motion._centroids(hi)) - motion._score(motion._centroids(lo))) / (2 * eps)
+        assert grad[idx].item() == pytest.approx(numeric.item(), abs=1e-6)
+    with pytest.raises(ValueError, match=r"ColorMotion scores videos \[B, F, 3, H, W\]"):
+        motion.score_differentiable(floats[:, 0], ["p"] * 3, [])

@@ -59,7 +59,8 @@ class FrameMean:
 
 
 class ColorMotion:
-    """Scorer: how far the mass of a colour moves along x from the first frame to the last.
+    """Scorer and `DifferentiableReward`: how far the mass of a colour moves along x from the first
+    frame to the last.
 
     Each pixel p (RGB in [0, 1]) weighs w = max(0, 1 - 2 max_c |p_c - target_c|) (1 at the target
     colour, 0 once any channel is 0.5 away). A frame's centroid is sum(w x) / sum(w) with x the
@@ -95,17 +96,36 @@ class ColorMotion:
 
     def centroids(self, videos: torch.Tensor) -> torch.Tensor:
         """[B, F] x-centroids in [0, 1] of the colour's mass of uint8 videos [B, F, 3, H, W]."""
-        frames = videos.to(torch.float32) / 255.0
-        dist = (frames - self.target.view(1, 1, 3, 1, 1)).abs().amax(dim=2)  # [B, F, H, W]
+        return self._centroids(videos.to(torch.float32) / 255.0)
+
+    def _centroids(self, frames: torch.Tensor) -> torch.Tensor:
+        """[B, F] x-centroids of float frames [B, F, 3, H, W] in [0, 1], with the graph (a pixel's
+        weight is piecewise linear in it, so the centroid moves with the colour's pixels)."""
+        target = self.target.to(device=frames.device, dtype=frames.dtype).view(1, 1, 3, 1, 1)
+        dist = (frames - target).abs().amax(dim=2)  # [B, F, H, W]
         w = (1.0 - 2.0 * dist).clamp(min=0.0)
         width = w.shape[-1]
-        x = (torch.arange(width, dtype=torch.float32) + 0.5) / width
+        x = (torch.arange(width, dtype=frames.dtype, device=frames.device) + 0.5) / width
         mass = w.sum(dim=(2, 3))
         moment = (w * x).sum(dim=(2, 3))
         return torch.where(mass > 0, moment / mass.clamp(min=1e-12), torch.full_like(mass, 0.5))
 
-    def __call__(self, req: RewardRequest) -> torch.Tensor:
-        """[B] fp32: sign x (centroid of the last frame - centroid of the first), at least `floor`."""
-        c = self.centroids(req.require_videos("ColorMotion"))
+    def _score(self, c: torch.Tensor) -> torch.Tensor:
         score = self.sign * (c[:, -1] - c[:, 0])
         return score if self.floor is None else score.clamp(min=self.floor)
+
+    def __call__(self, req: RewardRequest) -> torch.Tensor:
+        """[B] fp32: sign x (centroid of the last frame - centroid of the first), at least `floor`."""
+        return self._score(self.centroids(req.require_videos("ColorMotion")))
+
+    def score_differentiable(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]
+    ) -> torch.Tensor:
+        """[B] the score of float videos [B, F, 3, H, W] in [0, 1], with the graph (the reward-backprop
+        losses' `DifferentiableReward`; prompts and metadata are not read). A frame without the
+        colour counts as centred and passes no gradient; the floor, when set, passes none below it."""
+        if images.dim() != 5 or images.shape[2] != 3:
+            raise ValueError(
+                f"ColorMotion scores videos [B, F, 3, H, W], got a tensor of shape {tuple(images.shape)}"
+            )
+        return self._score(self._centroids(images.float()))
