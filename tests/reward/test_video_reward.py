@@ -131,7 +131,9 @@ def test_color_motion_is_differentiable_and_scores_as_the_scorer() -> None:
         hi, lo = clip.detach().clone(), clip.detach().clone()
         hi[idx] += eps
         lo[idx] -= eps
-        numeric = (motion._score(motion._centroids(hi)) - motion._score(motion._centroids(lo))) / (2 * eps)
+        numeric = (
+            motion.score_differentiable(hi, ["p"], []) - motion.score_differentiable(lo, ["p"], [])
+        ) / (2 * eps)
         assert grad[idx].item() == pytest.approx(numeric.item(), abs=1e-6)
     with pytest.raises(ValueError, match=r"ColorMotion scores videos \[B, F, 3, H, W\]"):
         motion.score_differentiable(floats[:, 0], ["p"] * 3, [])
