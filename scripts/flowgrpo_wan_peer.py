@@ -39,9 +39,11 @@ import types
 
 import torch
 
+from unirl.shapes.motion import SQUARE_SIDES, square_prompt
+
 BASE = "checkpoints/squares_wan"
 TEXT_TOKENS = 8  # the base's pretraining max_sequence_length (examples/sft/squares_wan_pretrain.yaml)
-SIZES = ["tiny", "small", "medium", "large"]
+BASE_SHIFT = 1.0  # the base's pretraining noise levels (sft.shift; the recipe's sampling.shift)
 
 OVERRIDES = {
     # the base and the world (examples/diffusion/squares_wan_flowgrpo.yaml)
@@ -75,34 +77,24 @@ def set_key(config, dotted: str, value) -> None:
     node[leaf] = value
 
 
+def load_source(name: str, path: str) -> types.ModuleType:
+    """The module in the file `path`, executed under `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_trainer(checkout: str):
     """The official trainer module and its `general_ocr_wan2_1` config (config/grpo.py loads base.py
-    with `imp.load_source`, which Python 3.12 removed; a two-line stand-in is installed if needed)."""
+    with `imp.load_source`, which Python 3.12 removed; `load_source` stands in for it there)."""
     sys.path.insert(0, checkout)
-    if "imp" not in sys.modules:
-        try:
-            import imp  # noqa: F401
-        except ImportError:
-            shim = types.ModuleType("imp")
-
-            def load_source(name, path):
-                spec = importlib.util.spec_from_file_location(name, path)
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                return module
-
-            shim.load_source = load_source
-            sys.modules["imp"] = shim
-    spec = importlib.util.spec_from_file_location(
-        "flow_grpo_config_grpo", os.path.join(checkout, "config", "grpo.py")
-    )
-    config_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(config_module)
-    spec = importlib.util.spec_from_file_location(
-        "train_wan2_1", os.path.join(checkout, "scripts", "train_wan2_1.py")
-    )
-    trainer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trainer)
+    try:
+        import imp  # noqa: F401
+    except ImportError:
+        sys.modules["imp"] = types.SimpleNamespace(load_source=load_source)
+    config_module = load_source("flow_grpo_config_grpo", os.path.join(checkout, "config", "grpo.py"))
+    trainer = load_source("train_wan2_1", os.path.join(checkout, "scripts", "train_wan2_1.py"))
     return trainer, config_module.general_ocr_wan2_1()
 
 
@@ -183,7 +175,7 @@ def main() -> None:
     # the prompts: the trainer reads <dataset>/train.txt and test.txt
     data = os.path.join(os.path.abspath(args.out), "dataset")
     os.makedirs(data, exist_ok=True)
-    prompts = [f"a {w} red square" for w in SIZES]
+    prompts = [square_prompt(w) for w in SQUARE_SIDES]
     with open(os.path.join(data, "train.txt"), "w") as f:
         f.write("\n".join(prompts) + "\n")
     with open(os.path.join(data, "test.txt"), "w") as f:
@@ -210,13 +202,12 @@ def main() -> None:
 
     # what is put around the trainer (module doc)
     vae_class = pixel_vae_class()
-    shift = 1.0
 
     class BasePipeline:
         @staticmethod
         def from_pretrained(path, **kwargs):
             return WanPipeline.from_pretrained(
-                path, vae=vae_class(), scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), **kwargs
+                path, vae=vae_class(), scheduler=FlowMatchEulerDiscreteScheduler(shift=BASE_SHIFT), **kwargs
             )
 
     trainer.WanPipeline = BasePipeline
