@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from unirl.sde.strategies import make_strategy
+from unirl.sde.strategies import gaussian_log_prob, make_strategy
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import LatentSegment
 
@@ -103,3 +103,67 @@ def perturb(stage: LinearStage, scale: float = 0.1, seed: int = 3) -> None:
     with torch.no_grad():
         for p in stage.module.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def hand_replay(stage: LinearStage, track: RolloutTrack):
+    """Per SDE step of the stored trajectory: log-probs [B, k], means [B, k, ...], transition
+    std [k], dt [k] and velocities [B, k, ...] under the stage's current weights."""
+    seg = track.segment
+    strategy = make_strategy(stage.sde, seg.eta)
+    lps, means, stds, dts, vs = [], [], [], [], []
+    for i in seg.sde_indices:
+        x = seg.at(i)
+        v = stage.module(x) * (1 + seg.sigmas[i]) + track.conditions["c"].view(-1, 1, 1, 1)
+        mean, std, _ = strategy.mean_and_std(x, v, seg.sigmas, i)
+        lps.append(gaussian_log_prob(seg.at(i + 1), mean, std))
+        means.append(mean)
+        stds.append(std)
+        dts.append(seg.sigmas[i + 1] - seg.sigmas[i])
+        vs.append(v)
+    stack = torch.stack
+    return stack(lps, 1), stack(means, 1), stack(stds), stack(dts), stack(vs, 1)
+
+
+def flow_grpo_reference_loss(
+    new_logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+    adv_clip_max: float,
+) -> torch.Tensor:
+    """Flow-GRPO's policy loss as its training loop writes it (yifan123/flow_grpo,
+    scripts/train_sd3.py, `main`, the "grpo logic" block), on log-probs [B, K] and advantages [B]:
+    per timestep j the advantage is clamped to [-adv_clip_max, adv_clip_max], ratio =
+    exp(logp_j - logp_old_j), and the step's loss is the batch mean of max(-A ratio,
+    -A clamp(ratio, 1 - clip_range, 1 + clip_range)); gradient accumulation over the K timesteps
+    averages them. DanceGRPO's and MixGRPO's `train_one_step` (fastvideo/train_grpo_flux.py) write
+    the same policy loss."""
+    steps = []
+    for j in range(new_logp.shape[1]):
+        adv = torch.clamp(advantages, -adv_clip_max, adv_clip_max)
+        ratio = torch.exp(new_logp[:, j] - old_logp[:, j])
+        unclipped = -adv * ratio
+        clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+        steps.append(torch.mean(torch.maximum(unclipped, clipped)))
+    return torch.stack(steps).mean()
+
+
+def loss_and_grads(algo, stage: LinearStage, track: RolloutTrack, ctx: dict | None = None):
+    """The algorithm's metrics and the gradient of its loss on the track under the current weights."""
+    stage.module.zero_grad()
+    out = algo.compute_loss_and_backward(stage, track, {"loss_scale": 1.0, "progress": 0.0, **(ctx or {})})
+    return out, [p.grad.clone() for p in stage.module.parameters()]
+
+
+def grads_of(loss: torch.Tensor, stage: LinearStage) -> list[torch.Tensor]:
+    stage.module.zero_grad()
+    loss.backward()
+    return [p.grad.clone() for p in stage.module.parameters()]
+
+
+def assert_relative(got: list[torch.Tensor], want: list[torch.Tensor], rel: float) -> None:
+    """The gradients, as one vector, agree to `rel` of the reference's norm."""
+    g = torch.cat([x.flatten() for x in got])
+    w = torch.cat([x.flatten() for x in want])
+    assert float(w.norm()) > 0, "the reference gradient is zero: the comparison would prove nothing"
+    assert float((g - w).norm()) <= rel * float(w.norm()), float((g - w).norm() / w.norm())

@@ -1,14 +1,27 @@
 """DanceGRPO and MixGRPO are Flow-GRPO's loss on their SDE and SDE-step scheduler: through the
 real SD3Stage (tiny model), rollout and replay agree on every strategy and sampling layout, the
-first ratio is exactly 1, and the sampling knobs do what the methods ask (no Ray)."""
+first ratio is exactly 1, and the sampling knobs do what the methods ask; on a stand-in linear
+denoiser (`tests/algorithms/linear_stage.py`), the loss with its advantage clip is their training
+loops' (no Ray)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
+from tests.algorithms.linear_stage import (
+    LinearStage,
+    assert_relative,
+    flow_grpo_reference_loss,
+    grads_of,
+    hand_replay,
+    loss_and_grads,
+    perturb,
+    sampled_track,
+)
 from tests.conftest import tiny_model_config
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from unirl.models.sd3 import SD3Stage
@@ -89,6 +102,37 @@ def test_rollout_log_probs_equal_replay_and_first_ratio_is_one(sde: str, layout:
     metrics = stack.train_track(track, progress=0.0)
     assert metrics["ratio/first_update_mean"] == 1.0
     assert metrics["ratio/min"] < 1.0 < metrics["ratio/max"]  # the second update moved
+
+
+@pytest.mark.parametrize(
+    ("sde", "eta", "steps"),
+    [
+        ("dance", 0.4, (0, 2, 3)),  # DanceGRPO: the Dance SDE on a random subset, the last step left out
+        ("flow", 0.7, (1, 2)),  # MixGRPO: Flow-GRPO's SDE on a window of consecutive steps
+    ],
+    ids=["dance", "mix"],
+)
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [0], [2]])
+def test_advantage_clip_matches_the_reference_training_loops(sde, eta, steps, rows) -> None:
+    """DanceGRPO (XueZeyue/DanceGRPO, fastvideo/train_grpo_flux.py, `train_one_step`) and MixGRPO
+    (Tencent-Hunyuan/MixGRPO, fastvideo/train_grpo_flux.py, `train_one_step`) clamp the advantage to
+    +-adv_clip_max (their default 5.0) in both PPO terms, the policy loss of yifan123/flow_grpo's
+    scripts/train_sd3.py (`flow_grpo_reference_loss`). Flow-GRPO's default config on their SDE and
+    steps gives that loss and gradient to 1e-5 relative, on the batch, a clipped row and a kept row."""
+    stage = LinearStage(sde=sde)
+    track = sampled_track(stage, sde_indices=steps, eta=eta)
+    track.advantages = torch.tensor([7.0, -9.0, 1.5, -2.5])  # rows 0, 1 clipped; 2, 3 kept
+    track = track.select(rows)
+    perturb(stage, 0.05)
+    out, got = loss_and_grads(FlowGRPO(FlowGRPOConfig(clip_range=0.02)), stage, track)
+    logp, old = hand_replay(stage, track)[0], track.segment.log_probs
+    want = flow_grpo_reference_loss(logp, old, track.advantages, 0.02, 5.0)
+    assert out["loss"] == pytest.approx(float(want.detach()), rel=1e-5)
+    assert_relative(got, grads_of(want, stage), 1e-5)
+    clipped = track.advantages.abs() > 5
+    assert out["adv_clipped_frac"] == float(clipped.float().mean())
+    unclipped = float(flow_grpo_reference_loss(logp, old, track.advantages, 0.02, math.inf).detach())
+    assert (abs(unclipped - out["loss"]) > 0.1 * abs(out["loss"])) == bool(clipped.any())
 
 
 def test_noise_all_steps_makes_the_unscored_steps_stochastic(bundle) -> None:

@@ -8,8 +8,20 @@ import math
 import pytest
 import torch
 
+from tests.algorithms.linear_stage import (
+    LinearStage,
+    assert_relative,
+    flow_grpo_reference_loss,
+    grads_of,
+    hand_replay,
+    loss_and_grads,
+    perturb,
+    sampled_track,
+)
 from tests.conftest import tiny_model_config
+from unirl.algorithms.ddpo import DDPOConfig
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig, clipped_policy_loss
+from unirl.algorithms.flow_ppo import FlowPPOConfig
 from unirl.models.sd3 import SD3Stage
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
@@ -101,6 +113,56 @@ def test_clipped_policy_loss_against_hand_computation():
     loss_neg, _ = clipped_policy_loss(new, old, torch.tensor([-1.0]), clip=0.2)
     # A<0: r=1.5: max(1.5, 1.2) = 1.5 ; r=0.5: max(0.5, 0.8) = 0.8
     torch.testing.assert_close(loss_neg, torch.tensor([[1.5, 0.8]]))
+
+
+# rows 0 and 1 beyond +-5 (clipped), rows 2 and 3 inside (kept)
+ADVANTAGES = torch.tensor([7.0, -9.0, 1.5, -2.5])
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [0], [1], [2], [3]])
+def test_advantage_clip_matches_flow_grpos_training_loop(rows):
+    """Loss and gradient against yifan123/flow_grpo, scripts/train_sd3.py, `main`'s training loop
+    (`flow_grpo_reference_loss`: the advantage clamped to +-adv_clip_max in both PPO terms) to 1e-5
+    relative, on the batch and on each clipped and kept row alone; without the clip, the loss of a
+    batch with a clipped row is another (so the comparison can fail)."""
+    stage = LinearStage()
+    track = sampled_track(stage)
+    track.advantages = ADVANTAGES.clone()
+    track = track.select(rows)
+    perturb(stage, 0.05)  # ratios 0.97..1.03: clip_range 0.02 clips some steps and keeps others
+    out, got = loss_and_grads(FlowGRPO(FlowGRPOConfig(clip_range=0.02)), stage, track)
+    logp, old = hand_replay(stage, track)[0], track.segment.log_probs
+    want = flow_grpo_reference_loss(logp, old, track.advantages, 0.02, 5.0)
+    assert out["loss"] == pytest.approx(float(want.detach()), rel=1e-5)
+    assert_relative(got, grads_of(want, stage), 1e-5)
+    clipped = track.advantages.abs() > 5
+    assert out["adv_clipped_frac"] == float(clipped.float().mean())
+    unclipped = float(flow_grpo_reference_loss(logp, old, track.advantages, 0.02, math.inf).detach())
+    assert (abs(unclipped - out["loss"]) > 0.1 * abs(out["loss"])) == bool(clipped.any())
+
+
+def test_adv_clip_max_null_leaves_advantages_as_they_are():
+    stage = LinearStage()
+    track = sampled_track(stage)
+    track.advantages = ADVANTAGES.clone()
+    perturb(stage, 0.05)
+    out, got = loss_and_grads(FlowGRPO(FlowGRPOConfig(clip_range=0.02, adv_clip_max=None)), stage, track)
+    want = flow_grpo_reference_loss(
+        hand_replay(stage, track)[0], track.segment.log_probs, ADVANTAGES, 0.02, math.inf
+    )
+    assert out["loss"] == pytest.approx(float(want.detach()), rel=1e-5)
+    assert_relative(got, grads_of(want, stage), 1e-5)
+    assert "adv_clipped_frac" not in out
+
+
+@pytest.mark.parametrize("value", [0.0, -5.0])
+def test_adv_clip_max_errors_name_the_key(value):
+    with pytest.raises(ValueError, match="algorithm.config.adv_clip_max must be > 0 or null"):
+        FlowGRPOConfig(adv_clip_max=value)
+    # Flow-GRPO, GRPO-Guard, DanceGRPO, MixGRPO and DDPO clip at 5 as their code does; Flow-PPO's
+    # whitened GAE advantages are not clipped (PPO's loss does not clip them)
+    assert FlowGRPOConfig().adv_clip_max == DDPOConfig().adv_clip_max == 5.0
+    assert FlowPPOConfig().adv_clip_max is None
 
 
 @pytest.mark.parametrize(

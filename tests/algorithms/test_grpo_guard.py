@@ -1,7 +1,8 @@
 """GRPO-Guard on Flow-GRPO and DanceGRPO (off: Flow-GRPO's loss; on: the normalised ratio has
-mean 0 and one spread at every step, loss and gradient as the formula), and the KL on velocities
-or latents of the step losses and the reward-backprop regulariser (no Ray; a stand-in linear
-denoiser, `tests/algorithms/linear_stage.py`)."""
+mean 0 and one spread at every step, loss and gradient as the formula, the advantage clipped as
+flow_grpo's training loop clips it), and the KL on velocities or latents of the step losses and
+the reward-backprop regulariser (no Ray; a stand-in linear denoiser,
+`tests/algorithms/linear_stage.py`)."""
 
 from __future__ import annotations
 
@@ -10,31 +11,20 @@ import math
 import pytest
 import torch
 
-from tests.algorithms.linear_stage import LinearStage, perturb, sampled_track
+from tests.algorithms.linear_stage import (
+    LinearStage,
+    assert_relative,
+    grads_of,
+    hand_replay,
+    loss_and_grads,
+    perturb,
+    sampled_track,
+)
 from unirl.algorithms.dpok import DPOK, DPOKConfig
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig, guard_log_ratio
 from unirl.algorithms.kl_control import velocity_scale
 from unirl.algorithms.reward_backprop import RewardBackpropConfig, sample_generator, velocity_kl
-from unirl.sde.strategies import gaussian_log_prob, make_strategy
-
-
-def hand_replay(stage, track):
-    """Per SDE step of the stored trajectory: log-probs [B, k], means [B, k, ...], transition
-    std [k], dt [k] and velocities [B, k, ...] under the stage's current weights."""
-    seg = track.segment
-    strategy = make_strategy(stage.sde, seg.eta)
-    lps, means, stds, dts, vs = [], [], [], [], []
-    for i in seg.sde_indices:
-        x = seg.at(i)
-        v = stage.module(x) * (1 + seg.sigmas[i]) + track.conditions["c"].view(-1, 1, 1, 1)
-        mean, std, _ = strategy.mean_and_std(x, v, seg.sigmas, i)
-        lps.append(gaussian_log_prob(seg.at(i + 1), mean, std))
-        means.append(mean)
-        stds.append(std)
-        dts.append(seg.sigmas[i + 1] - seg.sigmas[i])
-        vs.append(v)
-    stack = torch.stack
-    return stack(lps, 1), stack(means, 1), stack(stds), stack(dts), stack(vs, 1)
+from unirl.sde.strategies import gaussian_log_prob
 
 
 def run(algo, stage, track, ctx_extra=None):
@@ -87,6 +77,34 @@ def test_guard_on_loss_and_gradient_match_the_formula(sde):
     assert out["loss"] == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-7)
     assert out["guard/bias"] == pytest.approx(float(bias.detach().mean()), rel=1e-4)
     assert_grads(got, stage)
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [0], [1], [2], [3]])
+def test_guard_clips_advantages_as_flow_grpos_training_loop(rows):
+    """GRPO-Guard with the advantage clip: the formula above with A clamped to +-adv_clip_max (5) in
+    both PPO terms, as yifan123/flow_grpo, scripts/train_sd3.py, `main`'s training loop clamps it and
+    as X-GenGroup/Flow-Factory, src/flow_factory/trainers/grpo.py, `GRPOGuardTrainer.optimize` does
+    before its re-weighted ratio; loss and gradient to 1e-5 relative on the batch and on each clipped
+    (|A| > 5) and kept row alone."""
+    stage = LinearStage()
+    track = sampled_track(stage)
+    track.advantages = torch.tensor([7.0, -9.0, 1.5, -2.5])
+    algo = FlowGRPO(FlowGRPOConfig(clip_range=0.02, guard=True))
+    prepared = algo.prepare_segment(stage, track).select(rows)  # mu_old under the sampling weights
+    perturb(stage, 0.05)
+    out, got = loss_and_grads(algo, stage, prepared)
+    logp, mu, std, dt, _ = hand_replay(stage, prepared)
+    bias = ((mu - prepared.conditions["guard/old_means"]) ** 2).flatten(2).mean(-1) / (2 * std**2)
+    r = torch.exp((logp - prepared.segment.log_probs + bias) * std)
+    a = torch.clamp(prepared.advantages, -5.0, 5.0)[:, None]
+    loss = (torch.maximum(-a * r, -a * torch.clamp(r, 1.0 - 0.02, 1.0 + 0.02)) / (-dt)).mean()
+    assert out["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert_relative(got, grads_of(loss, stage), 1e-5)
+    clipped = prepared.advantages.abs() > 5
+    assert out["adv_clipped_frac"] == float(clipped.float().mean())
+    u = prepared.advantages[:, None]
+    unclipped = float((torch.maximum(-u * r, -u * r.clamp(0.98, 1.02)) / (-dt)).mean().detach())
+    assert (abs(unclipped - out["loss"]) > 0.1 * abs(out["loss"])) == bool(clipped.any())
 
 
 def test_guard_first_update_with_replayed_pi_old_is_exactly_on_policy():

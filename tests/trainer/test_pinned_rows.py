@@ -4,7 +4,9 @@
 tiny Flow-GRPO run, written by the diffusion-only trainer of commit bfe83b8 (before the driver loop
 served text). The same run today must give the same rows: rewards, losses, ratios, gradient norms,
 bytes moved. Floats are compared to 1e-6 relative (same arithmetic; the tolerance only absorbs a
-different CPU's kernels), integers and keys exactly.
+different CPU's kernels), integers and keys exactly. A metric the run logs that the old trainer did
+not is added to the file with the run's value (`adv_clipped_frac`: 0, no advantage beyond the
+clip), so every other value still comes from commit bfe83b8.
 """
 
 from __future__ import annotations

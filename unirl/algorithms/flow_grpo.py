@@ -1,6 +1,7 @@
 """Flow-GRPO: PPO-clipped policy gradient on per-step SDE log-prob ratios.
 
-Per SDE step t of sample i, with r = exp(logp_new - logp_old) and advantage A:
+Per SDE step t of sample i, with r = exp(logp_new - logp_old) and the advantage clipped to
+A = clip(A_i, -adv_clip_max, adv_clip_max) (flow_grpo's `adv_clip_max`, 5):
     L = mean_{i,t} max(-A*r, -A*clip(r, 1-eps, 1+eps))
 plus, when beta > 0, beta * mean_{i,t} KL_t with the Flow-GRPO estimate
     KL_t = mean_{non-batch}((mu_new - mu_ref)^2) / (2 * std_dev_t^2)
@@ -92,12 +93,15 @@ class FlowGRPOConfig(StepLossConfig):
             rescaled to one scale for every step, and each step's loss is divided by |dt|;
             needs mu_old, replayed under the sampling weights before the first update.
             false: Flow-GRPO's loss, bit for bit.
+        adv_clip_max: advantages enter the loss clipped to [-adv_clip_max, adv_clip_max]
+            (flow_grpo's, DanceGRPO's, MixGRPO's and DDPO's 5); null leaves them as they are.
     """
 
     clip_range: float = 1e-4
     clip_range_final: float | None = None
     clip_schedule: str = "constant"
     guard: bool = False
+    adv_clip_max: float | None = 5.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -111,6 +115,8 @@ class FlowGRPOConfig(StepLossConfig):
             raise ValueError(
                 f"algorithm.config.clip_range_final must be > 0 or null, got {self.clip_range_final}"
             )
+        if self.adv_clip_max is not None and not self.adv_clip_max > 0:
+            raise ValueError(f"algorithm.config.adv_clip_max must be > 0 or null, got {self.adv_clip_max}")
 
     def clip_at(self, progress: float) -> float:
         """Clip epsilon at training progress in [0, 1]."""
@@ -192,6 +198,8 @@ class FlowGRPO(StageAlgorithm):
     supports_kept_graph: ClassVar[bool] = True
     frozen_keys: ClassVar[tuple[str, ...]] = (GUARD_OLD_MEANS_KEY,)
     """`track.conditions` entries `prepare_segment` adds (kept out of the replay's conditions)."""
+    adv_clipped_key: ClassVar[str] = "adv_clipped_frac"
+    """The metric of the share of advantages the clip changed (`FlowGRPOConfig.adv_clip_max`)."""
 
     def __init__(self, config: StepLossConfig | None = None) -> None:
         self.config = config or FlowGRPOConfig()
@@ -244,12 +252,15 @@ class FlowGRPO(StageAlgorithm):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Per-step policy loss [B, k], the ratios [B, k] and loss-specific float metrics
         (averaged over chunks, weighted by their step counts); adv [B], or [B, k] the chunk's
-        columns of per-step advantages (Flow-PPO)."""
+        columns of per-step advantages (Flow-PPO). The advantage enters both PPO terms clipped
+        to `adv_clip_max`, as in flow_grpo's training loop."""
         clip = self.config.clip_at(ctx["progress"])
+        adv, metrics = self.clip_advantages(adv)
+        metrics["clip_range"] = clip
         if not getattr(self.config, "guard", False):
             loss, ratio = clipped_policy_loss(chunk.new_logp, chunk.old_logp, adv, clip)
-            clipfrac = float(((ratio.detach() - 1).abs() > clip).float().mean())
-            return loss, ratio, {"clipfrac": clipfrac, "clip_range": clip}
+            metrics["clipfrac"] = float(((ratio.detach() - 1).abs() > clip).float().mean())
+            return loss, ratio, metrics
         if GUARD_OLD_MEANS_KEY not in track.conditions:
             raise ValueError(f"track {track.name!r} was not prepared: call prepare_segment before the loss")
         old_means = track.conditions[GUARD_OLD_MEANS_KEY][:, chunk.cols]
@@ -260,12 +271,17 @@ class FlowGRPO(StageAlgorithm):
         sig = track.segment.sigmas.to(torch.float32)
         dt = torch.stack([sig[i + 1] - sig[i] for i in chunk.steps]).to(z.device)
         loss = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip)) / (-dt).unsqueeze(0)
-        clipfrac = float(((ratio.detach() - 1).abs() > clip).float().mean())
-        return (
-            loss,
-            ratio,
-            {"clipfrac": clipfrac, "clip_range": clip, "guard/bias": float(bias.detach().mean())},
-        )
+        metrics["clipfrac"] = float(((ratio.detach() - 1).abs() > clip).float().mean())
+        metrics["guard/bias"] = float(bias.detach().mean())
+        return loss, ratio, metrics
+
+    def clip_advantages(self, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """adv ([B] or [B, k]) clamped to [-adv_clip_max, adv_clip_max] and {`adv_clipped_key`:
+        the share of entries the clamp changed}; with `adv_clip_max` null, adv as is and {}."""
+        c = self.config.adv_clip_max
+        if c is None:
+            return adv, {}
+        return adv.clamp(-c, c), {self.adv_clipped_key: float((adv.abs() > c).float().mean())}
 
     def kl_scale(self, chunk: StepChunk) -> torch.Tensor:
         """[k] the scale s of KL_t = mean((mu - mu_ref)^2) / (2 s^2): flow_grpo's std_dev_t."""

@@ -26,9 +26,12 @@ from unirl.types.advantages import AdvantageConfig
 @dataclass
 class FlowPPOConfig(FlowGRPOConfig):
     """Flow-GRPO's settings with PPO's pi_old: recomputed under the training weights before the
-    first update (`old_logp_source: replay`), so that update's ratio is exactly 1."""
+    first update (`old_logp_source: replay`), so that update's ratio is exactly 1, and PPO's
+    advantages unclipped (`adv_clip_max: null`: the GAE advantages are whitened, and PPO's clipped
+    loss, ours for text as verl's, does not clip them; set it to clip as Flow-GRPO does)."""
 
     old_logp_source: str = "replay"
+    adv_clip_max: float | None = None
 
 
 class FlowPPO(FlowGRPO):
