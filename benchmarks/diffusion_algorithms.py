@@ -58,6 +58,7 @@ ALGORITHMS: dict[str, tuple[str, list[str]]] = {
     "refl": ("diffusion/shapes_refl", []),
     "dgpo": ("diffusion/shapes_dgpo", []),
     "crd": ("diffusion/shapes_crd", []),
+    "crd_kl0.01": ("diffusion/shapes_crd", ["algorithm.config.kl_beta=0.01"]),
     "control_random": ("diffusion/shapes_flowgrpo", RANDOM_REWARD),
     "control_random_dgpo": ("diffusion/shapes_dgpo", RANDOM_REWARD),
     "control_random_crd": ("diffusion/shapes_crd", RANDOM_REWARD),

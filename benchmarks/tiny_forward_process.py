@@ -51,6 +51,13 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "nft": ("diffusion/tiny_awm", NFT),
     "dgpo": ("diffusion/tiny_dgpo", []),
     "crd": ("diffusion/tiny_crd", []),
+    "crd_kl0.01": ("diffusion/tiny_crd", ["algorithm.config.kl_beta=0.01"]),
+    "crd_kl0.001": ("diffusion/tiny_crd", ["algorithm.config.kl_beta=0.001"]),
+    "crd_kl0.01_plain_logp": (
+        "diffusion/tiny_crd",
+        ["algorithm.config.kl_beta=0.01", "algorithm.config.adaptive_logp=false"],
+    ),
+    "crd_lr6e-3": ("diffusion/tiny_crd", ["train.optim.lr=6e-3"]),
     "dgpo_lr6e-3": ("diffusion/tiny_dgpo", ["train.optim.lr=6e-3"]),
     "control_random_awm": ("diffusion/tiny_awm", RANDOM_REWARD),
     "control_random_dgpo": ("diffusion/tiny_dgpo", RANDOM_REWARD),

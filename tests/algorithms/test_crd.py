@@ -1,94 +1,114 @@
-"""CRD's loss and gradient against the centred reward-matching loss written out here, for every
-centering mode, with the reward-adaptive KL; the first update on the old snapshot; the config
-errors (no Ray; a stand-in linear denoiser, `tests/algorithms/linear_stage.py`)."""
+"""CRD's loss and gradient against Flow-Factory's equations written out here (`trainers/crd.py`,
+`CRDTrainer.optimize` and `_compute_crd_loss`), for every centring mode, both loss types, with
+and without `adaptive_logp` and the reward-adaptive KL, one and several draws; the centre's
+stop-gradient; log Z cancelling; the first update on the old snapshot; the config errors (no
+Ray; a stand-in linear denoiser, `tests/algorithms/linear_stage.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.algorithms.linear_stage import LinearStage, perturb, sampled_track
 from tests.algorithms.test_dgpo import velocity
 from unirl.algorithms.crd import CRD, OLD_SNAPSHOT, CRDConfig
 
 ADV = torch.tensor([1.2, -0.4, -1.0, 0.2, -0.7, 0.9, 1.5, -1.7])
-REWARDS = torch.tensor([0.9, 0.5, 0.2, 0.6, 0.3, 0.8, 0.95, 0.1])
 
 
-def track8(stage):
+def track8(stage, adv=ADV):
     track = sampled_track(stage, n=8)
-    return dataclasses.replace(
-        track, group_ids=[f"g{i // 4}" for i in range(8)], advantages=ADV.clone(), rewards=REWARDS.clone()
-    )
+    return dataclasses.replace(track, group_ids=[f"g{i // 4}" for i in range(8)], advantages=adv.clone())
 
 
-def hand_weights(a: list[float], mode: str, tau: float) -> tuple[list[float], list[float]]:
-    """Centring weights of one group, from plain Python numbers."""
-    n = len(a)
-    if mode == "uniform":
-        return [1 / n] * n, [1 / n] * n
-    if mode == "softmax":
-        ep = [math.exp(x / tau) for x in a]
-        en = [math.exp(-x / tau) for x in a]
-        return [e / sum(ep) for e in ep], [e / sum(en) for e in en]
-    pos = [x > 0 for x in a]
-    neg = [x < 0 for x in a]
-    wp = [p / sum(pos) for p in pos] if any(pos) else [1 / n] * n
-    wn = [q / sum(neg) for q in neg] if any(neg) else [1 / n] * n
-    return wp, wn
+def reference_group_loss(adv_cur, r_theta, beta, weight_temp, loss_type, hard_pools=False):
+    """Flow-Factory's `_compute_crd_loss` on one group (adv_cur the normalised advantages [n],
+    r_theta the implicit rewards [n]): uniform (weight_temp < 0, one direction) or softmax
+    (weight_temp > 0, two directions averaged); the centre carries no gradient. `hard_pools`:
+    UniRL's `hard` centring instead (uniform over A > 0 and over A < 0, adv_cur > 1/2 and < 1/2;
+    Flow-Factory's weight_temp 0 differs, see `unirl/algorithms/crd.py`)."""
+
+    def direction(p):
+        rc = adv_cur - (adv_cur * p).sum(dim=0, keepdim=True)
+        r_c = r_theta - (r_theta * p).sum(dim=0, keepdim=True).detach()
+        if loss_type == "bce":
+            return F.binary_cross_entropy_with_logits(beta * r_c, torch.sigmoid(rc.detach()), reduction="mean")
+        return ((beta * r_c - rc) ** 2).mean()
+
+    n = len(adv_cur)
+    if hard_pools:
+        pools = [adv_cur > 0.5, adv_cur < 0.5]
+        p_plus, p_minus = [m.float() / m.sum() if m.any() else torch.full((n,), 1 / n) for m in pools]
+    elif weight_temp < 0:
+        return direction(torch.softmax(adv_cur / torch.inf, dim=0))
+    else:
+        p_plus = torch.softmax(adv_cur / weight_temp, dim=0)
+        p_minus = torch.softmax(-adv_cur / weight_temp, dim=0)
+    return 0.5 * direction(p_plus) + 0.5 * direction(p_minus)
 
 
-def hand_loss(stage, track, prepared, cfg, weight, old, ref):
-    s = prepared.conditions["crd/sigma"].reshape(-1)
-    eps = prepared.conditions["crd/noise"].flatten(0, 1)
-    x0 = track.segment.final
-    x_s = (1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * eps
-    c = track.conditions["c"]
-    v = velocity(stage, weight, x_s, s, c)
-    with torch.no_grad():
-        err_old = ((velocity(stage, old, x_s, s, c) - (eps - x0)) ** 2).mean(dim=(1, 2, 3))
-        v_ref = velocity(stage, ref, x_s, s, c)
-    err = ((v - (eps - x0)) ** 2).mean(dim=(1, 2, 3))
-    a = track.advantages.clamp(-cfg.adv_clip, cfg.adv_clip)
-    loss = 0
-    for g in range(2):
-        m = list(range(4 * g, 4 * g + 4))
-        rho = [cfg.reward_beta * (err_old[i] - err[i]) for i in m]
-        tgt = [float(a[i]) for i in m]
-        for w in hand_weights(tgt, cfg.centering, cfg.temperature):
-            rho_c = sum(wj * r for wj, r in zip(w, rho, strict=True))
-            tgt_c = sum(wj * t for wj, t in zip(w, tgt, strict=True))
-            for r, t in zip(rho, tgt, strict=True):
-                loss = loss + 0.5 * ((r - rho_c) - (t - tgt_c)) ** 2
-    loss = loss / 8
-    kl = ((v - v_ref) ** 2).mean()
-    return loss + cfg.kl_beta * min(max(float(REWARDS.mean()), 0.0), 1.0) * kl
+def reference_loss(stage, track, prepared, cfg, weight, old, ref):
+    """Flow-Factory's CRD loss per drawn timestep, averaged over the draws (its gradient
+    accumulation over timesteps), centred within each group of 4 (the mean over the batch of
+    each group's own Flow-Factory loss)."""
+    temp = {"uniform": -1.0, "softmax": cfg.temperature, "hard": None}[cfg.centering]
+    c = cfg.adv_clip
+    adv = track.advantages.clamp(-c, c)
+    adv_rank = torch.clamp(adv / c / 2.0 + 0.5, 0, 1)
+    x0, cond = track.segment.final, track.conditions["c"]
+    losses = []
+    for j in range(cfg.draws_per_sample):
+        s = prepared.conditions["crd/sigma"][:, j]
+        noise = prepared.conditions["crd/noise"][:, j]
+        x_s = (1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * noise
+        v_target = noise - x0
+        forward_pred = velocity(stage, weight, x_s, s, cond)
+        with torch.no_grad():
+            old_v_pred = velocity(stage, old, x_s, s, cond)
+            ref_pred = velocity(stage, ref, x_s, s, cond)
+        if cfg.adaptive_logp:
+            with torch.no_grad():
+                weight_theta = torch.abs(forward_pred.double() - v_target.double()).mean(
+                    dim=(1, 2, 3), keepdim=True
+                ).clip(min=1e-5)
+                weight_old = torch.abs(old_v_pred.double() - v_target.double()).mean(
+                    dim=(1, 2, 3), keepdim=True
+                ).clip(min=1e-5)
+            r_theta = -((forward_pred - v_target) ** 2 / weight_theta - (old_v_pred - v_target) ** 2 / weight_old)
+        else:
+            r_theta = -((forward_pred - v_target) ** 2 - (old_v_pred - v_target) ** 2)
+        r_local = r_theta.mean(dim=(1, 2, 3))
+        groups = [
+            reference_group_loss(
+                adv_rank[g * 4 : g * 4 + 4], r_local[g * 4 : g * 4 + 4], cfg.beta, temp, cfg.loss_type, temp is None
+            )
+            for g in range(2)
+        ]
+        policy_loss = torch.stack(groups).mean() * c / cfg.beta
+        kl_div = ((forward_pred - ref_pred) ** 2).mean(dim=(1, 2, 3))
+        if cfg.kl_reward_adaptive:
+            min_coef = 1e-4 / cfg.kl_beta
+            kl_loss = cfg.kl_beta * torch.mean((min_coef + adv_rank * (1 - min_coef)) * kl_div)
+        else:
+            kl_loss = cfg.kl_beta * kl_div.mean()
+        losses.append(policy_loss + kl_loss)
+    return torch.stack(losses).mean()
 
 
-@pytest.mark.parametrize("centering", ["uniform", "hard", "softmax"])
-def test_loss_and_gradient_match_the_centred_matching_loss(centering):
+def run_both(cfg, adv=ADV):
+    """CRD's loss and gradient and the reference's, off the old snapshot and the reference."""
     stage = LinearStage()
-    track = track8(stage)
-    adv = ADV.clone()
-    adv[4:] = torch.tensor([0.7, 0.9, 1.5, 0.4])  # an all-positive group: hard's negative pool is empty
-    track = dataclasses.replace(track, advantages=adv)
-    cfg = CRDConfig(
-        reward_beta=30.0,
-        centering=centering,
-        temperature=0.7,
-        kl_beta=0.2,
-        adv_clip=1.3,
-        timestep_range=(0.0, 1.0),
-    )
+    track = track8(stage, adv)
     algo = CRD(cfg)
     ref = stage.module.weight.detach().clone()
     prepared = algo.prepare_segment(stage, track)
     perturb(stage, 0.2)
     old = stage.module.weight.detach().clone()
-    perturb(stage, 0.1, seed=7)
+    with torch.no_grad():
+        stage.module.weight.add_(0.1 * torch.randn(old.shape, generator=torch.Generator().manual_seed(7)))
     weight = stage.module.weight.detach().clone()
     ctx = {
         "loss_scale": 1.0,
@@ -98,37 +118,104 @@ def test_loss_and_gradient_match_the_centred_matching_loss(centering):
     stage.module.zero_grad()
     out = algo.compute_loss_and_backward(stage, prepared, ctx)
     w = weight.clone().requires_grad_(True)
-    want = hand_loss(stage, track, prepared, cfg, w, old, ref)
+    want = reference_loss(stage, track, prepared, cfg, w, old, ref)
     want.backward()
-    assert out["loss"] == pytest.approx(float(want.detach()), rel=1e-5)
-    assert out["crd/kl_coef"] == pytest.approx(0.2 * float(REWARDS.mean()))
-    torch.testing.assert_close(stage.module.weight.grad, w.grad, rtol=1e-4, atol=1e-7)
+    return out, stage.module.weight.grad.clone(), float(want.detach()), w.grad
+
+
+@pytest.mark.parametrize("draws", [1, 2])
+@pytest.mark.parametrize("loss_type", ["mse", "bce"])
+@pytest.mark.parametrize("centering", ["uniform", "hard", "softmax"])
+def test_loss_and_gradient_match_flow_factorys(centering, loss_type, draws):
+    adv = ADV.clone()
+    adv[4:] = torch.tensor([0.7, 0.9, 1.5, 0.4])  # an all-positive group: hard's negative pool is empty
+    cfg = CRDConfig(
+        beta=3.0,
+        loss_type=loss_type,
+        centering=centering,
+        temperature=0.7,
+        kl_beta=0.2,
+        adv_clip=1.3,
+        draws_per_sample=draws,
+        timestep_range=(0.0, 1.0),
+    )
+    out, grad, want, want_grad = run_both(cfg, adv)
+    assert out["loss"] == pytest.approx(want, rel=1e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-8)
+    assert grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("adaptive_logp", [True, False])
+@pytest.mark.parametrize("kl_reward_adaptive", [True, False])
+def test_adaptive_logp_and_kl_match_flow_factorys(adaptive_logp, kl_reward_adaptive):
+    cfg = CRDConfig(
+        beta=2.0,
+        adaptive_logp=adaptive_logp,
+        kl_reward_adaptive=kl_reward_adaptive,
+        kl_beta=0.05,
+        timestep_range=(0.0, 1.0),
+    )
+    out, grad, want, want_grad = run_both(cfg)
+    assert out["loss"] == pytest.approx(want, rel=1e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-8)
+    floor = 1e-4 / 0.05
+    adv_rank = (ADV / 5 / 2 + 0.5).clamp(0, 1)
+    coef = floor + adv_rank * (1 - floor) if kl_reward_adaptive else torch.ones(8)
+    assert out["crd/kl_coef"] == pytest.approx(0.05 * float(coef.mean()), rel=1e-6)
+
+
+def test_the_centre_carries_no_gradient():
+    """Differentiating through the softmax centre (the earlier form) gives another gradient."""
+    from unirl.algorithms import crd as crd_module
+
+    cfg = CRDConfig(
+        beta=3.0, centering="softmax", temperature=0.7, kl_beta=0.0, kl_reward_adaptive=False,
+        timestep_range=(0.0, 1.0),
+    )
+    _, grad, _, want_grad = run_both(cfg)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-8)
+    real = crd_module.centred_match_loss
+
+    def through_centre(rho, a, gids, beta, mode, temperature=1.0, loss_type="mse"):
+        idx = torch.tensor([int(g[1:]) for g in gids])
+        total = rho.new_zeros(())
+        for gi in range(2):
+            r, t = rho[idx == gi], a[idx == gi]
+            for w in crd_module.centering_weights(t, mode, temperature):
+                total = total + 0.5 * ((beta * (r - (w * r).sum()) - (t - (w * t).sum())) ** 2).sum()
+        return total / len(rho)
+
+    crd_module.centred_match_loss = through_centre
+    try:
+        _, other, _, _ = run_both(cfg)
+    finally:
+        crd_module.centred_match_loss = real
+    assert not torch.allclose(other, want_grad, rtol=1e-2)
 
 
 def test_modes_differ_and_the_normaliser_cancels():
     """A constant added to a group's implicit rewards (its log Z) changes no mode's loss; the
     three modes give three different losses on mixed-sign groups."""
-    from unirl.algorithms.crd import centred_match_loss
+    from unirl.algorithms.crd import centred_match_loss, normalised_advantages
 
     gids = [f"g{i // 4}" for i in range(8)]
-    delta = torch.randn(8, generator=torch.Generator().manual_seed(0))
-    shifted = delta + torch.tensor([3.0] * 4 + [-2.0] * 4)
+    rho = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    shifted = rho + torch.tensor([3.0] * 4 + [-2.0] * 4)
+    a = normalised_advantages(ADV, 2.0)
     losses = []
     for mode in ("uniform", "hard", "softmax"):
-        base = centred_match_loss(delta, ADV, gids, mode, 0.5)
-        assert float(centred_match_loss(shifted, ADV, gids, mode, 0.5)) == pytest.approx(
-            float(base), rel=1e-5
-        )
+        base = centred_match_loss(rho, a, gids, 1.5, mode, 0.5)
+        assert float(centred_match_loss(shifted, a, gids, 1.5, mode, 0.5)) == pytest.approx(float(base), rel=1e-5)
         losses.append(float(base))
     assert len({round(x, 6) for x in losses}) == 3
 
 
 def test_first_update_at_the_old_snapshot_is_advantage_weighted_matching():
-    """With the policy at the old snapshot rho = 0: the gradient is 2 reward_beta / B sum_i A_c,i grad l_i
-    (uniform centring, no KL)."""
+    """With the policy at the old snapshot rho = 0 (no adaptive_logp): the gradient is
+    2c / B sum_i a_c,i grad l_i = 1/B sum_i A_c,i grad l_i (uniform centring, no KL), whatever beta."""
     stage = LinearStage()
     track = track8(stage)
-    algo = CRD(CRDConfig(reward_beta=10.0, kl_beta=0.0, timestep_range=(0.0, 1.0)))
+    algo = CRD(CRDConfig(beta=10.0, adaptive_logp=False, kl_beta=0.0, timestep_range=(0.0, 1.0)))
     prepared = algo.prepare_segment(stage, track)
     same = stage.module.weight.detach().clone()
     stage.module.zero_grad()
@@ -143,14 +230,15 @@ def test_first_update_at_the_old_snapshot_is_advantage_weighted_matching():
     w = same.clone().requires_grad_(True)
     err = ((velocity(stage, w, x_s, s, track.conditions["c"]) - (eps - x0)) ** 2).mean(dim=(1, 2, 3))
     a_c = ADV - ADV.view(2, 4).mean(1).repeat_interleave(4)
-    (2 * 10.0 * (a_c * err).sum() / 8).backward()
-    torch.testing.assert_close(stage.module.weight.grad, w.grad, rtol=1e-4, atol=1e-7)
+    ((a_c * err).sum() / 8).backward()
+    torch.testing.assert_close(stage.module.weight.grad, w.grad, rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"reward_beta": 0.0}, "algorithm.config.reward_beta"),
+        ({"beta": 0.0}, "algorithm.config.beta"),
+        ({"loss_type": "l1"}, "algorithm.config.loss_type"),
         ({"centering": "median"}, "algorithm.config.centering"),
         ({"temperature": -1.0}, "algorithm.config.temperature"),
         ({"old_decay": (0, 0.25, -0.005, 0.999)}, "algorithm.config.old_decay"),

@@ -4,7 +4,9 @@
 tiny Flow-GRPO run, written by the diffusion-only trainer of commit bfe83b8 (before the driver loop
 served text). The same run today must give the same rows: rewards, losses, ratios, gradient norms,
 bytes moved. Floats are compared to 1e-6 relative (same arithmetic; the tolerance only absorbs a
-different CPU's kernels), integers and keys exactly. A metric the run logs that the old trainer did
+different CPU's kernels) or 1e-7 absolute, fp32's epsilon, for values that are 0 up to rounding
+(the on-policy first update's loss, -mean(A) over group-centred advantages: 1.5e-8 pinned, 3.0e-8
+on an AVX-512 machine), integers and keys exactly. A metric the run logs that the old trainer did
 not is added to the file with the run's value (`adv_clipped_frac`: 0, no advantage beyond the
 clip), so every other value still comes from commit bfe83b8.
 """
@@ -35,6 +37,6 @@ def test_tiny_flowgrpo_rows_are_unchanged(tmp_path):
         assert sorted(got) == sorted(want)
         for key, value in want.items():
             if isinstance(value, float):
-                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (got["step"], key)
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (got["step"], key)
             else:
                 assert got[key] == value, (got["step"], key)

@@ -208,17 +208,17 @@ class ForwardProcessAlgorithm(StageAlgorithm):
         return track.conditions[self.noise_key].flatten(0, 1) - x0
 
 
-def sample_errors(v: torch.Tensor, target: torch.Tensor, draws: int) -> torch.Tensor:
-    """[B] per-sample flow-matching error: mean (v - target)^2 over non-batch dims, then over
-    the sample's `draws` rows (v and target [B * draws, ...], draw-major within a sample)."""
+def draw_errors(v: torch.Tensor, target: torch.Tensor, draws: int) -> torch.Tensor:
+    """[B, draws] flow-matching error of each sample and draw: mean (v - target)^2 over the
+    non-batch dims (v and target [B * draws, ...], draw-major within a sample)."""
     err = ((v.float() - target) ** 2).mean(dim=tuple(range(1, v.dim())))
-    return err.view(-1, draws).mean(dim=1)
+    return err.view(-1, draws)
 
 
 def group_index(group_ids: list[str]) -> tuple[torch.Tensor, int]:
     """(index [B] of each sample's group in order of first appearance, number of groups)."""
-    order = list(dict.fromkeys(group_ids))
-    return torch.tensor([order.index(g) for g in group_ids], dtype=torch.long), len(order)
+    order = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+    return torch.tensor([order[g] for g in group_ids], dtype=torch.long), len(order)
 
 
 def decay_schedule(value, key: str, update_on: str) -> dict:
