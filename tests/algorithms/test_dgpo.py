@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import unirl.algorithms.dgpo as dgpo_module
-from tests.algorithms.linear_stage import LinearStage, perturb, sampled_track
+from tests.algorithms.linear_stage import LinearStage, assert_relative, perturb, sampled_track
 from unirl.algorithms.dgpo import DGPO, EMA_REFERENCE, DGPOConfig
 from unirl.distributed.group.dispatch import split_for_ranks
 
@@ -111,7 +111,7 @@ def test_loss_and_gradient_match_the_official_loss(reference, kl_beta, draws):
     want.backward()
     assert out["loss"] == pytest.approx(float(want.detach()), rel=1e-5)
     assert out["dgpo/group_sum_abs"] > 0.1  # off the reference: the sigmoid weights are not all 1/2
-    torch.testing.assert_close(stage.module.weight.grad, w.grad, rtol=1e-5, atol=1e-8)
+    assert_relative([stage.module.weight.grad], [w.grad], 1e-5)
     assert stage.module.weight.grad.abs().sum() > 0
 
 
@@ -137,7 +137,7 @@ def test_clip_stops_the_gradient_of_rows_moved_past_the_range(draws):
     want = official_loss(stage, track, prepared, cfg, w, frozen, old_weight=frozen)
     want.backward()
     assert out["loss"] == pytest.approx(float(want.detach()), rel=1e-5)
-    torch.testing.assert_close(stage.module.weight.grad, w.grad, rtol=1e-5, atol=1e-8)
+    assert_relative([stage.module.weight.grad], [w.grad], 1e-5)
     # without the clip the gradient differs: the clipped rows are in the batch
     stage.module.zero_grad()
     unclipped = DGPO(dataclasses.replace(cfg, clip_range=None))
@@ -168,7 +168,7 @@ def test_first_update_against_the_frozen_reference_is_advantage_weighted_matchin
     w = frozen.clone().requires_grad_(True)
     err = ((velocity(stage, w, x_s, s, track.conditions["c"]) - (eps - x0)) ** 2).mean(dim=(1, 2, 3))
     (0.5 * (ADV * err).mean()).backward()
-    torch.testing.assert_close(stage.module.weight.grad, w.grad, rtol=1e-5, atol=1e-8)
+    assert_relative([stage.module.weight.grad], [w.grad], 1e-5)
 
 
 def test_group_scores_are_the_same_on_one_and_two_workers(monkeypatch):
@@ -194,7 +194,7 @@ def test_group_scores_are_the_same_on_one_and_two_workers(monkeypatch):
     ranks = split_for_ranks(track, 2)
     assert [t.group_ids for t in ranks] == [["g0"] * 4, ["g1"] * 4]
     two = train(ranks, stage, frozen)
-    torch.testing.assert_close(sums[0], torch.cat(sums[1:]), rtol=0, atol=0)
+    torch.testing.assert_close(sums[0], torch.cat(sums[1:]), rtol=1e-5, atol=0)  # batch-size kernels
     assert sums[0].abs().min() > 0
     torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-8)
 

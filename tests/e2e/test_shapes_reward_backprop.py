@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from tests.conftest import KERNEL_ROUNDING
 from tests.recipes import run
 
 pytestmark = pytest.mark.e2e
@@ -49,7 +50,8 @@ def test_recipe_trains(name, tmp_path):
         assert {"reward/learned/mean", "reward/strict/mean"} <= set(row)
     first = rows[0]
     if name != "shapes_refl":  # the loss re-runs the rollout's own samples on its first update
-        assert first["backprop/x0_drift"] == 0.0
+        # the rollout's own noise: 0 up to rounding, accumulated over the sampling steps
+        assert first["backprop/x0_drift"] <= 10 * KERNEL_ROUNDING
         # the learned reward of the same images: float in the loss, uint8 in the driver's scoring
         assert first["backprop/reward_mean"] == pytest.approx(first["reward/learned/mean"], abs=0.02)
     assert (tmp_path / "checkpoints" / "final").is_dir()

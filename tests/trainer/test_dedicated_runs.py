@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, run_module, untimed
+from tests.conftest import KERNEL_ROUNDING, REPO, run_module, untimed
 from tests.recipes import SD3, run, same_weights
 from tests.recipes import rows as read_rows
 from unirl.distributed.group import DevicePool, Worker, WorkerError, placement, remote
@@ -71,7 +71,7 @@ def test_colocated_engine_trains_like_trainside(trainside, tmp_path):
     assert [training(r) for r in rows] == [training(r) for r in ref]
     assert same_weights(ref_dir, tmp_path)
     assert [r["rollout/staleness"] for r in rows] == [0, 0]
-    assert all(r["ratio/first_update_mean"] == 1.0 for r in rows)  # engine log-probs = trainer's
+    assert all(abs(r["ratio/first_update_mean"] - 1.0) <= KERNEL_ROUNDING for r in rows)  # engine = trainer
     assert all(r["sync/bytes"] > 0 and r["time/sync_s"] > 0 for r in rows)
     placed = json.loads((tmp_path / "placement.json").read_text())
     assert placed["num_devices"] == 2 and [e["engine"] for e in placed["engines"]] == [0, 1]
@@ -137,7 +137,8 @@ def test_staleness_one_samples_behind_and_resumes_exactly(tmp_path):
     assert {**training(full[0]), "train/lr": 0} == {**training(frozen[0]), "train/lr": 0}
     assert full[1]["reward/mean"] == frozen[1]["reward/mean"]
     assert full[1]["reward/std"] == frozen[1]["reward/std"]
-    assert frozen[1]["ratio/first_update_mean"] == 1.0 and frozen[1]["approx_kl"] == 0.0
+    assert abs(frozen[1]["ratio/first_update_mean"] - 1.0) <= KERNEL_ROUNDING
+    assert frozen[1]["approx_kl"] <= KERNEL_ROUNDING**2
     for r in full[1:]:
         assert r["off_policy/ratio_mean"] == r["ratio/first_update_mean"] != 1.0
         assert r["approx_kl"] > 0 and max(abs(r["ratio/max"] - 1), abs(r["ratio/min"] - 1)) > 1e-5
