@@ -7,21 +7,15 @@ loops' (no Ray)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
 from tests.algorithms.linear_stage import (
     LinearStage,
-    assert_relative,
-    flow_grpo_reference_loss,
-    grads_of,
-    hand_replay,
-    loss_and_grads,
-    perturb,
     sampled_track,
 )
+from tests.algorithms.test_flow_grpo import check_advantage_clip
 from tests.conftest import tiny_model_config
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from unirl.models.sd3 import SD3Stage
@@ -120,19 +114,7 @@ def test_advantage_clip_matches_the_reference_training_loops(sde, eta, steps, ro
     scripts/train_sd3.py (`flow_grpo_reference_loss`). Flow-GRPO's default config on their SDE and
     steps gives that loss and gradient to 1e-5 relative, on the batch, a clipped row and a kept row."""
     stage = LinearStage(sde=sde)
-    track = sampled_track(stage, sde_indices=steps, eta=eta)
-    track.advantages = torch.tensor([7.0, -9.0, 1.5, -2.5])  # rows 0, 1 clipped; 2, 3 kept
-    track = track.select(rows)
-    perturb(stage, 0.05)
-    out, got = loss_and_grads(FlowGRPO(FlowGRPOConfig(clip_range=0.02)), stage, track)
-    logp, old = hand_replay(stage, track)[0], track.segment.log_probs
-    want = flow_grpo_reference_loss(logp, old, track.advantages, 0.02, 5.0)
-    assert out["loss"] == pytest.approx(float(want.detach()), rel=1e-5)
-    assert_relative(got, grads_of(want, stage), 1e-5)
-    clipped = track.advantages.abs() > 5
-    assert out["adv_clipped_frac"] == float(clipped.float().mean())
-    unclipped = float(flow_grpo_reference_loss(logp, old, track.advantages, 0.02, math.inf).detach())
-    assert (abs(unclipped - out["loss"]) > 0.1 * abs(out["loss"])) == bool(clipped.any())
+    check_advantage_clip(stage, sampled_track(stage, sde_indices=steps, eta=eta), rows)
 
 
 def test_noise_all_steps_makes_the_unscored_steps_stochastic(bundle) -> None:

@@ -126,7 +126,13 @@ def test_advantage_clip_matches_flow_grpos_training_loop(rows):
     relative, on the batch and on each clipped and kept row alone; without the clip, the loss of a
     batch with a clipped row is another (so the comparison can fail)."""
     stage = LinearStage()
-    track = sampled_track(stage)
+    check_advantage_clip(stage, sampled_track(stage), rows)
+
+
+def check_advantage_clip(stage: LinearStage, track, rows: list[int]) -> None:
+    """Flow-GRPO's default config on `track`'s rows `rows` (advantages ADVANTAGES) against
+    `flow_grpo_reference_loss`: loss and gradient to 1e-5 relative, the clipped share, and a
+    different loss without the clip when a clipped row is in the batch."""
     track.advantages = ADVANTAGES.clone()
     track = track.select(rows)
     perturb(stage, 0.05)  # ratios 0.97..1.03: clip_range 0.02 clips some steps and keeps others
