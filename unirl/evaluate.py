@@ -36,10 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.get("eval") is None:
         print(f"error: recipe {args.recipe} has no `eval` block to score with", file=sys.stderr)
         return 2
+    from unirl.distributed.cores import usable_cores
     from unirl.trainer.worker import build, quiet_library_logs
 
     quiet_library_logs()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "unirl_checkpoint.json")):
         print(f"error: --checkpoint {args.checkpoint} has no unirl_checkpoint.json", file=sys.stderr)
         return 2

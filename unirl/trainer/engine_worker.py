@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from unirl.dataplane import BatchMeta, make_transport, put_batch
+from unirl.distributed.cores import usable_cores
 from unirl.distributed.device import build_bundle, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.rollout.dedicated import EngineStateError
@@ -44,7 +45,7 @@ WEIGHTS_FILE = "engine_weights.safetensors"
 
 
 def engine_threads(cfg: dict[str, Any]) -> int:
-    """Torch threads of an engine: `threads_per_worker` when set; else the machine's cores over
+    """Torch threads of an engine: `threads_per_worker` when set; else the usable cores (`usable_cores`) over
     the processes that compute at once (the train workers, plus the engines when separate)."""
     if cfg.get("threads_per_worker"):
         return int(cfg["threads_per_worker"])
@@ -52,7 +53,7 @@ def engine_threads(cfg: dict[str, Any]) -> int:
     busy = int(cfg["num_devices"])
     if rollout.get("placement", "colocate") == "separate":
         busy += int(rollout.get("num_engines", 1))
-    return max(1, (os.cpu_count() or 1) // busy)
+    return max(1, usable_cores() // busy)
 
 
 class EngineWorker(Worker):

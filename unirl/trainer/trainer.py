@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from unirl.dataplane import BatchMeta, make_transport
+from unirl.distributed.cores import usable_cores
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
 from unirl.reward.service import RewardError
@@ -134,7 +135,7 @@ class Trainer:
         (`self.rollouts`); writes `placement.json`. Yields the worker group."""
         local = self.cfg.get("launcher", "ray") == "in_process"
         devices = self.rollout_settings.pool_devices(int(self.cfg.num_devices))
-        started_ray = False if local else init_ray(num_cpus=max(2 * devices, os.cpu_count() or 1))
+        started_ray = False if local else init_ray(num_cpus=max(2 * devices, usable_cores()))
         pool = None if local else DevicePool(devices)
         group = None
         try:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
+from unirl.distributed.cores import usable_cores
 from unirl.distributed.device import build_bundle, init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.rollout.dedicated import is_dedicated
@@ -74,7 +75,7 @@ class ProcessWorker(Worker):
         (`threads_per_worker`, or the CPU cores / `num_devices`), the torch seed, `self.device`
         (`resolve_device`) and, with several ranks, the process group."""
         quiet_library_logs()
-        threads = cfg.get("threads_per_worker") or max(1, (os.cpu_count() or 1) // cfg["num_devices"])
+        threads = cfg.get("threads_per_worker") or max(1, usable_cores() // cfg["num_devices"])
         torch.set_num_threads(threads)
         torch.manual_seed(cfg["seed"])
         self.device = resolve_device(device)
