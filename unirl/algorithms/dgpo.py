@@ -117,10 +117,10 @@ class DGPOConfig(ForwardProcessConfig):
                 raise ValueError(f"algorithm.config.{key} must be > 0, got {value}")
 
 
-def group_scores(adv: torch.Tensor, d: torch.Tensor, group_ids: list[str], beta: float) -> torch.Tensor:
-    """[G, k] S_Gj = beta / n_G sum_{i in G} A_i d_ij over the groups of `group_ids` (order of
-    first appearance); adv [B], d [B, k]."""
-    idx, n = group_index(group_ids)
+def group_scores(adv: torch.Tensor, d: torch.Tensor, idx: torch.Tensor, beta: float) -> torch.Tensor:
+    """[G, k] S_Gj = beta / n_G sum_{i in G} A_i d_ij; adv [B], d [B, k], idx [B] each sample's
+    group (`group_index`: 0..G-1 in order of first appearance)."""
+    n = int(idx.max()) + 1
     sizes = torch.bincount(idx, minlength=n).to(d.dtype)
     sums = torch.zeros(n, d.shape[1], dtype=d.dtype).index_add(0, idx, adv[:, None] * d)
     return beta * sums / sizes[:, None]
@@ -203,7 +203,7 @@ class DGPO(ForwardProcessAlgorithm):
         err_ref = draw_errors(v_ref, target, k)
         adv = track.advantages.float().clamp(-cfg.adv_clip, cfg.adv_clip)
         idx, _ = group_index(track.group_ids)
-        scores = group_scores(adv, (err - err_ref).detach(), track.group_ids, cfg.beta)  # [G, k]
+        scores = group_scores(adv, (err - err_ref).detach(), idx, cfg.beta)  # [G, k]
         weights = torch.sigmoid(scores)
         out: dict[str, float] = {}
         matched = err
