@@ -19,7 +19,6 @@ import json
 import os
 import sys
 
-import torch
 from hydra import compose, initialize_config_dir
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
@@ -36,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.get("eval") is None:
         print(f"error: recipe {args.recipe} has no `eval` block to score with", file=sys.stderr)
         return 2
-    from unirl.distributed.cores import usable_cores
+    from unirl.distributed.cores import govern_threads
     from unirl.trainer.worker import build, quiet_library_logs
 
     quiet_library_logs()
-    torch.set_num_threads(usable_cores())
+    govern_threads()
     if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "unirl_checkpoint.json")):
         print(f"error: --checkpoint {args.checkpoint} has no unirl_checkpoint.json", file=sys.stderr)
         return 2

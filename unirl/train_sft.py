@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from unirl.config.validate import ConfigError, validate_sft_config
-from unirl.distributed.cores import usable_cores
+from unirl.distributed.cores import govern_threads
 
 
 def trainer_class(sft_cfg: object, model_cfg: object) -> type:
@@ -58,7 +58,7 @@ def main(cfg: DictConfig) -> None:
     from unirl.trainer.worker import build, quiet_library_logs
 
     quiet_library_logs()
-    torch.set_num_threads(cfg.get("threads") or usable_cores())
+    govern_threads(cfg.get("threads"))
     torch.manual_seed(cfg.sft.seed)
     sft_cfg, model_cfg = build(cfg.sft), build(cfg.model)
     trainer_cls = trainer_class(sft_cfg, model_cfg)

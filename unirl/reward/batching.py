@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from unirl.distributed.cores import govern_threads
 from unirl.reward.base import RewardBackend
 from unirl.types.reward import RewardRequest, RewardResponse
 
@@ -61,7 +62,10 @@ class Batcher:
         self.pending: list[_Job] = []
         self.scorer_calls = 0
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scorer")
+        # the scorer's thread keeps its torch threads at the cores other processes leave free
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="reward-scorer", initializer=govern_threads
+        )
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from unirl.algorithms.base import StageAlgorithm
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
+from unirl.distributed.cores import thread_metrics
 from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, dispatch
 from unirl.train.backend import TrainBackend
@@ -180,7 +181,7 @@ class ComposedWorker(ProcessWorker):
             )
         batch = get_batch(self.transport, meta)
         batch.rewards, batch.advantages = rewards.to(self.device), advantages.to(self.device)
-        metrics = parts.stack.train_track(batch, progress)
+        metrics = {**parts.stack.train_track(batch, progress), **thread_metrics()}
         parts.backend.end_of_rollout()
         return metrics
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from unirl.dataplane import BatchMeta, make_transport, put_batch
-from unirl.distributed.cores import usable_cores
+from unirl.distributed.cores import govern_threads
 from unirl.distributed.device import build_bundle, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.rollout.dedicated import EngineStateError
@@ -44,16 +44,15 @@ from unirl.types.rollout_resp import RolloutTrack
 WEIGHTS_FILE = "engine_weights.safetensors"
 
 
-def engine_threads(cfg: dict[str, Any]) -> int:
-    """Torch threads of an engine: `threads_per_worker` when set; else the usable cores (`usable_cores`) over
-    the processes that compute at once (the train workers, plus the engines when separate)."""
-    if cfg.get("threads_per_worker"):
-        return int(cfg["threads_per_worker"])
+def engine_share(cfg: dict[str, Any]) -> int:
+    """The processes that compute at once on a node's cores, as an engine sees them: the train
+    workers, plus the engines when separate. An engine's torch threads are `threads_per_worker`
+    when set, else the usable cores over this share, kept by a `ThreadGovernor` (`govern_threads`)."""
     rollout = cfg["rollout"]
     busy = int(cfg["num_devices"])
     if rollout.get("placement", "colocate") == "separate":
         busy += int(rollout.get("num_engines", 1))
-    return max(1, usable_cores() // busy)
+    return busy
 
 
 class EngineWorker(Worker):
@@ -86,7 +85,7 @@ class EngineWorker(Worker):
         """Set up this engine's process (library logs quiet, torch threads, the seed, `self.device`)
         and build its own bundle there; returns (the model config, the bundle)."""
         quiet_library_logs()
-        torch.set_num_threads(engine_threads(cfg))
+        govern_threads(cfg.get("threads_per_worker"), share=engine_share(cfg))
         torch.manual_seed(cfg["seed"])
         self.device = resolve_device(device)
         model_cfg = build(cfg["model"])

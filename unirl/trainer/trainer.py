@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from unirl.dataplane import BatchMeta, make_transport
-from unirl.distributed.cores import usable_cores
+from unirl.distributed.cores import governed_threads, usable_cores
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
 from unirl.reward.service import RewardError
@@ -117,7 +117,7 @@ class Trainer:
         with open(os.path.join(self.out, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
         resume = resolve_resume_path(self.cfg)
-        with self._workers() as group:
+        with governed_threads(), self._workers() as group:
             start = 0
             if resume is not None:
                 t0 = time.perf_counter()

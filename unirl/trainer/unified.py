@@ -31,6 +31,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
+from unirl.distributed.cores import thread_metrics
 from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.reward.service import RewardService
@@ -178,7 +179,7 @@ class UnifiedWorker(ProcessWorker):
             batch.rewards = rewards[name].to(self.device)
             batch.advantages = advantages[name].to(self.device)
             batches[name] = batch
-        metrics = self.stack.train_tracks(batches, progress)
+        metrics = {**self.stack.train_tracks(batches, progress), **thread_metrics()}
         self.backend.end_of_rollout()
         return metrics
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
-from unirl.distributed.cores import usable_cores
+from unirl.distributed.cores import govern_threads, thread_metrics
 from unirl.distributed.device import build_bundle, init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.rollout.dedicated import is_dedicated
@@ -72,11 +72,11 @@ class ProcessWorker(Worker):
 
     def start_process(self, cfg: dict[str, Any], device: str | None) -> None:
         """Set up this worker's process from the recipe: library logs quiet, torch threads
-        (`threads_per_worker`, or the CPU cores / `num_devices`), the torch seed, `self.device`
+        (`threads_per_worker`; else the usable cores / `num_devices`, kept at the cores other
+        processes leave free by a `ThreadGovernor`: `govern_threads`), the torch seed, `self.device`
         (`resolve_device`) and, with several ranks, the process group."""
         quiet_library_logs()
-        threads = cfg.get("threads_per_worker") or max(1, usable_cores() // cfg["num_devices"])
-        torch.set_num_threads(threads)
+        govern_threads(cfg.get("threads_per_worker"), share=cfg["num_devices"])
         torch.manual_seed(cfg["seed"])
         self.device = resolve_device(device)
         if self.rank_info.world_size > 1:
@@ -305,6 +305,7 @@ class RLWorker(ProcessWorker):
                 if warmup:
                     return metrics
             metrics.update(self.stack.train_track(track, progress, kept=self.kept))
+            metrics.update(thread_metrics())
         finally:
             if self.kept is not None:
                 self.kept.clear()
