@@ -50,6 +50,10 @@ if [[ -z "${RAY_AUTH_MODE:-}" ]] && [[ -n "${RAY_AUTH_TOKEN:-}" || -f "${RAY_AUT
   export RAY_AUTH_MODE=token
 fi
 
+# Ray starts its workers at niceness 15 unless told otherwise; our workers are the run, and at 15
+# they get a sliver of any core they share with another process (docs/results/contention.md).
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
+
 start_args=()
 [[ -n "${NUM_CPUS:-}" ]] && start_args+=("--num-cpus=${NUM_CPUS}")
 [[ -n "${NUM_GPUS:-}" ]] && start_args+=("--num-gpus=${NUM_GPUS}")

@@ -47,11 +47,12 @@ def run_module(
 
 
 def untimed(row: dict) -> dict:
-    """A metrics row without its measurements of the machine (wall-clock times, process memory)."""
+    """A metrics row without its measurements of the machine (wall-clock times, process memory, the
+    CPU threads and the load of other processes: `cpu/...`)."""
     return {
         k: v
         for k, v in row.items()
-        if not (k.startswith(("time/", "memory/")) or (k.startswith(("dataplane/", "sync/")) and k.endswith("_s")))
+        if not (k.startswith(("time/", "memory/", "cpu/")) or (k.startswith(("dataplane/", "sync/")) and k.endswith("_s")))
     }
 
 

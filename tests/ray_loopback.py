@@ -18,6 +18,8 @@ import pytest
 import ray
 import ray._private.ray_constants as ray_constants
 
+from unirl.distributed.group.cluster import WORKER_NICENESS
+
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
@@ -49,6 +51,7 @@ def ensure_shared_ray() -> str:
             include_dashboard=False,
             log_to_driver=False,
             _node_ip_address="127.0.0.1",
+            _system_config={"worker_niceness": WORKER_NICENESS},  # as a run's own instance (init_ray)
         )
         _shared["address"] = info.address_info["gcs_address"]
     return _shared["address"]

@@ -21,6 +21,8 @@ MIDDLE = ["rollout", "reward", "algorithms"]
 UTILS = {"data", "tracking"}
 ENTRY = "<entry>"  # unirl/train_*.py, unirl/evaluate.py, unirl/view.py and unirl/entry.py (what the RL entry points share)
 ENTRY_MODULES = ("evaluate", "entry", "view")
+# entry points that live beside their package: `python -m unirl.reward.server` (nothing imports it)
+ENTRY_SUBMODULES = ("unirl.reward.server",)
 
 ALLOWED: dict[str, set[str]] = {
     "types": {"types"},
@@ -61,6 +63,8 @@ def layer_of(module: str) -> str:
     if len(parts) == 1:
         return ""
     top = parts[1]
+    if module in ENTRY_SUBMODULES:
+        return ENTRY
     return ENTRY if top.startswith("train_") or top in ENTRY_MODULES else top
 
 

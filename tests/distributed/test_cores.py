@@ -257,3 +257,14 @@ def test_a_real_busy_core_takes_a_thread_and_gives_it_back(restore_threads):
         spinner.kill()
         spinner.join()
     assert compute_until(cores) == cores, f"others' load seen: {g.others:.2f} cores"
+
+
+def test_workers_above_niceness_zero_are_named_on_stderr(capsys):
+    from unirl.trainer.trainer import warn_if_niced
+
+    warn_if_niced([{"rank": 0, "niceness": 0}, {"engine": 0, "niceness": 0}])
+    assert capsys.readouterr().err == ""
+    warn_if_niced([{"rank": 0, "niceness": 15}, {"rank": 1, "niceness": 15}, {"engine": 0, "niceness": 0}])
+    err = capsys.readouterr().err
+    assert "2 of the run's 3 worker/engine processes run at niceness 15" in err
+    assert "RAY_worker_niceness=0" in err

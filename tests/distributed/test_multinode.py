@@ -216,7 +216,10 @@ def test_init_ray_call_contract(monkeypatch: pytest.MonkeyPatch) -> None:
         "include_dashboard": False,
         "log_to_driver": True,
         "_node_ip_address": "127.0.0.1",
+        "_system_config": {"worker_niceness": 0},
     }
+    monkeypatch.setenv("RAY_ADDRESS", "local")  # a new local instance too, owned by the caller
+    assert init_ray(num_cpus=3) is True and calls[-1]["address"] == "local" and len(calls) == 2
     monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
     assert init_ray(num_cpus=3) is False
     assert calls[-1] == {"address": "10.1.2.3:6379", "log_to_driver": True}

@@ -75,6 +75,8 @@ def test_colocated_engine_trains_like_trainside(trainside, tmp_path):
     assert all(r["sync/bytes"] > 0 and r["time/sync_s"] > 0 for r in rows)
     placed = json.loads((tmp_path / "placement.json").read_text())
     assert placed["num_devices"] == 2 and [e["engine"] for e in placed["engines"]] == [0, 1]
+    # workers and engines of the shared instance (started as init_ray starts one) at niceness 0
+    assert [p["niceness"] for p in placed["workers"] + placed["engines"]] == [0, 0, 0, 0]
 
 
 def test_overlapped_loop_without_staleness_equals_the_sequential_one(trainside, tmp_path):

@@ -294,6 +294,7 @@ def test_worker_death_stops_the_run_cleanly(tmp_path):
     # kill exactly this run's rank-0 worker (recorded by the trainer), never another run's
     placed = json.loads((out / "placement.json").read_text())
     victim = next(w for w in placed["workers"] if w["rank"] == 0)
+    assert all(w["niceness"] == 0 for w in placed["workers"])  # the run's own instance: init_ray's setting
     assert "RLWorker" in " ".join(psutil.Process(victim["pid"]).cmdline())
     # the run's own Ray (GCS, raylet, workers) are the driver's descendants while it runs; another
     # test process's Ray instance on the machine is not

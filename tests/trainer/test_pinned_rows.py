@@ -29,7 +29,10 @@ RECIPE = [*IN_PROCESS, "num_steps=3", "threads_per_worker=1"]
 
 def test_tiny_flowgrpo_rows_are_unchanged(tmp_path):
     cfg = recipe("diffusion/tiny_sd3_flowgrpo", tmp_path, *RECIPE, expect="diffusion")
-    rows = [untimed(r) for r in Trainer(cfg).run()]
+    raw = Trainer(cfg).run()
+    # threads_per_worker fixes the count: no governor, no load figure
+    assert all(r["cpu/threads"] == 1 and "cpu/others_load" not in r for r in raw)
+    rows = [untimed(r) for r in raw]
     with open(PINNED) as f:
         pinned = json.load(f)
     assert len(rows) == len(pinned) == 3

@@ -14,12 +14,12 @@ and decoding requests meanwhile.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from unirl.distributed.cores import govern_threads
 from unirl.reward.base import RewardBackend
 from unirl.types.reward import RewardRequest, RewardResponse
 
@@ -57,15 +57,19 @@ class Batcher:
     backend's response for `req` alone; `await stop()` ends it.
     """
 
-    def __init__(self, backend: RewardBackend, max_batch: int, window_s: float) -> None:
+    def __init__(
+        self,
+        backend: RewardBackend,
+        max_batch: int,
+        window_s: float,
+        initializer: Callable[[], object] | None = None,
+    ) -> None:
         self.backend, self.max_batch, self.window_s = backend, max_batch, window_s
         self.pending: list[_Job] = []
         self.scorer_calls = 0
         self._wake = asyncio.Event()
-        # the scorer's thread keeps its torch threads at the cores other processes leave free
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="reward-scorer", initializer=govern_threads
-        )
+        # initializer: run once in the scorer's thread (the server's: its torch threads' governor)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scorer", initializer=initializer)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -52,6 +53,22 @@ from unirl.types.rollout_resp import RolloutTrack
 # with transparent huge pages, so a fresh tensor (a fetched rollout, a sampled trajectory) takes
 # 512x fewer page faults (benchmarks/README.md: a 512 MiB fetch ~3x faster).
 WORKER_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def warn_if_niced(processes: list[dict[str, Any]]) -> None:
+    """Warn on stderr when a worker or engine process runs above niceness 0 (a Ray cluster started
+    without ``RAY_worker_niceness=0``): beside any other busy process it gets a sliver of the
+    core they share."""
+    niced = [p for p in processes if p.get("niceness", 0) > 0]
+    if niced:
+        print(
+            f"warning: {len(niced)} of the run's {len(processes)} worker/engine processes run at niceness "
+            f"{max(p['niceness'] for p in niced)} (Ray's default for workers): beside any other busy "
+            "process they get a sliver of a shared core, and a step can slow many-fold; start the "
+            "cluster with RAY_worker_niceness=0 in `ray start`'s environment "
+            "(examples/run_experiment_multinode.sh does; docs/results/contention.md)",
+            file=sys.stderr,
+        )
 
 
 class TrainingError(RuntimeError):
@@ -169,17 +186,17 @@ class Trainer:
                 )
             else:
                 self.rollouts = TrainsideRollouts(group)
+            processes = {
+                "workers": self._call(group, "process_info", 0),
+                "engines": self._guard(0, "process_info", self.rollouts.process_info),
+            }
             with open(os.path.join(self.out, "placement.json"), "w") as f:
                 json.dump(
-                    {
-                        **layout,
-                        "ranks": [dataclasses.asdict(r) for r in group.rank_infos],
-                        "workers": self._call(group, "process_info", 0),
-                        "engines": self._guard(0, "process_info", self.rollouts.process_info),
-                    },
+                    {**layout, "ranks": [dataclasses.asdict(r) for r in group.rank_infos], **processes},
                     f,
                     indent=2,
                 )
+            warn_if_niced(processes["workers"] + processes["engines"])
             yield group
         finally:
             if self.rollouts is not None:

@@ -90,6 +90,8 @@ class ProcessWorker(Worker):
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "device": str(self.device),
+            "niceness": os.nice(0),
+            "torch_threads": torch.get_num_threads(),
         }
 
     @dispatch(Dispatch.BROADCAST)
