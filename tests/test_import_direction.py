@@ -21,8 +21,9 @@ MIDDLE = ["rollout", "reward", "algorithms"]
 UTILS = {"data", "tracking"}
 ENTRY = "<entry>"  # unirl/train_*.py, unirl/evaluate.py, unirl/view.py and unirl/entry.py (what the RL entry points share)
 ENTRY_MODULES = ("evaluate", "entry", "view")
-# entry points that live beside their package: `python -m unirl.reward.server` (nothing imports it)
-ENTRY_SUBMODULES = ("unirl.reward.server",)
+# entry points that live beside their package: `python -m unirl.reward.server`, `python -m unirl.train`
+# (nothing imports them)
+ENTRY_SUBMODULES = ("unirl.reward.server", "unirl.train.__main__")
 
 ALLOWED: dict[str, set[str]] = {
     "types": {"types"},

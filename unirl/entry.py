@@ -1,8 +1,14 @@
-"""What every RL entry point does with a recipe: validate, then train.
+"""What every RL entry point does with a recipe: tell its kind, validate it, then train.
 
-`unirl.train_diffusion` and `unirl.train_vlm` differ only in the modality they
-expect; both call `run_recipe` from their Hydra main. `unirl.train_pe` calls
-`validate_then_run` with the composed validator and trainer.
+A recipe is one of three kinds (`recipe_kind`): a single-track run (one model: no `tracks`),
+a composed run (`tracks.<name>`, each with its own model: a prompt enhancer feeding a diffusion
+model) or a unified run (`tracks.<name>` sharing the recipe's one `model`: Janus's plan and image
+segments). `run` validates a recipe with its kind's validator before any Ray work and runs its
+kind's trainer. `python -m unirl.train` runs any recipe (the kind read from the recipe); the
+four names users know pass the kind (and a single-track run's modality) they expect:
+`unirl.train_diffusion` and `unirl.train_vlm` (single-track, diffusion / text), `unirl.train_pe`
+(composed) and `unirl.train_unified_model` (unified). A supervised recipe (an `sft` node) runs
+`unirl.train_sft`'s loop in this process.
 """
 
 from __future__ import annotations
@@ -14,10 +20,55 @@ from omegaconf import DictConfig
 
 from unirl.config.validate import ConfigError, validate_rl_config
 
+KINDS = ("single", "composed", "unified", "sft")
+TRAINERS = {
+    "single": "unirl.trainer.trainer.Trainer",
+    "composed": "unirl.trainer.composed.ComposedTrainer",
+    "unified": "unirl.trainer.unified.UnifiedTrainer",
+}
+
+
+def recipe_kind(cfg: DictConfig) -> str:
+    """sft (an `sft` node: supervised, `unirl.train_sft`), single (no `tracks`), unified
+    (`tracks` and one top-level `model` they share) or composed (`tracks`, each with its own model)."""
+    if "sft" in cfg:
+        return "sft"
+    if "tracks" not in cfg:
+        return "single"
+    return "unified" if "model" in cfg else "composed"
+
+
+def validator(kind: str, modality: str | None = None) -> Callable[[DictConfig], None]:
+    """The validator of a recipe kind; a single-track one checks the recipe is of `modality`
+    when given (a recipe of the other modality is a problem naming its entry point)."""
+    if kind == "single":
+        return lambda c: validate_rl_config(c, expect=modality)
+    if kind == "composed":
+        from unirl.config.composed import validate_composed_config
+
+        return validate_composed_config
+    if kind == "unified":
+        from unirl.config.unified import validate_unified_config
+
+        return validate_unified_config
+    raise ValueError(f"recipe kind must be one of {list(KINDS)}, got {kind!r}")
+
+
+def run(cfg: DictConfig, kind: str | None = None, modality: str | None = None) -> None:
+    """Validate `cfg` as a recipe of `kind` (None: `recipe_kind(cfg)`), then run its trainer
+    (`validate_then_run`)."""
+    kind = kind or recipe_kind(cfg)
+    if kind == "sft":  # one process, no Ray: its own loop (`unirl.train_sft`)
+        from unirl.train_sft import run_sft
+
+        run_sft(cfg)
+        return
+    validate_then_run(cfg, validator(kind, modality), TRAINERS[kind])
+
 
 def run_recipe(cfg: DictConfig, expect: str) -> None:
-    """Validate `cfg` as a recipe of modality `expect`, then run `Trainer` (see `validate_then_run`)."""
-    validate_then_run(cfg, lambda c: validate_rl_config(c, expect=expect), "unirl.trainer.trainer.Trainer")
+    """A single-track recipe of modality `expect` ("diffusion" or "text")."""
+    run(cfg, "single", expect)
 
 
 def validate_then_run(cfg: DictConfig, validate: Callable[[DictConfig], None], trainer: str) -> None:

@@ -49,6 +49,11 @@ def trainer_class(sft_cfg: object, model_cfg: object) -> type:
 
 @hydra.main(config_path="../examples", config_name=None, version_base=None)
 def main(cfg: DictConfig) -> None:
+    run_sft(cfg)
+
+
+def run_sft(cfg: DictConfig) -> None:
+    """Validate a supervised recipe (exit 2 listing every problem), then train it in this process."""
     try:
         validate_sft_config(cfg)
     except ConfigError as exc:

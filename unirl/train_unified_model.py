@@ -13,13 +13,12 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from unirl.config.unified import validate_unified_config
-from unirl.entry import validate_then_run
+from unirl.entry import run
 
 
 @hydra.main(config_path="../examples", config_name=None, version_base=None)
 def main(cfg: DictConfig) -> None:
-    validate_then_run(cfg, validate_unified_config, "unirl.trainer.unified.UnifiedTrainer")
+    run(cfg, "unified")
 
 
 if __name__ == "__main__":
