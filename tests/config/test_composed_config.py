@@ -137,3 +137,43 @@ def test_metadata_keys_the_prompts_lack() -> None:
     ]:
         (p,) = [p for p in info.value.problems if p.startswith(f"{key}={value!r}:")]
         assert "no metadata key" in p and "'canonical'" in p
+
+
+FLUX_TRACK = [
+    "tracks.diffusion.model._target_=unirl.models.flux.FluxModelConfig",
+    "tracks.diffusion.stage._target_=unirl.models.flux.FluxStage",
+    "tracks.diffusion.train.fsdp.block_classes=[FluxTransformerBlock]",
+    "~tracks.diffusion.model.tiny",
+    "+tracks.diffusion.model.tiny={resolution: 16, pixel_space: true, num_layers: 1, num_single_layers: 1, "
+    "attention_head_dim: 16, num_attention_heads: 2, guidance_embeds: false}",
+]
+
+
+def test_every_single_track_rule_runs_on_every_track() -> None:
+    """The rules the composed validator once skipped (issue 41), each named under the track's key:
+    guidance the model refuses, an advantage that needs siblings, an algorithm that needs an
+    EMA, a critic the recipe lacks, a reward-backprop algorithm without its trajectory."""
+    assert validate_composed_config(recipe(*FLUX_TRACK)) is None  # FLUX, guidance 1.0: fine
+    found = problems(*FLUX_TRACK, "tracks.diffusion.sampling.guidance_scale=4.0")
+    assert any(
+        p.startswith("tracks.diffusion.sampling.guidance_scale=4.0: this FLUX model has no guidance embedding")
+        for p in found
+    ), found
+    found = problems("tracks.ar.advantage.estimator=rloo", "tracks.ar.sampling.samples_per_prompt=1")
+    assert any(p.startswith("tracks.ar.advantage.estimator=rloo compares each sample with its siblings") for p in found)
+    found = problems(
+        "tracks.diffusion.algorithm._target_=unirl.algorithms.awm.AWM",
+        "tracks.diffusion.algorithm.config._target_=unirl.algorithms.awm.AWMConfig",
+        "~tracks.diffusion.algorithm.config.old_logp_source",
+        "+tracks.diffusion.algorithm.config.ema_kl_beta=0.1",
+    )
+    assert any(p.startswith("tracks.diffusion.algorithm: AWM measures a KL to the EMA") for p in found), found
+    found = problems("tracks.ar.advantage.estimator=gae")
+    assert any(p.startswith("tracks.ar.advantage.estimator=gae computes advantages from a critic's values") for p in found)
+
+
+def test_a_frozen_track_is_checked_as_a_model_only() -> None:
+    found = problems("tracks.diffusion.trained=false", "~tracks.diffusion.algorithm", "~tracks.diffusion.advantage",
+                     "~tracks.diffusion.train", *FLUX_TRACK[:2], *FLUX_TRACK[3:],
+                     "tracks.diffusion.sampling.guidance_scale=4.0")  # fmt: skip
+    assert any(p.startswith("tracks.diffusion.sampling.guidance_scale=4.0") for p in found), found

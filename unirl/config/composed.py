@@ -15,18 +15,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from unirl.config.algorithm import check_algorithm, check_sde
 from unirl.config.distributed import check_transport, meta_module
-from unirl.config.geometry import check_geometry
-from unirl.config.modality import check_text, modality_of
-from unirl.config.references import (
-    check_metadata_key,
-    check_model_path,
-    check_scorer_keys,
-    check_tracking,
-    examples_of,
-)
+from unirl.config.modality import modality_of
+from unirl.config.references import check_metadata_key, check_scorer_keys, check_tracking, examples_of
 from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
+from unirl.config.track import check_track, track_view
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.types.lineage import AGGREGATES
 from unirl.types.sampling import TextSamplingParams
@@ -183,16 +176,11 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
                 f"{key}.algorithm: {node.algorithm._target_} is a {algorithm.modality} algorithm but track {name!r} "
                 f"is a {modality} track; use a {modality} algorithm"
             )
-        stack, train = passed.get(f"{key}.train.stack"), passed.get(f"{key}.train")
+        train = passed.get(f"{key}.train")
+        # the single-track rules on this track; its batch geometry is the chain's (_check_batches)
         found: list[str] = []
-        check_model_path(model, found)
-        if trained:
-            check_algorithm(algorithm, sampling, stack, train, None, found)
-        if modality == "text":
-            check_text(node, sampling, model, found)
-        if modality == "diffusion":
-            check_geometry(None, sampling, None, model, found)
-            check_sde(node, sampling, found)
+        view = track_view(passed, key, {f"rewards.{name}": "reward"})
+        check_track(node, view, modality, found, trained=trained)
         problems.extend(_prefixed(f"{key}.", found))
         lora = passed.get(f"{key}.train.lora")
         if trained and lora is not None and model is not None and hasattr(model, "trainable_on_meta"):

@@ -6,7 +6,9 @@ Two phases, both reporting every problem they find:
    top level and the plain sections against their schemas (`unirl.config.run`), every
    `_target_` node against its target, and each target that can be built from the recipe
    alone is built, so its constructor's own checks run too.
-2. Cross-component rules run on whatever phase 1 built, one module per concern: the modality
+2. Cross-component rules run on whatever phase 1 built: the rules of the one track
+   (`track.check_track`, shared with every track of a composed recipe), then the run's own; one
+   module per concern: the modality
    (`modality`), batch and image geometry (`geometry`), the algorithm vs sampling, updates,
    EMA, SDE, kept graphs and advantages (`algorithm`), PPO's critic and mini-batches
    (`critic`), a distillation recipe's teachers and its reward-free training (`distill`), devices,
@@ -23,22 +25,14 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from unirl.config.algorithm import (
-    check_advantage,
-    check_algorithm,
-    check_ema_use,
-    check_keep_graph,
-    check_reward_backprop,
-    check_sde,
-)
-from unirl.config.critic import check_critic, check_mini_batches
-from unirl.config.distill import check_distillation
+from unirl.config.critic import check_mini_batches
 from unirl.config.distributed import check_distributed, check_transport
 from unirl.config.engines import check_rollout
-from unirl.config.geometry import check_eval_size, check_geometry, check_guidance, check_training_guidance
-from unirl.config.modality import check_eval_sampling, check_modality, check_text
+from unirl.config.geometry import check_training_guidance
+from unirl.config.modality import check_eval_sampling, check_modality
 from unirl.config.references import check_model_path, check_prompt_keys, check_tracking
 from unirl.config.run import RL_SECTIONS, SFT_SECTIONS
+from unirl.config.track import check_track
 from unirl.config.tree import ConfigError, check_recipe, target_class
 
 __all__ = ["ConfigError", "validate_rl_config", "validate_sft_config"]
@@ -54,26 +48,20 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
     problems: list[str] = []
     passed = check_recipe(cfg, RL_SECTIONS, problems)
     check_transport(cfg, problems)
-    model = passed.get("model")
-    check_model_path(model, problems)
-    sampling, stack = passed.get("sampling"), passed.get("train.stack")
+    model, sampling = passed.get("model"), passed.get("sampling")
     algorithm = target_class(cfg, "algorithm") if "algorithm" in cfg else None
     modality = check_modality(cfg, sampling, model, algorithm, expect, problems)
-    check_geometry(passed.get(""), sampling, stack, model, problems)
-    check_guidance(model, sampling, passed.get("eval.sampling"), problems)
-    check_eval_size(model, sampling, passed.get("eval.sampling"), problems)
-    if modality == "text":
-        check_text(cfg, sampling, model, problems, passed.get("eval.sampling"))
+    # the recipe is one track at the root: its batch is the run's, its evaluation the run's
+    check_track(
+        cfg,
+        passed,
+        modality,
+        problems,
+        run=passed.get(""),
+        eval_sampling=passed.get("eval.sampling"),
+        ev=passed.get("eval"),
+    )
     check_eval_sampling(cfg, modality, problems)
-    check_algorithm(algorithm, sampling, stack, passed.get("train"), passed.get("eval"), problems)
-    check_ema_use(passed.get("algorithm"), passed.get("train"), problems)
-    check_keep_graph(cfg, passed, modality, problems)
-    if modality == "diffusion":
-        check_sde(cfg, sampling, problems)
-    check_reward_backprop(cfg, algorithm, passed.get("algorithm"), sampling, problems)
-    check_distillation(cfg, passed, algorithm, sampling, problems)
-    check_advantage(passed.get("algorithm"), passed.get("advantage"), sampling, modality, problems)
-    check_critic(cfg, passed, algorithm, modality, problems)
     check_mini_batches(cfg, passed, algorithm, problems)
     check_distributed(cfg, passed, problems)
     check_rollout(cfg, passed, problems)
