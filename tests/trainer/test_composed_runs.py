@@ -84,3 +84,24 @@ def test_two_workers_both_tracks_resume_exactly(tmp_path, ray_cluster) -> None:
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert [untimed(r) for r in resumed[3:]] == [untimed(r) for r in full[3:]]
     assert same_weights(tmp_path / "full", tmp_path / "part")  # both tracks: ar/ and diffusion/
+
+
+DGPO_TRACK = [
+    "tracks.diffusion.algorithm._target_=unirl.algorithms.dgpo.DGPO",
+    "tracks.diffusion.algorithm.config._target_=unirl.algorithms.dgpo.DGPOConfig",
+    "~tracks.diffusion.algorithm.config.old_logp_source",
+    "+tracks.diffusion.algorithm.config.reference=ema",
+    "+tracks.diffusion.algorithm.config.draws_per_sample=1",
+    "+tracks.diffusion.algorithm.config.seed=0",
+]
+
+
+def test_dgpo_with_its_ema_reference_trains_a_composed_track(tmp_path) -> None:
+    """DGPO's EMA reference is a snapshot of the policy kept by the track's backend (issue 41):
+    the diffusion track of a composed run trains with it for 2 steps, its loss and group weight
+    finite, the enhancer beside it unchanged in kind."""
+    rows = run(PE, tmp_path, "num_steps=2", *IN_PROCESS, *DGPO_TRACK)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert torch.isfinite(torch.tensor(r["diffusion/loss"])) and 0 < r["diffusion/dgpo/group_weight"] < 1
+        assert "ar/loss" in r
