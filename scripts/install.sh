@@ -19,4 +19,4 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 if [ -n "$TORCH_SPEC" ]; then pip install -q "$TORCH_SPEC"; fi
-pip install -q -e ".[dev,transferqueue,mooncake,tracking]"
+pip install -q -e ".[dev,transferqueue,mooncake,tracking,scorers]"

@@ -1,8 +1,10 @@
-"""In-process, weight-free scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor."""
+"""In-process scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor (weight-free, and OCR on the
+PP-OCRv4 weights its package ships)."""
 
 from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
+from unirl.reward.local.ocr import OCRReward
 from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, TargetCharFraction
 from unirl.reward.local.video import ColorMotion, FrameMean
 
@@ -14,6 +16,7 @@ __all__ = [
     "FrameMean",
     "JpegCompressibility",
     "JpegIncompressibility",
+    "OCRReward",
     "OverlongPenalty",
     "RandomDirectionReward",
     "RandomReward",
