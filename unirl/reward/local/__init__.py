@@ -1,10 +1,11 @@
-"""In-process scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor (weight-free, and OCR on the
-PP-OCRv4 weights its package ships)."""
+"""In-process scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor (weight-free; OCR on the PP-OCRv4
+weights its package ships; PickScore from a local checkpoint)."""
 
 from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.ocr import OCRReward
+from unirl.reward.local.pickscore import PickScore
 from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, TargetCharFraction
 from unirl.reward.local.video import ColorMotion, FrameMean
 
@@ -17,6 +18,7 @@ __all__ = [
     "JpegCompressibility",
     "JpegIncompressibility",
     "OCRReward",
+    "PickScore",
     "OverlongPenalty",
     "RandomDirectionReward",
     "RandomReward",
