@@ -11,37 +11,15 @@ import pytest
 import torch
 from PIL import Image
 
-from unirl.models.flow.loading import tiny_clip_t5_tokenizers
+from tests.reward.tiny_clip import SIZE, save_tiny_clip
 from unirl.reward.local import PickScore
 from unirl.types.reward import RewardRequest
-
-SIZE = 32
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny random PickScore checkpoint: the model and its processor in one directory."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    tokenizer, _ = tiny_clip_t5_tokenizers(77, 8)
-    torch.manual_seed(0)
-    config = CLIPConfig(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 77,
-                     "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1},
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                       "num_attention_heads": 2, "image_size": SIZE, "patch_size": 8},
-        projection_dim=16,
-    )  # fmt: skip
-    model = CLIPModel(config).eval()
-    path = tmp_path_factory.mktemp("pickscore")
-    model.save_pretrained(path)
-    processor = CLIPProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}),
-        tokenizer=tokenizer,
-    )
-    processor.save_pretrained(path)
-    return path
+    return save_tiny_clip(tmp_path_factory.mktemp("pickscore"))
 
 
 def images(n: int, h: int = 40, w: int = 56, seed: int = 0) -> torch.Tensor:

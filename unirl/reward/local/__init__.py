@@ -1,6 +1,7 @@
 """In-process scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor (weight-free; OCR on the PP-OCRv4
 weights its package ships; PickScore from a local checkpoint)."""
 
+from unirl.reward.local.aesthetic import AestheticScore
 from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
@@ -10,6 +11,7 @@ from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, T
 from unirl.reward.local.video import ColorMotion, FrameMean
 
 __all__ = [
+    "AestheticScore",
     "ColorMotion",
     "ColorTarget",
     "ExactAnswer",
