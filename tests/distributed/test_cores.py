@@ -240,15 +240,16 @@ def _others_now(seconds: float = 1.0) -> float:
 
 
 def test_the_real_proc_stat_counts_this_processs_own_work():
-    """The real files: a second of this process spinning shows in the busy time of its CPUs
-    (whatever else runs there only adds to it), in seconds, not clock ticks."""
+    """The real files: half a second of this process's CPU time (spinning, however long a shared
+    machine takes to give it) shows in the busy time of its CPUs (whatever else runs there only
+    adds to it), in seconds, not clock ticks."""
     g = ThreadGovernor(1)
     t0, own0, busy0 = g._sample()
-    while time.monotonic() - t0 < 1.0:
+    while time.process_time() - own0 < 0.5 and time.monotonic() - t0 < 20:
         pass
     t1, own1, busy1 = g._sample()
     own, busy, wall = own1 - own0, busy1 - busy0, t1 - t0
-    assert own > 0.5 and busy >= 0.8 * own, (own, busy)
+    assert own >= 0.5 and busy >= 0.8 * own, (own, busy)
     assert busy <= wall * len(g.cpus) * 1.05 + 0.05  # no more than the CPUs could do
 
 
