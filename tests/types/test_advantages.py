@@ -202,3 +202,92 @@ def test_the_float32_formula_this_replaced_leaves_a_residue() -> None:
         old = (r - r.mean()) / (r.std(unbiased=False) + 1e-4)
         assert old.abs().min() > 1e-4 and (old > 0).all() != (old < 0).all()
         assert compute_advantages(r, ["g"] * n, AdvantageConfig()).tolist() == [0.0] * n
+
+
+# ---- GDPO: each reward component normalised within its group, then the weighted sum over the batch
+import numpy as np  # noqa: E402
+
+from unirl.reward import LocalRewardBackend, RewardService  # noqa: E402
+from unirl.reward.local import ColorTarget  # noqa: E402
+
+
+def gdpo_by_hand(components: dict, weights: dict, group: int, eps: float) -> np.ndarray:
+    total = 0.0
+    for name, w in weights.items():
+        c = np.asarray(components[name], dtype=np.float64).reshape(-1, group)
+        z = (c - c.mean(axis=1, keepdims=True)) / (c.std(axis=1, keepdims=True) + eps)
+        total = total + w * z.reshape(-1)
+    return (total - total.mean()) / (total.std() + eps)
+
+
+GDPO_GROUPS = ["g0"] * 4 + ["g1"] * 4
+
+
+def test_gdpo_equals_the_formula_by_hand() -> None:
+    comps = {"correct": [1, 0, 0, 1, 0.5, 0.2, 0.9, 0.1], "format": [0, 1, 1, 1, 1, 0, 0, 1]}
+    weights = {"correct": 1.0, "format": 0.5}
+    cfg = AdvantageConfig(multi_reward="gdpo")
+    got = compute_advantages(
+        torch.zeros(8), GDPO_GROUPS, cfg,
+        components={k: torch.tensor(v) for k, v in comps.items()}, weights=weights,
+    )  # fmt: skip
+    np.testing.assert_allclose(got.numpy(), gdpo_by_hand(comps, weights, 4, cfg.eps), rtol=1e-5, atol=1e-6)
+    assert abs(got.mean().item()) < 1e-6
+
+
+def test_gdpo_keeps_apart_combinations_that_the_sum_collapses() -> None:
+    """(correct, format) = (1, 0) and (0, 1) sum to the same reward, so GRPO gives them one
+    advantage; GDPO weighs the rarer success in the group higher (GDPO's motivating case)."""
+    comps = {"correct": torch.tensor([1.0, 0, 0, 0]), "format": torch.tensor([0.0, 1, 1, 0])}
+    weights = {"correct": 1.0, "format": 1.0}
+    grpo = compute_advantages(comps["correct"] + comps["format"], GDPO_GROUPS[:4], AdvantageConfig())
+    assert grpo[0] == grpo[1] == grpo[2]
+    gdpo = compute_advantages(
+        torch.zeros(4), GDPO_GROUPS[:4], AdvantageConfig(multi_reward="gdpo"), components=comps, weights=weights
+    )
+    assert gdpo[0] > gdpo[1] == gdpo[2] > gdpo[3]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"estimator": "rloo"},
+        {"scope": "global"},
+        {"norm_by_std": False},
+        {"kl_coef": 0.1},
+    ],
+)
+def test_gdpo_needs_the_group_zscore(kwargs) -> None:
+    with pytest.raises(ValueError, match="advantage.multi_reward=gdpo normalises each component within its group"):
+        AdvantageConfig(multi_reward="gdpo", **kwargs)
+    with pytest.raises(ValueError, match="multi_reward must be one of"):
+        AdvantageConfig(multi_reward="mean")
+
+
+def test_gdpo_without_components_is_named() -> None:
+    with pytest.raises(ValueError, match=r"needs the track's reward components and their weights"):
+        compute_advantages(torch.zeros(4), GDPO_GROUPS[:4], AdvantageConfig(multi_reward="gdpo"))
+
+
+def test_a_scored_track_gives_gdpo_its_components_and_weights() -> None:
+    """The reward service records the weights beside the unweighted components; the track's
+    advantages under gdpo are the formula's on them."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (8, 3, 4, 4), generator=g, dtype=torch.uint8)
+    seg = LatentSegment(
+        latents=torch.zeros(8, 1, 1, 1, 1), positions=[1], sigmas=torch.tensor([1.0, 0.0]), sde_indices=[],
+        log_probs=torch.zeros(8, 0), eta=0.0, guidance_scale=1.0,
+    )  # fmt: skip
+    track = RolloutTrack(
+        name="diffusion", sample_ids=[f"s{i}" for i in range(8)], group_ids=GDPO_GROUPS, prompts=["p"] * 8,
+        metadata=[{} for _ in range(8)], segment=seg, media=images,
+    )  # fmt: skip
+    backend = LocalRewardBackend(
+        components={"red": ColorTarget([1, 0, 0]), "green": ColorTarget([0, 1, 0])}, weights={"red": 1.0, "green": 0.3}
+    )
+    RewardService(backend).score_and_attach(track)
+    assert track.reward_weights == {"red": 1.0, "green": 0.3}
+    cfg = AdvantageConfig(multi_reward="gdpo")
+    got = track.compute_advantages(cfg)
+    comps = {k: v.numpy() for k, v in track.reward_components.items()}
+    np.testing.assert_allclose(got.numpy(), gdpo_by_hand(comps, track.reward_weights, 4, cfg.eps), rtol=1e-5, atol=1e-6)

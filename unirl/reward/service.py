@@ -83,6 +83,7 @@ class RewardService:
 
         track.rewards = total
         track.reward_components = components
+        track.reward_weights = dict(weights)
         return self.metrics(track)
 
     @staticmethod

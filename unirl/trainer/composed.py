@@ -126,6 +126,7 @@ class ComposedTrainer(Trainer):
                 how = self.aggregate[name]
                 agg = self._driver_phase(step, f"reward ({name})", aggregate_children, view, child, how)
                 view.reward_components = {**view.reward_components, f"children_{how}": agg}
+                view.reward_weights = {**view.reward_weights, f"children_{how}": 1.0}
                 view.rewards = agg if own is None else agg + own
                 row[f"{name}/reward/children_{how}/mean"] = agg.mean().item()
                 row[f"{name}/reward/mean"] = view.rewards.mean().item()

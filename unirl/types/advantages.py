@@ -14,6 +14,7 @@ ADVANTAGE_SCOPES = ("group", "global")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+MULTI_REWARD = ("sum", "gdpo")
 KL_INPUT_CLAMP = 20.0
 KL_VALUE_CLAMP = 10.0
 
@@ -66,6 +67,13 @@ class AdvantageConfig:
             reinforce_pp_baseline), per token `-kl_coef * kl_t` (reinforce_pp).
             Needs the rollout's reference log-probs (`TokenSegment.ref_log_probs`).
         kl_estimator: "k1", "k2", "k3" or "low_var_kl" (= k3), see `kl_penalty`.
+        multi_reward: how several reward components make one advantage. "sum" (the default):
+            the estimator runs on the weighted sum of the components (the track's reward).
+            "gdpo" (GDPO, Liu et al. 2026): each component is normalised within its group
+            on its own, the normalised components are summed with the reward's weights, and
+            the sum is normalised over the batch: distinct combinations of components keep
+            distinct advantages instead of collapsing to one. Needs estimator grpo, scope group,
+            norm_by_std, no global_std and kl_coef 0.
     """
 
     estimator: str = "grpo"
@@ -78,8 +86,21 @@ class AdvantageConfig:
     lam: float = 1.0
     kl_coef: float = 0.0
     kl_estimator: str = "low_var_kl"
+    multi_reward: str = "sum"
 
     def __post_init__(self) -> None:
+        if self.multi_reward not in MULTI_REWARD:
+            raise ValueError(f"advantage.multi_reward must be one of {MULTI_REWARD}, got {self.multi_reward!r}")
+        if self.multi_reward == "gdpo" and (
+            self.estimator != "grpo" or self.scope != "group" or not self.norm_by_std or self.global_std
+            or self.kl_coef > 0
+        ):  # fmt: skip
+            raise ValueError(
+                "advantage.multi_reward=gdpo normalises each component within its group: it needs "
+                f"estimator grpo, scope group, norm_by_std true, global_std false and kl_coef 0; got "
+                f"estimator={self.estimator}, scope={self.scope}, norm_by_std={self.norm_by_std}, "
+                f"global_std={self.global_std}, kl_coef={self.kl_coef}"
+            )
         if self.estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"advantage.estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.estimator!r}"
@@ -254,6 +275,30 @@ def value_targets(
     return gae(tr, values.detach().to(m), m, cfg.gamma, cfg.lam)[1].to(torch.float32)
 
 
+def _gdpo(
+    group_ids: list[str],
+    cfg: AdvantageConfig,
+    components: dict[str, torch.Tensor] | None,
+    weights: dict[str, float] | None,
+) -> torch.Tensor:
+    """GDPO: the weighted sum of the components' group z-scores, normalised over the batch."""
+    if not components or not weights or set(components) != set(weights):
+        raise ValueError(
+            "advantage.multi_reward=gdpo normalises each reward component on its own: it needs the "
+            f"track's reward components and their weights, got components {sorted(components or {})} "
+            f"and weights {sorted(weights or {})}"
+        )
+    total = None
+    for name, weight in weights.items():
+        scores = components[name].detach().to(torch.float64)
+        if scores.dim() != 1 or scores.numel() != len(group_ids):
+            raise ValueError(f"reward component {name!r} must be [B={len(group_ids)}], got {list(scores.shape)}")
+        part = weight * _grpo(scores, group_ids, cfg)
+        total = part if total is None else total + part
+    d = total - total[0]
+    return (d - d.mean()) / (d.std(unbiased=False) + cfg.eps)
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     group_ids: list[str],
@@ -262,6 +307,8 @@ def compute_advantages(
     mask: torch.Tensor | None = None,
     token_kl: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
+    components: dict[str, torch.Tensor] | None = None,
+    weights: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """fp32 advantages from [B] rewards: [B] for grpo / rloo, [B, Rmax] (0 on padding) for reinforce_pp*.
 
@@ -272,6 +319,8 @@ def compute_advantages(
         mask: [B, Rmax] 1 on response tokens, 0 on right padding; needed when `cfg.needs_tokens`.
         token_kl: [B, Rmax] per-token KL to the reference (`kl_penalty`); needed when `cfg.kl_coef > 0`.
         values: [B, Rmax] the critic's per-token values (estimator gae).
+        components, weights: multi_reward gdpo: the [B] unweighted reward components and their
+            weights (`rewards` is then their weighted sum, and not read).
 
     Estimators, with r the rewards (minus `kl_coef * sum_t kl_t` when KL is folded in):
         grpo: group scope A = (r - mean_g) / (std_g + eps), std_g the population std of the group
@@ -285,6 +334,8 @@ def compute_advantages(
             rewards keeps exactly 0; verl's masked_whiten also subtracts the token mean).
         gae: token rewards as reinforce_pp's; `gae` advantages on `values` (gamma, lam), whitened
             over the valid tokens of the batch (population std + eps; verl: rsqrt(unbiased var + 1e-8)).
+        gdpo (multi_reward): S = sum_k w_k grpo(c_k), each component's group z-score; then
+            A = (S - mean S) / (std S + eps) over the batch.
     Then optional clipping. Computed in float64 on values shifted by their group's first value
     (grpo, rloo, baseline) or the batch's first (global scope, reinforce_pp), so a group (batch) of
     equal rewards gets exactly zero advantage instead of a rounding residue divided by `eps`.
@@ -295,6 +346,9 @@ def compute_advantages(
         )
     if not group_ids:
         raise ValueError("cannot compute advantages of an empty batch")
+    if cfg.multi_reward == "gdpo":
+        adv = _gdpo(group_ids, cfg, components, weights)
+        return (adv.clamp(-cfg.clip, cfg.clip) if cfg.clip is not None else adv).to(torch.float32)
     r = rewards.detach().to(torch.float64)
     m = kl = None
     if cfg.needs_tokens:

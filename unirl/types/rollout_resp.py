@@ -40,6 +40,7 @@ class RolloutTrack:
         texts: per-sample decoded response text of a text stage (None for images).
         rewards: [B] fp32 once scored.
         reward_components: name -> [B] fp32 unweighted component scores.
+        reward_weights: name -> the weight of each component in `rewards` (shared by the batch).
         advantages: fp32 once computed: [B] per sample, or [B, Rmax] per response
             token (right-padded with 0) from a token-level estimator.
         parent_ids: per sample, the id of the parent track's sample this one was derived
@@ -66,6 +67,7 @@ class RolloutTrack:
     parent_ids: list[str] | None = None
     root_ids: list[str] | None = None
     rollout_id: int = 0
+    reward_weights: dict[str, float] = field(default_factory=dict)
 
     PER_SAMPLE = (
         "sample_ids",
@@ -104,7 +106,10 @@ class RolloutTrack:
         per-token KL (rollout `log_probs` vs `ref_log_probs`) come from the `TokenSegment`."""
         if self.rewards is None:
             raise ValueError(f"track {self.name!r} has no rewards: score it before computing advantages")
-        self.advantages = compute_advantages(self.rewards, self.group_ids, cfg, **self.token_inputs(cfg))
+        parts = {}
+        if cfg.multi_reward == "gdpo":  # each component normalised on its own
+            parts = {"components": self.reward_components, "weights": self.reward_weights}
+        self.advantages = compute_advantages(self.rewards, self.group_ids, cfg, **self.token_inputs(cfg), **parts)
         return self.advantages
 
     def value_targets(self, cfg: AdvantageConfig) -> torch.Tensor:
