@@ -105,3 +105,33 @@ def test_a_recipe_naming_a_missing_checkpoint_fails_validation_before_ray(tmp_pa
         )
     with pytest.raises(ConfigError, match=r"PickScore: missing .*none/config\.json"):
         validate_rl_config(cfg, expect="diffusion")
+
+
+def test_clipscore_is_the_clipped_cosine_times_w(checkpoint) -> None:
+    from unirl.reward.local import CLIPScore
+
+    imgs = images(5, seed=3)
+    req = RewardRequest([f"s{i}" for i in range(5)], PROMPTS, images=imgs)
+    raw = PickScore(str(checkpoint), scale=1.0)(req)  # logit_scale.exp() * cos
+    from transformers import CLIPModel
+
+    cos = raw / CLIPModel.from_pretrained(checkpoint).logit_scale.exp()
+    got = CLIPScore(str(checkpoint), weight=2.5, batch_size=2)(req)
+    torch.testing.assert_close(got, 2.5 * cos.clamp(min=0), rtol=1e-5, atol=1e-6)
+    assert (got >= 0).all()
+    with pytest.raises(ValueError, match="weight > 0"):
+        CLIPScore(str(checkpoint), weight=0)
+
+
+def test_video_pickscore_is_the_frame_mean(checkpoint) -> None:
+    """VideoPickScore: `FrameMean` around PickScore, each frame scored with its video's prompt."""
+    from unirl.reward.local import FrameMean
+
+    videos = torch.stack([images(3, seed=7), images(3, seed=8)])  # [2 videos, 3 frames, 3, H, W]
+    req = RewardRequest(["v0", "v1"], PROMPTS[:2], images=videos)
+    pick = PickScore(str(checkpoint))
+    frames = RewardRequest(
+        [f"v{v}/frame{k}" for v in range(2) for k in range(3)], [p for p in PROMPTS[:2] for _ in range(3)],
+        images=videos.flatten(0, 1),
+    )  # fmt: skip
+    torch.testing.assert_close(FrameMean(pick)(req), pick(frames).view(2, 3).mean(dim=1), rtol=1e-6, atol=1e-6)

@@ -6,12 +6,13 @@ from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.ocr import OCRReward
-from unirl.reward.local.pickscore import PickScore
+from unirl.reward.local.pickscore import CLIPScore, PickScore
 from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, TargetCharFraction
 from unirl.reward.local.video import ColorMotion, FrameMean
 
 __all__ = [
     "AestheticScore",
+    "CLIPScore",
     "ColorMotion",
     "ColorTarget",
     "ExactAnswer",

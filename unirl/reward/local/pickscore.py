@@ -1,4 +1,5 @@
-"""PickScore (Kirstain et al. 2023), the reward of Flow-GRPO's PickScore runs, from local directories.
+"""PickScore (Kirstain et al. 2023), the reward of Flow-GRPO's PickScore runs, and CLIPScore, from
+local directories.
 
 A PickScore checkpoint is a transformers `CLIPModel` (the hub's `yuvalkirstain/PickScore_v1`)
 with the `CLIPProcessor` of the CLIP it was tuned from (`laion/CLIP-ViT-H-14-laion2B-s32B-b79K`),
@@ -56,4 +57,41 @@ class PickScore:
             image = self.clip.image_embeddings(images[start : start + self.batch_size])
             text = self.clip.text_embeddings(req.prompts[start : start + self.batch_size])
             scores.append((self.clip.logit_scale * (text * image).sum(dim=-1) * self.scale).float().cpu())
+        return torch.cat(scores)
+
+
+class CLIPScore:
+    """Scorer: CLIPScore (Hessel et al. 2021) of each image against its prompt,
+    `weight * max(cos(text embedding, image embedding), 0)`, [B] fp32.
+
+    Args:
+        model_path: local directory of a transformers `CLIPModel` (e.g. the files of
+            `openai/clip-vit-large-patch14`); processor_path its `CLIPProcessor` (None: model_path).
+        weight: the paper's w (2.5); 100 gives torchmetrics' scale.
+        batch_size, device, dtype: as `PickScore`'s.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        processor_path: str | None = None,
+        weight: float = 2.5,
+        batch_size: int = 16,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ) -> None:
+        what = " (e.g. openai/clip-vit-large-patch14's files)"
+        self.clip = ClipBackbone("CLIPScore", model_path, processor_path, device, dtype, what)
+        if batch_size < 1 or not weight > 0:
+            raise ValueError(f"CLIPScore needs batch_size >= 1 and weight > 0, got {batch_size}, {weight}")
+        self.weight, self.batch_size = float(weight), int(batch_size)
+
+    def __call__(self, req: RewardRequest) -> torch.Tensor:
+        """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8) against `req.prompts`."""
+        images = req.require_images("CLIPScore")
+        scores = []
+        for start in range(0, len(req), self.batch_size):
+            image = self.clip.image_embeddings(images[start : start + self.batch_size])
+            text = self.clip.text_embeddings(req.prompts[start : start + self.batch_size])
+            scores.append((self.weight * (text * image).sum(dim=-1).clamp(min=0)).float().cpu())
         return torch.cat(scores)
