@@ -100,3 +100,20 @@ def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
                 f"algorithm.config.old_logp_source=rollout (got {source!r}"
                 + (")" if source is not None else ": this algorithm has no importance ratio)")
             )
+    grouped = group_scorers(passed.get("reward"))
+    if grouped and sampling is not None and bool(rollout.get("overlap_reward", True)):
+        k, fbs = sampling.samples_per_prompt, rollout.get("forward_batch_size")
+        shard = run.prompts_per_rollout * k // engines
+        if shard % k or (fbs is not None and int(fbs) % k):
+            problems.append(
+                f"reward.backend.components.{grouped[0]} scores whole groups, but rollout.overlap_reward scores "
+                f"each engine's forward batch as it arrives, and rollout.forward_batch_size={fbs} (an engine's "
+                f"shard: {shard} samples) splits groups of sampling.samples_per_prompt={k}; set "
+                f"rollout.forward_batch_size to a multiple of {k}, or rollout.overlap_reward=false"
+            )
+
+
+def group_scorers(reward: Any) -> list[str]:
+    """The components of a built reward service that score whole groups (`groupwise = True`)."""
+    components = getattr(getattr(reward, "backend", None), "components", None) or {}
+    return [name for name, scorer in components.items() if getattr(scorer, "groupwise", False)]

@@ -25,6 +25,7 @@ from unirl.config.algorithm import (
 )
 from unirl.config.critic import check_critic
 from unirl.config.distill import check_distillation
+from unirl.config.engines import group_scorers
 from unirl.config.geometry import check_eval_size, check_geometry, check_guidance
 from unirl.config.modality import check_text
 from unirl.config.references import check_model_path
@@ -78,3 +79,9 @@ def check_track(
     check_distillation(cfg, passed, algorithm, sampling, problems)
     check_advantage(built, passed.get("advantage"), sampling, modality, problems)
     check_critic(cfg, passed, algorithm, modality, problems)
+    grouped = group_scorers(passed.get("reward"))
+    if grouped and sampling is not None and sampling.samples_per_prompt < 2:
+        problems.append(
+            f"reward.backend.components.{grouped[0]} scores each sample against its group's, but "
+            f"sampling.samples_per_prompt={sampling.samples_per_prompt}; set it to >= 2"
+        )

@@ -36,9 +36,13 @@ class _Job:
 
 
 def merge_requests(reqs: list[RewardRequest]) -> RewardRequest:
-    """One request holding every sample of `reqs` (one kind), in order."""
+    """One request holding every sample of `reqs` (one kind), in order. Group ids are kept
+    apart per request (prefixed with its index), so two clients' groups never merge; they are
+    dropped unless every request has them."""
     first = reqs[0]
+    grouped = all(r.group_ids for r in reqs)
     return RewardRequest(
+        group_ids=[f"{i}:{g}" for i, r in enumerate(reqs) for g in r.group_ids] if grouped else [],
         sample_ids=[s for r in reqs for s in r.sample_ids],
         prompts=[p for r in reqs for p in r.prompts],
         metadata=[m for r in reqs for m in r.metadata],

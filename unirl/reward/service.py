@@ -130,6 +130,7 @@ class RewardService:
             "sample_ids": list(track.sample_ids),
             "prompts": list(track.prompts),
             "metadata": list(track.metadata),
+            "group_ids": list(track.group_ids),
         }
         if track.media is not None and track.texts is not None:
             raise ValueError(f"track {track.name!r} has both media and texts: a track scores one modality")

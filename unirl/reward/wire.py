@@ -9,7 +9,8 @@ A score request (`POST /v1/score`) is one JSON object:
                         or {"encoding": "raw", "dtype": "uint8", "shape": [3, H, W],
                             "data": <base64 of the C-order uint8 bytes>},
                   "text": str,                       # a text sample instead of an image
-                  "response_length": int}, ...]}     # text only; all text samples or none
+                  "response_length": int,            # text only; all text samples or none
+                  "group_id": str}, ...]}            # the sample's group; all samples or none
 
 Every sample carries exactly one of `image` and `text`, all samples the same one,
 and all images one shape. The answer to a good request:
@@ -43,7 +44,7 @@ from unirl.types.reward import RewardRequest, RewardResponse
 
 SCHEMA = "unirl.reward.v1"
 IMAGE_ENCODINGS = ("png", "raw")
-SAMPLE_FIELDS = ("sample_id", "prompt", "metadata", "image", "text", "response_length")
+SAMPLE_FIELDS = ("sample_id", "prompt", "metadata", "image", "text", "response_length", "group_id")
 
 
 class WireError(ValueError):
@@ -162,6 +163,8 @@ def encode_request(req: RewardRequest, image_encoding: str = "png") -> dict[str,
     samples = []
     for i, sid in enumerate(req.sample_ids):
         sample: dict[str, Any] = {"sample_id": sid, "prompt": req.prompts[i]}
+        if req.group_ids:
+            sample["group_id"] = req.group_ids[i]
         if req.metadata:
             meta = req.metadata[i]
             try:
@@ -204,10 +207,10 @@ def decode_request(body: Any, max_pixels: int = 4096 * 4096) -> RewardRequest:
     if not isinstance(samples, list) or not samples:
         raise WireError("must be a non-empty list of samples", field="samples")
 
-    ids, prompts, metas, images, texts, lengths = [], [], [], [], [], []
+    ids, prompts, metas, images, texts, lengths, groups = [], [], [], [], [], [], []
     first = samples[0] if isinstance(samples[0], dict) else {}
     kind = "image" if "image" in first else "text"
-    with_meta, with_lengths = "metadata" in first, "response_length" in first
+    with_meta, with_lengths, with_groups = "metadata" in first, "response_length" in first, "group_id" in first
     for i, sample in enumerate(samples):
         sid = sample.get("sample_id") if isinstance(sample, dict) else None
         sid = sid if isinstance(sid, str) else None
@@ -237,6 +240,12 @@ def decode_request(body: Any, max_pixels: int = 4096 * 4096) -> RewardRequest:
             raise fail("metadata", f"give every sample metadata or none (samples[0] {has})")
         if with_meta and not isinstance(sample["metadata"], dict):
             raise fail("metadata", f"must be a JSON object, got {type(sample['metadata']).__name__}")
+        if ("group_id" in sample) != with_groups:
+            raise fail("group_id", "give every sample a group_id or none")
+        if with_groups:
+            if not isinstance(sample["group_id"], str):
+                raise fail("group_id", f"must be a string, got {type(sample['group_id']).__name__}")
+            groups.append(sample["group_id"])
         ids.append(sample["sample_id"])
         prompts.append(sample["prompt"])
         if with_meta:
@@ -271,6 +280,7 @@ def decode_request(body: Any, max_pixels: int = 4096 * 4096) -> RewardRequest:
             images=torch.stack(images) if images else None,
             texts=texts if kind == "text" else None,
             response_lengths=lengths if with_lengths else None,
+            group_ids=groups,
         )
     except ValueError as e:
         raise WireError(str(e), field="samples") from None

@@ -24,6 +24,9 @@ class RewardRequest:
         texts: per-sample decoded responses of a text stage, or None for an image request.
         response_lengths: per-sample response length in tokens (text requests
             only, optional; length-based scorers need it).
+        group_ids: per-sample group (the prompt a sample was drawn for), or empty; a group scorer
+            (one with `groupwise = True`, scoring each sample against its siblings) reads the
+            groups through `groups()`.
     """
 
     sample_ids: list[str]
@@ -32,9 +35,12 @@ class RewardRequest:
     metadata: list[dict[str, Any]] = field(default_factory=list)
     texts: list[str] | None = None
     response_lengths: list[int] | None = None
+    group_ids: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         batch = len(self.sample_ids)
+        if self.group_ids and len(self.group_ids) != batch:
+            raise ValueError(f"RewardRequest has {batch} sample_ids but {len(self.group_ids)} group_ids")
         if len(self.prompts) != batch:
             raise ValueError(f"RewardRequest has {batch} sample_ids but {len(self.prompts)} prompts")
         if self.metadata and len(self.metadata) != batch:
@@ -77,6 +83,30 @@ class RewardRequest:
 
     def __len__(self) -> int:
         return len(self.sample_ids)
+
+    def groups(self, scorer: str) -> list[list[int]]:
+        """The sample indices of each group, in order; a ValueError naming `scorer` when the
+        request carries no group ids or a group's samples are not contiguous (a group split
+        across requests, or interleaved with another)."""
+        if not self.group_ids:
+            raise ValueError(
+                f"{scorer} scores each sample against its group, but the request carries no group ids: "
+                "score whole groups through the reward service (RewardService sets them)"
+            )
+        runs: list[list[int]] = []
+        seen: set[str] = set()
+        for i, gid in enumerate(self.group_ids):
+            if runs and self.group_ids[runs[-1][0]] == gid:
+                runs[-1].append(i)
+                continue
+            if gid in seen:
+                raise ValueError(
+                    f"{scorer}: the samples of group {gid!r} are not contiguous in the request (sample "
+                    f"{self.sample_ids[i]!r}); a group scorer needs each group whole and in one piece"
+                )
+            seen.add(gid)
+            runs.append([i])
+        return runs
 
     @property
     def is_video(self) -> bool:

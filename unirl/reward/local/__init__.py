@@ -6,7 +6,7 @@ from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.ocr import OCRReward
-from unirl.reward.local.pickscore import CLIPScore, PickScore
+from unirl.reward.local.pickscore import CLIPScore, PickScore, PickScoreRank
 from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, TargetCharFraction
 from unirl.reward.local.video import ColorMotion, FrameMean
 
@@ -22,6 +22,7 @@ __all__ = [
     "JpegIncompressibility",
     "OCRReward",
     "PickScore",
+    "PickScoreRank",
     "OverlongPenalty",
     "RandomDirectionReward",
     "RandomReward",

@@ -95,3 +95,31 @@ class CLIPScore:
             text = self.clip.text_embeddings(req.prompts[start : start + self.batch_size])
             scores.append((self.weight * (text * image).sum(dim=-1).clamp(min=0)).float().cpu())
         return torch.cat(scores)
+
+
+class PickScoreRank(PickScore):
+    """Group scorer: each image's PickScore rank among its group's (the prompt's samples), in
+    [0, 1]: 0 for the group's lowest score, 1 for its highest, evenly between (ties share their
+    mean rank). The rank, not the score, is the reward, so a group's spread is the same whatever
+    the prompt's scale of PickScore (a ranking reward as Flow-Factory's PickScore_Rank).
+    Arguments as `PickScore`'s; groups need >= 2 samples and must arrive whole
+    (`RewardRequest.groups`)."""
+
+    groupwise = True
+
+    def __call__(self, req: RewardRequest) -> torch.Tensor:
+        """[B] fp32 ranks of `req.images` within their groups."""
+        groups = req.groups("PickScoreRank")
+        scores = super().__call__(req)
+        out = torch.empty_like(scores)
+        for idx in groups:
+            if len(idx) < 2:
+                raise ValueError(
+                    f"PickScoreRank ranks a sample among its group's, but group {req.group_ids[idx[0]]!r} "
+                    "has one sample; set sampling.samples_per_prompt >= 2"
+                )
+            s = scores[idx]
+            below = (s[None, :] < s[:, None]).sum(dim=1).float()
+            ties = (s[None, :] == s[:, None]).sum(dim=1).float() - 1
+            out[idx] = (below + ties / 2) / (len(idx) - 1)
+        return out
