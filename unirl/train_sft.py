@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from unirl.config.validate import ConfigError, validate_sft_config
-from unirl.distributed.cores import govern_threads
+from unirl.distributed.cores import apply_thread_count, govern_threads
 
 
 def trainer_class(sft_cfg: object, model_cfg: object) -> type:
@@ -69,6 +69,7 @@ def run_sft(cfg: DictConfig) -> None:
     trainer_cls = trainer_class(sft_cfg, model_cfg)
     bundle = model_cfg.build().to(resolve_device())  # a GPU when there is one, else the CPU
     trainer = trainer_cls(bundle, build(cfg.data), sft_cfg, str(cfg.output_dir), build(cfg.get("eval")))
+    trainer.before_step = apply_thread_count  # the governor's count changes only between steps
     trainer.run(max_seconds=cfg.get("max_seconds"), recipe=cfg)
     if trainer.step >= trainer.cfg.num_steps and cfg.get("export_dir"):
         trainer.export(str(cfg.export_dir))

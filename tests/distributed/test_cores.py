@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from unirl.distributed.cores import (  # noqa: E402
     GovernorSettings,
     ThreadGovernor,
+    apply_thread_count,
     govern_threads,
     governed_threads,
     thread_governor,
@@ -113,12 +114,13 @@ def test_governor_gives_a_taken_core_back_and_takes_it_again(machine):
     machine.run(1.0, own=2.0, others=0.05)  # Ray's services: under the tolerance
     assert g.poll() == 2 and g.others == pytest.approx(0.05, abs=0.02)
     machine.run(1.0, own=1.0, others=1.0)  # a busy loop on one core
-    assert g.poll() == 1 == torch.get_num_threads()
+    assert g.poll() == 1 and torch.get_num_threads() == 2  # asked for, not yet in force
+    assert g.apply() == 1 == torch.get_num_threads()  # a step starts
     assert g.others == pytest.approx(1.0, abs=0.02) and g.changes == 1
     machine.run(1.0, own=1.0, others=1.0)
-    assert g.poll() == 1 and g.changes == 1  # no flapping while the load stays
+    assert g.poll() == 1 and g.apply() == 1 and g.changes == 1  # no flapping while the load stays
     machine.run(1.0, own=1.0, others=0.0)  # it left
-    assert g.poll() == 2 == torch.get_num_threads() and g.changes == 2
+    assert g.poll() == 2 and g.apply() == 2 == torch.get_num_threads() and g.changes == 2
 
 
 @pytest.mark.parametrize("others, want", [(0.2, 2), (0.3, 1), (1.2, 1), (1.3, 1), (3.0, 1)])
@@ -154,7 +156,7 @@ def test_a_window_spent_waiting_is_dropped(machine):
     competes with the worker's compute, and the thread count stays."""
     g = machine.governor()
     machine.run(1.0, own=0.1, others=2.0)
-    assert g.poll() == 2 and g.others == 0.0 and g.changes == 0
+    assert g.poll() == 2 and g.apply() == 2 and g.others == 0.0 and g.changes == 0
 
 
 def test_between_looks_nothing_is_read(machine):
@@ -171,17 +173,17 @@ def test_a_count_set_by_someone_else_is_theirs(machine):
     g = machine.governor()
     torch.set_num_threads(3)  # a judge that sets its own for a call
     machine.run(1.0, own=2.0, others=1.0)
-    assert g.poll() == 2 and torch.get_num_threads() == 3
+    assert g.poll() == 1 and g.apply() == 3 == torch.get_num_threads()  # theirs
     torch.set_num_threads(2)  # restored: governed again
     machine.run(1.0, own=2.0, others=1.0)
-    assert g.poll() == 1 == torch.get_num_threads()
+    assert g.poll() == 1 and g.apply() == 1 == torch.get_num_threads()
 
 
 def test_an_unreadable_stat_changes_nothing(machine):
     g = machine.governor()
     machine.run(1.0, own=1.0, others=1.0)
     machine.stat.write_text("cpu0 not numbers\n")
-    assert g.poll() == 2 and g.changes == 0
+    assert g.poll() == 2 and g.apply() == 2 and g.changes == 0
 
 
 def test_under_a_cgroup_quota_the_load_is_the_containers(tmp_path, monkeypatch, restore_threads):
@@ -269,6 +271,7 @@ def test_a_real_busy_core_takes_a_thread_and_gives_it_back(restore_threads):
     def compute_until(want, seconds=8.0):
         end = time.monotonic() + seconds
         while time.monotonic() < end and g.threads != want:
+            apply_thread_count()  # a "step" starts
             with torch.no_grad():
                 layer(x)  # the process-wide forward pre-hook polls the governor
         return g.threads

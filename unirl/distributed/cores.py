@@ -68,17 +68,18 @@ class ThreadGovernor:
     time slices, and the threads on the free cores spin through them (issue 47: a 16x slower step
     beside one busy core; `docs/results/contention.md`). The governor measures, over windows of
     `interval_s` in which this process was computing, the CPU time other processes took on the
-    cores it may use, and sets `max_threads - ceil(others - tolerance)` threads (at least 1): one
-    thread fewer per core taken, back up when the cores free again.
+    cores it may use, and asks for `max_threads - ceil(others - tolerance)` threads (at least 1):
+    one thread fewer per core taken, back up when the cores free again. The count changes only at
+    `apply()`, where a unit of work starts (`apply_thread_count`), so the forwards of one step
+    all round alike.
 
     Where the load comes from: the per-CPU busy time of `/proc/stat` over this process's CPU
     affinity, minus this process's own CPU time; when a cgroup v2 quota caps the cores below the
     affinity (a container given 4 CPUs of a 64-core host), the cgroup's `usage_usec` instead,
     minus the same: then the other processes are the container's own.
 
-    `poll()` is called from the thread that computes (a forward pre-hook, `govern_threads`):
-    torch's thread count belongs to the calling thread. A count someone else set since the last
-    poll (a judge that sets its own) is left alone until they restore it.
+    `poll()` is called from the thread that computes (a forward pre-hook, `govern_threads`), and
+    `apply()` from the same thread: torch's thread count belongs to the calling thread.
     """
 
     def __init__(
@@ -105,7 +106,8 @@ class ThreadGovernor:
         self.capacity = usable_cores(cpu_max)
         self.by_cgroup = self.capacity < len(self.cpus)
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self.threads = max_threads
+        self.threads = max_threads  # the count in force
+        self.target = max_threads  # the count the last counted window asks for
         self.others = 0.0  # other processes' load in the last counted window, in cores
         self.changes = 0
         torch.set_num_threads(self.threads)
@@ -136,26 +138,34 @@ class ThreadGovernor:
         return self.clock(), self.cpu_time(), self._machine_busy_s()
 
     def poll(self) -> int:
-        """Look again when `interval_s` has passed since the last look; returns the thread count."""
+        """Look again when `interval_s` has passed since the last look; returns the count it asks
+        for (`target`). Nothing changes until `apply()`."""
         now = self.clock()
         t0, own0, busy0 = self._start
         if now - t0 < self.settings.interval_s:
-            return self.threads
+            return self.target
         sample = self._sample()
         self._start = sample
         _, own1, busy1 = sample
         wall = now - t0
         own = (own1 - own0) / wall  # cores this process used
         if busy0 is None or busy1 is None or own < self.settings.min_active:
-            return self.threads  # no reading, or a window spent mostly waiting
-        if torch.get_num_threads() != self.threads:
-            return self.threads  # someone else set a count: theirs until they restore ours
+            return self.target  # no reading, or a window spent mostly waiting
         self.others = max(0.0, (busy1 - busy0) / wall - own)
         taken = max(0, math.ceil(self.others - self.settings.tolerance))
-        threads = min(self.max_threads, max(1, self.capacity - taken))
-        if threads != self.threads:
-            torch.set_num_threads(threads)
-            self.threads = threads
+        self.target = min(self.max_threads, max(1, self.capacity - taken))
+        return self.target
+
+    def apply(self) -> int:
+        """Put `target` in force; returns the count in force. Called where a unit of work starts
+        (a step, a scoring call), never inside one: a forward and its replay, or a policy and its
+        reference, run at one thread count and round alike. A count someone else set since (a
+        judge that sets its own) is left alone until they restore ours."""
+        if torch.get_num_threads() != self.threads:
+            return torch.get_num_threads()
+        if self.target != self.threads:
+            torch.set_num_threads(self.target)
+            self.threads = self.target
             self.changes += 1
         return self.threads
 
@@ -186,6 +196,13 @@ def govern_threads(fixed: int | None = None, share: int = 1) -> int:
     if _hook is None:
         _hook = torch.nn.modules.module.register_module_forward_pre_hook(_poll)
     return governor.threads
+
+
+def apply_thread_count() -> int:
+    """At the start of a unit of work (a step, a scoring call): the calling thread's governor puts
+    the count its last look asked for in force; returns the torch thread count."""
+    governor = thread_governor()
+    return governor.apply() if governor is not None else torch.get_num_threads()
 
 
 def thread_governor() -> ThreadGovernor | None:

@@ -67,8 +67,10 @@ class Batcher:
         max_batch: int,
         window_s: float,
         initializer: Callable[[], object] | None = None,
+        before_each: Callable[[], object] | None = None,
     ) -> None:
         self.backend, self.max_batch, self.window_s = backend, max_batch, window_s
+        self.before_each = before_each  # run in the scorer's thread before each scorer call
         self.pending: list[_Job] = []
         self.scorer_calls = 0
         self._wake = asyncio.Event()
@@ -115,9 +117,14 @@ class Batcher:
                 await asyncio.sleep(self.window_s)
             await self._score(self._take())
 
+    def _score_now(self, req: RewardRequest) -> RewardResponse:
+        if self.before_each is not None:
+            self.before_each()
+        return self.backend.score(req)
+
     async def _call(self, req: RewardRequest) -> RewardResponse:
         self.scorer_calls += 1
-        resp = await asyncio.get_running_loop().run_in_executor(self._executor, self.backend.score, req)
+        resp = await asyncio.get_running_loop().run_in_executor(self._executor, self._score_now, req)
         for name, scores in resp.components.items():
             if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (len(req),):
                 got = list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__

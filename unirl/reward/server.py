@@ -47,7 +47,7 @@ from aiohttp import web
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from unirl.distributed.cores import govern_threads
+from unirl.distributed.cores import apply_thread_count, govern_threads
 from unirl.reward.base import LocalRewardBackend, RewardBackend
 from unirl.reward.batching import Batcher
 from unirl.reward.wire import SCHEMA, WireError, decode_request, encode_response
@@ -231,7 +231,11 @@ def build_app(backend: RewardBackend, token: str | None, config: ServerConfig) -
     async def start_batcher(app: web.Application) -> None:
         # the scorer's thread keeps its torch threads at the cores other processes leave free
         app[batcher_key] = Batcher(
-            backend, config.max_batch, config.batch_window_ms / 1000.0, initializer=govern_threads
+            backend,
+            config.max_batch,
+            config.batch_window_ms / 1000.0,
+            initializer=govern_threads,
+            before_each=apply_thread_count,
         )
         app[batcher_key].start()
 

@@ -199,6 +199,8 @@ class SupervisedRun(ABC):
                 m.train()
 
     # ---- the loop ---------------------------------------------------------------------------
+    before_step: Callable[[], object] | None = None  # called as each step starts (train_sft: the thread count)
+
     def run(self, max_seconds: float | None = None, recipe: DictConfig | None = None) -> list[dict[str, Any]]:
         """Train to `num_steps` (or until `max_seconds` of wall clock pass), logging and
         saving resumable state; returns the rows written.
@@ -222,6 +224,8 @@ class SupervisedRun(ABC):
         try:
             while self.step < cfg.num_steps:
                 t0 = time.perf_counter()
+                if self.before_step is not None:  # e.g. the thread governor's count for the whole step
+                    self.before_step()
                 m = self.train_step()
                 seconds += time.perf_counter() - t0
                 losses.append(m["loss"])

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport
+from unirl.distributed.cores import apply_thread_count
 from unirl.reward.service import RewardService
 from unirl.tracking.gallery import write_gallery
 from unirl.tracking.metrics import save_image_grid
@@ -178,6 +179,7 @@ class ComposedTrainer(Trainer):
         )
         try:
             for step in bar:
+                apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
                 record = StepRecord(step)
                 row = record.row
                 partition = f"step_{step}"

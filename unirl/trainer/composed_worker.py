@@ -21,7 +21,7 @@ import torch
 
 from unirl.algorithms.base import StageAlgorithm
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
-from unirl.distributed.cores import thread_metrics
+from unirl.distributed.cores import apply_thread_count, thread_metrics
 from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, dispatch
 from unirl.train.backend import TrainBackend
@@ -144,6 +144,7 @@ class ComposedWorker(ProcessWorker):
     def rollout(self, req: RolloutReq, partition: str) -> dict[str, BatchMeta]:
         """Sample this rank's shard of the root request through every stage and put each track
         into the transport under `track_partition(partition, name)`; returns the metas by track."""
+        apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
         resp = self.engine.generate(req)
         return {
             name: put_batch(self.transport, track_partition(partition, name), track)

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from unirl.dataplane import BatchMeta, make_transport, put_batch
-from unirl.distributed.cores import govern_threads
+from unirl.distributed.cores import apply_thread_count, govern_threads
 from unirl.distributed.device import build_bundle, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.rollout.dedicated import EngineStateError
@@ -113,6 +113,7 @@ class EngineWorker(Worker):
         then samples and puts the next chunk, one forward batch when `chunked`, else the whole
         shard. The prompts are encoded once for the shard, as a single call would, so the
         chunks are the rows of the one-call rollout."""
+        apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
         self.partition = partition
         if chunked:
             self.chunks = self.engine.generate_chunks(req)

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from unirl.dataplane import BatchMeta, make_transport
-from unirl.distributed.cores import governed_threads, usable_cores
+from unirl.distributed.cores import apply_thread_count, governed_threads, usable_cores
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
 from unirl.reward.service import RewardError
@@ -411,6 +411,7 @@ class Trainer:
         ahead = None  # the next step's rollout, running while this step trains (max_staleness 1)
         try:
             for step in bar:
+                apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
                 record = StepRecord(step)
                 row = record.row
                 partition = f"step_{step}"

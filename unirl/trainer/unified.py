@@ -31,7 +31,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
-from unirl.distributed.cores import thread_metrics
+from unirl.distributed.cores import apply_thread_count, thread_metrics
 from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.reward.service import RewardService
@@ -140,6 +140,7 @@ class UnifiedWorker(ProcessWorker):
     def rollout(self, req: RolloutReq, partition: str) -> dict[str, BatchMeta]:
         """Plans and images of this rank's shard of the root request, each track put into the
         transport under `track_partition(partition, name)`; returns the metas by track."""
+        apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
         resp = self.engine.generate(req)
         return {
             name: put_batch(self.transport, track_partition(partition, name), track)
@@ -232,6 +233,7 @@ class UnifiedEngineWorker(EngineWorker):
     @dispatch(Dispatch.DP_SCATTER)
     def rollout(self, req: RolloutReq, partition: str, chunked: bool) -> None:
         """Take this engine's shard of the root request; `rollout_next` samples it whole."""
+        apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
         self.pending, self.partition = req, partition
 
     @dispatch(Dispatch.BROADCAST)

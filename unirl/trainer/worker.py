@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
-from unirl.distributed.cores import govern_threads, thread_metrics
+from unirl.distributed.cores import apply_thread_count, govern_threads, thread_metrics
 from unirl.distributed.device import build_bundle, init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.rollout.dedicated import is_dedicated
@@ -244,6 +244,7 @@ class RLWorker(ProcessWorker):
         With `rollout.keep_graph` the graphs of the trained SDE steps stay on this
         worker for `train` of the same partition (graphs of another partition are
         dropped first; several rollouts into one partition add up)."""
+        apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
         if self.kept is not None and self.kept.partition != partition:
             self.kept.clear()
             self.kept.partition = partition
