@@ -54,7 +54,7 @@ class AestheticScore:
         dtype: str = "float32",
     ) -> None:
         what = " (openai/clip-vit-large-patch14's files)"
-        self.clip = ClipBackbone("AestheticScore", clip_path, processor_path, device, dtype, what)
+        self.clip = ClipBackbone("AestheticScore", clip_path, processor_path, device, dtype, what, batch_size)
         if not os.path.isfile(mlp_path):
             raise ValueError(
                 f"AestheticScore: mlp_path {mlp_path} does not exist; it is the predictor's "
@@ -73,16 +73,8 @@ class AestheticScore:
         except RuntimeError as exc:
             raise ValueError(f"AestheticScore: {mlp_path} does not fit the predictor's MLP: {exc}") from exc
         self.mlp = self.mlp.eval().requires_grad_(False).to(self.clip.device, self.clip.dtype)
-        if batch_size < 1:
-            raise ValueError(f"AestheticScore batch_size must be >= 1, got {batch_size}")
-        self.batch_size = int(batch_size)
 
     @torch.no_grad()
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8)."""
-        images = req.require_images("AestheticScore")
-        scores = []
-        for start in range(0, len(req), self.batch_size):
-            emb = self.clip.image_embeddings(images[start : start + self.batch_size])
-            scores.append(self.mlp(emb).squeeze(1).float().cpu())
-        return torch.cat(scores)
+        return self.mlp(self.clip.images(req.require_images("AestheticScore"))).squeeze(1).float().cpu()

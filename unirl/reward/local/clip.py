@@ -47,6 +47,7 @@ class ClipBackbone:
         model_path, processor_path: local directories (processor_path None: model_path).
         device, dtype: where and in what precision the model runs.
         what: what the directories should hold, for the missing-files error.
+        batch_size: samples per forward of `images` / `cosines`.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class ClipBackbone:
         device: str = "cpu",
         dtype: str = "float32",
         what: str = "",
+        batch_size: int = 16,
     ) -> None:
         self.model_path, self.processor_path = str(model_path), str(processor_path or model_path)
         missing = missing_files(self.model_path, self.processor_path)
@@ -67,7 +69,10 @@ class ClipBackbone:
             )
         if dtype not in DTYPES:
             raise ValueError(f"{owner} dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        if batch_size < 1:
+            raise ValueError(f"{owner} batch_size must be >= 1, got {batch_size}")
         self.device, self.dtype = torch.device(device), getattr(torch, dtype)
+        self.batch_size = int(batch_size)
         self._model: Any = None
         self._processor: Any = None
 
@@ -103,3 +108,18 @@ class ClipBackbone:
         inputs = processor(text=texts, padding=True, truncation=True, max_length=77, return_tensors="pt")
         emb = features(model.get_text_features(**{k: v.to(self.device) for k, v in inputs.items()}))
         return emb / emb.norm(dim=-1, keepdim=True)
+
+    def images(self, images: torch.Tensor) -> torch.Tensor:
+        """[B, D] unit-norm embeddings of `images`, `batch_size` at a time."""
+        return torch.cat(
+            [self.image_embeddings(images[i : i + self.batch_size]) for i in range(0, len(images), self.batch_size)]
+        )
+
+    def cosines(self, images: torch.Tensor, texts: list[str]) -> torch.Tensor:
+        """[B] cosine of each image's embedding and its text's, `batch_size` pairs at a time."""
+        return torch.cat(
+            [
+                (self.text_embeddings(texts[i : i + self.batch_size]) * self.image_embeddings(images[i : i + self.batch_size])).sum(dim=-1)
+                for i in range(0, len(texts), self.batch_size)
+            ]
+        )

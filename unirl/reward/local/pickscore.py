@@ -44,20 +44,13 @@ class PickScore:
             " (yuvalkirstain/PickScore_v1's files, and laion/CLIP-ViT-H-14-laion2B-s32B-b79K's "
             "preprocessor and tokenizer files)"
         )
-        self.clip = ClipBackbone("PickScore", model_path, processor_path, device, dtype, what)
-        if batch_size < 1:
-            raise ValueError(f"PickScore batch_size must be >= 1, got {batch_size}")
-        self.scale, self.batch_size = float(scale), int(batch_size)
+        self.clip = ClipBackbone("PickScore", model_path, processor_path, device, dtype, what, batch_size)
+        self.scale = float(scale)
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8) against `req.prompts`."""
-        images = req.require_images("PickScore")
-        scores = []
-        for start in range(0, len(req), self.batch_size):
-            image = self.clip.image_embeddings(images[start : start + self.batch_size])
-            text = self.clip.text_embeddings(req.prompts[start : start + self.batch_size])
-            scores.append((self.clip.logit_scale * (text * image).sum(dim=-1) * self.scale).float().cpu())
-        return torch.cat(scores)
+        cos = self.clip.cosines(req.require_images("PickScore"), req.prompts)
+        return (self.clip.logit_scale * cos * self.scale).float().cpu()
 
 
 class CLIPScore:
@@ -81,20 +74,15 @@ class CLIPScore:
         dtype: str = "float32",
     ) -> None:
         what = " (e.g. openai/clip-vit-large-patch14's files)"
-        self.clip = ClipBackbone("CLIPScore", model_path, processor_path, device, dtype, what)
-        if batch_size < 1 or not weight > 0:
-            raise ValueError(f"CLIPScore needs batch_size >= 1 and weight > 0, got {batch_size}, {weight}")
-        self.weight, self.batch_size = float(weight), int(batch_size)
+        self.clip = ClipBackbone("CLIPScore", model_path, processor_path, device, dtype, what, batch_size)
+        if not weight > 0:
+            raise ValueError(f"CLIPScore needs weight > 0, got {weight}")
+        self.weight = float(weight)
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8) against `req.prompts`."""
-        images = req.require_images("CLIPScore")
-        scores = []
-        for start in range(0, len(req), self.batch_size):
-            image = self.clip.image_embeddings(images[start : start + self.batch_size])
-            text = self.clip.text_embeddings(req.prompts[start : start + self.batch_size])
-            scores.append((self.weight * (text * image).sum(dim=-1).clamp(min=0)).float().cpu())
-        return torch.cat(scores)
+        cos = self.clip.cosines(req.require_images("CLIPScore"), req.prompts)
+        return (self.weight * cos.clamp(min=0)).float().cpu()
 
 
 class PickScoreRank(PickScore):
