@@ -143,6 +143,13 @@ class DedicatedEngine:
         self._check_ready()
         yield from self.sampler.generate_chunks(req)
 
+    def weights_loaded(self, version: int) -> dict[str, float]:
+        """The engine's module now holds the trainer's weights of `version` (a sync or a
+        checkpoint load wrote them): sample them from now on. Returns extra `sync/...` stats
+        (none here; an engine that copies the weights elsewhere, e.g. into vLLM, reports its own)."""
+        self.weights_version = version
+        return {}
+
     # ---- memory -----------------------------------------------------------------------------
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every module whose memory `sleep` releases: the stage's module and the bundle's frozen ones."""

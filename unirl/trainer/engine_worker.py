@@ -161,8 +161,7 @@ class EngineWorker(Worker):
             raise EngineStateError("a sync into an asleep engine: wake_up() first")
         plan = self.receiver.plan
         self.receiver.receive(ticket, into=bind(self.engine.stage.module, plan))
-        self.engine.weights_version = self.receiver.version
-        return dict(self.receiver.stats)
+        return {**self.receiver.stats, **self.engine.weights_loaded(self.receiver.version)}
 
     @dispatch(Dispatch.RANK_ZERO)
     def save_weights(self, path: str) -> None:
@@ -188,7 +187,8 @@ class EngineWorker(Worker):
         with torch.no_grad():
             for name, tensor in bind(self.engine.stage.module, plan).items():
                 tensor.copy_(saved[name])
-        self.engine.weights_version = self.receiver.version = version
+        self.receiver.version = version
+        self.engine.weights_loaded(version)
 
     @dispatch(Dispatch.BROADCAST)
     def weights_version(self) -> int | None:
@@ -230,3 +230,6 @@ class EngineWorker(Worker):
         self.transport.close()
         if self.receiver is not None:
             self.receiver.close()
+        close = getattr(self.engine, "close", None)  # an engine holding a server (vLLM)
+        if close is not None:
+            close()

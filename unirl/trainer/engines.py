@@ -209,7 +209,9 @@ class DedicatedRollouts:
             received = self.group.sync_receive(ticket)
         self.version = version
         out = {k: v for k, v in stats.items() if k != "sync/version"}
-        out["sync/receive_s"] = max(r["sync/receive_s"] for r in received)
+        # the slowest engine's times; an engine's own extras (a vLLM push and probe): their largest
+        for key in {k for r in received for k in r if k != "sync/version"} - set(out) - {"sync/bytes", "sync/buckets"}:
+            out[key] = max(r[key] for r in received if key in r)
         out["time/sync_s"] = time.perf_counter() - start
         return out
 

@@ -215,6 +215,14 @@ class CausalLMStage:
             ids.append(enc[0])
         return ids
 
+    def decode_responses(self, responses: list[torch.Tensor], stop_ids: list[int]) -> list[str]:
+        """The text of each response, its final stop token (EOS or a stop token) left out."""
+        stop_set = set(stop_ids)
+        return [
+            self.tokenizer.decode(r[:-1] if int(r[-1]) in stop_set else r, skip_special_tokens=False)
+            for r in (x.cpu() for x in responses)
+        ]
+
     # ---- rollout ----------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, req: RolloutReq) -> tuple[TokenSegment, list[str]]:
@@ -298,11 +306,7 @@ class CausalLMStage:
         token_mat, lp_mat = torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
         lens = lengths.tolist()
         responses = [token_mat[i, :n] for i, n in enumerate(lens)]
-        stop_set = set(stop_ids.tolist())
-        texts = [
-            self.tokenizer.decode(r[:-1] if int(r[-1]) in stop_set else r, skip_special_tokens=False)
-            for r in (x.cpu() for x in responses)
-        ]
+        texts = self.decode_responses(responses, stop_ids.tolist())
         segment = TokenSegment(
             prompt_ids=[p.to(device) for p in prompts],
             response_ids=responses,
