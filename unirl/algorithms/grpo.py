@@ -20,12 +20,15 @@ import torch
 
 from unirl.algorithms.base import StageAlgorithm
 from unirl.algorithms.token_losses import (
+    CORRECTION_MODES,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     aggregate,
     clipped_token_loss,
+    correction_weights,
     kl_penalty,
     masked_mean,
+    mismatch_metrics,
     ratio,
     token_advantages,
 )
@@ -50,8 +53,16 @@ class TokenLossConfig:
             `advantage.kl_coef`.
         kl_estimator: "k1", "k2", "k3" or "low_var_kl" (= k3) for the loss term.
         old_logp_source: "rollout" keeps the log-probs recorded at sampling time
-            as pi_old; "replay" recomputes them under the training weights before
-            the first update (the ratio is then exactly 1 on that update).
+            as pi_old (with a rollout engine such as vLLM this is the bypass mode: no
+            recompute forward, the ratio is taken against the engine's policy);
+            "replay" recomputes them under the training weights before the first
+            update (the ratio is then exactly 1 on that update) and logs the
+            rollout-training mismatch (`mismatch/*`, `token_losses.mismatch_metrics`).
+        rollout_correction: null, or how the loss corrects for the engine having drawn
+            the tokens from its own pi_rollout: "token_truncate", "token_mask",
+            "sequence_truncate" or "sequence_mask" (`token_losses.correction_weights`);
+            needs `old_logp_source: replay`.
+        rollout_correction_cap: the cap C of those weights (>= 1).
     """
 
     loss_agg_mode: str = "token-mean"
@@ -59,6 +70,8 @@ class TokenLossConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "low_var_kl"
     old_logp_source: str = "rollout"
+    rollout_correction: str | None = None
+    rollout_correction_cap: float = 2.0
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -81,6 +94,24 @@ class TokenLossConfig:
         if self.old_logp_source not in OLD_LOGP_SOURCES:
             raise ValueError(
                 f"algorithm.config.old_logp_source must be one of {OLD_LOGP_SOURCES}, got {self.old_logp_source!r}"
+            )
+        if self.rollout_correction is not None:
+            if self.rollout_correction not in CORRECTION_MODES:
+                raise ValueError(
+                    f"algorithm.config.rollout_correction must be null or one of {CORRECTION_MODES}, "
+                    f"got {self.rollout_correction!r}"
+                )
+            if self.old_logp_source != "replay":
+                raise ValueError(
+                    f"algorithm.config.rollout_correction={self.rollout_correction!r} weighs the engine's "
+                    "samples by pi_old / pi_rollout, which needs the trainer's own pi_old: set "
+                    "algorithm.config.old_logp_source=replay (with rollout the ratio is already taken "
+                    "against the engine's log-probs)"
+                )
+        if not self.rollout_correction_cap >= 1:
+            raise ValueError(
+                f"algorithm.config.rollout_correction_cap must be >= 1 (an on-policy token has weight 1), "
+                f"got {self.rollout_correction_cap}"
             )
 
 
@@ -147,7 +178,8 @@ class GRPO(StageAlgorithm):
             return track
         old = stage.token_log_probs(seg).float()
         rows = [old[i, : lp.numel()].to(lp.device) for i, lp in enumerate(seg.log_probs)]
-        return dataclasses.replace(track, segment=dataclasses.replace(seg, log_probs=rows))
+        segment = dataclasses.replace(seg, log_probs=rows, rollout_log_probs=seg.log_probs)
+        return dataclasses.replace(track, segment=segment)
 
     def policy_loss(
         self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
@@ -187,6 +219,14 @@ class GRPO(StageAlgorithm):
             return aggregate(x, mask, cfg.loss_agg_mode, *totals, norm_constant=cfg.norm_constant)
 
         per_token, r, extra = self.policy_loss(logp, old_logp, adv, mask)
+        if seg.rollout_log_probs is not None:  # pi_old replayed: the engine's log-probs kept beside it
+            behaviour = seg.padded("rollout_log_probs").to(device=device, dtype=logp.dtype)
+            extra.update(mismatch_metrics(old_logp, behaviour, mask))
+            if cfg.rollout_correction is not None:
+                w = correction_weights(old_logp, behaviour, mask, cfg.rollout_correction, cfg.rollout_correction_cap)
+                per_token = per_token * w
+                extra["rollout_is/weight_mean"] = float(masked_mean(w, mask))
+                extra["rollout_is/zeroed_frac"] = float(masked_mean((w == 0).float(), mask))
         policy = agg(per_token)
         loss = policy
         if cfg.kl_coef > 0:

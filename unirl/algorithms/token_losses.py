@@ -15,16 +15,20 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "aggregate",
+    "CORRECTION_MODES",
     "clipped_token_loss",
+    "correction_weights",
     "kl_penalty",
     "log_ratio",
     "masked_mean",
+    "mismatch_metrics",
     "ratio",
     "token_advantages",
 ]
 
 LOG_RATIO_CLAMP = 20.0
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
@@ -116,3 +120,46 @@ def token_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     raise ValueError(
         f"advantages must be [B] or [B, >= Rmax] for a mask of {list(mask.shape)}, got {list(adv.shape)}"
     )
+
+
+def correction_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+) -> torch.Tensor:
+    """[B, R] importance weights that correct the rollout-training mismatch (no gradient).
+
+    The engine drew the tokens from pi_rollout (log-probs `rollout_logp`), the loss treats
+    them as pi_old's (`old_logp`, the trainer's recomputation). With the per-token ratio
+    rho_t = pi_old / pi_rollout = exp(old_logp_t - rollout_logp_t) (log clamped to +-20):
+
+    - token_truncate: w_t = min(rho_t, cap) (truncated importance sampling);
+    - token_mask: w_t = rho_t where rho_t <= cap, else 0 (masked importance sampling);
+    - sequence_truncate: w_t = min(rho, cap) for every token of the sample, with the
+      sequence ratio rho = exp(sum over the response of log rho_t);
+    - sequence_mask: w_t = rho where rho <= cap, else 0, for every token of the sample.
+
+    These are TRL's `vllm_importance_sampling_mode` options (`vllm_importance_sampling_cap`
+    is `cap`) and verl's token / sequence rollout IS. Padding gets weight 0.
+    """
+    if mode not in CORRECTION_MODES:
+        raise ValueError(f"rollout correction mode must be one of {CORRECTION_MODES}, got {mode!r}")
+    log_rho = log_ratio(old_logp.detach(), rollout_logp.detach()) * mask
+    if mode.startswith("sequence"):
+        log_rho = log_ratio(log_rho.sum(dim=1, keepdim=True), torch.zeros(())).expand_as(mask)
+    rho = torch.exp(log_rho)
+    w = rho.clamp(max=cap) if mode.endswith("truncate") else torch.where(rho <= cap, rho, 0.0)
+    return w * mask
+
+
+def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the trainer's on the same tokens:
+    `mismatch/abs_diff_mean` and `/max` of |log pi_rollout - log pi_old| per token, and
+    `mismatch/seq_kl`, the mean over samples of sum_t (log pi_rollout - log pi_old)
+    (the k1 estimate of KL(pi_rollout || pi_old) of a whole response, the tokens being
+    pi_rollout's samples)."""
+    diff = (rollout_logp - old_logp).detach() * mask
+    valid = mask.bool()
+    return {
+        "mismatch/abs_diff_mean": float(diff.abs()[valid].mean()),
+        "mismatch/abs_diff_max": float(diff.abs()[valid].max()),
+        "mismatch/seq_kl": float(diff.sum(dim=1).mean()),
+    }

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from unirl.rollout.dedicated import is_dedicated
+from unirl.rollout.vllm.engine import INSTALL_HINT, head_dim_problem
 from unirl.sync import weight_sync_problems
 
 
@@ -100,6 +101,8 @@ def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
                 f"algorithm.config.old_logp_source=rollout (got {source!r}"
                 + (")" if source is not None else ": this algorithm has no importance ratio)")
             )
+    if is_vllm(rollout):
+        check_vllm(rollout, passed, problems)
     grouped = group_scorers(passed.get("reward"))
     if grouped and sampling is not None and bool(rollout.get("overlap_reward", True)):
         k, fbs = sampling.samples_per_prompt, rollout.get("forward_batch_size")
@@ -117,3 +120,55 @@ def group_scorers(reward: Any) -> list[str]:
     """The components of a built reward service that score whole groups (`groupwise = True`)."""
     components = getattr(getattr(reward, "backend", None), "components", None) or {}
     return [name for name, scorer in components.items() if getattr(scorer, "groupwise", False)]
+
+
+def is_vllm(rollout: Any) -> bool:
+    """True when a recipe's `rollout` node names a `VLLMEngine` (or a subclass of it)."""
+    from hydra.utils import get_object
+
+    from unirl.rollout.vllm import VLLMEngine
+
+    try:
+        target = get_object(str(rollout["_target_"]))
+    except Exception:  # noqa: BLE001 - an unknown target is reported by the tree check
+        return False
+    return isinstance(target, type) and issubclass(target, VLLMEngine)
+
+
+def check_vllm(rollout: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    """A vLLM engine: vLLM installed, a text-only causal LM whose attention heads the device's
+    kernels serve, and prompts + responses that fit `rollout.max_model_len`."""
+    import importlib.util
+
+    from unirl.models.causal_lm import CausalLMConfig
+
+    if importlib.util.find_spec("vllm") is None:
+        problems.append(f"rollout._target_={rollout._target_}: {INSTALL_HINT}")
+    model = passed.get("model")
+    if model is not None and type(model) is not CausalLMConfig:
+        problems.append(
+            f"rollout._target_={rollout._target_} samples text-only causal LMs; model._target_ builds a "
+            f"{type(model).__name__}: use unirl.models.causal_lm.CausalLMConfig or the dedicated engine "
+            "(unirl.rollout.dedicated.DedicatedEngine)"
+        )
+    elif model is not None and (model.tiny is not None or os.path.isfile(os.path.join(model.pretrained_path, "config.json"))):
+        if model.tiny is not None:
+            head_dim, where = model.tiny.hidden_size // model.tiny.num_attention_heads, "model.tiny"
+        else:
+            import json
+
+            with open(os.path.join(model.pretrained_path, "config.json")) as f:
+                config = json.load(f)
+            config = config.get("text_config", config)
+            head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            where = f"model.pretrained_path {model.pretrained_path!r}"
+        problem = head_dim_problem(int(head_dim), _device_type(), where)
+        if problem:
+            problems.append(problem)
+    sampling, limit = passed.get("sampling"), rollout.get("max_model_len")
+    if sampling is not None and limit is not None and sampling.max_prompt_length + sampling.max_new_tokens > limit:
+        problems.append(
+            f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
+            f"({sampling.max_new_tokens}) exceeds rollout.max_model_len={limit}: raise it (or null: the "
+            "model's max_position_embeddings)"
+        )

@@ -106,6 +106,9 @@ class TokenSegment:
             rollout computed them (KL folded into the reward), else None.
         values: per sample [R_i] fp32 critic values V_t (of the state before response
             token t) when the run has a critic (PPO), else None.
+        rollout_log_probs: per sample [R_i] fp32, the engine's recorded log-probs, kept by a
+            `prepare_segment` that replaced `log_probs` by the trainer's replay (the
+            rollout-training mismatch is measured and corrected against them); else None.
         pixel_values: a vision-language model's prompt images, per sample [N_i, D] fp32
             (the image processor's flattened patches of the sample's k_i images, N_i = 0
             without images); None for text-only models.
@@ -119,6 +122,7 @@ class TokenSegment:
     temperature: float = 1.0
     ref_log_probs: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
+    rollout_log_probs: list[torch.Tensor] | None = None
     pixel_values: list[torch.Tensor] | None = None
     image_grid_thw: list[torch.Tensor] | None = None
     guidance_scale: float | None = None
@@ -129,6 +133,7 @@ class TokenSegment:
         "log_probs",
         "ref_log_probs",
         "values",
+        "rollout_log_probs",
         "pixel_values",
         "image_grid_thw",
     )
@@ -150,7 +155,7 @@ class TokenSegment:
                 raise ValueError(
                     f"TokenSegment.response_ids[{i}] must be 1-D with >= 1 token, got {list(r.shape)}"
                 )
-        for name in ("log_probs", "ref_log_probs", "values"):
+        for name in ("log_probs", "ref_log_probs", "values", "rollout_log_probs"):
             rows = getattr(self, name)
             if rows is None:
                 continue
@@ -200,7 +205,8 @@ class TokenSegment:
         return pad_right([torch.ones(r.numel(), device=r.device) for r in self.response_ids])
 
     def padded(self, name: str, value: float = 0) -> torch.Tensor:
-        """[B, Rmax] the per-token field `name` ("response_ids", "log_probs", "ref_log_probs", "values")
+        """[B, Rmax] the per-token field `name` ("response_ids", "log_probs", "ref_log_probs", "values",
+        "rollout_log_probs")
         right-padded with `value`."""
         rows = getattr(self, name)
         if rows is None:

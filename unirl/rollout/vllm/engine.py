@@ -160,7 +160,9 @@ class VLLMTextStage:
 
         sp: TextSamplingParams = req.sampling
         if not isinstance(sp, TextSamplingParams):
-            raise TypeError(f"the vLLM engine samples text and needs TextSamplingParams, got {type(sp).__name__}")
+            raise TypeError(
+                f"the vLLM engine samples text and needs TextSamplingParams, got {type(sp).__name__}"
+            )
         prompts, pixel_values, _ = self.inner.encode(req)
         if pixel_values is not None:
             raise ValueError("the vLLM engine samples text-only causal LMs; this model takes images")
@@ -231,7 +233,11 @@ class VLLMEngine(DedicatedEngine):
         if not isinstance(stage, TextStage) or getattr(stage.bundle, "has_vision", False):
             raise TypeError(
                 f"rollout: the vLLM engine samples text-only causal LMs; the stage is {type(stage).__name__}"
-                + (" of a vision-language model" if getattr(getattr(stage, "bundle", None), "has_vision", False) else "")
+                + (
+                    " of a vision-language model"
+                    if getattr(getattr(stage, "bundle", None), "has_vision", False)
+                    else ""
+                )
             )
         architecture = type(stage.bundle.model).__name__
         if architecture not in ARCHITECTURES:
@@ -317,10 +323,14 @@ class VLLMEngine(DedicatedEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.probe_tokens, logprobs=0, detokenize=False)
+        params = SamplingParams(
+            n=1, temperature=0.0, max_tokens=self.probe_tokens, logprobs=0, detokenize=False
+        )
         out = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe_ids)], params, use_tqdm=False)[0]
         tokens = list(out.outputs[0].token_ids)
-        engine_lp = torch.tensor([step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens, strict=True)])
+        engine_lp = torch.tensor(
+            [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+        )
         module = self.stage.module
         was_training = module.training
         module.eval()
