@@ -190,3 +190,4 @@ def test_bad_input_is_named(pair) -> None:
     with pytest.raises(ValueError, match="head size 16.*32, 64"):
         VLLMEngine(CausalLMStage(CausalLMConfig(tiny=TinyLMConfig()).build()))
     assert head_dim_problem(16, "cuda", "x") is None
+

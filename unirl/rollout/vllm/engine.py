@@ -273,6 +273,11 @@ class VLLMEngine(DedicatedEngine):
             "distributed_executor_backend": "uni",
             "seed": 0,
             "enable_sleep_mode": device.type == "cuda" and sleep_level > 0,
+            # a request prefilled in chunks has the token sampled with its partial prefill discarded,
+            # and vLLM 0.32 then rewinds the request's seeded generator with `set_offset`, which a
+            # CPU generator does not have (RuntimeError "CPU Generator does not use offset"; seen in
+            # benchmarks/vllm_generation.py, 25M model, 128 samples x 128 tokens): prefill whole
+            "enable_chunked_prefill": device.type == "cuda",
         }
         if kv_cache_mb is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_mb << 20
