@@ -77,6 +77,7 @@ class EngineWeightsError(RuntimeError):
 
 def import_vllm() -> Any:
     """The `vllm` module, or an ImportError naming the extra to install."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines at every sync and call
     try:
         import vllm
     except ImportError as exc:
