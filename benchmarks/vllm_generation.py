@@ -12,9 +12,11 @@ Models:
 - `arith_lm`: the committed base `checkpoints/arith_lm` (3.3M parameters), its problems as
   prompts, 8 new tokens;
 - `qwen3_25m`: a random Qwen3 of about 25M parameters (hidden 512, 8 layers, 8 heads of 64),
-  16 prompts, 128 new tokens.
+  16 prompts, 128 new tokens;
+- `qwen3_25m_lora` (`measure_lora`): that model with a rank-16 LoRA on every block linear, served
+  merged (W + s B A pushed at every sync) and as a vLLM LoRA adapter: push time and tokens/s.
 
-    python benchmarks/vllm_generation.py [--models arith_lm qwen3_25m] [--repeats 3] [--out FILE]
+    python benchmarks/vllm_generation.py [--models arith_lm qwen3_25m qwen3_25m_lora] [--repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -123,9 +125,65 @@ def measure(name: str, repeats: int, prompts: int, samples: int) -> dict:
     return out
 
 
+def measure_lora(repeats: int, prompts: int, samples: int, rank: int = 16, new_tokens: int = 64) -> dict:
+    """The 25M Qwen3 with a rank-`rank` LoRA on every linear layer of its blocks, served by two
+    vLLM engines: `lora_mode: merged` (W + s B A pushed at every sync) and `lora_mode: adapter`
+    (the base pushed once, the adapter served by vLLM's LoRA kernels and rewritten at every
+    sync). Per engine: the median push (`weights_loaded`, probe off) and tokens/s."""
+    import torch
+
+    from unirl.models.causal_lm import CausalLMStage
+    from unirl.rollout.vllm import VLLMEngine
+    from unirl.train.backend import LoRAConfig, inject_lora
+
+    cfg, _, chat = models()["qwen3_25m"]
+    lora = LoRAConfig(
+        rank=rank,
+        alpha=rank,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    stages = []
+    for _ in range(3):
+        stage = CausalLMStage(cfg.build())
+        inject_lora(stage.module, lora)
+        stages.append(stage)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in stages[0].module.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        for other in stages[1:]:
+            for a, b in zip(stages[0].module.parameters(), other.module.parameters(), strict=True):
+                b.copy_(a)
+    req = request("qwen3_25m", new_tokens, chat, prompts, samples)
+    out = {"model": "qwen3_25m_lora", "lora_rank": rank, "samples": len(req), "max_new_tokens": new_tokens}
+    for mode, stage in zip(("merged", "adapter"), stages[1:], strict=True):
+        # one vLLM engine alive at a time: a second one in the process takes over vLLM's
+        # process-wide parallel state (an engine actor holds one engine)
+        engine = VLLMEngine(stage, sleep_level=0, kv_cache_mb=256, verify_sync=False, lora_mode=mode)
+        pushes = []
+        for version in range(1, repeats + 2):
+            start = time.perf_counter()
+            engine.weights_loaded(version)
+            pushes.append(time.perf_counter() - start)
+        timed(engine, req)  # warm
+        runs = [timed(engine, req) for _ in range(repeats)]
+        secs, tokens = statistics.median(s for s, _ in runs), statistics.median(n for _, n in runs)
+        out[f"{mode}_push_s"] = round(
+            statistics.median(pushes[1:]), 4
+        )  # the first adapter push holds the base
+        out[f"{mode}_first_push_s"] = round(pushes[0], 4)
+        out[f"{mode}_tokens_per_s"] = round(tokens / secs, 1)
+        engine.close()
+    out["adapter_over_merged_tokens_per_s"] = round(
+        out["adapter_tokens_per_s"] / out["merged_tokens_per_s"], 3
+    )
+    out["adapter_over_merged_push"] = round(out["adapter_push_s"] / out["merged_push_s"], 3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["arith_lm", "qwen3_25m"])
+    parser.add_argument("--models", nargs="+", default=["arith_lm", "qwen3_25m", "qwen3_25m_lora"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
@@ -133,7 +191,10 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     for name in args.models:
-        row = measure(name, args.repeats, args.prompts, args.samples)
+        if name == "qwen3_25m_lora":
+            row = measure_lora(args.repeats, args.prompts, args.samples)
+        else:
+            row = measure(name, args.repeats, args.prompts, args.samples)
         print(json.dumps(row), flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -48,6 +48,16 @@ VLLM = "llm/tiny_lm_grpo_vllm"
         ),
         (VLLM, ["+rollout.max_model_len=48"], "exceeds rollout.max_model_len=48"),
         (VLLM, ["rollout.kv_cache_mb=0"], "rollout.kv_cache_mb"),
+        (VLLM, ["+rollout.lora_mode=adapter"], "rollout.lora_mode=adapter serves the trainer's LoRA adapter"),
+        (
+            VLLM,
+            [
+                "+rollout.lora_mode=adapter",
+                "+rollout.max_lora_rank=8",
+                "train.lora={rank: 16, alpha: 16, target_modules: [q_proj]}",
+            ],
+            "rollout.max_lora_rank=8: vLLM takes one of",
+        ),
         (
             VLLM,
             ["algorithm.config.old_logp_source=rollout", "algorithm.config.rollout_correction=token_mask"],

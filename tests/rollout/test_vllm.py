@@ -191,3 +191,42 @@ def test_bad_input_is_named(pair) -> None:
         VLLMEngine(CausalLMStage(CausalLMConfig(tiny=TinyLMConfig()).build()))
     assert head_dim_problem(16, "cuda", "x") is None
 
+
+def test_adapter_mode_serves_the_lora_as_a_vllm_adapter(pair) -> None:
+    """`lora_mode: adapter`: the base weights go into vLLM once, the adapter is served as a vLLM
+    LoRA adapter rewritten at every sync; the log-probs are the trainer's before and after the
+    adapter moves (the probe passes), and a moved adapter changes the policy."""
+    trainer, _ = pair
+    # the last test to sample: a second vLLM engine in a process takes over vLLM's process-wide
+    # parallel state, so the module's shared engine is not used after this one is built
+    engine = VLLMEngine(lora_stage(), lora_mode="adapter")
+    try:
+        copy_into(trainer.module, engine.stage.module)
+        assert engine.weights_loaded(1)["sync/probe_max_abs_diff"] < TOL
+        req = request()
+        first = engine.generate(req).track("text")
+        assert max_gap(trainer, first) < TOL
+        with torch.no_grad():
+            for name, p in trainer.module.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(3.0)
+        copy_into(trainer.module, engine.stage.module)
+        engine.weights_loaded(2)
+        second = engine.generate(req).track("text")
+        assert max_gap(trainer, second) < TOL
+        assert any(
+            not torch.equal(a, b)
+            for a, b in zip(first.segment.log_probs, second.segment.log_probs, strict=True)
+        )
+    finally:
+        engine.close()
+
+
+def test_adapter_mode_refusals() -> None:
+    """No adapter, whole modules saved, a rank above the cap: named before vLLM starts."""
+    with pytest.raises(ValueError, match="train.lora is null"):
+        VLLMEngine(CausalLMStage(CausalLMConfig(tiny=TINY).build()), lora_mode="adapter")
+    with pytest.raises(ValueError, match="train.lora.rank=4 is above rollout.max_lora_rank=1"):
+        VLLMEngine(lora_stage(), lora_mode="adapter", max_lora_rank=1)
+    with pytest.raises(ValueError, match="max_lora_rank must be one of vLLM's"):
+        VLLMEngine(lora_stage(), lora_mode="adapter", max_lora_rank=4)

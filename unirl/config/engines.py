@@ -135,6 +135,12 @@ def is_vllm(rollout: Any) -> bool:
     return isinstance(target, type) and issubclass(target, VLLMEngine)
 
 
+def cfg_train(rollout: DictConfig) -> Any:
+    """The recipe's `train` node, reached from its `rollout` node."""
+    root = rollout._get_root()
+    return root.get("train") if isinstance(root, DictConfig) else None
+
+
 def check_vllm(rollout: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     """A vLLM engine: vLLM installed, a text-only causal LM whose attention heads the device's
     kernels serve, and prompts + responses that fit `rollout.max_model_len`."""
@@ -165,6 +171,22 @@ def check_vllm(rollout: DictConfig, passed: dict[str, Any], problems: list[str])
         problem = head_dim_problem(int(head_dim), _device_type(), where)
         if problem:
             problems.append(problem)
+    if rollout.get("lora_mode", "merged") == "adapter":
+        from unirl.rollout.vllm.engine import VLLM_LORA_RANKS
+
+        train = cfg_train(rollout)
+        lora = train.get("lora") if train is not None else None
+        cap = rollout.get("max_lora_rank")
+        if lora is None:
+            problems.append(
+                "rollout.lora_mode=adapter serves the trainer's LoRA adapter, but train.lora is null; "
+                "set train.lora or rollout.lora_mode=merged"
+            )
+        elif cap is not None and (int(cap) not in VLLM_LORA_RANKS or int(lora.get("rank", 0)) > int(cap)):
+            problems.append(
+                f"rollout.max_lora_rank={cap}: vLLM takes one of {VLLM_LORA_RANKS}, at least "
+                f"train.lora.rank={lora.get('rank')}; raise it or set it to null"
+            )
     sampling, limit = passed.get("sampling"), rollout.get("max_model_len")
     if sampling is not None and limit is not None and sampling.max_prompt_length + sampling.max_new_tokens > limit:
         problems.append(

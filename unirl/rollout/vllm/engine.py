@@ -29,7 +29,7 @@ The engine starts from dummy weights and refuses to sample until the first sync.
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import os
 import shutil
 import tempfile
@@ -71,6 +71,40 @@ def head_dim_problem(head_dim: int, device_type: str, where: str) -> str | None:
     return None
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+
+
+def lora_adapter_settings(module: torch.nn.Module, lora_mode: str, max_lora_rank: int | None) -> int | None:
+    """vLLM's `max_lora_rank` for `lora_mode` "adapter" (None for "merged"); raises naming the
+    keys when the module has no adapter, saves whole modules, or its rank exceeds the cap."""
+    if lora_mode not in ("merged", "adapter"):
+        raise ValueError(f"rollout.lora_mode must be 'merged' or 'adapter', got {lora_mode!r}")
+    if lora_mode == "merged":
+        return None
+    config = (getattr(module, "peft_config", None) or {}).get("default")
+    if config is None:
+        raise ValueError(
+            "rollout.lora_mode=adapter serves the trainer's LoRA adapter, but train.lora is null"
+        )
+    if config.modules_to_save:
+        raise ValueError(
+            f"rollout.lora_mode=adapter: train.lora.modules_to_save={list(config.modules_to_save)} trains whole "
+            "modules, which a vLLM LoRA adapter cannot carry; use rollout.lora_mode=merged"
+        )
+    if max_lora_rank is None:
+        return next(r for r in VLLM_LORA_RANKS if r >= config.r)
+    if max_lora_rank not in VLLM_LORA_RANKS:
+        raise ValueError(
+            f"rollout.max_lora_rank must be one of vLLM's {VLLM_LORA_RANKS}, got {max_lora_rank}"
+        )
+    if config.r > max_lora_rank:
+        raise ValueError(
+            f"train.lora.rank={config.r} is above rollout.max_lora_rank={max_lora_rank}: vLLM cannot load the "
+            "adapter; raise rollout.max_lora_rank (or null: the smallest that holds it)"
+        )
+    return max_lora_rank
+
+
 class EngineWeightsError(RuntimeError):
     """vLLM does not sample the weights the engine was given (the sync probe failed)."""
 
@@ -85,17 +119,17 @@ def import_vllm() -> Any:
     return vllm
 
 
-def merged_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(module: torch.nn.Module, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter of `module` by its Hugging Face name, with peft LoRA merged in.
 
     A LoRA-adapted layer yields `<layer>.weight` = its base weight + the adapters' delta
-    (`get_delta_weight`, scaling included) as a new tensor; the adapters' own parameters
-    are not yielded; a `modules_to_save` copy replaces its original. The module is not
-    changed."""
+    (`get_delta_weight`, scaling included) as a new tensor (`merge` False: the base weight
+    alone); the adapters' own parameters are not yielded; a `modules_to_save` copy replaces
+    its original. The module is not changed."""
     from peft.tuners.lora import LoraLayer
 
     deltas: dict[str, torch.Tensor] = {}
-    for name, layer in module.named_modules():
+    for name, layer in module.named_modules() if merge else ():
         if isinstance(layer, LoraLayer):
             delta = None
             for adapter in layer.active_adapters:
@@ -130,6 +164,7 @@ class VLLMTextStage:
     def __init__(self, inner: Any, llm: Any) -> None:
         self.inner = inner
         self.llm = llm
+        self.lora_request: Any = None  # the adapter every request samples with (lora_mode adapter)
         self.module = inner.module
         self.bundle = inner.bundle
         self.tokenizer = inner.tokenizer
@@ -170,7 +205,10 @@ class VLLMTextStage:
         stop_ids = self.inner.stop_token_ids(sp)
         params = [self.sampling_params(sp, int(seed), stop_ids) for seed in req.seeds]
         outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=self.lora_request,
         )
         device = self.inner.device
         responses, log_probs = [], []
@@ -207,6 +245,11 @@ class VLLMEngine(DedicatedEngine):
             the probe (greedy tokens and their log-probs; `probe_tol`).
         probe_prompt, probe_tokens, probe_tol: the probe's text (tokenized raw), its
             greedy length and the largest log-prob difference accepted.
+        lora_mode: with a LoRA trainer, "merged" pushes W + (alpha / r) B A into vLLM's
+            weights at every sync; "adapter" pushes the base weights once and serves the
+            adapter as a vLLM LoRA adapter (`enable_lora`), rewritten at every sync.
+        max_lora_rank: vLLM's `max_lora_rank` in adapter mode (null: the smallest vLLM allows
+            that holds `train.lora.rank`); a smaller one than the adapter's rank is refused.
         engine_kwargs: anything else for `vllm.LLM` (e.g. `{enable_prefix_caching: false}`).
     """
 
@@ -229,6 +272,8 @@ class VLLMEngine(DedicatedEngine):
         probe_prompt: str = "1 + 1 =",
         probe_tokens: Annotated[int, Ge(1)] = 8,
         probe_tol: Annotated[float, Gt(0)] = 1e-3,
+        lora_mode: Literal["merged", "adapter"] = "merged",
+        max_lora_rank: Annotated[int, Ge(1)] | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(stage, TextStage) or getattr(stage.bundle, "has_vision", False):
@@ -249,6 +294,7 @@ class VLLMEngine(DedicatedEngine):
         problem = head_dim_problem(head_dim_of(stage.bundle.model.config), device.type, "the model")
         if problem:
             raise ValueError(problem)
+        self.adapter = lora_adapter_settings(stage.module, lora_mode, max_lora_rank)
         vllm = import_vllm()
         self.verify_sync = verify_sync
         self.probe_ids = stage.tokenizer(probe_prompt, add_special_tokens=False)["input_ids"]
@@ -280,6 +326,8 @@ class VLLMEngine(DedicatedEngine):
             # benchmarks/vllm_generation.py, 25M model, 128 samples x 128 tokens): prefill whole
             "enable_chunked_prefill": device.type == "cuda",
         }
+        if self.adapter is not None:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapter)
         if kv_cache_mb is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_mb << 20
         else:
@@ -291,6 +339,7 @@ class VLLMEngine(DedicatedEngine):
             self.llm = vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads  # uni executor: no threads were bound to cores
+        self._base_pushed = False  # adapter mode: vLLM holds the base weights
         super().__init__(
             VLLMTextStage(stage, self.llm),
             forward_batch_size,
@@ -312,13 +361,35 @@ class VLLMEngine(DedicatedEngine):
         check the probe (`verify_sync`) and sample `version` from now on."""
         start = time.perf_counter()
         self.weights_version = None  # nothing is sampled from half-pushed weights
-        self._runner.reload_weights(weights_iterator=merged_weights(self.stage.module))
+        module = self.stage.module
+        if self.adapter is None:
+            self._runner.reload_weights(weights_iterator=merged_weights(module))
+        else:
+            if not self._base_pushed:  # the base is frozen: once, and after vLLM dropped it
+                self._runner.reload_weights(weights_iterator=merged_weights(module, merge=False))
+                self._base_pushed = True
+            self.stage.lora_request = self._write_adapter(version)
         self.llm.reset_prefix_cache()
         stats = {"sync/engine_load_s": time.perf_counter() - start}
         if self.verify_sync:
             stats["sync/probe_max_abs_diff"] = self.probe(version)
         self.weights_version = version
         return stats
+
+    def _write_adapter(self, version: int) -> Any:
+        """The staging module's adapter as a peft directory vLLM loads (in place of the last)."""
+        from vllm.lora.request import LoRARequest
+
+        path = os.path.join(self._model_dir, "adapter")
+        shutil.rmtree(path, ignore_errors=True)
+        module = self.stage.module
+        state = {
+            name.replace(".default", ""): p.detach()
+            for name, p in module.named_parameters()
+            if ".lora_" in name
+        }
+        self.stage.bundle.write_weights(path, "lora", state, module)
+        return LoRARequest(f"unirl_v{version}", 1, path, load_inplace=True)
 
     @torch.no_grad()
     def probe(self, version: int) -> float:
@@ -332,7 +403,12 @@ class VLLMEngine(DedicatedEngine):
         params = SamplingParams(
             n=1, temperature=0.0, max_tokens=self.probe_tokens, logprobs=0, detokenize=False
         )
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe_ids)], params, use_tqdm=False)[0]
+        out = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=self.probe_ids)],
+            params,
+            use_tqdm=False,
+            lora_request=self.stage.lora_request,
+        )[0]
         tokens = list(out.outputs[0].token_ids)
         engine_lp = torch.tensor(
             [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
@@ -368,6 +444,7 @@ class VLLMEngine(DedicatedEngine):
         super().sleep(level)
         if not asleep and level and self.device.type == "cuda":
             self.llm.sleep(level=level)
+            self._base_pushed = self._base_pushed and level == 1
 
     def wake_up(self) -> None:
         if self.asleep and self.device.type == "cuda":
@@ -375,7 +452,9 @@ class VLLMEngine(DedicatedEngine):
         super().wake_up()
 
     def close(self) -> None:
-        """Shut vLLM down and remove the engine's model directory."""
-        with contextlib.suppress(Exception):
-            self.llm.llm_engine.engine_core.shutdown()
+        """Drop vLLM (in this process it holds no other process; its memory goes with the last
+        reference) and remove the engine's model directory. vLLM's process-wide parallel state
+        is left as it is: another engine of the process keeps using it."""
+        self.llm = self.stage.llm = None
+        gc.collect()
         shutil.rmtree(self._model_dir, ignore_errors=True)
