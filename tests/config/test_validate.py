@@ -174,6 +174,7 @@ NEEDS_MODEL_DIR = (
     "diffusion/wan_flowgrpo",
     "diffusion/qwenimage_flowgrpo",
     "llm/qwen3_grpo",
+    "llm/qwen3_grpo_vllm",
     "vlm/qwen25vl_grpo",
 )
 # a negative weight flips a reward on purpose (the reward-backprop recipes hand theirs to the algorithm too)
@@ -526,6 +527,11 @@ def test_pretrained_lm_directory_checks(tmp_path, monkeypatch):
     validate_rl_config(recipe("llm/qwen3_grpo"), expect="text")
     msg = problems_of(["sampling.max_new_tokens=4000"], name="llm/qwen3_grpo")
     assert "exceeds the model's max_position_embeddings=2048" in msg
+    # the vLLM variant reads the directory's head size (16 here: no CPU kernel for it)
+    import torch
+
+    msg = problems_of([], name="llm/qwen3_grpo_vllm")
+    assert (f"model.pretrained_path '{good}': head size 16" in msg) != torch.cuda.is_available()
 
     from transformers import AutoTokenizer
 

@@ -250,6 +250,9 @@ class VLLMEngine(DedicatedEngine):
             adapter as a vLLM LoRA adapter (`enable_lora`), rewritten at every sync.
         max_lora_rank: vLLM's `max_lora_rank` in adapter mode (null: the smallest vLLM allows
             that holds `train.lora.rank`); a smaller one than the adapter's rank is refused.
+        dtype: the dtype vLLM computes in (null: the staging module's, e.g. float32); a
+            bfloat16 engine beside an fp32 trainer samples from a rounded policy (the mismatch
+            the `rollout_correction` options are for): raise `probe_tol` with it.
         engine_kwargs: anything else for `vllm.LLM` (e.g. `{enable_prefix_caching: false}`).
     """
 
@@ -274,6 +277,7 @@ class VLLMEngine(DedicatedEngine):
         probe_tol: Annotated[float, Gt(0)] = 1e-3,
         lora_mode: Literal["merged", "adapter"] = "merged",
         max_lora_rank: Annotated[int, Ge(1)] | None = None,
+        dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(stage, TextStage) or getattr(stage.bundle, "has_vision", False):
@@ -307,7 +311,7 @@ class VLLMEngine(DedicatedEngine):
         config.architectures = [architecture]
         config.save_pretrained(self._model_dir)  # dummy weights: the first sync brings ours
         module = stage.module
-        dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
+        dtype = dtype or str(next(module.parameters()).dtype).removeprefix("torch.")
         kwargs: dict[str, Any] = {
             "model": self._model_dir,
             "load_format": "dummy",
