@@ -230,3 +230,19 @@ def test_adapter_mode_refusals() -> None:
         VLLMEngine(lora_stage(), lora_mode="adapter", max_lora_rank=1)
     with pytest.raises(ValueError, match="max_lora_rank must be one of vLLM's"):
         VLLMEngine(lora_stage(), lora_mode="adapter", max_lora_rank=4)
+
+
+def test_only_the_explained_vllm_warnings_are_dropped() -> None:
+    """The three vLLM warnings that say nothing wrong for this engine are filtered, nothing else."""
+    import logging
+
+    from unirl.rollout.vllm.engine import _expected_warning
+
+    def record(msg, *args):
+        return logging.LogRecord("vllm", logging.WARNING, "x.py", 1, msg, args, None)
+
+    assert not _expected_warning(record("%s: Failed to load weights", "RotaryEmbedding"))
+    assert not _expected_warning(record("Chat template warmup failed"))
+    assert not _expected_warning(record("CPU backend doesn't allow to use `torch.set_num_threads` after ..."))
+    assert _expected_warning(record("%s: Failed to load weights", "QKVParallelLinear"))
+    assert _expected_warning(record("KV cache is too small"))

@@ -30,6 +30,7 @@ The engine starts from dummy weights and refuses to sample until the first sync.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import shutil
 import tempfile
@@ -116,7 +117,23 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as exc:
         raise ImportError(INSTALL_HINT) from exc
+    # three warnings that say nothing wrong here: every in-place reload's "RotaryEmbedding: Failed
+    # to load weights" (its cos/sin cache comes from the config, no checkpoint holds it, and vLLM
+    # puts its own back); start-up's "Chat template warmup failed" with a traceback (the engine
+    # never has a tokenizer: we tokenize); and start-up's "CPU backend doesn't allow to use
+    # `torch.set_num_threads`" (vLLM's own thread settings while it builds, skipped: the engine
+    # keeps the governor's threads, see VLLMEngine)
+    for name in ("model_executor.model_loader.reload.layerwise", "renderers.base", "v1.worker.cpu_worker"):
+        logging.getLogger(f"vllm.{name}").addFilter(_expected_warning)
     return vllm
+
+
+def _expected_warning(record: logging.LogRecord) -> bool:
+    """False for the three vLLM warnings `import_vllm` explains."""
+    msg = str(record.msg)
+    rotary = msg == "%s: Failed to load weights" and bool(record.args) and record.args[0] == "RotaryEmbedding"
+    threads = msg.startswith("CPU backend doesn't allow to use `torch.set_num_threads`")
+    return not (rotary or threads or msg == "Chat template warmup failed")
 
 
 def merged_weights(module: torch.nn.Module, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
