@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import re
 import subprocess
@@ -532,6 +533,10 @@ def test_pretrained_lm_directory_checks(tmp_path, monkeypatch):
 
     msg = problems_of([], name="llm/qwen3_grpo_vllm")
     assert (f"model.pretrained_path '{good}': head size 16" in msg) != torch.cuda.is_available()
+    config = json.loads((good / "config.json").read_text())
+    (good / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    msg = problems_of([], name="llm/qwen3_grpo_vllm")
+    assert "holds a ['MistralForCausalLM']" in msg and "serves ['Qwen3ForCausalLM'" in msg
 
     from transformers import AutoTokenizer
 

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from unirl.rollout.dedicated import is_dedicated
-from unirl.rollout.vllm.engine import INSTALL_HINT, head_dim_problem
+from unirl.rollout.vllm.engine import ARCHITECTURES, INSTALL_HINT, head_dim_problem
 from unirl.sync import weight_sync_problems
 
 
@@ -165,9 +165,15 @@ def check_vllm(rollout: DictConfig, passed: dict[str, Any], problems: list[str])
 
             with open(os.path.join(model.pretrained_path, "config.json")) as f:
                 config = json.load(f)
+            where = f"model.pretrained_path {model.pretrained_path!r}"
+            served = [a for a in config.get("architectures") or [] if a in ARCHITECTURES]
+            if not served:
+                problems.append(
+                    f"{where} holds a {config.get('architectures')}; rollout._target_={rollout._target_} "
+                    f"serves {list(ARCHITECTURES)}: use the dedicated engine (unirl.rollout.dedicated.DedicatedEngine)"
+                )
             config = config.get("text_config", config)
             head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-            where = f"model.pretrained_path {model.pretrained_path!r}"
         problem = head_dim_problem(int(head_dim), _device_type(), where)
         if problem:
             problems.append(problem)
