@@ -11,12 +11,13 @@ engine recorded. Each problem names its keys and says what to set.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from unirl.rollout.dedicated import is_dedicated
-from unirl.rollout.vllm.engine import ARCHITECTURES, INSTALL_HINT, head_dim_problem
+from unirl.rollout.vllm.engine import ARCHITECTURES, INSTALL_HINT, VLLMEngine, head_dim_of, head_dim_problem
 from unirl.sync import weight_sync_problems
 
 
@@ -101,8 +102,8 @@ def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
                 f"algorithm.config.old_logp_source=rollout (got {source!r}"
                 + (")" if source is not None else ": this algorithm has no importance ratio)")
             )
-    if is_vllm(rollout):
-        check_vllm(rollout, passed, problems)
+    if is_dedicated(rollout, VLLMEngine):
+        check_vllm(cfg, passed, problems)
     grouped = group_scorers(passed.get("reward"))
     if grouped and sampling is not None and bool(rollout.get("overlap_reward", True)):
         k, fbs = sampling.samples_per_prompt, rollout.get("forward_batch_size")
@@ -122,32 +123,14 @@ def group_scorers(reward: Any) -> list[str]:
     return [name for name, scorer in components.items() if getattr(scorer, "groupwise", False)]
 
 
-def is_vllm(rollout: Any) -> bool:
-    """True when a recipe's `rollout` node names a `VLLMEngine` (or a subclass of it)."""
-    from hydra.utils import get_object
-
-    from unirl.rollout.vllm import VLLMEngine
-
-    try:
-        target = get_object(str(rollout["_target_"]))
-    except Exception:  # noqa: BLE001 - an unknown target is reported by the tree check
-        return False
-    return isinstance(target, type) and issubclass(target, VLLMEngine)
-
-
-def cfg_train(rollout: DictConfig) -> Any:
-    """The recipe's `train` node, reached from its `rollout` node."""
-    root = rollout._get_root()
-    return root.get("train") if isinstance(root, DictConfig) else None
-
-
-def check_vllm(rollout: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+def check_vllm(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     """A vLLM engine: vLLM installed, a text-only causal LM whose attention heads the device's
     kernels serve, and prompts + responses that fit `rollout.max_model_len`."""
     import importlib.util
 
     from unirl.models.causal_lm import CausalLMConfig
 
+    rollout = cfg.rollout
     if importlib.util.find_spec("vllm") is None:
         problems.append(f"rollout._target_={rollout._target_}: {INSTALL_HINT}")
     model = passed.get("model")
@@ -172,16 +155,15 @@ def check_vllm(rollout: DictConfig, passed: dict[str, Any], problems: list[str])
                     f"{where} holds a {config.get('architectures')}; rollout._target_={rollout._target_} "
                     f"serves {list(ARCHITECTURES)}: use the dedicated engine (unirl.rollout.dedicated.DedicatedEngine)"
                 )
-            config = config.get("text_config", config)
-            head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            head_dim = head_dim_of(SimpleNamespace(**config.get("text_config", config)))
         problem = head_dim_problem(int(head_dim), _device_type(), where)
         if problem:
             problems.append(problem)
     if rollout.get("lora_mode", "merged") == "adapter":
         from unirl.rollout.vllm.engine import VLLM_LORA_RANKS
 
-        train = cfg_train(rollout)
-        lora = train.get("lora") if train is not None else None
+        train = cfg.get("train")
+        lora = train.get("lora") if isinstance(train, DictConfig) else None
         cap = rollout.get("max_lora_rank")
         if lora is None:
             problems.append(

@@ -229,15 +229,16 @@ class DedicatedEngine:
                 t.copy_(saved[source[key]])
 
 
-def is_dedicated(rollout: Any) -> bool:
-    """True when a recipe's `rollout` node names a `DedicatedEngine` (or a subclass of it)."""
+def is_dedicated(rollout: Any, kind: type | None = None) -> bool:
+    """True when a recipe's `rollout` node names a `DedicatedEngine` (or a subclass of it);
+    with `kind`, a subclass of that engine class (e.g. `VLLMEngine`)."""
     from hydra.utils import get_object
 
     try:
         target = get_object(str(rollout["_target_"]))
     except Exception:  # noqa: BLE001 - an unknown target is reported by the validator
         return False
-    return isinstance(target, type) and issubclass(target, DedicatedEngine)
+    return isinstance(target, type) and issubclass(target, kind or DedicatedEngine)
 
 
 def modules_of(bundle: Any, module: torch.nn.Module | None) -> dict[str, torch.nn.Module]:
