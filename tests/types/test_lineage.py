@@ -13,7 +13,7 @@ from unirl.types import (
     RolloutReq,
     TextSamplingParams,
 )
-from unirl.types.lineage import aggregate_children, child_request, link_child
+from unirl.types.lineage import aggregate_children, child_request
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment
 
@@ -52,8 +52,10 @@ def child_track(parent: RolloutTrack, m: int, rewards: list[float]) -> RolloutTr
         metadata=req.metadata,
         segment=None,
         rewards=torch.tensor(rewards),
+        parent_ids=req.parent_ids,
+        root_ids=req.root_ids,
     )
-    return link_child(track, parent)
+    return track
 
 
 def test_child_request_layout_and_metadata() -> None:
@@ -81,12 +83,23 @@ def test_child_seeds_do_not_depend_on_the_split() -> None:
     assert whole.sample_ids == halves[0].sample_ids + halves[1].sample_ids
 
 
-def test_link_child_names_parent_and_root() -> None:
+def test_child_request_names_parent_and_root() -> None:
+    """The request carries the lineage (engines copy it into their track); a grandchild's root
+    is its grandparent's group, and a shard of the request keeps its samples' lineage."""
     parent = parent_track(2, 2)
-    child = child_track(parent, 2, [0.0] * 8)
-    assert child.parent_ids == [parent.sample_ids[i // 2] for i in range(8)]
-    assert child.root_ids == [parent.group_ids[i // 2] for i in range(8)]
-    assert len(set(child.root_ids)) == 2  # two user prompts
+    sampling = DiffusionSamplingParams(num_steps=4, samples_per_prompt=2, eta=0.0)
+    req = child_request(parent, parent.texts, sampling, torch.linspace(1, 0, 5), rollout_id=5)
+    assert req.parent_ids == [parent.sample_ids[i // 2] for i in range(8)]
+    assert req.root_ids == [parent.group_ids[i // 2] for i in range(8)]
+    assert len(set(req.root_ids)) == 2  # two user prompts
+    assert req.split(2)[1].root_ids == req.root_ids[4:]
+    middle = RolloutTrack(
+        name="mid", sample_ids=req.sample_ids, group_ids=req.group_ids, prompts=req.prompts,
+        metadata=req.metadata, segment=None, texts=req.prompts, root_ids=req.root_ids,
+    )
+    text = TextSamplingParams(samples_per_prompt=1)
+    grand = child_request(middle, middle.texts, text, None, rollout_id=5)
+    assert grand.parent_ids == middle.sample_ids and grand.root_ids == req.root_ids
 
 
 @pytest.mark.parametrize("how", ["mean", "max", "min"])

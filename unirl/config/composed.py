@@ -11,16 +11,19 @@ its own with the single-track rules, every problem naming its key (`tracks.<name
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from unirl.config.distributed import check_transport, meta_module
+from unirl.config.engines import check_rollout
 from unirl.config.modality import modality_of
 from unirl.config.references import check_metadata_key, check_scorer_keys, check_tracking, examples_of
 from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
 from unirl.config.track import check_track, track_view
 from unirl.config.tree import ConfigError, check_recipe, target_class
+from unirl.sync.config import WeightSyncConfig
 from unirl.types.lineage import AGGREGATES
 from unirl.types.sampling import TextSamplingParams
 
@@ -72,6 +75,11 @@ class TrackConfig:
         algorithm, advantage: `_target_` nodes (trained tracks only).
         train: the track's own train stack (`TrainConfig`: optimizer, schedule, LoRA, FSDP2).
         aggregate: a parent track's reward from its children's: mean | max | min.
+        engine: where the track samples: null (the train workers, with the module they train)
+            or a dedicated engine node (`unirl.rollout.dedicated.DedicatedEngine`, or
+            `unirl.rollout.vllm.VLLMEngine` for a text track), as a single-track `rollout`.
+        weight_sync: how the track's trained weights reach its engine (`WeightSyncConfig`);
+            only with `engine`.
     """
 
     model: Any
@@ -82,6 +90,8 @@ class TrackConfig:
     advantage: Any = None
     train: Any = None
     aggregate: str = "mean"
+    engine: Any = None
+    weight_sync: Any = None
 
     def __post_init__(self) -> None:
         _components("tracks.<name>.", self, ("model", "stage", "sampling"), ("algorithm", "advantage"))
@@ -104,6 +114,8 @@ def _sections(cfg: DictConfig) -> dict[str, type]:
             sections[f"tracks.{name}"] = TrackConfig
             if isinstance(node, DictConfig) and node.get("train") is not None:
                 sections[f"tracks.{name}.train"] = TrainConfig
+            if isinstance(node, DictConfig) and node.get("weight_sync") is not None:
+                sections[f"tracks.{name}.weight_sync"] = WeightSyncConfig
     return sections
 
 
@@ -200,7 +212,54 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
             problems.append(
                 f"{key}.train.fsdp: num_devices={run.num_devices} needs FSDP2 settings for a trained track"
             )
+        _check_engine(node, passed, key, name, run, [samplings[n] for n in chain[:depth]], problems)
     _check_batches(run, chain, samplings, passed, problems)
+
+
+def _check_engine(
+    node: DictConfig, passed: dict[str, Any], key: str, name: str, run: Any, parents: list, problems: list[str]
+) -> None:
+    """A track's `engine` and `weight_sync`: the single-track engine rules on the track's view
+    (its engine as `rollout`, the batch it samples: the user prompts times its parents' fan-out),
+    named `tracks.<name>.engine...`; then what a composed track's engine cannot do."""
+    engine = node.get("engine")
+    if engine is None:
+        if node.get("weight_sync") is not None:
+            problems.append(
+                f"{key}.weight_sync: track {name!r} samples trainside (no {key}.engine), so nothing is synced; "
+                f"remove it or set {key}.engine"
+            )
+        return
+    if not bool(node.get("trained", True)):
+        problems.append(
+            f"{key}.engine: track {name!r} is frozen, so its engine would never receive weights; sample it "
+            f"trainside (remove {key}.engine)"
+        )
+        return
+    if not isinstance(engine, DictConfig) or f"{key}.engine" not in passed:
+        return  # phase 1 reported it
+    plain = OmegaConf.to_container(node, resolve=True)  # interpolations resolve against the recipe
+    view_cfg = OmegaConf.create({k: v for k, v in plain.items() if k != "engine"} | {"rollout": plain["engine"]})
+    view = track_view(passed, key, {f"rewards.{name}": "reward", f"{key}.engine": "rollout"})
+    if run is not None and all(p is not None for p in parents):
+        prompts = run.prompts_per_rollout
+        for parent in parents:
+            prompts *= parent.samples_per_prompt
+        view[""] = SimpleNamespace(launcher=run.launcher, num_devices=run.num_devices, prompts_per_rollout=prompts)
+    found: list[str] = []
+    check_rollout(view_cfg, view, found, key=f"{key}.engine")
+    track_keys = ("sampling", "model", "train", "advantage", "algorithm", "weight_sync", "reward")
+    problems.extend(f"{key}.{p}" if p.startswith(track_keys) else p for p in found)
+    if int(engine.get("max_staleness", 0)) > 0:
+        problems.append(
+            f"{key}.engine.max_staleness={engine.max_staleness}: a composed run samples every track from the "
+            "step's weights (the chain is walked within the step); set it to 0"
+        )
+    if bool(engine.get("overlap_reward", False)):
+        problems.append(
+            f"{key}.engine.overlap_reward=true: a composed run scores the leaf first after the whole chain is "
+            "sampled, so a track's engine returns its rollout whole; remove it"
+        )
 
 
 def _check_batches(

@@ -27,11 +27,12 @@ def _device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str], key: str = "rollout") -> None:
     """Append the problems of the recipe's engine / placement / weight sync to `problems`.
 
     `passed` is `check_recipe`'s result: a check runs only when the nodes it reads passed
-    their own type and range checks (their problems are already reported)."""
+    their own type and range checks (their problems are already reported). `key`: what the
+    problems call the engine node (a composed track's `engine`, seen as `rollout` in its view)."""
     rollout = cfg.get("rollout")
     if not isinstance(rollout, DictConfig) or "rollout" not in passed:
         return
@@ -55,14 +56,14 @@ def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
         )
     if placement == "colocate" and engines > run.num_devices:
         problems.append(
-            f"rollout.num_engines={engines} with rollout.placement=colocate: colocated engines share the "
+            f"{key}.num_engines={engines} with {key}.placement=colocate: colocated engines share the "
             f"training devices, at most num_devices={run.num_devices}; lower it or use placement=separate"
         )
     if placement == "separate":
         if int(rollout.get("sleep_level", 1)) != 0:
             problems.append(
-                f"rollout.sleep_level={rollout.sleep_level} with rollout.placement=separate: separate engines "
-                "have devices of their own, nothing to release while the trainer trains; set rollout.sleep_level=0"
+                f"{key}.sleep_level={rollout.sleep_level} with {key}.placement=separate: separate engines "
+                f"have devices of their own, nothing to release while the trainer trains; set {key}.sleep_level=0"
             )
         if _device_type() == "cuda" and not os.environ.get("RAY_ADDRESS"):
             import torch
@@ -70,14 +71,14 @@ def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
             have, need = torch.cuda.device_count(), run.num_devices + engines
             if have < need:
                 problems.append(
-                    f"rollout.placement=separate needs num_devices ({run.num_devices}) + rollout.num_engines "
+                    f"{key}.placement=separate needs num_devices ({run.num_devices}) + {key}.num_engines "
                     f"({engines}) = {need} GPUs, this machine has {have}; lower them or use placement=colocate"
                 )
     sampling = passed.get("sampling")
     if sampling is not None and (run.prompts_per_rollout * sampling.samples_per_prompt) % engines:
         problems.append(
             f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x sampling.samples_per_prompt "
-            f"({sampling.samples_per_prompt}) samples do not split evenly over rollout.num_engines={engines}"
+            f"({sampling.samples_per_prompt}) samples do not split evenly over {key}.num_engines={engines}"
         )
     advantage = passed.get("advantage")
     if advantage is not None and float(getattr(advantage, "kl_coef", 0) or 0) > 0:
@@ -89,31 +90,31 @@ def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
     if staleness > 0:
         if placement != "separate":
             problems.append(
-                f"rollout.max_staleness={staleness} runs the next rollout while the trainer trains, which needs "
-                "the engines on devices of their own: set rollout.placement=separate (or max_staleness=0)"
+                f"{key}.max_staleness={staleness} runs the next rollout while the trainer trains, which needs "
+                f"the engines on devices of their own: set {key}.placement=separate (or max_staleness=0)"
             )
         algorithm = cfg.get("algorithm")
         config = algorithm.get("config") if isinstance(algorithm, DictConfig) else None
         source = config.get("old_logp_source") if isinstance(config, DictConfig) else None
         if source != "rollout":
             problems.append(
-                f"rollout.max_staleness={staleness}: samples come from weights one version behind, so the "
+                f"{key}.max_staleness={staleness}: samples come from weights one version behind, so the "
                 "importance ratio must use the behaviour log-probs the engine recorded; set "
                 f"algorithm.config.old_logp_source=rollout (got {source!r}"
                 + (")" if source is not None else ": this algorithm has no importance ratio)")
             )
     if is_dedicated(rollout, VLLMEngine):
-        check_vllm(cfg, passed, problems)
+        check_vllm(cfg, passed, problems, key)
     grouped = group_scorers(passed.get("reward"))
     if grouped and sampling is not None and bool(rollout.get("overlap_reward", True)):
         k, fbs = sampling.samples_per_prompt, rollout.get("forward_batch_size")
         shard = run.prompts_per_rollout * k // engines
         if shard % k or (fbs is not None and int(fbs) % k):
             problems.append(
-                f"reward.backend.components.{grouped[0]} scores whole groups, but rollout.overlap_reward scores "
-                f"each engine's forward batch as it arrives, and rollout.forward_batch_size={fbs} (an engine's "
+                f"reward.backend.components.{grouped[0]} scores whole groups, but {key}.overlap_reward scores "
+                f"each engine's forward batch as it arrives, and {key}.forward_batch_size={fbs} (an engine's "
                 f"shard: {shard} samples) splits groups of sampling.samples_per_prompt={k}; set "
-                f"rollout.forward_batch_size to a multiple of {k}, or rollout.overlap_reward=false"
+                f"{key}.forward_batch_size to a multiple of {k}, or {key}.overlap_reward=false"
             )
 
 
@@ -123,7 +124,7 @@ def group_scorers(reward: Any) -> list[str]:
     return [name for name, scorer in components.items() if getattr(scorer, "groupwise", False)]
 
 
-def check_vllm(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+def check_vllm(cfg: DictConfig, passed: dict[str, Any], problems: list[str], key: str = "rollout") -> None:
     """A vLLM engine: vLLM installed, a text-only causal LM whose attention heads the device's
     kernels serve, and prompts + responses that fit `rollout.max_model_len`."""
     import importlib.util
@@ -132,11 +133,11 @@ def check_vllm(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> 
 
     rollout = cfg.rollout
     if importlib.util.find_spec("vllm") is None:
-        problems.append(f"rollout._target_={rollout._target_}: {INSTALL_HINT}")
+        problems.append(f"{key}._target_={rollout._target_}: {INSTALL_HINT}")
     model = passed.get("model")
     if model is not None and type(model) is not CausalLMConfig:
         problems.append(
-            f"rollout._target_={rollout._target_} samples text-only causal LMs; model._target_ builds a "
+            f"{key}._target_={rollout._target_} samples text-only causal LMs; model._target_ builds a "
             f"{type(model).__name__}: use unirl.models.causal_lm.CausalLMConfig or the dedicated engine "
             "(unirl.rollout.dedicated.DedicatedEngine)"
         )
@@ -152,7 +153,7 @@ def check_vllm(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> 
             served = [a for a in config.get("architectures") or [] if a in ARCHITECTURES]
             if not served:
                 problems.append(
-                    f"{where} holds a {config.get('architectures')}; rollout._target_={rollout._target_} "
+                    f"{where} holds a {config.get('architectures')}; {key}._target_={rollout._target_} "
                     f"serves {list(ARCHITECTURES)}: use the dedicated engine (unirl.rollout.dedicated.DedicatedEngine)"
                 )
             head_dim = head_dim_of(SimpleNamespace(**config.get("text_config", config)))
@@ -167,18 +168,18 @@ def check_vllm(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> 
         cap = rollout.get("max_lora_rank")
         if lora is None:
             problems.append(
-                "rollout.lora_mode=adapter serves the trainer's LoRA adapter, but train.lora is null; "
-                "set train.lora or rollout.lora_mode=merged"
+                f"{key}.lora_mode=adapter serves the trainer's LoRA adapter, but train.lora is null; "
+                f"set train.lora or {key}.lora_mode=merged"
             )
         elif cap is not None and (int(cap) not in VLLM_LORA_RANKS or int(lora.get("rank", 0)) > int(cap)):
             problems.append(
-                f"rollout.max_lora_rank={cap}: vLLM takes one of {VLLM_LORA_RANKS}, at least "
+                f"{key}.max_lora_rank={cap}: vLLM takes one of {VLLM_LORA_RANKS}, at least "
                 f"train.lora.rank={lora.get('rank')}; raise it or set it to null"
             )
     sampling, limit = passed.get("sampling"), rollout.get("max_model_len")
     if sampling is not None and limit is not None and sampling.max_prompt_length + sampling.max_new_tokens > limit:
         problems.append(
             f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
-            f"({sampling.max_new_tokens}) exceeds rollout.max_model_len={limit}: raise it (or null: the "
+            f"({sampling.max_new_tokens}) exceeds {key}.max_model_len={limit}: raise it (or null: the "
             "model's max_position_embeddings)"
         )

@@ -16,7 +16,7 @@ from annotated_types import Ge
 from unirl.models.stage import DiffusionStage, TextStage
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
-from unirl.types.lineage import child_request, link_child
+from unirl.types.lineage import child_request
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutResp
 from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
@@ -112,7 +112,7 @@ class ComposedEngine:
                 child_req = child_request(
                     parent, texts, sampling, self.sigmas(name, sampling), req.rollout_id, self.prompt_key
                 )
-                track = link_child(engine.generate(child_req).track(name), parent)
+                track = engine.generate(child_req).track(name)
             tracks[name] = track
             parent = track
         return RolloutResp(tracks=tracks)

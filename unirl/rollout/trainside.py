@@ -100,6 +100,8 @@ class TrainsideEngine:
                     metadata=part.metadata,
                     segment=segment,
                     rollout_id=req.rollout_id,
+                    parent_ids=part.parent_ids,
+                    root_ids=part.root_ids,
                     **extra,
                 )
         finally:

@@ -1,8 +1,10 @@
 """`ComposedTrainer`: the driver of a multi-track run (a prompt enhancer feeding a diffusion model).
 
-Per step: user prompts -> composed rollout on the workers (every stage of the
-chain on each rank's shard; each track put into the transport on its own) ->
-rewards, leaf first: the leaf's reward scores its samples (images against the
+Per step: user prompts -> the chain, walked root first on the driver: each track
+is sampled where `tracks.<name>.engine` says (the train workers' own module, or
+dedicated engines fed by weight sync, a vLLM engine among them) and put into the
+transport under its own partition; the next track's request is built from its
+texts (`child_request`) -> rewards, leaf first: the leaf's reward scores its samples (images against the
 user's intent), each parent receives the `tracks.<name>.aggregate` (mean | max |
 min) of its children's rewards plus its own reward when `rewards.<name>` is set
 -> advantages per trained track over that track's groups (a user prompt's
@@ -11,7 +13,7 @@ Rows prefix each track's metrics with `<track>/`; `reward/mean` is the leaf's.
 
 Placement, checkpoints, resume and failure reporting are the single-track
 `Trainer`'s (this class reuses them); what differs is the worker
-(`ComposedWorker`), the loop and evaluation.
+(`ComposedWorker`), the walk, the loop and evaluation.
 """
 
 from __future__ import annotations
@@ -34,17 +36,33 @@ from unirl.train.stack import reduce_metrics
 from unirl.trainer.checkpoints import saves_base_model
 from unirl.trainer.composed_eval import ComposedEval
 from unirl.trainer.composed_worker import ComposedWorker, track_partition
-from unirl.trainer.engines import RolloutSettings
-from unirl.trainer.modality import ImageModality, TextModality
+from unirl.trainer.engines import DedicatedRollouts, RolloutSettings
+from unirl.trainer.modality import ImageModality, TextModality, modality_for
 from unirl.trainer.step_record import StepRecord
-from unirl.trainer.trainer import Trainer
+from unirl.trainer.trainer import WORKER_ENV, Trainer
 from unirl.trainer.worker import build
-from unirl.types.lineage import aggregate_children
+from unirl.types.lineage import aggregate_children, child_request
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.sampling import TextSamplingParams
 
 LINEAGE_FIELDS = ["parent_ids", "root_ids"]
+# what a child's request is built from (`child_request`), besides a grandparent's root ids
+PARENT_FIELDS = ["sample_ids", "group_ids", "prompts", "metadata", "texts"]
+# recipe keys of a composed run that a track's engine does not read
+RUN_ONLY_KEYS = ("tracks", "rollout", "rewards", "data_source", "eval")
+
+
+def track_recipe(plain: dict[str, Any], name: str) -> dict[str, Any]:
+    """The single-track recipe an engine of track `name` is built from: the run's top level
+    (seed, devices, threads, transport, `weight_sync`), the track's own nodes over it (model,
+    stage, sampling, train, its `weight_sync` if set) and its `engine` as `rollout`, producing a
+    track named `name`."""
+    track = plain["tracks"][name]
+    view = {k: v for k, v in plain.items() if k not in RUN_ONLY_KEYS}
+    view.update({k: v for k, v in track.items() if k != "engine"})
+    view["rollout"] = {**track["engine"], "track_name": name}
+    return view
 
 
 class ComposedTrainer(Trainer):
@@ -74,6 +92,11 @@ class ComposedTrainer(Trainer):
         self.num_steps = int(cfg.num_steps)
         self.rollout_settings = RolloutSettings(dedicated=False)
         self.rollouts = None
+        # per track: where it samples (not dedicated: the train workers); its engines once started
+        self.track_settings = {n: RolloutSettings.of_node(cfg.tracks[n].get("engine")) for n in self.order}
+        self.track_engines: dict[str, DedicatedRollouts] = {}
+        self.prompt_key = str(cfg.rollout.get("prompt_key", "user_prompt"))
+        self.sigmas: dict[str, Any] = {}
         self.keep_graph = False
         ckpt = cfg.get("checkpoint") or {}
         self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
@@ -104,6 +127,50 @@ class ComposedTrainer(Trainer):
     def _export(self, group) -> None:
         final = os.path.join(self.out, "checkpoints", "final")
         self._call(group, "save_weights", self.num_steps - 1, final, self.base_model)
+
+    # ---------------------------------------------------------------- engines per track
+
+    def _pool_devices(self) -> int:
+        """The training devices, plus the devices of every track's separate engines."""
+        return super()._pool_devices() + sum(
+            s.num_engines for s in self.track_settings.values() if s.dedicated and s.placement == "separate"
+        )
+
+    def _start_engines(self, plain: dict[str, Any], pool: Any, group: Any, transport_info: dict[str, Any]) -> list:
+        """The run's rollouts (`Trainer._start_engines`), then the dedicated engines of every track
+        with `tracks.<name>.engine`, built from the track's view of the recipe (`track_recipe`) and
+        fed that track's weights; separate engines take the pool's devices after the training
+        ones, track after track."""
+        processes = super()._start_engines(plain, pool, group, transport_info)
+        first = int(self.cfg.num_devices)
+        for name, settings in self.track_settings.items():
+            if not settings.dedicated:
+                continue
+            engines = self._guard(
+                0,
+                f"engine setup ({name})",
+                DedicatedRollouts,
+                settings,
+                track_recipe(plain, name),
+                pool,
+                group,
+                transport_info,
+                WORKER_ENV,
+                self.engine_class,
+                name,
+                first,
+            )
+            self.track_engines[name] = engines
+            first += settings.num_engines if settings.placement == "separate" else 0
+            info = self._guard(0, "process_info", engines.process_info)
+            processes += [{**p, "track": name} for p in info]
+        return processes
+
+    def _stop_engines(self) -> None:
+        for engines in self.track_engines.values():
+            engines.shutdown()
+        self.track_engines = {}
+        super()._stop_engines()
 
     # ---------------------------------------------------------------- one step
 
@@ -137,14 +204,43 @@ class ComposedTrainer(Trainer):
         row["reward/mean"] = row[f"{self.leaf}/reward/mean"]
         return views
 
+    def _rollout(self, group, step: int, req: RolloutReq, partition: str, row: dict[str, Any]) -> dict[str, BatchMeta]:
+        """Walk the chain root first from the root request `req`: each track's request (after the
+        root's, `child_request` of its parent's texts, fetched from the transport) is sampled where
+        the track says (the train workers' own module, split over the ranks; or its dedicated
+        engines: synced to this step's weights first, asleep again after) into
+        `track_partition(partition, name)`. Returns the metas by track; adds each engine's
+        `<track>/sync/...` and `<track>/time/sync_s` to `row`."""
+        if not self.sigmas:  # a child's pinned sigma schedule for its model's latent grid (text: None)
+            infos = self._call(group, "model_info", step)
+            self.sigmas = {n: getattr(modality_for(self.samplings[n], infos[n]), "sigmas", None) for n in self.order}
+        metas: dict[str, BatchMeta] = {}
+        for depth, name in enumerate(self.order):
+            if depth:
+                parent = self.order[depth - 1]
+                fields = PARENT_FIELDS + (["root_ids"] if depth > 1 else [])
+                view = get_batch(self.transport, metas[parent], fields)
+                sampling = self.samplings[name]
+                req = child_request(view, view.texts, sampling, self.sigmas[name], step, self.prompt_key)
+            where = track_partition(partition, name)
+            engines = self.track_engines.get(name)
+            if engines is None:
+                metas[name] = self._call(group, "rollout", step, req, where, name)
+                continue
+            stats = self._guard(step, f"weight sync ({name})", engines.prepare, step)
+            row.update({f"{name}/{k}": v for k, v in stats.items()})
+            flight = self._guard(step, f"rollout ({name})", engines.submit, req, where)
+            metas[name] = self._guard(step, f"rollout ({name})", flight.chunks[0])
+            self._guard(step, f"sleep ({name})", engines.release)  # colocated engines free the devices
+        return metas
+
     def _step(self, group, step: int, partition: str, record: StepRecord) -> dict[str, RolloutTrack]:
         """Rollout, rewards, advantages and training of one step, marked on `record`; returns the
         scored views of every track."""
         row = record.row
         examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
         req = RolloutReq.from_prompts(examples, self.samplings[self.root], None, rollout_id=step)
-        per_rank = self._call(group, "rollout", step, req, partition)
-        metas = {n: BatchMeta.concat([m[n] for m in per_rank]) for n in self.order}
+        metas = self._rollout(group, step, req, partition, row)
         record.mark("rollout")
         views = self._score(step, metas, row)
         for name in self.trained:

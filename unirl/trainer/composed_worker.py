@@ -4,10 +4,11 @@ diffusion model), holding one model, stage and train stack per track.
 Every track of the recipe (`tracks.<name>`) gets its own bundle and stage on this
 worker. A `trained` track gets its own `TrainBackend` (optimizer, LR schedule, LoRA
 or full fine-tune, FSDP2 plan), algorithm and `TrainStack`; a frozen track holds
-no optimizer, its parameters do not require grad and never change. Sampling runs
-the `ComposedEngine` over the tracks' stages on this rank's shard of user prompts,
-so a user prompt's rewrites and their images are sampled on one rank with no
-round trip through the driver.
+no optimizer, its parameters do not require grad and never change. The driver walks
+the chain: `rollout(req, partition, track)` samples one track's shard here (a track
+with `tracks.<name>.engine` is sampled by its dedicated engines instead, fed by
+`sync_send(version, track)`); evaluation runs the worker's `ComposedEngine` over
+every stage.
 """
 
 from __future__ import annotations
@@ -140,16 +141,25 @@ class ComposedWorker(ProcessWorker):
             for name, t in self.tracks.items()
         }
 
+    def sync_source(self, track: str | None) -> tuple[TrainBackend, bool]:
+        """A dedicated engine of track `track` is fed that track's weights (its EMA weights when
+        its algorithm samples from them)."""
+        parts = self.tracks[track]
+        if not parts.trained:
+            raise ValueError(f"track {track!r} is frozen: it has no train backend to sync from")
+        return parts.backend, parts.algorithm.requires_ema_rollout
+
     @dispatch(Dispatch.DP_SCATTER)
-    def rollout(self, req: RolloutReq, partition: str) -> dict[str, BatchMeta]:
-        """Sample this rank's shard of the root request through every stage and put each track
-        into the transport under `track_partition(partition, name)`; returns the metas by track."""
+    def rollout(self, req: RolloutReq, partition: str, track: str) -> BatchMeta:
+        """Sample this rank's shard of `track`'s request with the track's own module (its EMA
+        weights when its algorithm samples from them) and put it into the transport under
+        `partition`; returns its meta. The driver walks the chain (`ComposedTrainer._rollout`)."""
         apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
-        resp = self.engine.generate(req)
-        return {
-            name: put_batch(self.transport, track_partition(partition, name), track)
-            for name, track in resp.tracks.items()
-        }
+        parts = self.tracks[track]
+        from_ema = parts.trained and parts.algorithm.requires_ema_rollout
+        with parts.backend.ema_weights() if from_ema else contextlib.nullcontext():
+            sampled = self.engine.engines[track].generate(req).track(track)
+        return put_batch(self.transport, partition, sampled)
 
     @dispatch(Dispatch.DP_SCATTER)
     def sample_eval(self, req: RolloutReq, samplings: dict, feed: str = "rewrite") -> dict[str, Any]:

@@ -51,8 +51,14 @@ class RolloutSettings:
 
     @classmethod
     def of(cls, cfg: Any) -> RolloutSettings:
-        node = cfg["rollout"]
-        if not is_dedicated(node):
+        """The settings of a recipe's `rollout` node."""
+        return cls.of_node(cfg["rollout"])
+
+    @classmethod
+    def of_node(cls, node: Any) -> RolloutSettings:
+        """The settings of an engine node (a recipe's `rollout`, a composed track's `engine`;
+        None or a trainside engine: not dedicated)."""
+        if node is None or not is_dedicated(node):
             return cls(dedicated=False)
         return cls(
             dedicated=True,
@@ -156,6 +162,10 @@ class DedicatedRollouts:
         env: environment exported in the engine actors.
         engine_class: the engine actor (`EngineWorker`; a unified run's `UnifiedEngineWorker`,
             whose chunk is every track's meta by name).
+        track: the track of a composed run these engines sample (`cfg` is then that track's
+            view, `unirl.trainer.composed.track_recipe`); its weights are the ones synced.
+        first_device: the pool index of the first separate engine (default: after the training
+            devices; a composed run's second separate track starts after the first's engines).
 
     Builds the engines (colocate: on the first `num_engines` training devices;
     separate: on the devices after the training ones), then the sync: the
@@ -173,19 +183,24 @@ class DedicatedRollouts:
         transport_info: dict[str, Any],
         env: dict[str, str] | None = None,
         engine_class: type = EngineWorker,
+        track: str | None = None,
+        first_device: int | None = None,
     ) -> None:
         self.settings = settings
         self.trainer = trainer
-        first = int(cfg["num_devices"]) if settings.placement == "separate" else 0
+        self.track = track
+        first = 0
+        if settings.placement == "separate":
+            first = int(cfg["num_devices"]) if first_device is None else first_device
         where = placement(pool, settings.num_engines, first)
         self.group = remote(engine_class, where, cfg, transport_info, env=env)
         self.version: int | None = None
         self.asleep = False
         try:
-            plan, endpoint, self.in_band = trainer.sync_setup(cfg["weight_sync"], settings.num_engines)
+            plan, endpoint, self.in_band = trainer.sync_setup(cfg["weight_sync"], settings.num_engines, track)
             self.group.sync_setup(cfg["weight_sync"], plan, endpoint)
             connecting = self.group.submit("sync_connect")  # in-band backends connect collectively
-            trainer.sync_connect()
+            trainer.sync_connect(track)
             connecting.result()
         except BaseException:
             self.shutdown()  # the caller never gets this object: leave no engine behind
@@ -202,10 +217,10 @@ class DedicatedRollouts:
         start = time.perf_counter()
         if self.in_band:  # send and receive are one collective: start the receivers first
             receiving = self.group.submit("sync_receive", None)
-            ticket, stats = self.trainer.sync_send(version)
+            ticket, stats = self.trainer.sync_send(version, self.track)
             received = receiving.result()
         else:
-            ticket, stats = self.trainer.sync_send(version)
+            ticket, stats = self.trainer.sync_send(version, self.track)
             received = self.group.sync_receive(ticket)
         self.version = version
         out = {k: v for k, v in stats.items() if k != "sync/version"}

@@ -151,7 +151,7 @@ class Trainer:
         worker group (in this process with `launcher: in_process`) and the rollout engines
         (`self.rollouts`); writes `placement.json`. Yields the worker group."""
         local = self.cfg.get("launcher", "ray") == "in_process"
-        devices = self.rollout_settings.pool_devices(int(self.cfg.num_devices))
+        devices = self._pool_devices()
         started_ray = False if local else init_ray(num_cpus=max(2 * devices, usable_cores()))
         pool = None if local else DevicePool(devices)
         group = None
@@ -171,24 +171,9 @@ class Trainer:
                     "num_nodes": pool.num_nodes,
                     "bundle_node_ids": pool.bundle_node_ids(),
                 }
-            if self.rollout_settings.dedicated:
-                self.rollouts = self._guard(
-                    0,
-                    "engine setup",
-                    DedicatedRollouts,
-                    self.rollout_settings,
-                    plain,
-                    pool,
-                    group,
-                    transport_info,
-                    WORKER_ENV,
-                    self.engine_class,
-                )
-            else:
-                self.rollouts = TrainsideRollouts(group)
             processes = {
                 "workers": self._call(group, "process_info", 0),
-                "engines": self._guard(0, "process_info", self.rollouts.process_info),
+                "engines": self._start_engines(plain, pool, group, transport_info),
             }
             with open(os.path.join(self.out, "placement.json"), "w") as f:
                 json.dump(
@@ -199,8 +184,7 @@ class Trainer:
             warn_if_niced(processes["workers"] + processes["engines"])
             yield group
         finally:
-            if self.rollouts is not None:
-                self.rollouts.shutdown()
+            self._stop_engines()
             if group is not None:
                 try:
                     group.teardown()
@@ -217,6 +201,35 @@ class Trainer:
 
     worker_class: type = RLWorker
     engine_class: type = EngineWorker  # a dedicated engine's actor
+
+    def _pool_devices(self) -> int:
+        """Devices the run reserves: the training devices, plus the engines' own when separate."""
+        return self.rollout_settings.pool_devices(int(self.cfg.num_devices))
+
+    def _start_engines(self, plain: dict[str, Any], pool: Any, group: Any, transport_info: dict[str, Any]) -> list:
+        """Set `self.rollouts` (the train workers', or dedicated engines fed by weight sync);
+        returns the engines' `process_info` for placement.json."""
+        if self.rollout_settings.dedicated:
+            self.rollouts = self._guard(
+                0,
+                "engine setup",
+                DedicatedRollouts,
+                self.rollout_settings,
+                plain,
+                pool,
+                group,
+                transport_info,
+                WORKER_ENV,
+                self.engine_class,
+            )
+        else:
+            self.rollouts = TrainsideRollouts(group)
+        return self._guard(0, "process_info", self.rollouts.process_info)
+
+    def _stop_engines(self) -> None:
+        """Shut down what `_start_engines` started (whatever state the run is in)."""
+        if self.rollouts is not None:
+            self.rollouts.shutdown()
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         """Arguments of every worker after its `RankInfo` (the resolved recipe first)."""

@@ -296,6 +296,7 @@ class UnifiedTrainer(ComposedTrainer):
         # trainside, or DedicatedUnifiedEngine's engines, which return a rollout whole (one call each)
         self.rollout_settings = dataclasses.replace(RolloutSettings.of(cfg), overlap_reward=False)
         self.rollouts = None
+        self.track_settings, self.track_engines = {}, {}  # the backbone's engines sample both tracks
         self.keep_graph = False
         ckpt = cfg.get("checkpoint") or {}
         self.every_n = int(ckpt.get("every_n_steps", 0) or 0)

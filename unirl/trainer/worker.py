@@ -61,12 +61,12 @@ def build(node: Any, **kwargs: Any) -> Any:
 
 class ProcessWorker(Worker):
     """What every train worker process answers, whatever it trains: where it runs, its peak
-    memory, its data-plane counters, and an orderly teardown. Subclasses set `device`,
-    `transport` and `sync_sender` (None without a weight-sync sender); a worker that feeds
-    dedicated engines sets `backend` (its `TrainBackend`: the weights the sync sends)."""
+    memory, its data-plane counters, the weight sync that feeds dedicated engines, and an orderly
+    teardown. Subclasses set `device` and `transport`; a worker that feeds dedicated engines
+    answers `sync_source(track)` (the `TrainBackend` whose weights a sync sends: `backend` by
+    default, a track's own in a composed run)."""
 
     device: torch.device
-    sync_sender: WeightSyncSender | None = None
     backend: TrainBackend
     samples_from_ema: bool = False  # the rollouts sample the EMA weights: the sync sends them
 
@@ -79,8 +79,14 @@ class ProcessWorker(Worker):
         govern_threads(cfg.get("threads_per_worker"), share=cfg["num_devices"])
         torch.manual_seed(cfg["seed"])
         self.device = resolve_device(device)
+        self.sync_senders: dict[str | None, WeightSyncSender] = {}  # by track (None: the run's one)
         if self.rank_info.world_size > 1:
             init_process_group(self.device)
+
+    def sync_source(self, track: str | None) -> tuple[TrainBackend, bool]:
+        """The backend whose weights a sync of `track` sends (None: a single-track run's) and
+        whether its rollouts sample that backend's EMA weights."""
+        return self.backend, self.samples_from_ema
 
     @dispatch(Dispatch.BROADCAST)
     def process_info(self) -> dict[str, Any]:
@@ -110,39 +116,44 @@ class ProcessWorker(Worker):
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def sync_setup(
-        self, sync_cfg: dict[str, Any], num_engines: int
+        self, sync_cfg: dict[str, Any], num_engines: int, track: str | None = None
     ) -> tuple[SyncPlan, dict[str, Any] | None, bool]:
-        """Make this rank's weight-sync sender (rank 0 transmits) for `num_engines` dedicated
-        engines: a LoRA payload with `train.lora`, else every weight. Returns (the plan, the
-        endpoint engines reach rank 0's sender at, whether the backend sends in band)."""
+        """Make this rank's weight-sync sender (rank 0 transmits) of `track`'s weights (None: the
+        run's one model) for `num_engines` dedicated engines: a LoRA payload with `train.lora`,
+        else every weight. Returns (the plan, the endpoint engines reach rank 0's sender at,
+        whether the backend sends in band)."""
         cfg = WeightSyncConfig(**sync_cfg)
-        plan = plan_for(self.backend.module, "lora" if self.backend.lora is not None else "full", cfg)
-        self.sync_sender = make_sender(
+        backend, _ = self.sync_source(track)
+        plan = plan_for(backend.module, "lora" if backend.lora is not None else "full", cfg)
+        sender = make_sender(
             cfg, plan, num_receivers=num_engines, device=self.device, source=self.rank_info.rank == 0
         )
-        return plan, self.sync_sender.endpoint(), self.sync_sender.in_band
+        self.sync_senders[track] = sender
+        return plan, sender.endpoint(), sender.in_band
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
-    def sync_connect(self) -> None:
-        """Join the sync transport (at once with the engines' for in-band backends)."""
-        self.sync_sender.connect()
+    def sync_connect(self, track: str | None = None) -> None:
+        """Join `track`'s sync transport (at once with the engines' for in-band backends)."""
+        self.sync_senders[track].connect()
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
-    def sync_send(self, version: int) -> tuple[SyncTicket | None, dict[str, float]]:
-        """Send the weights rollouts sample (the EMA weights when the algorithm samples from
-        them) as `version`; every rank joins the gathers of sharded weights. Returns rank 0's
+    def sync_send(self, version: int, track: str | None = None) -> tuple[SyncTicket | None, dict[str, float]]:
+        """Send `track`'s weights the rollouts sample (the EMA weights when the algorithm samples
+        from them) as `version`; every rank joins the gathers of sharded weights. Returns rank 0's
         ticket and `sync/...` stats."""
-        with self.backend.ema_weights() if self.samples_from_ema else contextlib.nullcontext():
-            ticket = self.sync_sender.send(self.backend.module.named_parameters(), version)
-        return ticket, dict(self.sync_sender.stats)
+        backend, from_ema = self.sync_source(track)
+        sender = self.sync_senders[track]
+        with backend.ema_weights() if from_ema else contextlib.nullcontext():
+            ticket = sender.send(backend.module.named_parameters(), version)
+        return ticket, dict(sender.stats)
 
     @dispatch(Dispatch.BROADCAST)
     def teardown(self) -> None:
         """Detach from the transport and the weight sync and leave the process group before
         the actor is killed (avoids gloo aborts at exit)."""
         self.transport.close()
-        if self.sync_sender is not None:
-            self.sync_sender.close()
+        for sender in self.sync_senders.values():
+            sender.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -213,7 +224,6 @@ class RLWorker(ProcessWorker):
             self.engine = TrainsideEngine(self.stage, cfg["rollout"].get("forward_batch_size"))
         else:
             self.engine = build(cfg["rollout"], stage=self.stage)
-        self.sync_sender: WeightSyncSender | None = None
         # rollout.keep_graph: the trained SDE steps' graphs, kept from `rollout` to `train` of one step
         self.kept = getattr(self.engine, "kept", None)
         if self.kept is not None:

@@ -41,7 +41,9 @@ def child_request(
     group); its metadata is the parent's, plus `metadata[prompt_key]` = the parent's prompt (the
     user prompt, for scoring against the user's intent) unless the parent metadata already has
     it, and `rewrite` = the text it renders. Seeds come from `child_seed`, so a child's noise
-    depends only on its id, not on the data-parallel split.
+    depends only on its id, not on the data-parallel split. The request carries the lineage
+    every engine copies into its track: `parent_ids` (the parent sample, = the child's group id)
+    and `root_ids` (the parent's root: its `root_ids`, or its group id for a root track).
     """
     if len(texts) != len(parent):
         raise ValueError(f"child_request: {len(texts)} texts for {len(parent)} parent samples")
@@ -54,17 +56,11 @@ def child_request(
         groups.append(
             (pid, texts[i], meta, [(sid, child_seed(sampling.seed, rollout_id, sid)) for sid in ids])
         )
-    return RolloutReq.grouped(groups, sampling, sigmas, rollout_id)
-
-
-def link_child(child: RolloutTrack, parent: RolloutTrack) -> RolloutTrack:
-    """Set `child.parent_ids` (its group ids: one group per parent sample, see `child_request`)
-    and `child.root_ids` (the parent's root: its `root_ids`, or its group id for a root track)."""
-    roots = parent.root_ids or parent.group_ids
-    root_of = dict(zip(parent.sample_ids, roots, strict=True))
-    child.parent_ids = list(child.group_ids)
-    child.root_ids = [root_of[p] for p in child.parent_ids]
-    return child
+    req = RolloutReq.grouped(groups, sampling, sigmas, rollout_id)
+    root_of = dict(zip(parent.sample_ids, parent.root_ids or parent.group_ids, strict=True))
+    req.parent_ids = list(req.group_ids)
+    req.root_ids = [root_of[p] for p in req.parent_ids]
+    return req
 
 
 def aggregate_children(parent: RolloutTrack, child: RolloutTrack, how: str) -> torch.Tensor:

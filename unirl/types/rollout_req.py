@@ -39,6 +39,9 @@ class RolloutReq:
             truth); text: None.
         rollout_id: index of this rollout; seeds the SDE-step choice.
         sde_indices: diffusion: SDE step indices resolved for this rollout; text: [].
+        parent_ids, root_ids: per sample, the lineage of a child track's request
+            (`unirl.types.lineage.child_request`: the parent sample it renders, the root
+            prompt's group); None for a root request. An engine copies them into its track.
     """
 
     sample_ids: list[str]
@@ -51,8 +54,10 @@ class RolloutReq:
     sigmas: torch.Tensor | None
     rollout_id: int
     sde_indices: list[int]
+    parent_ids: list[str] | None = None
+    root_ids: list[str] | None = None
 
-    PER_SAMPLE = ("sample_ids", "group_ids", "prompts", "metadata", "seeds", "init_seeds")
+    PER_SAMPLE = ("sample_ids", "group_ids", "prompts", "metadata", "seeds", "init_seeds", "parent_ids", "root_ids")
 
     def __len__(self) -> int:
         return len(self.sample_ids)
