@@ -46,14 +46,17 @@ def run_module(
     )
 
 
+def _measured(key: str) -> bool:
+    return key.startswith(("time/", "memory/", "cpu/")) or (
+        key.startswith(("dataplane/", "sync/")) and key.endswith("_s")
+    )
+
+
 def untimed(row: dict) -> dict:
     """A metrics row without its measurements of the machine (wall-clock times, process memory, the
-    CPU threads and the load of other processes: `cpu/...`)."""
-    return {
-        k: v
-        for k, v in row.items()
-        if not (k.startswith(("time/", "memory/", "cpu/")) or (k.startswith(("dataplane/", "sync/")) and k.endswith("_s")))
-    }
+    CPU threads and the load of other processes: `cpu/...`), a composed track's (`<track>/time/...`)
+    included."""
+    return {k: v for k, v in row.items() if not (_measured(k) or _measured(k.partition("/")[2]))}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -177,3 +177,48 @@ def test_a_frozen_track_is_checked_as_a_model_only() -> None:
                      "~tracks.diffusion.train", *FLUX_TRACK[:2], *FLUX_TRACK[3:],
                      "tracks.diffusion.sampling.guidance_scale=4.0")  # fmt: skip
     assert any(p.startswith("tracks.diffusion.sampling.guidance_scale=4.0") for p in found), found
+
+
+def dedicated_problems(*overrides: str) -> list[str]:
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        cfg = compose("pe/tiny_pe_dedicated", overrides=list(overrides))
+    with pytest.raises(ConfigError) as info:
+        validate_composed_config(cfg)
+    return info.value.problems
+
+
+def test_a_tracks_engine_gets_the_engine_rules_under_its_own_keys() -> None:
+    """`tracks.<name>.engine` is checked as a single-track `rollout` is (devices, sleep level,
+    sync backend, Ray, the split of the track's batch), every problem naming the track's keys."""
+    (p,) = dedicated_problems("tracks.ar.engine.num_engines=2")
+    assert p.startswith("tracks.ar.engine.num_engines=2 with tracks.ar.engine.placement=colocate") and "num_devices=1" in p
+    (p,) = dedicated_problems("tracks.ar.engine.placement=separate")
+    assert p.startswith("tracks.ar.engine.sleep_level=2") and "set tracks.ar.engine.sleep_level=0" in p
+    (p,) = dedicated_problems("~tracks.ar.weight_sync")
+    assert p.startswith("tracks.ar.weight_sync:") and "one sync backend" in p
+    (p,) = dedicated_problems("++launcher=in_process", "transport=inband")
+    assert "launcher=in_process" in p and "Ray actor" in p
+    # the enhancer's batch: 3 prompts x 2 rewrites = 6 samples over 4 separate engines
+    found = dedicated_problems(
+        "prompts_per_rollout=3", "tracks.ar.engine.num_engines=4", "tracks.ar.engine.placement=separate",
+        "tracks.ar.engine.sleep_level=0",
+    )
+    assert any("do not split evenly over tracks.ar.engine.num_engines=4" in p for p in found)
+
+
+def test_what_a_composed_tracks_engine_cannot_do() -> None:
+    """Staleness and reward overlap belong to single-track runs (a chain is walked and scored within
+    the step); a frozen track's engine would never receive weights; a sync needs an engine; vLLM's
+    head sizes are checked on the track's model."""
+    found = dedicated_problems("+tracks.ar.engine.max_staleness=1")
+    assert any(p.startswith("tracks.ar.engine.max_staleness=1: a composed run") for p in found)
+    (p,) = dedicated_problems("+tracks.ar.engine.overlap_reward=true")
+    assert p.startswith("tracks.ar.engine.overlap_reward=true") and "remove it" in p
+    (p,) = dedicated_problems("+tracks.diffusion.weight_sync.backend=object_store")
+    assert p.startswith("tracks.diffusion.weight_sync:") and "trainside" in p
+    found = dedicated_problems(
+        "tracks.ar.trained=false", "~tracks.ar.algorithm", "~tracks.ar.advantage", "~tracks.ar.train"
+    )
+    assert any(p.startswith("tracks.ar.engine: track 'ar' is frozen") for p in found)
+    (p,) = dedicated_problems("tracks.ar.engine._target_=unirl.rollout.vllm.VLLMEngine")
+    assert p.startswith("tracks.ar.model.tiny: head size 16") and "32" in p

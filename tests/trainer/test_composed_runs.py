@@ -105,3 +105,29 @@ def test_dgpo_with_its_ema_reference_trains_a_composed_track(tmp_path) -> None:
     for r in rows:
         assert torch.isfinite(torch.tensor(r["diffusion/loss"])) and 0 < r["diffusion/dgpo/group_weight"] < 1
         assert "ar/loss" in r
+
+
+REWARDS = ("reward/mean", "ar/reward/mean", "ar/reward/std", "diffusion/reward/mean", "diffusion/reward/std")
+
+
+@pytest.mark.ray
+def test_enhancer_on_a_dedicated_engine_gives_the_trainside_rewards_and_resumes(tmp_path, ray_cluster) -> None:
+    """Issue 41's proof that a track names its engine: `pe/tiny_pe_dedicated` samples the rewrites
+    on a dedicated colocated engine (the `ar` weights synced, checksummed, before every rollout;
+    the engine sleeps while the trainer trains) and renders them trainside. Every step's rewards
+    equal the all-trainside run's exactly, and a run resumed from its step-3 checkpoint continues
+    as the uninterrupted one (3 + 3 == 6: rows and both tracks' final weights)."""
+    one = ["threads_per_worker=1", *QUIET]
+    trainside = run(PE, tmp_path / "trainside", "num_steps=6", *IN_PROCESS, *one)
+    full = run("pe/tiny_pe_dedicated", tmp_path / "full", "num_steps=6", "checkpoint.every_n_steps=3", *one)
+    ckpt = tmp_path / "full" / "checkpoints" / "step_000003"
+    resumed = run("pe/tiny_pe_dedicated", tmp_path / "resumed", "num_steps=6", f"resume_from={ckpt}", *one)
+    assert [[r[k] for k in REWARDS] for r in full] == [[r[k] for k in REWARDS] for r in trainside]
+    assert len({r["reward/mean"] for r in full}) == 6  # the policies moved: six different steps
+    for r in full:
+        assert r["ar/sync/bytes"] > 0 and r["ar/time/sync_s"] > 0  # synced before every rollout
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in full[3:]]
+    assert same_weights(tmp_path / "full", tmp_path / "resumed")
+    placement = json.load(open(tmp_path / "full" / "placement.json"))
+    assert [e["track"] for e in placement["engines"]] == ["ar"]

@@ -7,6 +7,7 @@ the uninterrupted run's tokens, and every later row is the same float.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -48,3 +49,23 @@ def test_vllm_run_resumes_exactly_with_mismatch_measured_and_corrected(tmp_path)
         assert 0 < r["mismatch/abs_diff_max"] < 1e-4 and r["mismatch/abs_diff_mean"] < 1e-5
         assert abs(r["rollout_is/weight_mean"] - 1.0) < 1e-4 and r["rollout_is/zeroed_frac"] == 0.0
         assert r["sync/probe_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0
+
+
+def test_vllm_samples_the_prompt_enhancer_of_a_composed_run(tmp_path):
+    """`pe/tiny_pe_vllm`: the enhancer track's rewrites come from vLLM (synced and probed before every
+    rollout, its log-probs kept beside the trainer's replay: `ar/mismatch/*` at kernel rounding),
+    the images of those rewrites trainside; the lineage of the last step holds every user prompt's
+    rewrites and their images, and both tracks export."""
+    out = tmp_path / "pe"
+    rows = run("pe/tiny_pe_vllm", out, "num_steps=2", "logging.progress=false", "logging.save_images_every=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["ar/sync/probe_max_abs_diff"] < 1e-3 and r["ar/sync/bytes"] > 0
+        assert r["ar/ratio/first_update_mean"] == 1.0
+        assert r["ar/mismatch/abs_diff_max"] < 1e-4
+        assert r["ar/reward/mean"] == r["diffusion/reward/mean"]  # one mean over each rewrite's images
+    tree = json.load(open(out / "samples" / "lineage_step_0002.json"))
+    assert len(tree) == 2 and all(len(t["rewrites"]) == 2 for t in tree)
+    assert all(len(w["image_rewards"]) == 2 for t in tree for w in t["rewrites"])
+    assert (out / "checkpoints/final/ar/model.safetensors").exists()
+    assert (out / "checkpoints/final/diffusion/pytorch_lora_weights.safetensors").exists()
