@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import run_module, untimed
-from tests.recipes import IN_PROCESS, QUIET, run, same_weights, stopped_and_resumed
+from tests.recipes import IN_PROCESS, QUIET, recipe, run, same_weights, stopped_and_resumed
 from tests.recipes import rows as read_rows
 
 PE = "pe/tiny_pe_smoke"
@@ -131,3 +131,55 @@ def test_enhancer_on_a_dedicated_engine_gives_the_trainside_rewards_and_resumes(
     assert same_weights(tmp_path / "full", tmp_path / "resumed")
     placement = json.load(open(tmp_path / "full" / "placement.json"))
     assert [e["track"] for e in placement["engines"]] == ["ar"]
+
+
+KEEP_TRACK = [
+    "+tracks.diffusion.engine._target_=unirl.rollout.trainside.TrainsideEngine",
+    "+tracks.diffusion.engine.keep_graph=true",
+]
+
+
+def test_a_composed_track_trains_from_its_kept_graphs_as_the_replay_run(tmp_path) -> None:
+    """The diffusion track names a trainside engine that keeps its sampling graphs
+    (`tracks.diffusion.engine.keep_graph`): its loss backpropagates through the graphs of the
+    rollout instead of a replay, and the run trains as the replay run does (the same samples,
+    losses and updates to float rounding), every kept pair used and none left after a step."""
+    one = ["num_steps=3", "threads_per_worker=1", *IN_PROCESS, *QUIET]
+    replay = [untimed(r) for r in run(PE, tmp_path / "replay", *one)]
+    keep = [untimed(r) for r in run(PE, tmp_path / "keep", *one, *KEEP_TRACK)]
+    for r, k in zip(replay, keep, strict=True):
+        assert k.pop("diffusion/keep_graph/kept_fraction") == 1.0
+        assert sorted(k) == sorted(r)
+        assert k["diffusion/ratio/first_update_mean"] == 1.0
+        for key in ("reward/mean", "ar/reward/mean", "diffusion/loss", "diffusion/train/grad_norm", "ar/loss"):
+            assert k[key] == pytest.approx(r[key], rel=1e-3, abs=1e-6), (k["step"], key)
+
+
+def test_a_composed_step_that_fails_before_train_releases_its_kept_graphs(tmp_path, monkeypatch) -> None:
+    """A step whose leaf reward fails (a NaN naming the sample) stops the run before training;
+    the graphs the diffusion track kept for it are released on the worker, none left behind."""
+    from tests.trainer.test_keep_graph_runs import NaNOnOne  # noqa: F401 (the recipe names it)
+    from unirl.trainer.composed import ComposedTrainer
+    from unirl.trainer.composed_worker import ComposedWorker
+    from unirl.trainer.trainer import TrainingError
+
+    released, before, held = [], [], []
+    original = ComposedWorker.release_kept
+
+    def spy(self, partition):
+        before.append(len(self.samplers["diffusion"].kept))
+        original(self, partition)
+        released.append(partition)
+        held.append(len(self.samplers["diffusion"].kept))
+
+    monkeypatch.setattr(ComposedWorker, "release_kept", spy)
+    broken = [
+        "~rewards.diffusion.backend.components.redness",
+        "~rewards.diffusion.backend.weights.redness",
+        "+rewards.diffusion.backend.components.broken={_target_: tests.trainer.test_keep_graph_runs.NaNOnOne}",
+        "+rewards.diffusion.backend.weights.broken=1.0",
+    ]
+    cfg = recipe(PE, tmp_path, "num_steps=1", *IN_PROCESS, *QUIET, *KEEP_TRACK, *broken)
+    with pytest.raises(TrainingError, match=r"during 'reward \(diffusion\)'"):
+        ComposedTrainer(cfg).run()
+    assert released == ["step_0"] and before[0] > 0 and held == [0]

@@ -106,35 +106,37 @@ def check_sde(cfg: DictConfig, sampling: DiffusionSamplingParams, problems: list
 def check_keep_graph(
     cfg: DictConfig, passed: dict[str, Any], modality: str | None, problems: list[str]
 ) -> None:
-    """`rollout.keep_graph`: a diffusion recipe whose kept sampling graphs are the forwards the
-    loss would replay (`unirl.train.stack.keep_graph_problems`), with no LoRA dropout."""
+    """`rollout.keep_graph` (a composed track's `engine.keep_graph`): a diffusion track whose kept
+    sampling graphs are the forwards the loss would replay
+    (`unirl.train.stack.keep_graph_problems`), with no LoRA dropout."""
     from unirl.train.stack import keep_graph_problems
 
-    rollout = cfg.get("rollout")
+    key = "rollout" if "rollout" in cfg else "engine"
+    rollout = cfg.get(key)
     if not isinstance(rollout, DictConfig):
         return
     if not rollout.get("keep_graph", False):
         if rollout.get("keep_graph_max_pairs") is not None:
             problems.append(
-                f"rollout.keep_graph_max_pairs={rollout.keep_graph_max_pairs} has no effect with "
-                "rollout.keep_graph=false; set rollout.keep_graph=true or remove it"
+                f"{key}.keep_graph_max_pairs={rollout.keep_graph_max_pairs} has no effect with "
+                f"{key}.keep_graph=false; set {key}.keep_graph=true or remove it"
             )
         return
     if modality is not None and modality != "diffusion":
         problems.append(
-            f"rollout.keep_graph keeps SDE-step graphs of diffusion rollouts, but this is a {modality} recipe; "
-            "set rollout.keep_graph=false"
+            f"{key}.keep_graph keeps SDE-step graphs of diffusion rollouts, but this is a {modality} recipe; "
+            f"set {key}.keep_graph=false"
         )
         return
     stack, algorithm, lora = (passed.get(k) for k in ("train.stack", "algorithm", "train.lora"))
     if stack is not None and algorithm is not None and "train" in passed:
         full_finetune = cfg.train.get("lora") is None
-        problems.extend(keep_graph_problems(algorithm, stack.num_updates_per_batch, full_finetune))
+        problems.extend(keep_graph_problems(algorithm, stack.num_updates_per_batch, full_finetune, key))
     if lora is not None and lora.dropout > 0:
         problems.append(
-            f"rollout.keep_graph: train.lora.dropout={lora.dropout} differs between sampling (eval mode) and "
+            f"{key}.keep_graph: train.lora.dropout={lora.dropout} differs between sampling (eval mode) and "
             "the loss (train mode), so a kept graph is not the trained function; set train.lora.dropout=0 or "
-            "rollout.keep_graph=false"
+            f"{key}.keep_graph=false"
         )
 
 

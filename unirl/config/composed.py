@@ -23,6 +23,7 @@ from unirl.config.references import check_metadata_key, check_scorer_keys, check
 from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
 from unirl.config.track import check_track, track_view
 from unirl.config.tree import ConfigError, check_recipe, target_class
+from unirl.rollout.dedicated import is_dedicated
 from unirl.sync.config import WeightSyncConfig
 from unirl.types.lineage import AGGREGATES
 from unirl.types.sampling import TextSamplingParams
@@ -75,9 +76,11 @@ class TrackConfig:
         algorithm, advantage: `_target_` nodes (trained tracks only).
         train: the track's own train stack (`TrainConfig`: optimizer, schedule, LoRA, FSDP2).
         aggregate: a parent track's reward from its children's: mean | max | min.
-        engine: where the track samples: null (the train workers, with the module they train)
+        engine: where the track samples, as a single-track `rollout`: null (the train workers,
+            with the module they train), a trainside engine node
+            (`unirl.rollout.trainside.TrainsideEngine`: its `forward_batch_size`, `keep_graph`),
             or a dedicated engine node (`unirl.rollout.dedicated.DedicatedEngine`, or
-            `unirl.rollout.vllm.VLLMEngine` for a text track), as a single-track `rollout`.
+            `unirl.rollout.vllm.VLLMEngine` for a text track).
         weight_sync: how the track's trained weights reach its engine (`WeightSyncConfig`);
             only with `engine`.
     """
@@ -230,13 +233,21 @@ def _check_engine(
                 f"remove it or set {key}.engine"
             )
         return
-    if not bool(node.get("trained", True)):
+    if not isinstance(engine, DictConfig) or "_target_" not in engine:
         problems.append(
-            f"{key}.engine: track {name!r} is frozen, so its engine would never receive weights; sample it "
-            f"trainside (remove {key}.engine)"
+            f"{key}.engine: expected an engine node with a _target_ (unirl.rollout.trainside.TrainsideEngine, "
+            f"unirl.rollout.dedicated.DedicatedEngine, unirl.rollout.vllm.VLLMEngine), got {engine!r}"
         )
         return
-    if not isinstance(engine, DictConfig) or f"{key}.engine" not in passed:
+    dedicated = is_dedicated(engine)
+    if not bool(node.get("trained", True)) and (dedicated or engine.get("keep_graph", False)):
+        why = "its engine would never receive weights" if dedicated else "its kept graphs would never be trained"
+        problems.append(
+            f"{key}.engine: track {name!r} is frozen, so {why}; sample it trainside without kept graphs "
+            f"(remove {key}.engine)"
+        )
+        return
+    if f"{key}.engine" not in passed:
         return  # phase 1 reported it
     plain = OmegaConf.to_container(node, resolve=True)  # interpolations resolve against the recipe
     view_cfg = OmegaConf.create({k: v for k, v in plain.items() if k != "engine"} | {"rollout": plain["engine"]})
@@ -250,12 +261,12 @@ def _check_engine(
     check_rollout(view_cfg, view, found, key=f"{key}.engine")
     track_keys = ("sampling", "model", "train", "advantage", "algorithm", "weight_sync", "reward")
     problems.extend(f"{key}.{p}" if p.startswith(track_keys) else p for p in found)
-    if int(engine.get("max_staleness", 0)) > 0:
+    if dedicated and int(engine.get("max_staleness", 0)) > 0:
         problems.append(
             f"{key}.engine.max_staleness={engine.max_staleness}: a composed run samples every track from the "
             "step's weights (the chain is walked within the step); set it to 0"
         )
-    if bool(engine.get("overlap_reward", False)):
+    if dedicated and bool(engine.get("overlap_reward", False)):
         problems.append(
             f"{key}.engine.overlap_reward=true: a composed run scores the leaf first after the whole chain is "
             "sampled, so a track's engine returns its rollout whole; remove it"

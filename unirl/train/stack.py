@@ -52,32 +52,35 @@ class TrainStackConfig:
         return self.num_updates_per_batch * self.num_mini_batches
 
 
-def keep_graph_problems(algorithm: StageAlgorithm, num_updates: int, full_finetune: bool) -> list[str]:
+def keep_graph_problems(
+    algorithm: StageAlgorithm, num_updates: int, full_finetune: bool, key: str = "rollout"
+) -> list[str]:
     """Why graphs kept at sampling (`rollout.keep_graph`) cannot stand in for the replay
     forward of this run; empty when they can. The kept graph is the sampling forward's,
     so it must be the forward the loss would replay: the same weights (one update per
-    rollout, no EMA rollouts, no in-place weight swap before the backward)."""
+    rollout, no EMA rollouts, no in-place weight swap before the backward). `key`: the engine
+    node the problems name (a composed track's `engine`)."""
     name = type(algorithm).__name__
     problems = []
     if not algorithm.supports_kept_graph:
         problems.append(
-            f"rollout.keep_graph: {name} cannot train from graphs kept at sampling; set rollout.keep_graph=false"
+            f"{key}.keep_graph: {name} cannot train from graphs kept at sampling; set {key}.keep_graph=false"
         )
     if num_updates > 1:
         problems.append(
-            f"rollout.keep_graph: a kept graph is the sampling weights' forward, valid for the first update only, "
-            f"but train.stack.num_updates_per_batch={num_updates}; set it to 1 or rollout.keep_graph=false"
+            f"{key}.keep_graph: a kept graph is the sampling weights' forward, valid for the first update only, "
+            f"but train.stack.num_updates_per_batch={num_updates}; set it to 1 or {key}.keep_graph=false"
         )
     if algorithm.requires_ema_rollout:
         problems.append(
-            f"rollout.keep_graph: {name} samples from the EMA weights, not the trained ones; "
-            "set rollout.keep_graph=false"
+            f"{key}.keep_graph: {name} samples from the EMA weights, not the trained ones; "
+            f"set {key}.keep_graph=false"
         )
     if full_finetune and algorithm.needs_reference_policy:
         problems.append(
-            "rollout.keep_graph: a full fine-tune (train.lora: null) evaluates its KL reference by copying the "
+            f"{key}.keep_graph: a full fine-tune (train.lora: null) evaluates its KL reference by copying the "
             "reference weights into the live ones, which invalidates the kept graphs; use LoRA, a zero KL "
-            "coefficient, or rollout.keep_graph=false"
+            f"coefficient, or {key}.keep_graph=false"
         )
     return problems
 

@@ -97,7 +97,8 @@ class ComposedTrainer(Trainer):
         self.track_engines: dict[str, DedicatedRollouts] = {}
         self.prompt_key = str(cfg.rollout.get("prompt_key", "user_prompt"))
         self.sigmas: dict[str, Any] = {}
-        self.keep_graph = False
+        # a track whose trainside engine keeps its sampling graphs for its train phase
+        self.keep_graph = any(bool((cfg.tracks[n].get("engine") or {}).get("keep_graph")) for n in self.order)
         ckpt = cfg.get("checkpoint") or {}
         self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
         self.base_model = {}
@@ -279,11 +280,15 @@ class ComposedTrainer(Trainer):
                 record = StepRecord(step)
                 row = record.row
                 partition = f"step_{step}"
+                trained = False
                 try:
                     views = self._step(group, step, partition, record)
-                finally:  # a failed step leaks nothing: its partitions go either way
+                    trained = True
+                finally:  # a failed step leaks nothing: its partitions and kept graphs go either way
                     for name in self.order:
                         self.transport.clear(track_partition(partition, name))
+                    if self.keep_graph and not trained:
+                        self._release_kept(group, partition)
                 dataplane = self._call(group, "dataplane_stats", step) + [self.transport.stats.drain()]
                 record.add_resources(dataplane, self._call(group, "peak_memory_mb", step))
                 record.add_timings()

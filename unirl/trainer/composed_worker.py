@@ -25,6 +25,7 @@ from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.cores import apply_thread_count, thread_metrics
 from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, dispatch
+from unirl.rollout.dedicated import is_dedicated
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.ema import EMAConfig
@@ -126,6 +127,15 @@ class ComposedWorker(ProcessWorker):
             {n: t.stage for n, t in self.tracks.items()},
             {n: build(cfg["tracks"][n]["sampling"]) for n in order},
         )
+        # each track's sampler here: its `engine` node when that is a trainside engine (e.g. with
+        # kept graphs), else the composed engine's (a dedicated track's samples evaluations only)
+        self.samplers = {}
+        for name in order:
+            node = cfg["tracks"][name].get("engine")
+            if node is not None and not is_dedicated(node):
+                self.samplers[name] = build(node, stage=self.tracks[name].stage, track_name=name)
+            else:
+                self.samplers[name] = self.engine.engines[name]
         self.transport = make_transport(cfg["transport"], device=self.device)
         self.transport.attach(transport_info or {})
 
@@ -155,11 +165,29 @@ class ComposedWorker(ProcessWorker):
         weights when its algorithm samples from them) and put it into the transport under
         `partition`; returns its meta. The driver walks the chain (`ComposedTrainer._rollout`)."""
         apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
-        parts = self.tracks[track]
+        parts, sampler = self.tracks[track], self.samplers[track]
+        kept = sampler.kept  # the graphs of the trained SDE steps, kept for `train` of this partition
+        if kept is not None and kept.partition != partition:
+            kept.clear()
+            kept.partition = partition
         from_ema = parts.trained and parts.algorithm.requires_ema_rollout
         with parts.backend.ema_weights() if from_ema else contextlib.nullcontext():
-            sampled = self.engine.engines[track].generate(req).track(track)
+            try:
+                sampled = sampler.generate(req, keep=kept is not None).track(track)
+            except BaseException:
+                if kept is not None:
+                    kept.clear()
+                raise
         return put_batch(self.transport, partition, sampled)
+
+    @dispatch(Dispatch.BROADCAST)
+    def release_kept(self, partition: str) -> None:
+        """Drop the graphs every track kept for step partition `partition` (the driver calls it
+        when a step fails before `train` consumed them)."""
+        for sampler in self.samplers.values():
+            kept = sampler.kept
+            if kept is not None and (kept.partition is None or kept.partition.startswith(partition + "/")):
+                kept.clear()
 
     @dispatch(Dispatch.DP_SCATTER)
     def sample_eval(self, req: RolloutReq, samplings: dict, feed: str = "rewrite") -> dict[str, Any]:
@@ -184,15 +212,24 @@ class ComposedWorker(ProcessWorker):
         self, meta: BatchMeta, rewards: torch.Tensor, advantages: torch.Tensor, progress: float, track: str
     ) -> dict[str, float]:
         """Fetch this rank's shard of `track` from the transport, attach the driver's rewards and
-        advantages, and run the track's train stack; returns this rank's metrics."""
+        advantages, and run the track's train stack; returns this rank's metrics. Graphs the
+        track's sampler kept for this partition replace the replay of the steps they cover and
+        are dropped when this returns or raises."""
         parts = self.tracks[track]
         if not parts.trained:
             raise ValueError(
                 f"track {track!r} is frozen (tracks.{track}.trained: false); it has nothing to train"
             )
-        batch = get_batch(self.transport, meta)
-        batch.rewards, batch.advantages = rewards.to(self.device), advantages.to(self.device)
-        metrics = {**parts.stack.train_track(batch, progress), **thread_metrics()}
+        kept = self.samplers[track].kept
+        try:
+            batch = get_batch(self.transport, meta)
+            batch.rewards, batch.advantages = rewards.to(self.device), advantages.to(self.device)
+            if kept is not None and kept.partition != meta.partition:
+                kept.clear()  # another step's graphs; every rank still offers its (empty) store
+            metrics = {**parts.stack.train_track(batch, progress, kept=kept), **thread_metrics()}
+        finally:
+            if kept is not None:
+                kept.clear()
         parts.backend.end_of_rollout()
         return metrics
 
