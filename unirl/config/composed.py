@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,7 +20,7 @@ from unirl.config.distributed import check_transport, meta_module
 from unirl.config.engines import check_rollout
 from unirl.config.modality import modality_of
 from unirl.config.references import check_metadata_key, check_scorer_keys, check_tracking, examples_of
-from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
+from unirl.config.run import CheckpointConfig, LoggingConfig, RunBase, TrainConfig, _components
 from unirl.config.track import check_track, track_view
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.rollout.dedicated import is_dedicated
@@ -29,9 +29,9 @@ from unirl.types.lineage import AGGREGATES
 from unirl.types.sampling import TextSamplingParams
 
 
-@dataclass
-class ComposedRunConfig:
-    """The top level of a composed recipe (see `RunConfig` for the shared keys).
+@dataclass(kw_only=True)
+class ComposedRunConfig(RunBase):
+    """The top level of a composed recipe: `RunBase`'s keys and
 
     Attributes:
         prompts_per_rollout: user prompts drawn per step (each rewritten
@@ -42,27 +42,11 @@ class ComposedRunConfig:
         rollout: a `unirl.rollout.composed.ComposedEngine` node naming the chain.
     """
 
-    num_devices: int
-    num_steps: int
-    seed: int
-    output_dir: str
-    prompts_per_rollout: int
     rollout: Any
     tracks: dict[str, Any]
     rewards: dict[str, Any]
-    data_source: Any
-    transport: Any
-    threads_per_worker: int | None = None
-    resume_from: str | None = None
-    launcher: str = "ray"
-    checkpoint: Any = None
-    logging: Any = None
-    eval: Any = None
-    tracking: Any = None
-    hydra: Any = None
 
-    def __post_init__(self) -> None:
-        check_run_top_level(self, ("rollout", "data_source"))
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("rollout", "data_source")
 
 
 @dataclass

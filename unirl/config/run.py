@@ -11,7 +11,7 @@ mechanism as every component config (`unirl.config.schema.check_node`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from unirl.sync.config import WeightSyncConfig
 
@@ -48,9 +48,11 @@ def check_run_top_level(run: Any, components: tuple[str, ...]) -> None:
         )
 
 
-@dataclass
-class RunConfig:
-    """The top level of an RL recipe (diffusion or text).
+@dataclass(kw_only=True)
+class RunBase:
+    """The top-level keys every kind of RL recipe shares (single-track `RunConfig`, composed
+    `ComposedRunConfig`, unified `UnifiedRunConfig`); a kind adds its own and names its
+    `_target_` slots in `COMPONENTS`.
 
     Attributes:
         num_devices: data-parallel workers (GPUs, or CPU slots on a CPU machine).
@@ -58,20 +60,16 @@ class RunConfig:
         seed: base seed of the run.
         output_dir: where metrics, samples and checkpoints go.
         prompts_per_rollout: prompts drawn per step (each sampled
-            `sampling.samples_per_prompt` times).
+            `sampling.samples_per_prompt` times; a composed root track's).
+        data_source, transport: the prompts (`_target_` node) and the data plane.
         threads_per_worker: torch threads per worker (null: CPU cores / num_devices).
         resume_from: a checkpoint directory, `latest`, or null.
         launcher: "ray" (workers are Ray actors) or "in_process" (one worker in
             the driver process, no Ray).
-        checkpoint, logging, eval, train: plain sections (see their schemas).
-        weight_sync: how the trainer's weights reach a dedicated rollout engine
-            (`unirl.sync.WeightSyncConfig`); only with a dedicated engine.
+        checkpoint, logging, eval: plain sections (see their schemas).
         tracking: trackers beside metrics.jsonl, by name (`unirl/tracking/README.md`;
             checked by `unirl.config.references.check_tracking`).
-        critic: PPO's value model and its training (`unirl.train.critic.CriticConfig`),
-            or null (checked by `unirl.config.critic.check_critic`).
         hydra: Hydra's own settings.
-        the rest: component sections, each a `_target_` node.
     """
 
     num_devices: int
@@ -79,14 +77,6 @@ class RunConfig:
     seed: int
     output_dir: str
     prompts_per_rollout: int
-    sampling: Any
-    model: Any
-    stage: Any
-    rollout: Any
-    reward: Any
-    advantage: Any
-    algorithm: Any
-    train: Any
     data_source: Any
     transport: Any
     threads_per_worker: int | None = None
@@ -95,23 +85,50 @@ class RunConfig:
     checkpoint: Any = None
     logging: Any = None
     eval: Any = None
-    weight_sync: Any = None
     tracking: Any = None
-    critic: Any = None
     hydra: Any = None
 
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("data_source",)
+
     def __post_init__(self) -> None:
-        components = (
-            "sampling",
-            "model",
-            "stage",
-            "rollout",
-            "reward",
-            "advantage",
-            "algorithm",
-            "data_source",
-        )
-        check_run_top_level(self, components)
+        check_run_top_level(self, self.COMPONENTS)
+
+
+@dataclass(kw_only=True)
+class RunConfig(RunBase):
+    """The top level of a single-track RL recipe (diffusion or text): `RunBase`'s keys and
+
+    Attributes:
+        sampling, model, stage, rollout, reward, advantage, algorithm: component sections,
+            each a `_target_` node.
+        train: the train backend's section (`TrainConfig`).
+        weight_sync: how the trainer's weights reach a dedicated rollout engine
+            (`unirl.sync.WeightSyncConfig`); only with a dedicated engine.
+        critic: PPO's value model and its training (`unirl.train.critic.CriticConfig`),
+            or null (checked by `unirl.config.critic.check_critic`).
+    """
+
+    sampling: Any
+    model: Any
+    stage: Any
+    rollout: Any
+    reward: Any
+    advantage: Any
+    algorithm: Any
+    train: Any
+    weight_sync: Any = None
+    critic: Any = None
+
+    COMPONENTS: ClassVar[tuple[str, ...]] = (
+        "sampling",
+        "model",
+        "stage",
+        "rollout",
+        "reward",
+        "advantage",
+        "algorithm",
+        "data_source",
+    )
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
@@ -24,15 +24,15 @@ from unirl.config.references import (
     check_tracking,
     examples_of,
 )
-from unirl.config.run import CheckpointConfig, LoggingConfig, TrainConfig, _components, check_run_top_level
+from unirl.config.run import CheckpointConfig, LoggingConfig, RunBase, TrainConfig, _components
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.sync.config import WeightSyncConfig
 from unirl.types.sampling import ImageTokenSamplingParams, TextSamplingParams
 
 
-@dataclass
-class UnifiedRunConfig:
-    """The top level of a unified recipe (see `RunConfig` for the shared keys).
+@dataclass(kw_only=True)
+class UnifiedRunConfig(RunBase):
+    """The top level of a unified recipe: `RunBase`'s keys and
 
     Attributes:
         prompts_per_rollout: user prompts drawn per step (each planned and drawn
@@ -46,30 +46,14 @@ class UnifiedRunConfig:
         weight_sync: how the trainer's weights reach the dedicated engines (`WeightSyncConfig`).
     """
 
-    num_devices: int
-    num_steps: int
-    seed: int
-    output_dir: str
-    prompts_per_rollout: int
     model: Any
     train: Any
     rollout: Any
     tracks: dict[str, Any]
     rewards: dict[str, Any]
-    data_source: Any
-    transport: Any
-    threads_per_worker: int | None = None
-    resume_from: str | None = None
-    launcher: str = "ray"
     weight_sync: Any = None
-    checkpoint: Any = None
-    logging: Any = None
-    eval: Any = None
-    tracking: Any = None
-    hydra: Any = None
 
-    def __post_init__(self) -> None:
-        check_run_top_level(self, ("model", "rollout", "data_source"))
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("model", "rollout", "data_source")
 
 
 @dataclass
