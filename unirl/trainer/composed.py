@@ -101,18 +101,25 @@ class ComposedTrainer(Trainer):
         self.keep_graph = any(bool((cfg.tracks[n].get("engine") or {}).get("keep_graph")) for n in self.order)
         ckpt = cfg.get("checkpoint") or {}
         self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
-        self.base_model = {}
-        for n in self.order:
-            path = cfg.tracks[n].model.get("pretrained_path")
-            self.base_model[n] = os.path.abspath(
-                str(path) if path else os.path.join(self.out, "base_model", n)
-            )
+        self.base_model = self._base_models()
         self.last_checkpoint: str | None = None
         self.restore_s: float | None = None
         self.transport = make_transport(cfg.transport)
         ev = cfg.get("eval")
         self.eval_every = int(ev.get("every_n_steps", 0) or 0) if ev else 0
-        self.evaluator = ComposedEval.from_config(ev, self.order, self.samplings) if ev else None
+        self.evaluator = self._evaluator(ev) if ev else None
+
+    def _base_models(self) -> Any:
+        """Per track: the directory its exports load onto (its `pretrained_path`, or where a tiny
+        model's untrained bundle is written, `base_model/<track>`)."""
+        out = {}
+        for n in self.order:
+            path = self.cfg.tracks[n].model.get("pretrained_path")
+            out[n] = os.path.abspath(str(path) if path else os.path.join(self.out, "base_model", n))
+        return out
+
+    def _evaluator(self, ev: DictConfig) -> ComposedEval:
+        return ComposedEval.from_config(ev, self.order, self.samplings)
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         updates = {

@@ -34,7 +34,6 @@ from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.cores import apply_thread_count, thread_metrics
 from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
-from unirl.reward.service import RewardService
 from unirl.rollout.unified import UnifiedEngine
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
@@ -282,32 +281,18 @@ class UnifiedTrainer(ComposedTrainer):
     engine_class = UnifiedEngineWorker
 
     def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
-        self.out = str(cfg.output_dir)
-        self.order: list[str] = list(cfg.rollout.tracks)
-        self.root, self.leaf = self.order
-        self.samplings = {n: build(cfg.tracks[n].sampling) for n in self.order}
-        self.trained = [n for n in self.order if cfg.tracks[n].get("trained", True)]
-        self.advantage = {n: build(cfg.tracks[n].advantage) for n in self.trained}
+        super().__init__(cfg)
         self.aggregate = {self.root: "mean"}  # one image per plan: the plan's reward is its image's
-        self.rewards: dict[str, RewardService] = {n: build(node) for n, node in cfg.rewards.items()}
-        self.data_source = build(cfg.data_source)
-        self.num_steps = int(cfg.num_steps)
         # trainside, or DedicatedUnifiedEngine's engines, which return a rollout whole (one call each)
         self.rollout_settings = dataclasses.replace(RolloutSettings.of(cfg), overlap_reward=False)
-        self.rollouts = None
-        self.track_settings, self.track_engines = {}, {}  # the backbone's engines sample both tracks
-        self.keep_graph = False
-        ckpt = cfg.get("checkpoint") or {}
-        self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
-        path = cfg.model.get("pretrained_path")
-        self.base_model = os.path.abspath(str(path) if path else os.path.join(self.out, "base_model"))
-        self.last_checkpoint: str | None = None
-        self.restore_s: float | None = None
-        self.transport = make_transport(cfg.transport)
-        ev = cfg.get("eval")
-        self.eval_every = int(ev.get("every_n_steps", 0) or 0) if ev else 0
-        self.evaluator = unified_eval(ev, self.leaf) if ev else None
+
+    def _base_models(self) -> str:
+        """The one backbone's base: its `pretrained_path`, or `base_model/` for a tiny model."""
+        path = self.cfg.model.get("pretrained_path")
+        return os.path.abspath(str(path) if path else os.path.join(self.out, "base_model"))
+
+    def _evaluator(self, ev: DictConfig) -> ComposedEval:
+        return unified_eval(ev, self.leaf)
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
         updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
