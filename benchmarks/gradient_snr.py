@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from unirl.algorithms.advantages import track_advantages
 from unirl.config.validate import validate_rl_config  # noqa: E402
 from unirl.distributed.group import RankInfo  # noqa: E402
 from unirl.evaluate import EXAMPLES  # noqa: E402
@@ -66,7 +67,7 @@ def gradient_estimates(cfg, repeats: int) -> tuple[list[torch.Tensor], list[floa
         req = RolloutReq.from_prompts(examples, sampling, sigmas, rollout_id=10_000 + rep)
         track = engine.generate(req).track(engine.track_name)
         reward.score_and_attach(track)
-        track.compute_advantages(advantage)
+        track_advantages(track, advantage)
         micro, ctx = stack.prepare(track, progress=0.0)
         backend.zero_grad()
         stack.backward(micro, ctx)

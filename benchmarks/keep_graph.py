@@ -58,6 +58,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from unirl.algorithms.advantages import track_advantages  # noqa: E402
 from unirl.config.validate import validate_rl_config  # noqa: E402
 from unirl.dataplane import get_batch, make_transport  # noqa: E402
 from unirl.distributed.group import in_process  # noqa: E402
@@ -116,7 +117,7 @@ class Side:
             marks.append((time.perf_counter(), time.process_time()))
             track = get_batch(self.transport, meta, self.modality.reward_fields)
             self.reward.score_and_attach(track)
-            track.compute_advantages(self.advantage)
+            track_advantages(track, self.advantage)
             marks.append((time.perf_counter(), time.process_time()))
             metrics = self.group.train(
                 self.transport.claim(meta, "train"), track.rewards, track.advantages, step / self.num_steps

@@ -17,6 +17,7 @@ from tests.algorithms.linear_stage import (
 )
 from tests.algorithms.test_flow_grpo import check_advantage_clip
 from tests.conftest import tiny_model_config
+from unirl.algorithms.advantages import track_advantages
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from unirl.models.sd3 import SD3Stage
 from unirl.rollout.trainside import TrainsideEngine
@@ -66,7 +67,7 @@ def rollout(stage: SD3Stage, sp: DiffusionSamplingParams, rollout_id: int = 0):
         .track("diffusion")
     )
     track.rewards = track.media.float().mean(dim=(1, 2, 3))
-    track.compute_advantages(AdvantageConfig())
+    track_advantages(track, AdvantageConfig())
     return track
 
 

@@ -11,6 +11,7 @@ import torch
 
 from tests.algorithms.test_step_losses import grads, perturb
 from tests.conftest import tiny_model_config
+from unirl.algorithms.advantages import track_advantages
 from unirl.algorithms.diffusion_dpo import (
     DiffusionDPO,
     DiffusionDPOConfig,
@@ -54,7 +55,7 @@ def setup(config: DiffusionDPOConfig, lora: bool = True, micro: int = 8, updates
     )
     track = TrainsideEngine(stage, forward_batch_size=8).generate(req).track("diffusion")
     track.rewards = track.media.float().mean(dim=(1, 2, 3))
-    track.compute_advantages(AdvantageConfig())
+    track_advantages(track, AdvantageConfig())
     return algo, stage, backend, stack, track
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model_config
+from unirl.algorithms.advantages import track_advantages
 from unirl.algorithms.diffusion_nft import (
     V_OLD_KEY,
     DiffusionNFT,
@@ -110,7 +111,7 @@ def make_setup(updates: int = 1, draws: int = 2, micro: int = 4):
     )
     track = TrainsideEngine(stage, forward_batch_size=3).generate(req).track("diffusion")
     track.rewards = track.media.float().mean(dim=(1, 2, 3))
-    track.compute_advantages(AdvantageConfig())
+    track_advantages(track, AdvantageConfig())
     return stage, backend, algo, stack, track
 
 

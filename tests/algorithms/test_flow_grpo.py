@@ -19,6 +19,7 @@ from tests.algorithms.linear_stage import (
     sampled_track,
 )
 from tests.conftest import tiny_model_config
+from unirl.algorithms.advantages import track_advantages
 from unirl.algorithms.ddpo import DDPOConfig
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig, clipped_policy_loss
 from unirl.algorithms.flow_ppo import FlowPPOConfig
@@ -69,7 +70,7 @@ def scored_track(stage, sp, rollout_id: int = 0):
     )
     track = TrainsideEngine(stage, forward_batch_size=3).generate(req).track("diffusion")
     track.rewards = track.media.float().mean(dim=(1, 2, 3))
-    track.compute_advantages(AdvantageConfig())
+    track_advantages(track, AdvantageConfig())
     return track
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.algorithms.linear_stage import LinearStage, perturb, sampled_track
+from unirl.algorithms.advantages import step_inputs, track_advantages, track_value_targets
 from unirl.algorithms.flow_grpo import FlowGRPOConfig
 from unirl.algorithms.flow_ppo import FlowPPO, FlowPPOConfig
 from unirl.algorithms.ppo import ValueLoss, ValueNorm
@@ -57,17 +58,17 @@ def test_gae_over_sde_steps_matches_the_recurrence_and_whitens_over_all_steps():
     flat = [a for row in advs for a in row]
     mean = sum(flat) / len(flat)
     std = math.sqrt(sum((a - mean) ** 2 for a in flat) / len(flat))
-    got, returns = track.compute_advantages(cfg), track.value_targets(cfg)
+    got, returns = track_advantages(track, cfg), track_value_targets(track, cfg)
     assert got.shape == returns.shape == (4, 3)  # one column per SDE step, in sde_indices order
     for i in range(4):
         assert got[i].tolist() == pytest.approx([(a - mean) / (std + 1e-6) for a in advs[i]], abs=1e-5)
         assert returns[i].tolist() == pytest.approx(rets[i], abs=1e-6)
     # lam 1, gamma 1: every step's return is the reward, its advantage r - V_k before whitening
-    mc = track.value_targets(AdvantageConfig(estimator="gae"))
+    mc = track_value_targets(track, AdvantageConfig(estimator="gae"))
     assert torch.allclose(mc, torch.tensor(REWARDS)[:, None].expand(4, 3))
     track.segment.values = None
     with pytest.raises(ValueError, match="needs per-step values"):
-        track.compute_advantages(cfg)
+        track_advantages(track, cfg)
 
 
 def test_critic_values_line_up_with_the_steps_they_value():
@@ -144,7 +145,7 @@ def test_value_loss_under_value_norm_and_norm_statistics():
     track = valued_track()
     cfg = AdvantageConfig(estimator="gae", gamma=GAMMA, lam=LAM)
     loss_fn = ValueLoss(cfg, cliprange_value=100.0, norm=norm)
-    target = norm.normalize(track.value_targets(cfg))
+    target = norm.normalize(track_value_targets(track, cfg))
 
     class Table:
         def __init__(self):
@@ -170,7 +171,7 @@ def test_driver_fetches_segment_values_alone():
         skeleton, {k: fields[k] for k in ("sample_ids", "group_ids", "segment.values")}, partial=True
     )
     assert torch.equal(view.segment.values, track.segment.values) and view.segment.latents is None
-    got = view.step_inputs()
+    got = step_inputs(view)
     assert torch.equal(got["values"], track.segment.values) and torch.equal(got["mask"], torch.ones(4, 3))
 
 

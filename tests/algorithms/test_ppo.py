@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from tests.algorithms.test_grpo_family import BigramStage
+from unirl.algorithms.advantages import gae, track_advantages, track_value_targets
 from unirl.algorithms.ppo import PPO, ValueLoss
 from unirl.models.causal_lm import CausalLMBundle, TinyLMConfig
 from unirl.models.causal_lm.value import CausalLMValueConfig
 from unirl.train.backend import OptimConfig, TrainBackend
 from unirl.train.stack import TrainStack, TrainStackConfig
 from unirl.types import AdvantageConfig, RolloutTrack, TokenSegment
-from unirl.types.advantages import gae
 
 LENGTHS = [3, 1, 4, 2]
 REWARDS = [1.0, -0.5, 0.3, 0.8]
@@ -67,8 +67,8 @@ def test_gae_matches_the_direct_sum_and_whitens_over_response_tokens():
     flat = [a for row in advs for a in row]
     mean = sum(flat) / len(flat)
     std = (sum((a - mean) ** 2 for a in flat) / len(flat)) ** 0.5
-    got = track.compute_advantages(cfg)
-    returns = track.value_targets(cfg)
+    got = track_advantages(track, cfg)
+    returns = track_value_targets(track, cfg)
     assert got.shape == returns.shape == (4, max(LENGTHS))
     for i, n in enumerate(LENGTHS):
         assert got[i, :n].tolist() == pytest.approx([(a - mean) / (std + 1e-6) for a in advs[i]], abs=1e-5)
@@ -95,7 +95,7 @@ def test_gae_settings_are_checked():
     track = make_track()
     track.segment.values = None
     with pytest.raises(ValueError, match="needs per-token values"):
-        track.compute_advantages(AdvantageConfig(estimator="gae"))
+        track_advantages(track, AdvantageConfig(estimator="gae"))
 
 
 class TableCritic:

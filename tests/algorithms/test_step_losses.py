@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model_config
+from unirl.algorithms.advantages import track_advantages
 from unirl.algorithms.ddpo import DDPO, DDPOConfig
 from unirl.algorithms.dpok import DPOK, DPOKConfig, dpok_policy_loss
 from unirl.algorithms.flow_dppo import OLD_MEANS_KEY, FlowDPPO, FlowDPPOConfig, dppo_policy_loss
@@ -58,7 +59,7 @@ def scored_track(stage, sp, rollout_id: int = 0):
     )
     track = TrainsideEngine(stage, forward_batch_size=8).generate(req).track("diffusion")
     track.rewards = track.media.float().mean(dim=(1, 2, 3))
-    track.compute_advantages(AdvantageConfig())
+    track_advantages(track, AdvantageConfig())
     return track
 
 

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from unirl.algorithms.advantages import track_advantages
 from unirl.algorithms.grpo import GRPO, GRPOConfig
 from unirl.models.causal_lm import CausalLMStage
 from unirl.models.janus import JanusImageStage, JanusModelConfig
@@ -71,7 +72,7 @@ def test_joint_gradient_is_the_weighted_sum_and_frozen_adds_nothing(bundle, roll
     rewards = torch.tensor([0.1, 0.9, 0.4, 0.3, 0.8, 0.2, 0.6, 0.5])
     for track in resp.tracks.values():
         track.rewards = rewards.clone()  # the image's reward credited to its plan
-        track.compute_advantages(AdvantageConfig())
+        track_advantages(track, AdvantageConfig())
     weights = {"plan": 0.5, "image": 2.0}
     expected = {}
     model = bundle.model

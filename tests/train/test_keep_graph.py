@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model_config
+from unirl.algorithms.advantages import track_advantages
 from unirl.algorithms.ddpo import DDPO, DDPOConfig
 from unirl.algorithms.diffusion_nft import DiffusionNFT
 from unirl.algorithms.dpok import DPOK, DPOKConfig
@@ -78,7 +79,7 @@ def kept_rollout(stage, sp, max_pairs: int | None = None, forward_batch_size: in
     )
     track = engine.generate(request(stage, sp), keep=True).track("diffusion")
     track.rewards = track.media.float().mean(dim=(1, 2, 3))
-    track.compute_advantages(AdvantageConfig())
+    track_advantages(track, AdvantageConfig())
     return track, engine
 
 

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import KERNEL_ROUNDING
 from tests.recipes import composed
+from unirl.algorithms.advantages import track_advantages
 from unirl.dataplane import get_batch, make_transport
 from unirl.distributed.group import in_process
 from unirl.trainer.modality import modality_for
@@ -105,7 +106,7 @@ def test_every_tensor_of_a_worker_is_on_its_device(tmp_path, device, case):
         scored = get_batch(driver, meta, modality.reward_fields)
         assert scored.media.device.type == "cpu"
         reward.score_and_attach(scored)
-        scored.compute_advantages(advantage)
+        track_advantages(scored, advantage)
         metrics = group.train(meta, scored.rewards, scored.advantages, step / 2)
         if step == 0:  # on-policy, pi_old from the rollout: the first ratio is 1 (also in bf16)
             assert abs(metrics[0]["ratio/first_update_mean"] - 1.0) <= KERNEL_ROUNDING

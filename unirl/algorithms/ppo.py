@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from unirl.algorithms.advantages import token_inputs, track_value_targets
 from unirl.algorithms.base import StageAlgorithm
 from unirl.algorithms.grpo import GRPO, GRPOConfig
 from unirl.algorithms.token_losses import LOSS_AGG_MODES, aggregate, masked_mean
@@ -121,7 +122,7 @@ class ValueLoss(StageAlgorithm):
 
     Args:
         advantage: the run's advantage settings (gamma, lam, the KL folded into the reward): the
-            returns are `RolloutTrack.value_targets(advantage)`, computed per micro-batch in
+            returns are `track_value_targets(RolloutTrack, advantage)`, computed per micro-batch in
             `prepare_segment` (rows are independent, so they equal the batch's).
         cliprange_value: c, how far the clipped branch lets V move from V_old.
         loss_agg_mode: as the text policy losses' (`token_losses.aggregate`).
@@ -148,13 +149,13 @@ class ValueLoss(StageAlgorithm):
         self.norm = norm
 
     def prepare_segment(self, stage, track: RolloutTrack) -> RolloutTrack:
-        returns = track.value_targets(self.advantage)
+        returns = track_value_targets(track, self.advantage)
         return dataclasses.replace(track, conditions={**track.conditions, RETURNS_KEY: returns})
 
     def compute_loss_and_backward(self, stage, track: RolloutTrack, ctx: dict[str, Any]) -> dict[str, float]:
         values = stage.values(track)
         device = values.device
-        inputs = track.token_inputs(self.advantage)
+        inputs = token_inputs(track, self.advantage)
         mask = inputs["mask"].to(device=device, dtype=values.dtype)
         old = inputs["values"].to(device=device, dtype=values.dtype)
         returns = track.conditions[RETURNS_KEY].to(device=device, dtype=values.dtype)

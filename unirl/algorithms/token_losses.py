@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from unirl.types.advantages import KL_ESTIMATORS, kl_penalty
+from unirl.algorithms.advantages import kl_penalty
+from unirl.types.advantages import KL_ESTIMATORS
 
 __all__ = [
     "KL_ESTIMATORS",

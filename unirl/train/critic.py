@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from unirl.algorithms.advantages import token_inputs, track_value_targets
 from unirl.algorithms.ppo import ValueLoss, ValueNorm
 from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
@@ -138,9 +139,9 @@ class Critic:
         as `critic/...`: the stack's (`vf_loss`, `vf_clipfrac`, `vpred_mean`, `train/grad_norm`,
         `train/lr`, ...), with a `ValueNorm` its `norm_mean` / `norm_std`, and, over this rank's response tokens (SDE steps) before the updates,
         the returns' and rollout values' means and `vf_explained_var` = 1 - Var(R - V) / Var(R)."""
-        inputs = track.token_inputs(self.loss.advantage)
+        inputs = token_inputs(track, self.loss.advantage)
         mask = inputs["mask"].bool()
-        returns = track.value_targets(self.loss.advantage)[mask]
+        returns = track_value_targets(track, self.loss.advantage)[mask]
         values = inputs["values"][mask]
         var = returns.var(unbiased=False)
         explained = float(1 - (returns - values).var(unbiased=False) / var) if var > 0 else 0.0

@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from unirl.algorithms.advantages import track_advantages
 from unirl.dataplane import BatchMeta, get_batch, make_transport
 from unirl.distributed.cores import apply_thread_count
 from unirl.reward.service import RewardService
@@ -41,16 +42,50 @@ from unirl.trainer.modality import ImageModality, TextModality, modality_for
 from unirl.trainer.step_record import StepRecord
 from unirl.trainer.trainer import WORKER_ENV, Trainer
 from unirl.trainer.worker import build
-from unirl.types.lineage import aggregate_children, child_request
+from unirl.types.lineage import child_request
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.sampling import TextSamplingParams
 
+AGGREGATES = ("mean", "max", "min")  # how a parent track's reward derives from its children's
 LINEAGE_FIELDS = ["parent_ids", "root_ids"]
 # what a child's request is built from (`child_request`), besides a grandparent's root ids
 PARENT_FIELDS = ["sample_ids", "group_ids", "prompts", "metadata", "texts"]
 # recipe keys of a composed run that a track's engine does not read
 RUN_ONLY_KEYS = ("tracks", "rollout", "rewards", "data_source", "eval")
+
+
+def aggregate_children(parent: RolloutTrack, child: RolloutTrack, how: str) -> torch.Tensor:
+    """[Bp] fp32: for each parent sample, the `how` ("mean" | "max" | "min") of its children's
+    `rewards`.
+
+    Raises ValueError naming the ids when a child's parent is not in `parent` (naming both),
+    when a parent has no child, or when the child track has no rewards or no lineage.
+    """
+    if how not in AGGREGATES:
+        raise ValueError(f"parent reward aggregate must be one of {AGGREGATES}, got {how!r}")
+    if child.rewards is None:
+        raise ValueError(f"track {child.name!r} has no rewards to propagate to track {parent.name!r}")
+    if child.parent_ids is None:
+        raise ValueError(f"track {child.name!r} has no parent_ids: it is not a child of {parent.name!r}")
+    index = {sid: i for i, sid in enumerate(parent.sample_ids)}
+    rows: list[list[int]] = [[] for _ in parent.sample_ids]
+    for j, pid in enumerate(child.parent_ids):
+        if pid not in index:
+            raise ValueError(
+                f"sample {child.sample_ids[j]!r} of track {child.name!r} names parent {pid!r}, which is not in "
+                f"the batch of track {parent.name!r}"
+            )
+        rows[index[pid]].append(j)
+    empty = [parent.sample_ids[i] for i, r in enumerate(rows) if not r]
+    if empty:
+        raise ValueError(
+            f"sample(s) {empty[:3]}{' ...' if len(empty) > 3 else ''} of track {parent.name!r} have no child "
+            f"in track {child.name!r}"
+        )
+    rewards = child.rewards.float().cpu()
+    reduce = {"mean": torch.mean, "max": torch.amax, "min": torch.amin}[how]
+    return torch.stack([reduce(rewards[torch.tensor(r)]) for r in rows]).to(child.rewards.device)
 
 
 def track_recipe(plain: dict[str, Any], name: str) -> dict[str, Any]:
@@ -253,7 +288,7 @@ class ComposedTrainer(Trainer):
         views = self._score(step, metas, row)
         for name in self.trained:
             self._driver_phase(
-                step, f"advantages ({name})", views[name].compute_advantages, self.advantage[name]
+                step, f"advantages ({name})", track_advantages, views[name], self.advantage[name]
             )
         record.mark("reward")
         progress = step / self.num_steps

@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from unirl.algorithms.advantages import track_advantages
 from unirl.dataplane import BatchMeta, make_transport
 from unirl.distributed.cores import apply_thread_count, governed_threads, usable_cores
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
@@ -435,7 +436,7 @@ class Trainer:
                     )
                     record.mark("rollout", t_rollout)
                     ahead = None
-                    self._driver_phase(step, "advantages", track.compute_advantages, self.advantage)
+                    self._driver_phase(step, "advantages", track_advantages, track, self.advantage)
                     record.mark("reward")
                     self._guard(step, "sleep", self.rollouts.release)  # colocated engines free the devices
                     if self.rollout_settings.max_staleness and step + 1 < self.num_steps:

@@ -30,6 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from unirl.algorithms.advantages import track_advantages
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.cores import apply_thread_count, thread_metrics
 from unirl.distributed.device import build_bundle
@@ -320,7 +321,7 @@ class UnifiedTrainer(ComposedTrainer):
         row[f"{self.root}/truncated_fraction"] = sum(truncated) / len(truncated)
         for name in self.trained:
             self._driver_phase(
-                step, f"advantages ({name})", views[name].compute_advantages, self.advantage[name]
+                step, f"advantages ({name})", track_advantages, views[name], self.advantage[name]
             )
         record.mark("reward")
         shards = {n: self.transport.claim(metas[n], "train") for n in self.trained}

@@ -1,8 +1,9 @@
 """The typed boundary between rollout and training: pure data, no nn.Module, no Ray."""
 
+from unirl.types.advantages import AdvantageConfig
 from unirl.types.reward import RewardRequest, RewardResponse
 from unirl.types.rollout_req import PromptExample, RolloutReq
-from unirl.types.rollout_resp import AdvantageConfig, RolloutResp, RolloutTrack, compute_advantages
+from unirl.types.rollout_resp import RolloutResp, RolloutTrack
 from unirl.types.sampling import DiffusionSamplingParams, ImageTokenSamplingParams, TextSamplingParams
 from unirl.types.segments import LatentSegment, TokenSegment
 
@@ -19,5 +20,4 @@ __all__ = [
     "RolloutTrack",
     "TextSamplingParams",
     "TokenSegment",
-    "compute_advantages",
 ]

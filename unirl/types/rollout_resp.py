@@ -1,8 +1,7 @@
 """`RolloutResp` and `RolloutTrack`: what a rollout produced, per stage.
 
-Reward -> advantage shaping is `RolloutTrack.compute_advantages` (the estimators
-live in `advantages.py`), so every algorithm and every trainer share one
-implementation.
+Reward -> advantage shaping is `unirl.algorithms.advantages.track_advantages`, one
+implementation every algorithm and every trainer share.
 """
 
 from __future__ import annotations
@@ -12,17 +11,10 @@ from typing import Any
 
 import torch
 
-from unirl.types.advantages import (
-    AdvantageConfig,
-    compute_advantages,
-    group_layout,
-    kl_penalty,
-    value_targets,
-)
 from unirl.types.batch import concat, select, split
 from unirl.types.segments import LatentSegment, TokenSegment
 
-__all__ = ["AdvantageConfig", "RolloutResp", "RolloutTrack", "compute_advantages", "group_layout"]
+__all__ = ["RolloutResp", "RolloutTrack"]
 
 
 @dataclass
@@ -99,72 +91,6 @@ class RolloutTrack:
     def concat(parts: list[RolloutTrack]) -> RolloutTrack:
         """Reassemble shards in order (data-parallel gather)."""
         return concat(parts)
-
-    def compute_advantages(self, cfg: AdvantageConfig) -> torch.Tensor:
-        """Set and return `advantages` from `rewards` (see `compute_advantages`). When `cfg`
-        needs tokens (reinforce_pp*, or KL folded into the reward) the response mask and the
-        per-token KL (rollout `log_probs` vs `ref_log_probs`) come from the `TokenSegment`."""
-        if self.rewards is None:
-            raise ValueError(f"track {self.name!r} has no rewards: score it before computing advantages")
-        parts = {}
-        if cfg.multi_reward == "gdpo":  # each component normalised on its own
-            parts = {"components": self.reward_components, "weights": self.reward_weights}
-        self.advantages = compute_advantages(self.rewards, self.group_ids, cfg, **self.token_inputs(cfg), **parts)
-        return self.advantages
-
-    def value_targets(self, cfg: AdvantageConfig) -> torch.Tensor:
-        """[B, Rmax] GAE returns of this track (`value_targets`): the critic's regression targets,
-        from `rewards` and the segment's `values` under `cfg` (estimator gae)."""
-        if self.rewards is None:
-            raise ValueError(f"track {self.name!r} has no rewards: score it before computing returns")
-        return value_targets(self.rewards, cfg, **self.token_inputs(cfg))
-
-    def token_inputs(self, cfg: AdvantageConfig) -> dict[str, torch.Tensor]:
-        """`mask` ([B, Rmax]), with `cfg.kl_coef > 0` `token_kl` ([B, Rmax], `cfg.kl_estimator`
-        of the rollout log-probs against the reference's) and with estimator gae `values` (the
-        critic's, [B, Rmax]) for `compute_advantages`; {} when `cfg` needs none of them. A
-        diffusion track with estimator gae gives `step_inputs()`: its SDE steps are the tokens."""
-        if not cfg.needs_tokens:
-            return {}
-        seg = self.segment
-        if isinstance(seg, LatentSegment) and cfg.estimator == "gae" and cfg.kl_coef == 0:
-            return self.step_inputs()
-        if not isinstance(seg, TokenSegment):
-            raise ValueError(
-                f"advantage.estimator={cfg.estimator!r} with advantage.kl_coef={cfg.kl_coef} needs "
-                f"per-token data, but track {self.name!r} holds a {type(seg).__name__}; use estimator "
-                "grpo or rloo with kl_coef 0 on it"
-            )
-        out = {"mask": seg.response_mask()}
-        if cfg.kl_coef > 0:
-            if seg.ref_log_probs is None:
-                raise ValueError(
-                    f"advantage.kl_coef={cfg.kl_coef} folds the KL into the reward, but track {self.name!r} "
-                    "has no ref_log_probs: the rollout must record the reference policy's log-probs"
-                )
-            logp, ref = seg.padded("log_probs").float(), seg.padded("ref_log_probs").float()
-            out["token_kl"] = kl_penalty(logp, ref, cfg.kl_estimator) * out["mask"]
-        if cfg.estimator == "gae":
-            if seg.values is None:
-                raise ValueError(
-                    f"advantage.estimator=gae needs per-token values, but track {self.name!r} has none: "
-                    "the recipe's critic records them at rollout (set critic)"
-                )
-            out["values"] = seg.padded("values").float()
-        return out
-
-    def step_inputs(self) -> dict[str, torch.Tensor]:
-        """GAE's inputs over a diffusion track's K SDE steps: `mask` [B, K] of ones (every sample
-        takes every step) and `values` [B, K] (the critic's, `LatentSegment.values`). The reward
-        then sits on the last step, as a text response's on its last token."""
-        values = getattr(self.segment, "values", None)
-        if values is None:
-            raise ValueError(
-                f"advantage.estimator=gae needs per-step values, but track {self.name!r} has none: "
-                "the recipe's critic records them at rollout (set critic)"
-            )
-        values = values.float()
-        return {"mask": torch.ones_like(values), "values": values}
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from unirl.algorithms.advantages import track_advantages
+from unirl.trainer.composed import aggregate_children
 from unirl.types import (
     AdvantageConfig,
     DiffusionSamplingParams,
@@ -13,7 +15,7 @@ from unirl.types import (
     RolloutReq,
     TextSamplingParams,
 )
-from unirl.types.lineage import aggregate_children, child_request
+from unirl.types.lineage import child_request
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment
 
@@ -121,12 +123,12 @@ def test_per_track_advantages_by_hand() -> None:
     parent = parent_track(1, 3)
     child = child_track(parent, 2, [0.1, 0.5, 0.9, 0.9, 0.0, 0.2])
     cfg = AdvantageConfig(estimator="grpo", scope="group", eps=1e-12)
-    child_adv = child.compute_advantages(cfg)
+    child_adv = track_advantages(child, cfg)
     assert torch.allclose(child_adv, torch.tensor([-1.0, 1.0, 0.0, 0.0, -1.0, 1.0]), atol=1e-6)
     parent.rewards = aggregate_children(parent, child, "mean")
     r = torch.tensor([0.3, 0.9, 0.1])
     z = (r - r.mean()) / r.std(unbiased=False)
-    assert torch.allclose(parent.compute_advantages(cfg), z, atol=1e-5)
+    assert torch.allclose(track_advantages(parent, cfg), z, atol=1e-5)
 
 
 def test_missing_parent_and_childless_parent_are_errors() -> None:

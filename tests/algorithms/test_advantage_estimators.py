@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from unirl.types import AdvantageConfig, LatentSegment, RolloutTrack, TokenSegment, compute_advantages
+from unirl.algorithms.advantages import compute_advantages, track_advantages
+from unirl.types import AdvantageConfig, LatentSegment, RolloutTrack, TokenSegment
 
 EPS = 1e-4
 
@@ -175,18 +176,18 @@ def token_track(ref: bool) -> RolloutTrack:
 
 def test_track_folds_the_kl_from_its_segment() -> None:
     track = token_track(ref=True)
-    adv = track.compute_advantages(AdvantageConfig(estimator="rloo", kl_coef=0.2, kl_estimator="k1"))
+    adv = track_advantages(track, AdvantageConfig(estimator="rloo", kl_coef=0.2, kl_estimator="k1"))
     # k1 = logp - ref: sample 0 [0.5, -1.0] sums to -0.5, sample 1 [-0.25]
     r = [1.0 - 0.2 * -0.5, 2.0 - 0.2 * -0.25]  # [1.1, 2.05]
     close(adv, [r[0] - r[1], r[1] - r[0]])
     assert adv is track.advantages
-    per_token = track.compute_advantages(AdvantageConfig(estimator="reinforce_pp_baseline"))
+    per_token = track_advantages(track, AdvantageConfig(estimator="reinforce_pp_baseline"))
     assert per_token.shape == (2, 2) and per_token[1, 1].item() == 0.0
 
 
 def test_track_without_reference_log_probs_raises() -> None:
     with pytest.raises(ValueError, match="track 'ar' has no ref_log_probs"):
-        token_track(ref=False).compute_advantages(AdvantageConfig(kl_coef=0.1))
+        track_advantages(token_track(ref=False), AdvantageConfig(kl_coef=0.1))
 
 
 def test_latent_track_refuses_token_estimators() -> None:
@@ -201,4 +202,4 @@ def test_latent_track_refuses_token_estimators() -> None:
     )
     track = RolloutTrack("diffusion", ["0", "1"], ["g", "g"], ["", ""], [{}, {}], seg, rewards=torch.ones(2))
     with pytest.raises(ValueError, match="track 'diffusion' holds a LatentSegment"):
-        track.compute_advantages(AdvantageConfig(estimator="reinforce_pp"))
+        track_advantages(track, AdvantageConfig(estimator="reinforce_pp"))

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from unirl.types import AdvantageConfig, LatentSegment, RolloutTrack, compute_advantages
-from unirl.types.rollout_resp import group_layout
+from unirl.algorithms.advantages import compute_advantages, group_layout, track_advantages
+from unirl.types import AdvantageConfig, LatentSegment, RolloutTrack
 
 EPS = 1e-4
 
@@ -160,7 +160,7 @@ def _track(rewards: torch.Tensor | None) -> RolloutTrack:
 
 def test_track_compute_advantages_sets_field() -> None:
     track = _track(torch.tensor(REWARDS))
-    out = track.compute_advantages(AdvantageConfig())
+    out = track_advantages(track, AdvantageConfig())
     assert out is track.advantages
     assert torch.equal(out, compute_advantages(torch.tensor(REWARDS), GROUPS, AdvantageConfig()))
 
@@ -168,7 +168,7 @@ def test_track_compute_advantages_sets_field() -> None:
 def test_track_missing_rewards_raise() -> None:
     track = _track(None)
     with pytest.raises(ValueError, match="track 'diffusion' has no rewards"):
-        track.compute_advantages(AdvantageConfig())
+        track_advantages(track, AdvantageConfig())
     assert track.advantages is None
 
 
@@ -288,6 +288,6 @@ def test_a_scored_track_gives_gdpo_its_components_and_weights() -> None:
     RewardService(backend).score_and_attach(track)
     assert track.reward_weights == {"red": 1.0, "green": 0.3}
     cfg = AdvantageConfig(multi_reward="gdpo")
-    got = track.compute_advantages(cfg)
+    got = track_advantages(track, cfg)
     comps = {k: v.numpy() for k, v in track.reward_components.items()}
     np.testing.assert_allclose(got.numpy(), gdpo_by_hand(comps, track.reward_weights, 4, cfg.eps), rtol=1e-5, atol=1e-6)
