@@ -387,3 +387,50 @@ def test_allow_list_is_needed() -> None:
     text = "\n".join(doc.read_text() for doc in DOCS)
     unused = [name for name in ALLOWED if name not in text]
     assert not unused, f"ALLOWED entries no doc names any more (remove them): {unused}"
+
+
+def capability_rows(text: str) -> list[list[str]]:
+    """The cells of the top README's capability table (after its header and separator)."""
+    lines = text.split("\n")
+    start = lines.index("| area | what | CPU | GPU |") + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+CLAIM_FREE = ("not run", "-")
+CELL_CHARS = 160
+
+
+def capability_problems(text: str) -> list[str]:
+    """Cells of the capability table that are not one short line, and CPU / GPU cells that claim
+    something without linking the page of its evidence."""
+    problems = []
+    for row in capability_rows(text):
+        what = row[1] or row[0]
+        for column, cell in zip(("area", "what", "CPU", "GPU"), row, strict=True):
+            if len(cell) > CELL_CHARS:
+                problems.append(f"{what!r} {column}: {len(cell)} characters (at most {CELL_CHARS}; details go to docs/results/capabilities.md)")
+            if column in ("CPU", "GPU") and cell not in CLAIM_FREE and "](" not in cell:
+                problems.append(f"{what!r} {column}: {cell!r} claims something but links no evidence")
+    return problems
+
+
+def test_capability_table_is_one_line_a_cell_linking_its_evidence() -> None:
+    """The top README's capability table reads at a glance: one short line a cell, and every CPU
+    or GPU cell that claims something links the page with its evidence (`test_doc_is_true` checks
+    that the link resolves); the details live in docs/results/capabilities.md."""
+    text = (ROOT / "README.md").read_text()
+    assert len(capability_rows(text)) >= 30
+    assert capability_problems(text) == []
+    bad = (
+        "| area | what | CPU | GPU |\n|---|---|---|---|\n"
+        "| models | tiny SD3 | runs | H200: runs ([devices.md](docs/results/devices.md)) |\n"
+        f"| | x | {'y' * (CELL_CHARS + 1)} ([a](b.md)) | not run |\n"
+    )
+    found = capability_problems(bad)
+    assert any("'tiny SD3' CPU: 'runs' claims something but links no evidence" in p for p in found)
+    assert any("'x' CPU:" in p and "characters" in p for p in found) and len(found) == 2
