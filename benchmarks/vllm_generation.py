@@ -63,7 +63,7 @@ def request(name: str, max_new_tokens: int, chat: bool, prompts: int, samples: i
     from unirl.types.sampling import TextSamplingParams
 
     if name == "arith_lm":
-        from unirl.arith import ArithDataset
+        from worlds.arith import ArithDataset
 
         rows = ArithDataset(split="train", seed=0)
         texts = [rows[i].prompt for i in range(prompts)]

@@ -39,7 +39,7 @@ import types
 
 import torch
 
-from unirl.shapes.motion import SQUARE_SIDES, square_prompt
+from worlds.shapes.motion import SQUARE_SIDES, square_prompt
 
 BASE = "checkpoints/squares_wan"
 TEXT_TOKENS = 8  # the base's pretraining max_sequence_length (examples/sft/squares_wan_pretrain.yaml)

@@ -41,10 +41,10 @@ import torch
 from unirl.models.janus import JanusImageStage, JanusModelConfig, TinyJanusConfig
 from unirl.models.janus.bundle import PLAN_END_TOKEN
 from unirl.models.janus.pretrain import nearest_codes, pixels, plan_ids, teacher_forced_losses
-from unirl.shapes import GenEvalMini, ShapesPESFTSource
-from unirl.shapes.paraphrase import paraphrase
-from unirl.shapes.world import parse_prompt, render, split_scenes
 from unirl.types.sampling import ImageTokenSamplingParams
+from worlds.shapes import GenEvalMini, ShapesPESFTSource
+from worlds.shapes.paraphrase import paraphrase
+from worlds.shapes.world import parse_prompt, render, split_scenes
 
 _VQ_FIELDS = ("num_patches", "codebook_size", "vq_levels", "vq_channels", "vq_embed_dim")
 

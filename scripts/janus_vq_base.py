@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from unirl.models.janus import JanusModelConfig
 from unirl.models.janus.pretrain import nearest_codes, normalized_vq_forward, pixels, restart_dead_codes
-from unirl.shapes import GenEvalMini, ShapesDataset
+from worlds.shapes import GenEvalMini, ShapesDataset
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import os
 import numpy as np
 from PIL import Image
 
-from unirl.shapes.world import COLORS, ShapesDataset, ShapeSpec, render, scene_to_prompt
+from worlds.shapes.world import COLORS, ShapesDataset, ShapeSpec, render, scene_to_prompt
 
 
 def recolored(spec, rng: np.random.Generator):

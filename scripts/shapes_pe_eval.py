@@ -1,7 +1,7 @@
 """Rewrite accuracy of a shapes prompt enhancer (PE) on every slice of the PE world.
 
 For each slice (the RL-form training prompts "train", and "heldout", "unseen_templates",
-"unseen_words"; `unirl.shapes.ShapesPEDataset`): greedy and pass@k at a temperature, scored by
+"unseen_words"; `worlds.shapes.ShapesPEDataset`): greedy and pass@k at a temperature, scored by
 `RewriteMatchesScene` through the same requests as `LMEvaluator` (`unirl.trainer.text_eval`),
 overall, per category and per forms tier; and the floor, the fraction of raw user prompts that
 already parse (`parse_prompt`) and that parse to the right scene (what feeding the raw prompt to
@@ -20,9 +20,9 @@ import torch
 
 from unirl.models.causal_lm import CausalLMConfig, CausalLMStage
 from unirl.rollout.trainside import TrainsideEngine
-from unirl.shapes import RewriteMatchesScene, ShapesPEDataset, parse_prompt, same_scene
-from unirl.shapes.paraphrase import END, RL_SHARE
 from unirl.trainer.text_eval import TextEvalSampling, eval_requests, text_accuracies
+from worlds.shapes import RewriteMatchesScene, ShapesPEDataset, parse_prompt, same_scene
+from worlds.shapes.paraphrase import END, RL_SHARE
 
 SLICES = (("train", "train"), ("eval", "heldout"), ("eval", "unseen_templates"), ("eval", "unseen_words"))
 

@@ -44,8 +44,8 @@ def main() -> None:
         raise SystemExit(f"trl_pe_peer.py needs TRL and datasets ({e}); pip install trl datasets") from e
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unirl.shapes import RewriteMatchesScene, ShapesPEDataset
     from unirl.types.reward import RewardRequest
+    from worlds.shapes import RewriteMatchesScene, ShapesPEDataset
 
     torch.set_num_threads(1)
     scorer = RewriteMatchesScene()

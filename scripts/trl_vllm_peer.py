@@ -31,7 +31,7 @@ def main() -> None:
     except ImportError as e:
         raise SystemExit(f"trl_vllm_peer.py needs TRL and datasets ({e}); pip install trl datasets") from e
 
-    from unirl.arith import ArithDataset
+    from worlds.arith import ArithDataset
 
     problems = ArithDataset(split="train", seed=0)
     rows = [{"prompt": problems[i].prompt} for i in range(64)]

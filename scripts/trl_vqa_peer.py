@@ -57,8 +57,8 @@ def held_out_greedy(model_dir: str, rows) -> dict[str, float]:
     """Greedy accuracy of the model in `model_dir` on `rows`, overall and by holdout / question type
     (UniRL's `CausalLMStage` and `VQAAnswer`, the recipe's evaluation settings)."""
     from unirl.models.causal_lm import CausalLMStage, VLMConfig
-    from unirl.shapes.vqa import VQAAnswer, strip_answer
     from unirl.types import RolloutReq, TextSamplingParams
+    from worlds.shapes.vqa import VQAAnswer, strip_answer
 
     stage = CausalLMStage(VLMConfig(pretrained_path=model_dir).build())
     sampling = TextSamplingParams(
@@ -108,7 +108,7 @@ def main() -> None:
 
     from datasets import Dataset, DatasetInfo, Features, Value
     from datasets import Image as HFImage
-    from unirl.shapes.vqa import ANSWERS, ShapesVQADataset, strip_answer
+    from worlds.shapes.vqa import ANSWERS, ShapesVQADataset, strip_answer
 
     torch.manual_seed(args.seed)
     train = ShapesVQADataset("train", args.seed).examples

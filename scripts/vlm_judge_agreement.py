@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from unirl.reward.judge import VLMJudge  # noqa: E402
-from unirl.shapes import GenEvalMini, parse_prompt  # noqa: E402
-from unirl.shapes.vqa import JudgeQuestions  # noqa: E402
-from unirl.train_reward_model import auc  # noqa: E402
 from unirl.types.reward import RewardRequest  # noqa: E402
+from worlds.shapes import GenEvalMini, parse_prompt  # noqa: E402
+from worlds.shapes.train_reward_model import auc  # noqa: E402
+from worlds.shapes.vqa import JudgeQuestions  # noqa: E402
 
 HELDOUT = "checkpoints/shapes_reward/heldout.npz"
 

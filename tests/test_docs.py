@@ -1,11 +1,11 @@
 """The docs say true things about the code.
 
-For the top README, every package README under unirl/, benchmarks/README.md, the committed
+For the top README, every package README under unirl/ and worlds/, benchmarks/README.md, the committed
 checkpoints' TRAINING.md and every page under docs/:
 
 - every relative markdown link resolves to a file (and its `#anchor`, when given, to a heading of
   that file);
-- every code symbol named in backticks exists: a dotted path `unirl.a.b.Name[.attr]`, a file
+- every code symbol named in backticks exists: a dotted path `unirl.a.b.Name[.attr]` (or `worlds.`), a file
   `name.py` or `path/to/name.py`, a committed path `dir/name.md|yaml|sh|toml` (globs allowed), a recipe `--config-name=<domain>/<name>` (in prose or in a code
   block), a module run as `python -m unirl.x`, and a bare class name (`CamelCase`, or
   `CamelCase.attr`) that the repository defines.
@@ -33,6 +33,7 @@ DOCS = sorted(
         ROOT / "README.md",
         ROOT / "benchmarks" / "README.md",
         *(ROOT / "unirl").rglob("README.md"),
+        *(ROOT / "worlds").rglob("README.md"),
         *(ROOT / "checkpoints").glob("*/TRAINING.md"),
         *(ROOT / "docs").rglob("*.md"),
     }
@@ -187,7 +188,7 @@ def _resolve_in_module(module: str, names: list[str], depth: int = 0) -> bool:
         return False
     if binding[0] == "import":
         src, name = binding[1], binding[2]
-        if not src.startswith("unirl"):
+        if not src.startswith(("unirl", "worlds")):
             return True  # a third-party name re-exported; its attributes are not ours to check
         if name is None:
             return _resolve_in_module(src, rest, depth + 1)
@@ -249,7 +250,7 @@ def _imported_names() -> set[str]:
     out = set()
     for rel in PY_FILES:
         for node in ast.walk(_tree(ROOT / rel)):
-            if isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith("unirl"):
+            if isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith(("unirl", "worlds")):
                 out.update(alias.name for alias in node.names)
     return out
 
@@ -272,7 +273,7 @@ def _file_exists(ref: str, doc: Path) -> bool:
 
 # --- what the docs name ---------------------------------------------------------------------------
 
-DOTTED = re.compile(r"(?<![\w./\"'-])(unirl(?:\.\w+)+)")
+DOTTED = re.compile(r"(?<![\w./\"'-])((?:unirl|worlds)(?:\.\w+)+)")
 # a committed file by path: `unirl/rollout/README.md`, `examples/diffusion/shapes_*.yaml` (globs allowed)
 PATHREF = re.compile(r"(?<![\w/.<{-])((?:[\w.*-]+/)+[\w.*-]+\.(?:md|yaml|sh|toml|jinja))(?![\w/])")
 PYFILE = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.py)\b")
@@ -312,7 +313,7 @@ def _problems(doc: Path) -> list[str]:
             if not (ROOT / "examples" / f"{name}.yaml").is_file():
                 out.append(f"{where}: recipe `{name}` has no examples/{name}.yaml")
 
-    for match in re.finditer(r"python -m (unirl(?:\.\w+)+)", text):
+    for match in re.finditer(r"python -m ((?:unirl|worlds)(?:\.\w+)+)", text):
         module = match.group(1)
         if module not in ALLOWED and _module_file(module) is None:
             out.append(f"{where}: `python -m {module}`: no such module")

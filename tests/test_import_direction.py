@@ -2,7 +2,8 @@
 
 types <- sde <- models <- (rollout, reward, algorithms) <- train <- distributed <- trainer <- config
 <- entry points. `config` (the recipe validators) checks every component, so it sits above them all
-and nothing but an entry point imports it; `data` and `tracking` are leaf utilities. Every module under unirl/ is parsed with `ast`; nothing
+and nothing but an entry point imports it; `data` and `tracking` are leaf utilities; nothing imports a
+world (`worlds/`, beside the package). Every module under unirl/ is parsed with `ast`; nothing
 is imported, so the check is fast and cannot be fooled by import side effects.
 """
 
@@ -39,16 +40,10 @@ ALLOWED: dict[str, set[str]] = {
     "sync": {"distributed", "sync"},
     "trainer": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS},
     "data": {"types", "data"},
-    # the shapes world (datasets, renderer, scorers) is a leaf over the typed boundary and data
-    # sources (its VQA rows are a resumable data source, as the arithmetic world's problems are)
-    "shapes": {"types", "data", "shapes"},
-    # the arithmetic world (problems, split, verifier) is a leaf over the typed boundary and data sources
-    "arith": {"types", "data", "arith"},
     "tracking": {"tracking"},
     "config": {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", *UTILS, "config"},
-    # entry points sit on top; one may also use a world it trains a component of
-    # (unirl.train_reward_model: the shapes world's learned reward)
-    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", "config", *UTILS, "shapes", ENTRY},
+    # entry points sit on top
+    ENTRY: {*CORE, *MIDDLE, "train", "distributed", "dataplane", "sync", "trainer", "config", *UTILS, ENTRY},
     "": set(),  # unirl/__init__.py stays import-free
 }
 # third-party packages the pure layers must not pull in
@@ -107,6 +102,8 @@ def violations(module: str, is_pkg: bool, source: str) -> list[str]:
         top = target.split(".")[0]
         if top in FORBIDDEN_EXTERNAL.get(src, set()):
             bad.append(f"{module}:{line} -> {target} (third-party {top!r} in a pure layer)")
+        if top == "worlds":  # the framework knows no world: recipes reach one by `_target_`
+            bad.append(f"{module}:{line} -> {target} (unirl may not import a world)")
         if top != "unirl" or target == "unirl":
             continue
         dst = layer_of(target)
@@ -162,6 +159,7 @@ def test_layer_order() -> None:
         ("unirl.rollout.trainside", False, "from unirl.data import x\n", "rollout may not import data"),
         ("unirl.data.datasets", False, "import unirl.sde\n", "data may not import sde"),
         ("unirl.tracking.metrics", False, "from unirl.types import x\n", "tracking may not import types"),
+        ("unirl.reward.judge", False, "from worlds.shapes.vqa import q\n", "unirl may not import a world"),
         ("unirl.models.sd3", True, "from unirl.config import x\n", "models may not import config"),
         (
             "unirl.trainer.trainer",
@@ -257,7 +255,7 @@ def test_family_checker_flags(module: str, source: str, expected: str) -> None:
     ("module", "source"),
     [
         ("unirl.models.sd3.bundle", "from unirl.models.sd3.other import x\nfrom unirl.models.flow import F\n"),
-        ("unirl.train_reward_model", "BASE = 'unirl.models.sd3.SD3ModelConfig'\n"),
+        ("unirl.train_sft", "BASE = 'unirl.models.sd3.SD3ModelConfig'\n"),
         ("unirl.trainer.evaluation", "from unirl.models.flow.stage import FlowMatchingStage\n"),
     ],
 )

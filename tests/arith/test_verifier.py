@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from unirl.arith import ArithAnswer, ArithDataset, ArithFormat
 from unirl.types.reward import RewardRequest
+from worlds.arith import ArithAnswer, ArithDataset, ArithFormat
 
 
 def _req(texts: list[str], answers: list[object] | None = None, key: str = "answer") -> RewardRequest:

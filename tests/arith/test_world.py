@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from unirl.arith import (
+from worlds.arith import (
     COMBOS,
     HELD_OUT_COMBOS,
     TRAIN_COMBOS,
@@ -180,7 +180,7 @@ def test_data_source_resumes_identically() -> None:
 def test_data_source_from_recipe_args() -> None:
     from hydra.utils import instantiate
 
-    src = instantiate({"_target_": "unirl.arith.ArithDataSource", "split": "eval", "seed": 0})
+    src = instantiate({"_target_": "worlds.arith.ArithDataSource", "split": "eval", "seed": 0})
     assert len(src) == 200
     assert src.next_batch(4)[0].metadata.keys() == {"answer", "op", "digits", "holdout"}
     assert len(ArithDataSource()) == 20_000

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.recipes import IN_PROCESS, run
-from unirl.arith import HELD_OUT_COMBOS
+from worlds.arith import HELD_OUT_COMBOS
 
 pytestmark = [pytest.mark.e2e]
 

@@ -1,4 +1,4 @@
-"""`python -m unirl.train_reward_model` end to end at a tiny size: data from the committed base and
+"""`python -m worlds.shapes.train_reward_model` end to end at a tiny size: data from the committed base and
 renders, training, export, agreement, and resuming from the cached data and train state (the
 second call and the bad arguments in this process, through the same `main`)."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_module
-from unirl.shapes.reward_model import CLASSES, ShapesRewardModel
-from unirl.train_reward_model import main
+from worlds.shapes.reward_model import CLASSES, ShapesRewardModel
+from worlds.shapes.train_reward_model import main
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ def test_train_export_and_resume(tmp_path, capsys):
         os.path.join(REPO, "checkpoints", "shapes_sd3"),
         *TINY,
     ]
-    first = run_module("unirl.train_reward_model", *args, "--steps", "20", timeout=600)
+    first = run_module("worlds.shapes.train_reward_model", *args, "--steps", "20", timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     cached = sorted(os.listdir(work))
     assert cached == [

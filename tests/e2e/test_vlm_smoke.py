@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from tests.recipes import run
 from unirl.models.causal_lm.vision import VLMConfig
-from unirl.shapes.vqa import ShapesVQADataset
+from worlds.shapes.vqa import ShapesVQADataset
 
 pytestmark = [pytest.mark.e2e]
 

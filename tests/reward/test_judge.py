@@ -11,9 +11,9 @@ import torch
 from unirl.reward import LocalRewardBackend, RemoteRewardBackend
 from unirl.reward.judge import VLMJudge, vqascore_question
 from unirl.reward.server import RewardServer, ServerConfig
-from unirl.shapes.vqa import ANSWERS, JudgeQuestions, prompt_questions
-from unirl.shapes.world import SceneSpec, ShapeSpec, parse_prompt, render
 from unirl.types.reward import RewardRequest
+from worlds.shapes.vqa import ANSWERS, JudgeQuestions, prompt_questions
+from worlds.shapes.world import SceneSpec, ShapeSpec, parse_prompt, render
 
 BASE = "checkpoints/shapes_vqa"
 PROMPTS = ["a red circle left of a blue square", "two green triangles", "a blue square and a red circle"]

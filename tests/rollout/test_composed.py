@@ -11,9 +11,9 @@ from tests.conftest import REPO
 from unirl.models.causal_lm import CausalLMConfig, CausalLMStage
 from unirl.models.sd3 import SD3ModelConfig, SD3Stage
 from unirl.rollout.composed import ComposedEngine
-from unirl.shapes import GenEvalMini
 from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq, TextSamplingParams
 from unirl.types.reward import RewardRequest
+from worlds.shapes import GenEvalMini
 
 REWRITES = [
     "",  # the PE stopped at once

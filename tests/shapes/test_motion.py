@@ -11,10 +11,10 @@ from unirl.data import ListDataSource
 from unirl.models.wan import WanModelConfig
 from unirl.models.wan.config import TinyWanConfig
 from unirl.reward.local.video import ColorMotion
-from unirl.shapes.motion import SQUARE_SIDES, WORDS, MovingSquares, render_clip
-from unirl.shapes.world import BACKGROUND, PALETTE
 from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig, images_to_model
 from unirl.types import RewardRequest
+from worlds.shapes.motion import SQUARE_SIDES, WORDS, MovingSquares, render_clip
+from worlds.shapes.world import BACKGROUND, PALETTE
 
 RED = np.array(PALETTE["red"], dtype=np.uint8)
 

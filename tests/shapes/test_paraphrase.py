@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from unirl.data import ListDataSource
-from unirl.shapes import (
+from unirl.types.reward import RewardRequest
+from worlds.shapes import (
     COLOR_FORMS,
     COUNT_FORMS,
     PREFIX_FORMS,
@@ -26,8 +27,7 @@ from unirl.shapes import (
     render,
     split_scenes,
 )
-from unirl.shapes.paraphrase import END, KNOWN_WORDS, SLICES, Tiers, plural
-from unirl.types.reward import RewardRequest
+from worlds.shapes.paraphrase import END, KNOWN_WORDS, SLICES, Tiers, plural
 
 WORD_CLASSES: dict[str, dict] = {
     "color": COLOR_FORMS,
@@ -339,8 +339,8 @@ def test_geneval_intent_key_judges_against_metadata() -> None:
 
 
 def test_canonical_format_rewards_only_the_grammar() -> None:
-    from unirl.shapes import CanonicalFormat
     from unirl.types.reward import RewardRequest
+    from worlds.shapes import CanonicalFormat
 
     texts = ["a red circle", " two blue squares ", "a red trianglue abo", "a blue square right of a red circle", ""]
     req = RewardRequest(sample_ids=[str(i) for i in range(5)], prompts=[""] * 5, texts=texts, metadata=[{}] * 5)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.shapes import GenEvalMini, ShapesDataset, parse_prompt, scene_to_prompt
-from unirl.shapes.reward_data import blur, detection_labels, label, near_miss, perturb, synth_batch, targets
-from unirl.shapes.reward_model import (
+from unirl.types.reward import DifferentiableReward, RewardRequest
+from worlds.shapes import GenEvalMini, ShapesDataset, parse_prompt, scene_to_prompt
+from worlds.shapes.reward_data import blur, detection_labels, label, near_miss, perturb, synth_batch, targets
+from worlds.shapes.reward_model import (
     CLASSES,
     GRID,
     HEADS,
@@ -27,8 +28,7 @@ from unirl.shapes.reward_model import (
     scene_score,
     wanted_counts,
 )
-from unirl.shapes.scorer import score_scene
-from unirl.types.reward import DifferentiableReward, RewardRequest
+from worlds.shapes.scorer import score_scene
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMITTED = os.path.join(REPO, "checkpoints", "shapes_reward")
@@ -126,7 +126,7 @@ def test_gradient_reaches_the_images_and_not_the_frozen_net(saved):
 
 def test_errors_name_the_problem(saved, tmp_path):
     _, path = saved
-    with pytest.raises(ValueError, match="python -m unirl.train_reward_model"):
+    with pytest.raises(ValueError, match="python -m worlds.shapes.train_reward_model"):
         ShapesRewardModel(str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="count_tolerance must be > 0"):
         ShapesRewardModel(path, count_tolerance=0.0)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.shapes import (
+from unirl.types.reward import RewardRequest
+from worlds.shapes import (
     BACKGROUND,
     CATEGORIES,
     PALETTE,
@@ -35,7 +36,6 @@ from unirl.shapes import (
     split_scenes,
     summarize,
 )
-from unirl.types.reward import RewardRequest
 
 SCENES = all_scenes()
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from unirl.shapes import detect
-from unirl.shapes.scorer import relation_holds
-from unirl.shapes.vqa import (
+from unirl.types.reward import RewardRequest
+from worlds.shapes import detect
+from worlds.shapes.scorer import relation_holds
+from worlds.shapes.vqa import (
     ANSWERS,
     QTYPES,
     ShapesVQADataset,
@@ -18,8 +19,7 @@ from unirl.shapes.vqa import (
     VQAAnswer,
     VQAFormat,
 )
-from unirl.shapes.world import is_eval_scene, parse_prompt
-from unirl.types.reward import RewardRequest
+from worlds.shapes.world import is_eval_scene, parse_prompt
 
 
 def answer_from_pixels(image: np.ndarray, question: str) -> str:

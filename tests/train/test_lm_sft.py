@@ -202,7 +202,7 @@ def test_vlm_loss_is_the_mean_over_samples_forwarded_alone_with_their_images(tmp
     the batch's completion (+ EOS) tokens; the image reaches the loss (the vision tower gets
     gradient); a text-only model refuses image rows."""
     from unirl.models.causal_lm.vision import TinyVLMConfig, VLMConfig
-    from unirl.shapes.vqa import ShapesVQASFTSource
+    from worlds.shapes.vqa import ShapesVQASFTSource
 
     tiny = TinyVLMConfig(patch_size=8, min_pixels=256, max_pixels=1024)
     bundle = VLMConfig(tiny=tiny).build()

@@ -56,7 +56,7 @@ class VLMJudge:
     Args:
         model_path: a local VLM directory (a supervised VQA base such as `checkpoints/shapes_vqa`).
         questions: `(prompt, metadata) -> [(question, answer)]`, e.g. the shapes world's
-            `unirl.shapes.vqa.JudgeQuestions`; None: VQAScore's one question.
+            `worlds.shapes.vqa.JudgeQuestions`; None: VQAScore's one question.
         aggregate: "product" or "mean" over a sample's questions.
         batch_size: (image, question) pairs per forward.
         threads: torch threads while scoring (None: leave the process's setting).

@@ -107,7 +107,7 @@ class BundleEvaluator:
         examples: held-out prompts, or a dataset holding them in `.examples`
             (e.g. `ShapesDataset("eval")`).
         sampling: base sampling params (resolution, shift, token budget).
-        scorer: scores images against prompts (e.g. `unirl.shapes.GenEvalMini`).
+        scorer: scores images against prompts (e.g. `worlds.shapes.GenEvalMini`).
         eval_sampling: steps, guidance and seeds of evaluation.
     """
 

@@ -249,9 +249,9 @@ def test_committed_shapes_base_encodes_plans_and_draws_the_world():
     import random
 
     from unirl.models.janus.pretrain import nearest_codes, pixels, plan_ids
-    from unirl.shapes import GenEvalMini, ShapesDataset
-    from unirl.shapes.paraphrase import paraphrase
-    from unirl.shapes.world import split_scenes
+    from worlds.shapes import GenEvalMini, ShapesDataset
+    from worlds.shapes.paraphrase import paraphrase
+    from worlds.shapes.world import split_scenes
 
     base = JanusModelConfig(pretrained_path="checkpoints/shapes_janus").build()
     base.model.eval()

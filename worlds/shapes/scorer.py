@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from unirl.shapes.world import BACKGROUND, CATEGORIES, PALETTE, SHAPES, SceneSpec, parse_prompt, shape_mask
 from unirl.types.reward import RewardRequest
+from worlds.shapes.world import BACKGROUND, CATEGORIES, PALETTE, SHAPES, SceneSpec, parse_prompt, shape_mask
 
 _COLORS: tuple[str, ...] = tuple(PALETTE)
 _REFS = np.array([*PALETTE.values(), BACKGROUND], dtype=np.float32)  # [C+1, 3], background last

@@ -4,8 +4,8 @@ Problems, formats and the train/eval split (`world`) and the answer scorers
 (`verifier`). See README.md.
 """
 
-from unirl.arith.verifier import ArithAnswer, ArithFormat, strip_answer
-from unirl.arith.world import (
+from worlds.arith.verifier import ArithAnswer, ArithFormat, strip_answer
+from worlds.arith.world import (
     COMBOS,
     HELD_OUT_COMBOS,
     OPS,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from unirl.shapes.paraphrase import INVERSE_RELATION
-from unirl.shapes.world import COLORS, SHAPES, SceneSpec, ShapeSpec, parse_prompt
 from unirl.types.reward import RewardRequest
+from worlds.shapes.paraphrase import INVERSE_RELATION
+from worlds.shapes.world import COLORS, SHAPES, SceneSpec, ShapeSpec, parse_prompt
 
 
 def _order(obj: ShapeSpec) -> tuple[int, int]:

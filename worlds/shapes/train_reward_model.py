@@ -1,9 +1,9 @@
-"""Train the learned shapes reward (`unirl.shapes.reward_model`): one command, resumable.
+"""Train the learned shapes reward (`worlds.shapes.reward_model`): one command, resumable.
 
-    python -m unirl.train_reward_model --out checkpoints/shapes_reward [--work DIR] [options]
+    python -m worlds.shapes.train_reward_model --out checkpoints/shapes_reward [--work DIR] [options]
 
 1. Data (cached under `--work`, chunk by chunk, so a stopped run resumes where it was):
-   `--synth` renders and perturbed renders of training scenes (`unirl.shapes.reward_data`, each
+   `--synth` renders and perturbed renders of training scenes (`worlds.shapes.reward_data`, each
    paired with its own, a near-miss or a random training prompt); `--base-train` samples of the
    committed base (`--base`) on training prompts (ODE, CFG 3, 10 or 20 steps alternately), each
    also paired with a near-miss prompt; and two held-out sets never trained on: `--base-heldout`
@@ -38,9 +38,10 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from unirl.shapes import CATEGORIES, ShapesDataset, parse_prompt  # noqa: E402
-from unirl.shapes.reward_data import detection_labels, label, pair_prompts, synth_batch, targets  # noqa: E402
-from unirl.shapes.reward_model import (  # noqa: E402
+from unirl.types import PromptExample  # noqa: E402
+from worlds.shapes import CATEGORIES, ShapesDataset, parse_prompt  # noqa: E402
+from worlds.shapes.reward_data import detection_labels, label, pair_prompts, synth_batch, targets  # noqa: E402
+from worlds.shapes.reward_model import (  # noqa: E402
     CLASSES,
     HEADS,
     HEAT_MAX,
@@ -50,8 +51,7 @@ from unirl.shapes.reward_model import (  # noqa: E402
     save_scene_net,
     scene_score,
 )
-from unirl.shapes.scorer import score_scene  # noqa: E402
-from unirl.types import PromptExample  # noqa: E402
+from worlds.shapes.scorer import score_scene  # noqa: E402
 
 SYNTH_CHUNK = 2000
 

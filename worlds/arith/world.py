@@ -333,7 +333,7 @@ class ArithDataset:
 
 
 class ArithDataSource(ListDataSource):
-    """An `ArithDataset` as a resumable data source for RL (recipe: `_target_: unirl.arith.ArithDataSource`).
+    """An `ArithDataset` as a resumable data source for RL (recipe: `_target_: worlds.arith.ArithDataSource`).
 
     Epochs, shuffling and `state_dict` / `load_state_dict` are `ListDataSource`'s, with
     `seed` seeding both the problems and the per-epoch order.

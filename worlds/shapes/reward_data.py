@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from unirl.shapes.reward_model import BACKGROUND_CLASS, CLASSES, GRID, HEADS, class_index
-from unirl.shapes.scorer import GenEvalMini, classify_pixels, connected_components, detect_with_labels
-from unirl.shapes.world import (
+from worlds.shapes.reward_model import BACKGROUND_CLASS, CLASSES, GRID, HEADS, class_index
+from worlds.shapes.scorer import GenEvalMini, classify_pixels, connected_components, detect_with_labels
+from worlds.shapes.world import (
     BACKGROUND,
     COLORS,
     PALETTE,

@@ -34,7 +34,9 @@ import numpy as np
 import torch
 
 from unirl.data.data_source import ListDataSource
-from unirl.shapes.world import (
+from unirl.types.reward import RewardRequest
+from unirl.types.rollout_req import PromptExample
+from worlds.shapes.world import (
     COLORS,
     RELATIONS,
     SHAPES,
@@ -44,8 +46,6 @@ from unirl.shapes.world import (
     render,
     split_scenes,
 )
-from unirl.types.reward import RewardRequest
-from unirl.types.rollout_req import PromptExample
 
 QTYPES: tuple[str, ...] = ("count", "color", "shape", "exist", "position")
 ANSWERS: frozenset[str] = frozenset({"0", "1", "2", "3", "yes", "no", *COLORS, *SHAPES})
@@ -177,7 +177,7 @@ class ShapesVQADataset:
 
 
 class ShapesVQADataSource(ListDataSource):
-    """A `ShapesVQADataset` as a resumable RL data source (`_target_: unirl.shapes.vqa.ShapesVQADataSource`)."""
+    """A `ShapesVQADataset` as a resumable RL data source (`_target_: worlds.shapes.vqa.ShapesVQADataSource`)."""
 
     def __init__(self, split: str = "train", seed: int = 0, size: int | None = None, shuffle: bool = True):
         rows = _split_rows(split, seed, size)

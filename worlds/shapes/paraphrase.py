@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from unirl.shapes.world import CATEGORIES, SceneSpec, scene_to_prompt, split_scenes
 from unirl.types.rollout_req import PromptExample
+from worlds.shapes.world import CATEGORIES, SceneSpec, scene_to_prompt, split_scenes
 
 
 class Tiers(NamedTuple):

@@ -5,7 +5,7 @@ detections, and a differentiable version of its scene check on top.
 cell (background or one of the 12 colour x shape objects, `CLASSES`) and, per object class, a
 centre heat map whose sum over the grid is the number of objects of that class (each detection
 of the scorer is a unit of mass around its centre). It is trained on images labelled by
-`scorer.detect_with_labels` (`python -m unirl.train_reward_model`), never on prompts, so it
+`scorer.detect_with_labels` (`python -m worlds.shapes.train_reward_model`), never on prompts, so it
 knows objects, not prompts: a held-out combination is scored like any other.
 
 The score of an image for a prompt (`scene_score`) is differentiable in the image:
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from unirl.shapes.scorer import Detection, score_scene
-from unirl.shapes.world import COLORS, SHAPES, SceneSpec, parse_prompt
 from unirl.types.reward import RewardRequest
+from worlds.shapes.scorer import Detection, score_scene
+from worlds.shapes.world import COLORS, SHAPES, SceneSpec, parse_prompt
 
 CLASSES: tuple[tuple[str, str], ...] = tuple((c, s) for c in COLORS for s in SHAPES)
 """The object classes, colour-major: index = COLORS.index(colour) * len(SHAPES) + SHAPES.index(shape)."""
@@ -177,7 +177,7 @@ def load_scene_net(path: str) -> SceneNet:
     if not (os.path.isfile(cfg_path) and os.path.isfile(weights)):
         raise ValueError(
             f"ShapesRewardModel path {path!r} holds no {CONFIG} and {WEIGHTS}: train one with "
-            "`python -m unirl.train_reward_model` (or point path at checkpoints/shapes_reward)"
+            "`python -m worlds.shapes.train_reward_model` (or point path at checkpoints/shapes_reward)"
         )
     with open(cfg_path) as f:
         meta = json.load(f)
@@ -194,7 +194,7 @@ class ShapesRewardModel:
     """Scorer and `DifferentiableReward`: the learned detector's soft scene check, in [0, 1].
 
     Args:
-        path: a directory written by `python -m unirl.train_reward_model` (the committed one is
+        path: a directory written by `python -m worlds.shapes.train_reward_model` (the committed one is
             `checkpoints/shapes_reward`).
         count_tolerance: the count term's width (`scene_score`): a whole object off costs
             exp(-1 / (2 tol^2)) (0.14 at 0.5).

@@ -6,8 +6,8 @@ prompt enhancer (`paraphrase`) and its rewrite reward (`rewrite`); its video ana
 square moving left, right or not at all (`motion`). See README.md.
 """
 
-from unirl.shapes.motion import MovingSquares
-from unirl.shapes.paraphrase import (
+from worlds.shapes.motion import MovingSquares
+from worlds.shapes.paraphrase import (
     COLOR_FORMS,
     COUNT_FORMS,
     PREFIX_FORMS,
@@ -18,8 +18,8 @@ from unirl.shapes.paraphrase import (
     ShapesPESFTSource,
     paraphrase,
 )
-from unirl.shapes.rewrite import CanonicalFormat, RewriteMatchesScene, normalize_scene, same_scene
-from unirl.shapes.scorer import (
+from worlds.shapes.rewrite import CanonicalFormat, RewriteMatchesScene, normalize_scene, same_scene
+from worlds.shapes.scorer import (
     Detection,
     GenEvalMini,
     classify_pixels,
@@ -34,7 +34,7 @@ from unirl.shapes.scorer import (
     shape_fit,
     summarize,
 )
-from unirl.shapes.world import (
+from worlds.shapes.world import (
     BACKGROUND,
     CATEGORIES,
     COLORS,

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from unirl.shapes.world import BACKGROUND, PALETTE
 from unirl.types.rollout_req import PromptExample
+from worlds.shapes.world import BACKGROUND, PALETTE
 
 SQUARE_SIDES: dict[str, int] = {"tiny": 3, "small": 4, "medium": 5, "large": 6}
 """Side length in px of each prompt's square."""
