@@ -10,7 +10,7 @@ import torch
 
 from tests.recipes import recipe
 from unirl.config.tree import ConfigError
-from unirl.models.flow import GUIDANCE_STYLES, FlowFamily, FlowMatchingStage, FlowModelConfig
+from unirl.models.flow import FlowFamily, FlowMatchingStage, FlowModelConfig, TrueCFGGuidance
 from unirl.models.qwenimage import QwenImageModelConfig, QwenImageStage
 
 from .conftest import tiny_qwenimage_config
@@ -20,7 +20,7 @@ RECIPE = "diffusion/tiny_qwenimage_flowgrpo"
 
 def test_bundle_and_config_satisfy_the_family_contract(qwen_bundle) -> None:
     assert isinstance(qwen_bundle, FlowFamily) and isinstance(tiny_qwenimage_config(), FlowModelConfig)
-    assert QwenImageStage is FlowMatchingStage and qwen_bundle.guidance == "true_cfg" in GUIDANCE_STYLES
+    assert QwenImageStage is FlowMatchingStage and qwen_bundle.guidance == "true_cfg" and isinstance(qwen_bundle, TrueCFGGuidance)
     # 2x VAE: 32 px -> 16x16 latents -> 8x8 packed tokens of 4 x 4 channels
     assert qwen_bundle.latent_shape(32, 32) == (4, 16, 16) and qwen_bundle.image_seq_len(32, 32) == 64
     assert qwen_bundle.model_info() == {"pixel_space": False, "vae_scale_factor": 2, "patch_size": 2}

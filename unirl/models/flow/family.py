@@ -22,19 +22,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-NEGATIVE = "negative_"
-"""Prefix of the unconditional (classifier-free guidance) twin of a conditioning key:
-`cond["negative_" + k]` is the uncond branch's value of `cond[k]`."""
+from unirl.models.flow.guidance import NEGATIVE
 
-GUIDANCE_STYLES = ("cfg", "embedded", "true_cfg")
-"""How a family's network is guided (`FlowFamily.guidance`): "cfg", classifier-free (the stage
-runs the cond and `NEGATIVE` halves and combines v_u + s (v_c - v_u)); "embedded", the guidance
-scale is an input of the network (guidance-distilled models): one forward, `predict` receives
-the scale, there is no uncond branch; "true_cfg", classifier-free with the family's own
-combination: the cond and `NEGATIVE` halves in forwards of their own (cond first, their
-conditioning may differ in length) and `FlowFamily.combine_guidance(v_uncond, v_cond, s)`
-(Qwen-Image: v_u + s (v_c - v_u) rescaled to the norm of v_c)."""
-
+__all__ = ["NEGATIVE", "FlowFamily", "FlowModelConfig", "training_guidance"]
 
 @runtime_checkable
 class FlowFamily(Protocol):
@@ -47,7 +37,9 @@ class FlowFamily(Protocol):
         sample_size: the square image side in pixels the denoiser is built for.
         cond_keys: the conditioning keys `predict` reads (`encode_text` returns them, and
             their `NEGATIVE` twins when guided); a conditions dict may hold other entries.
-        guidance: the family's guidance style, one of `GUIDANCE_STYLES`.
+        guidance: the name of the family's guidance style ("cfg", "embedded", "true_cfg", or
+            its own), and `encodes_uncond` / `guided_velocity`: how the stage guides it
+            (`unirl.models.flow.guidance`: the family inherits a style or writes its own).
 
     It is moved and saved whole: `to(device_or_dtype)` returns it, `save_pretrained(dir)`
     writes the family's library layout, which its model config loads back.
@@ -58,13 +50,14 @@ class FlowFamily(Protocol):
     sample_size: int
     cond_keys: tuple[str, ...]
     guidance: str
+    encodes_uncond: bool
 
     def encode_text(
         self, prompts: list[str], guided: bool, max_sequence_length: int
     ) -> dict[str, torch.Tensor]:
         """Conditioning tensors of `prompts` (U distinct prompts), each [U, ...], any dtype;
         with `guided` also the unconditional twins under `NEGATIVE`-prefixed keys (the uncond
-        branch of classifier-free guidance; only a "cfg" or "true_cfg" family is asked for them);
+        branch of classifier-free guidance; only a family that `encodes_uncond` is asked for them);
         `max_sequence_length` is the text token budget.
         Differentiable in the text encoders (the stage calls it under `no_grad`; supervised
         training may train the encoders through it)."""
@@ -81,9 +74,20 @@ class FlowFamily(Protocol):
         family is also given `guidance=` [B] fp32, the guidance scale of each row."""
         ...
 
-    # A "true_cfg" family also has
-    #   combine_guidance(v_uncond, v_cond, scale) -> [B, *latent_shape]: the guided velocity from the
-    #   two branches' velocities (fp32, [B, *latent_shape]), differentiable in both.
+    def guided_velocity(
+        self,
+        forward: Any,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: dict,
+        scale: float,
+        detach_uncond: bool,
+        separate_uncond: bool = False,
+    ) -> torch.Tensor:
+        """The guided velocity [B, *latent_shape] fp32 at guidance `scale` from the stage's network
+        call `forward(x, sigma, cond, **extra)` (`unirl.models.flow.guidance`: the shared styles
+        and their arithmetic)."""
+        ...
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """The shape of one latent sample for an image of height x width pixels (images:

@@ -17,7 +17,7 @@ from typing import Annotated
 import torch
 from annotated_types import Ge
 
-from unirl.models.flow.family import GUIDANCE_STYLES, NEGATIVE, FlowFamily
+from unirl.models.flow.family import FlowFamily
 from unirl.models.kept import KeptGraphs
 from unirl.sde.solvers import make_ode_solver
 from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
@@ -71,9 +71,10 @@ class FlowMatchingStage:
                 f"stage.autocast_dtype must be one of {list(AUTOCAST_DTYPES)}, got {autocast_dtype!r}"
             )
         self.autocast_dtype = AUTOCAST_DTYPES[autocast_dtype]
-        if bundle.guidance not in GUIDANCE_STYLES:
-            raise ValueError(
-                f"{type(bundle).__name__}.guidance must be one of {GUIDANCE_STYLES}, got {bundle.guidance!r}"
+        if not callable(getattr(bundle, "guided_velocity", None)):
+            raise TypeError(
+                f"{type(bundle).__name__} has no guided_velocity: a flow family inherits a guidance style "
+                "(unirl.models.flow.guidance) or writes its own"
             )
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.denoiser
@@ -91,11 +92,11 @@ class FlowMatchingStage:
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict:
         """Per-sample condition tensors [B, ...] fp32 (the family's keys; with guidance_scale > 1
-        and a "cfg" / "true_cfg" family also their `negative_` twins, the family's negative prompt's).
+        and a family that `encodes_uncond` also their `negative_` twins, the family's negative prompt's).
         Unique prompts are
         encoded once."""
         unique = list(dict.fromkeys(prompts))
-        guided = self.bundle.guidance in ("cfg", "true_cfg") and guidance_scale > 1.0
+        guided = self.bundle.encodes_uncond and guidance_scale > 1.0
         encoded = self.bundle.encode_text(unique, guided, max_sequence_length)
         idx = torch.tensor([unique.index(p) for p in prompts], device=next(iter(encoded.values())).device)
         return {k: v[idx].float() for k, v in encoded.items()}
@@ -109,44 +110,21 @@ class FlowMatchingStage:
         guidance_scale: float,
         separate_uncond: bool = False,
     ) -> torch.Tensor:
-        """[B, *latent_shape] guided velocity at per-row noise levels `sigma` [B].
+        """[B, *latent_shape] guided velocity at per-row noise levels `sigma` [B]: the family's
+        `guided_velocity` (`unirl.models.flow.guidance`: classifier-free, embedded, true CFG, or the
+        family's own) over this stage's network call `_forward`.
 
         Reads the family's `cond_keys` of `cond` (other entries, such as an algorithm's
-        frozen values riding with the conditions, are not the network's). Classifier-free
-        guidance v_u + s (v_c - v_u) when guidance_scale s > 1, the unconditional branch
-        under the `negative_` twins of those keys. The cond and uncond
-        halves run in one forward; the uncond half is detached when `detach_uncond` and
-        grad is enabled. `separate_uncond` runs the uncond half in a forward of its own,
-        without autograd when `detach_uncond` (a sampling step whose graph is kept then
-        keeps only the cond half's activations).
-
-        An "embedded" family (`FlowFamily.guidance`) takes the scale as a network input
-        instead: one forward with `guidance` = s per row, no uncond branch. A "true_cfg" family
-        runs the cond half, then the uncond half, in forwards of their own (without autograd when
-        `detach_uncond`), and combines them with its `combine_guidance(v_uncond, v_cond, s)`.
+        frozen values riding with the conditions, are not the network's), and their `negative_`
+        twins for an uncond branch, detached when `detach_uncond` and grad is enabled.
+        `separate_uncond` runs the uncond half in a forward of its own, without autograd when
+        `detach_uncond` (a sampling step whose graph is kept then keeps only the cond half's
+        activations).
         """
         sigma = sigma.to(device=x.device, dtype=torch.float32)
-        positive = {k: cond[k] for k in self.bundle.cond_keys}
-        if self.bundle.guidance == "embedded":
-            return self._forward(x, sigma, positive, guidance=torch.full_like(sigma, guidance_scale))
-        if guidance_scale <= 1.0:
-            return self._forward(x, sigma, positive)
-        negative = {k: cond[NEGATIVE + k] for k in positive}
-        if self.bundle.guidance == "true_cfg":
-            v_cond = self._forward(x, sigma, positive)
-            with torch.no_grad() if self.detach_uncond else contextlib.nullcontext():
-                v_uncond = self._forward(x, sigma, negative)
-            return self.bundle.combine_guidance(v_uncond, v_cond, guidance_scale)
-        if separate_uncond:
-            with torch.no_grad() if self.detach_uncond else contextlib.nullcontext():
-                v_uncond = self._forward(x, sigma, negative)
-            v_cond = self._forward(x, sigma, positive)
-            return v_uncond + guidance_scale * (v_cond - v_uncond)
-        both = {k: torch.cat([negative[k], positive[k]]) for k in positive}
-        v_uncond, v_cond = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
-        if self.detach_uncond:
-            v_uncond = v_uncond.detach()
-        return v_uncond + guidance_scale * (v_cond - v_uncond)
+        return self.bundle.guided_velocity(
+            self._forward, x, sigma, cond, guidance_scale, self.detach_uncond, separate_uncond
+        )
 
     def _forward(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance: torch.Tensor | None = None

@@ -24,6 +24,7 @@ import os
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
+from unirl.models.flow.guidance import EmbeddedGuidance
 from unirl.models.flow.loading import (
     check_scheduler_config,
     tiny_clip_t5_tokenizers,
@@ -54,7 +55,7 @@ def image_ids(rows: int, cols: int) -> torch.Tensor:
     return ids.reshape(rows * cols, 3)
 
 
-class FluxBundle(Packed2x2Bundle):
+class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
     """The modules of one FLUX.1 model plus the `FluxPipeline` that owns them.
 
     Attributes:
@@ -69,7 +70,6 @@ class FluxBundle(Packed2x2Bundle):
     """
 
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
-    guidance = "embedded"
 
     def __init__(self, pipeline: FluxPipeline, sample_size: int) -> None:
         self.pipeline = pipeline

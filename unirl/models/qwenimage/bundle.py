@@ -33,6 +33,7 @@ from diffusers import (
     QwenImageTransformer2DModel,
 )
 
+from unirl.models.flow.guidance import TrueCFGGuidance
 from unirl.models.flow.loading import check_scheduler_config, write_diffusers_weights
 from unirl.models.flow.packing import Packed2x2Bundle
 from unirl.models.qwenimage.config import TinyQwenImageConfig
@@ -57,7 +58,7 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
 
 
-class QwenImageBundle(Packed2x2Bundle):
+class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
     """The modules of one Qwen-Image model plus the `QwenImagePipeline` that owns them.
 
     Attributes:
@@ -73,7 +74,6 @@ class QwenImageBundle(Packed2x2Bundle):
     """
 
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
-    guidance = "true_cfg"
 
     def __init__(
         self, pipeline: QwenImagePipeline, sample_size: int, negative_prompt: str | None = " "

@@ -34,6 +34,7 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 
+from unirl.models.flow.guidance import ClassifierFreeGuidance
 from unirl.models.flow.loading import (
     check_scheduler_config,
     pipeline_directory_problems,
@@ -209,7 +210,7 @@ class SD3ModelConfig:
         return scale * patch, None
 
 
-class SD3Bundle:
+class SD3Bundle(ClassifierFreeGuidance):
     """The modules of one SD3 model plus the diffusers pipeline that owns them.
 
     Attributes:
@@ -223,7 +224,6 @@ class SD3Bundle:
     """
 
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
-    guidance = "cfg"
 
     def __init__(self, pipeline: StableDiffusion3Pipeline) -> None:
         self.pipeline = pipeline

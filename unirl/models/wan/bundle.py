@@ -27,11 +27,12 @@ import os
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
+from unirl.models.flow.guidance import ClassifierFreeGuidance
 from unirl.models.flow.loading import tiny_clip_t5_tokenizers, write_diffusers_weights
 from unirl.models.wan.config import PATCH, TinyWanConfig
 
 
-class WanBundle:
+class WanBundle(ClassifierFreeGuidance):
     """The modules of one Wan 2.1 T2V model plus the `WanPipeline` that owns them.
 
     Attributes:
@@ -52,7 +53,6 @@ class WanBundle:
     """
 
     cond_keys = ("prompt_embeds",)
-    guidance = "cfg"
 
     def __init__(
         self, pipeline: WanPipeline, num_frames: int, sample_size: int, any_size: bool = False

@@ -1,0 +1,123 @@
+"""Guidance styles: how a flow family turns its one-branch network call into the guided velocity.
+
+A family's bundle inherits one of these (or writes its own in its folder: a new style is one
+family file, the shared stage never branches on it). Each sets the family's `guidance` name (read
+by the validator and the supervised losses, `training_guidance`), whether the stage encodes the
+unconditional twins of the prompt (`encodes_uncond`), and `guided_velocity`, which the stage calls
+for every sampling, replay and denoising step.
+
+`forward(x, sigma, cond, **extra)` is the stage's network call (the family's `predict` on the
+module being trained, under autocast when set): x [B, *latent_shape] fp32, sigma [B] fp32, `cond`
+the family's keys [B, ...]; it returns the velocity [B, *latent_shape] fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+NEGATIVE = "negative_"
+"""Prefix of the unconditional (classifier-free guidance) twin of a conditioning key:
+`cond["negative_" + k]` is the uncond branch's value of `cond[k]`."""
+
+Forward = Callable[..., torch.Tensor]
+
+
+def _halves(cond: dict, keys: tuple[str, ...]) -> tuple[dict, dict]:
+    positive = {k: cond[k] for k in keys}
+    return positive, {k: cond[NEGATIVE + k] for k in keys}
+
+
+class ClassifierFreeGuidance:
+    """"cfg": v_u + s (v_c - v_u), the cond and `NEGATIVE` halves batched in one forward (or, with
+    `separate_uncond`, two; the uncond one without autograd when `detach_uncond`: a sampling step
+    whose graph is kept then keeps only the cond half's activations). SD3, Wan."""
+
+    guidance = "cfg"
+    encodes_uncond = True
+    cond_keys: tuple[str, ...]
+
+    def guided_velocity(
+        self,
+        forward: Forward,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: dict,
+        scale: float,
+        detach_uncond: bool,
+        separate_uncond: bool = False,
+    ) -> torch.Tensor:
+        positive, negative = (
+            _halves(cond, self.cond_keys) if scale > 1.0 else ({k: cond[k] for k in self.cond_keys}, None)
+        )
+        if negative is None:
+            return forward(x, sigma, positive)
+        if separate_uncond:
+            with torch.no_grad() if detach_uncond else contextlib.nullcontext():
+                v_uncond = forward(x, sigma, negative)
+            v_cond = forward(x, sigma, positive)
+            return v_uncond + scale * (v_cond - v_uncond)
+        both = {k: torch.cat([negative[k], positive[k]]) for k in positive}
+        v_uncond, v_cond = forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
+        if detach_uncond:
+            v_uncond = v_uncond.detach()
+        return v_uncond + scale * (v_cond - v_uncond)
+
+
+class EmbeddedGuidance:
+    """"embedded": the scale is an input of the network (guidance-distilled models): one forward
+    with `guidance` = s per row, no uncond branch. FLUX.1-dev."""
+
+    guidance = "embedded"
+    encodes_uncond = False
+    cond_keys: tuple[str, ...]
+
+    def guided_velocity(
+        self,
+        forward: Forward,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: dict,
+        scale: float,
+        detach_uncond: bool,
+        separate_uncond: bool = False,
+    ) -> torch.Tensor:
+        positive = {k: cond[k] for k in self.cond_keys}
+        return forward(x, sigma, positive, guidance=torch.full_like(sigma, scale))
+
+
+class TrueCFGGuidance:
+    """"true_cfg": the cond half, then the `NEGATIVE` half (without autograd when
+    `detach_uncond`), in forwards of their own (their conditioning may differ in length),
+    combined by the family's `combine_guidance(v_uncond, v_cond, s)`. Qwen-Image (its combine
+    rescales to the norm of v_c)."""
+
+    guidance = "true_cfg"
+    encodes_uncond = True
+    cond_keys: tuple[str, ...]
+
+    @staticmethod
+    def combine_guidance(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """The guided velocity from the two branches' [B, *latent_shape] fp32 velocities,
+        differentiable in both (the plain v_u + s (v_c - v_u) unless the family overrides it)."""
+        return v_uncond + scale * (v_cond - v_uncond)
+
+    def guided_velocity(
+        self,
+        forward: Forward,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: dict,
+        scale: float,
+        detach_uncond: bool,
+        separate_uncond: bool = False,
+    ) -> torch.Tensor:
+        if scale <= 1.0:
+            return forward(x, sigma, {k: cond[k] for k in self.cond_keys})
+        positive, negative = _halves(cond, self.cond_keys)
+        v_cond = forward(x, sigma, positive)
+        with torch.no_grad() if detach_uncond else contextlib.nullcontext():
+            v_uncond = forward(x, sigma, negative)
+        return self.combine_guidance(v_uncond, v_cond, scale)
