@@ -3,9 +3,11 @@
 the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
 recipes score 32 px images (their learned reward), the rest 16 px.
 
-    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | wan | qwenimage
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | qwenimage
 
 - flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
+- kontext: FLUX.1-Kontext, flux's settings at guidance 2.5, the prompts of datasets/tiny_edit (each
+  row an edit instruction and its 16 px source image, which rides with every rollout and replay).
 - wan: 5-frame videos, classifier-free guidance with the empty prompt, the Euler grid shifted by
   3.0, and every image reward component wrapped in `FrameMean` (its score averaged over frames).
 - qwenimage: true CFG 4.0 against the negative prompt " ", norm rescaled; `sigma_grid: steps`,
@@ -48,6 +50,17 @@ def flux(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.train.fsdp.block_classes = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
 
 
+def kontext(cfg, size: int, lora_targets: list[str]) -> None:
+    flux(cfg, size, lora_targets)
+    cfg.model._target_ = "unirl.models.flux.FluxKontextModelConfig"
+    cfg.sampling.guidance_scale = 2.5
+    cfg.data_source = {
+        "_target_": "unirl.data.PromptDataSource",
+        "data_path": "datasets/tiny_edit/prompts.jsonl",
+        "seed": cfg.seed,
+    }
+
+
 def wan(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.model = {
         "_target_": "unirl.models.wan.WanModelConfig",
@@ -84,7 +97,8 @@ def qwenimage(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.train.fsdp.block_classes = ["QwenImageTransformerBlock"]
 
 
-FAMILIES = {"flux": flux, "wan": wan, "qwenimage": qwenimage}
+FAMILIES = {"flux": flux, "kontext": kontext, "wan": wan, "qwenimage": qwenimage}
+PACKAGES = {"kontext": "flux"}  # the package whose LORA_TARGETS a family uses, when not its own
 
 
 def run(family: str, name: str, out: str) -> list[dict]:
@@ -99,7 +113,7 @@ def run(family: str, name: str, out: str) -> list[dict]:
                 "sampling.max_sequence_length=8", "train.stack.micro_batch_size=4",
             ],
         )  # fmt: skip
-    lora_targets = list(importlib.import_module(f"unirl.models.{family}").LORA_TARGETS)
+    lora_targets = list(importlib.import_module(f"unirl.models.{PACKAGES.get(family, family)}").LORA_TARGETS)
     with open_dict(cfg):
         FAMILIES[family](cfg, size, lora_targets)
         if cfg.train.get("lora") is not None:

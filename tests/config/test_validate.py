@@ -172,6 +172,7 @@ RL_RECIPES = sorted(
 NEEDS_MODEL_DIR = (
     "diffusion/sd3_flowgrpo",
     "diffusion/flux_flowgrpo",
+    "diffusion/kontext_flowgrpo",
     "diffusion/wan_flowgrpo",
     "diffusion/qwenimage_flowgrpo",
     "llm/qwen3_grpo",

@@ -47,6 +47,20 @@ def examples_of(source: Any) -> list | None:
     return list(examples) if isinstance(examples, list | tuple) else None
 
 
+def check_conditions(passed: dict[str, Any], problems: list[str]) -> None:
+    """A model conditioned on more than the prompt (an edit family: its config's
+    `condition_problems`) against every prompt file it samples before the run starts: the
+    training prompts (`data_source`) and the held-out ones (`eval.examples`), each problem naming
+    the key and the row."""
+    check = getattr(passed.get("model"), "condition_problems", None)
+    if check is None:
+        return
+    for key in ("data_source", "eval.examples"):
+        examples = examples_of(passed.get(key))
+        if examples:
+            problems.extend(check(examples, key))
+
+
 def check_metadata_key(key: str, name: str, examples: list | None, where: str, problems: list[str]) -> None:
     """The recipe value `key`=`name` names a metadata key that every one of `examples` (the
     prompts of recipe key `where`) carries."""

@@ -27,6 +27,11 @@ class DiffusionStage(Protocol):
 
     def encode_prompts(self, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict: ...
 
+    def encode_conditions(self, req: RolloutReq) -> dict:
+        """What the request's rows condition on besides the prompt (an edit's reference image), as
+        per-sample tensors merged into `encode_prompts`' conditions; {} for text alone."""
+        ...
+
     def velocity(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance_scale: float
     ) -> torch.Tensor: ...

@@ -83,6 +83,7 @@ class TrainsideEngine:
             if not self.text:
                 sp = req.sampling
                 cond = self.stage.encode_prompts(req.prompts, sp.guidance_scale, sp.max_sequence_length)
+                cond.update(self.stage.encode_conditions(req))  # an edit's reference image, say
             for idx in self._chunks(len(req)):
                 part = req.select(idx)
                 if self.text:

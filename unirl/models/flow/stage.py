@@ -101,6 +101,16 @@ class FlowMatchingStage:
         idx = torch.tensor([unique.index(p) for p in prompts], device=next(iter(encoded.values())).device)
         return {k: v[idx].float() for k, v in encoded.items()}
 
+    @torch.no_grad()
+    def encode_conditions(self, req: RolloutReq) -> dict:
+        """Per-sample condition tensors [B, ...] fp32 of what the request's rows carry besides the
+        prompt (an edit family's reference image: `metadata["images"]`), from the family's
+        `encode_conditions(rows, sample_ids)`; {} for a family conditioned on text alone."""
+        encode = getattr(self.bundle, "encode_conditions", None)
+        if encode is None:
+            return {}
+        return encode([m.get("images") for m in req.metadata], req.sample_ids)
+
     # ---- the denoiser -----------------------------------------------------------------------
     def velocity(
         self,

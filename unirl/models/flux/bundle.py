@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import ClassVar
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -70,6 +71,7 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
     """
 
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    PIPELINE: ClassVar[type] = FluxPipeline  # the diffusers pipeline class this bundle owns and saves
 
     def __init__(self, pipeline: FluxPipeline, sample_size: int) -> None:
         self.pipeline = pipeline
@@ -137,17 +139,25 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
         dtype = next(module.parameters()).dtype
         _, _, h, w = x.shape
         text = cond["prompt_embeds"]
+        tokens, ids = self.image_tokens(x, cond)
         out = module(
-            hidden_states=pack(x).to(dtype),
+            hidden_states=tokens.to(dtype),
             timestep=(sigma * 1000.0 / 1000).to(dtype),
             guidance=None if guidance is None else guidance.to(dtype),
             pooled_projections=cond["pooled_prompt_embeds"].to(dtype),
             encoder_hidden_states=text.to(dtype),
             txt_ids=torch.zeros(text.shape[1], 3, device=x.device, dtype=dtype),
-            img_ids=image_ids(h // 2, w // 2).to(device=x.device, dtype=dtype),
+            img_ids=ids.to(device=x.device, dtype=dtype),
             return_dict=False,
         )[0]
-        return unpack(out, h, w)
+        return unpack(out[:, : (h // 2) * (w // 2)].contiguous(), h, w)
+
+    def image_tokens(self, x: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image stream the transformer sees: the packed latents [B, N, 4C] and their position
+        ids [N, 3]; the velocity is read from the first N output tokens (a conditioned family
+        appends its reference tokens after them)."""
+        _, _, h, w = x.shape
+        return pack(x), image_ids(h // 2, w // 2)
 
     def pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped), differentiable: the VAE decode of
@@ -161,7 +171,7 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
         extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
-        pipe = FluxPipeline.from_pretrained(path, torch_dtype=dtype, **extra)
+        pipe = cls.PIPELINE.from_pretrained(path, torch_dtype=dtype, **extra)
         check_scheduler_config(dict(pipe.scheduler.config), os.path.join(path, "scheduler"))
         pipe.transformer.to(torch.float32)
         scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1) if pipe.vae is not None else 1
@@ -212,7 +222,7 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
                 use_quant_conv=False,
                 use_post_quant_conv=False,
             )
-        pipe = FluxPipeline(
+        pipe = cls.PIPELINE(
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),  # FLUX.1-dev's
             vae=vae,
             text_encoder=clip,
@@ -252,7 +262,7 @@ def tiny_transformer(cfg: TinyFluxConfig) -> FluxTransformer2DModel:
     )
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> FluxBundle:
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, bundle_class: type = FluxBundle) -> FluxBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
     `unirl_checkpoint.json`) with the LoRA loaded by `FluxPipeline.load_lora_weights`, or the
     full `transformer/` directory."""
@@ -261,7 +271,7 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> FluxBundle
         raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
     with open(meta_path) as f:
         meta = json.load(f)
-    bundle = FluxBundle.from_pretrained(meta["base_model"], dtype=dtype)
+    bundle = bundle_class.from_pretrained(meta["base_model"], dtype=dtype)
     if meta["kind"] == "lora":
         bundle.pipeline.load_lora_weights(path)
     else:

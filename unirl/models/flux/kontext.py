@@ -1,0 +1,151 @@
+"""FLUX.1-Kontext: FLUX.1 that edits a condition image (`FluxKontextPipeline`).
+
+The same transformer, text encoders, VAE, packing and embedded guidance as FLUX.1 (`bundle.py`);
+what differs is the condition: each sample's prompt row names one reference image
+(`metadata["images"]`, resolved against the prompt file like a vision-language row's), which the
+stage encodes once per request (`FlowMatchingStage.encode_conditions`) into `image_latents`
+[B, C, h', w'] (the VAE's mode, `(latents - shift) * scaling`, as the pipeline's
+`_encode_vae_image`; the pixels themselves in pixel space). Every network call appends the
+reference's packed tokens after the sample's, with position ids whose first coordinate is 1, and
+reads the velocity from the sample's tokens only (`FluxKontextPipeline.__call__`'s arithmetic).
+The reference travels with the track as a condition (`track.conditions["image_latents"]`), so
+replay, kept graphs, every transport and resume see it; the reward sees its path in the
+metadata.
+
+The reference keeps its own size (a multiple of the VAE's downsample x 2; the pipeline's
+`_auto_resize` to its preferred resolutions is not applied: a recipe's images are the size it
+gives them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from diffusers import FluxKontextPipeline
+
+from unirl.models.flow.loading import pipeline_directory_problems
+from unirl.models.flux.bundle import FluxBundle, image_ids, load_checkpoint, pack
+from unirl.models.flux.config import _DTYPES, FluxModelConfig
+from unirl.models.images import load_image
+
+CONDITION_KEY = "images"
+"""The prompt-row metadata key naming a sample's condition image (one path, array or PIL image)."""
+
+
+class FluxKontextBundle(FluxBundle):
+    """A FLUX.1-Kontext model: `FluxBundle` over a `FluxKontextPipeline`, conditioned on one
+    reference image per sample (`cond_keys` adds `image_latents`)."""
+
+    cond_keys = ("prompt_embeds", "pooled_prompt_embeds", "image_latents")
+    PIPELINE: ClassVar[type] = FluxKontextPipeline
+
+    @property
+    def cell(self) -> int:
+        """Pixels per packed token along a side: a reference's sides are multiples of it."""
+        return 2 * self.vae_scale_factor
+
+    @torch.no_grad()
+    def encode_conditions(self, rows: list[Any], sample_ids: list[str]) -> dict[str, torch.Tensor]:
+        """{"image_latents": [B, C, h', w'] fp32} from each sample's `metadata["images"]` (`rows`,
+        one entry per sample): exactly one image, sides multiples of `cell`, every reference of
+        a request one size (they are batched). Errors name the sample and what to give."""
+        latents = []
+        for sid, entries in zip(sample_ids, rows, strict=True):
+            if not isinstance(entries, list | tuple) or len(entries) != 1:
+                got = "none" if not entries else f"{len(entries)}"
+                raise ValueError(
+                    f"sample {sid!r}: FLUX.1-Kontext edits one condition image (metadata {CONDITION_KEY!r}: "
+                    f"a list of one image), got {got}"
+                )
+            latents.append(self.encode_image(load_image(entries[0], sid, 0), sid))
+        sizes = {tuple(t.shape) for t in latents}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"samples {sample_ids[0]!r}...: condition images of several sizes in one request "
+                f"({sorted(sizes)} latents); give every row of a prompt file images of one size"
+            )
+        return {"image_latents": torch.stack(latents)}
+
+    def encode_image(self, image: Any, sample_id: str) -> torch.Tensor:
+        """[C, h', w'] fp32: the PIL `image` as `FluxKontextPipeline` encodes its `image` (resize
+        to its own size, `preprocess` to [-1, 1], the VAE's mode, shifted and scaled); the pixels
+        in pixel space."""
+        width, height = image.size
+        if width % self.cell or height % self.cell:
+            raise ValueError(
+                f"sample {sample_id!r}: condition image of {width}x{height} px; FLUX.1-Kontext takes sides "
+                f"that are multiples of {self.cell} px (the VAE's downsample x the 2x2 packing)"
+            )
+        processor = self.pipeline.image_processor
+        pixels = processor.preprocess(processor.resize(image, height, width), height, width)
+        pixels = pixels.to(self.device, torch.float32)
+        if self.vae is None:
+            return pixels[0]
+        vae = self.vae
+        latent = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        return ((latent - vae.config.shift_factor) * vae.config.scaling_factor)[0].float()
+
+    def image_tokens(self, x: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sample's packed latents, then the reference's, with the reference's position ids
+        (1, row, col) after the sample's (0, row, col)."""
+        tokens, ids = super().image_tokens(x, cond)
+        reference = cond["image_latents"].to(x.dtype)
+        _, _, h, w = reference.shape
+        ref_ids = image_ids(h // 2, w // 2)
+        ref_ids[:, 0] = 1
+        return torch.cat([tokens, pack(reference)], dim=1), torch.cat([ids, ref_ids])
+
+
+@dataclass
+class FluxKontextModelConfig(FluxModelConfig):
+    """Which FLUX.1-Kontext model to build: a local `FluxKontextPipeline` directory, or the tiny
+    FLUX.1 of `tiny` (the same architecture; Kontext differs in its inputs, not its modules).
+    Its prompt rows each carry one condition image (`condition_problems`)."""
+
+    PIPELINE_CLASS: ClassVar[str] = "FluxKontextPipeline"
+
+    def build(self) -> FluxKontextBundle:
+        if self.pretrained_path:
+            return FluxKontextBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
+        return FluxKontextBundle.tiny(self.tiny)
+
+    def load_checkpoint(self, path: str) -> FluxKontextBundle:
+        return load_checkpoint(path, bundle_class=FluxKontextBundle)
+
+    def directory_problems(self) -> list[str]:
+        """`pretrained_path`, when set, is a directory whose `model_index.json` names FluxKontextPipeline."""
+        return pipeline_directory_problems(self.pretrained_path, self.PIPELINE_CLASS, "FLUX.1-Kontext")
+
+    def condition_problems(self, examples: list, where: str) -> list[str]:
+        """Every prompt row of `where` (its examples) names exactly one condition image that reads
+        and whose sides are multiples of the packed cell, all of one size; problems name the row."""
+        cell = self._read("cell")
+        problems, sizes = [], {}
+        for ex in examples:
+            entries = ex.metadata.get(CONDITION_KEY)
+            if not isinstance(entries, list | tuple) or len(entries) != 1:
+                problems.append(
+                    f"{where}: prompt {ex.prompt_id!r} carries {len(entries) if entries else 'no'} condition "
+                    f"image(s) in metadata {CONDITION_KEY!r}; FLUX.1-Kontext edits exactly one: give the row "
+                    f'"{CONDITION_KEY}": ["<image file>"]'
+                )
+                continue
+            try:
+                image = load_image(entries[0], ex.prompt_id, 0)
+            except ValueError as exc:
+                problems.append(f"{where}: {exc}")
+                continue
+            if cell and (image.width % cell or image.height % cell):
+                problems.append(
+                    f"{where}: prompt {ex.prompt_id!r}: condition image {entries[0]!r} is {image.width}x{image.height} "
+                    f"px; its sides must be multiples of {cell} px"
+                )
+            sizes.setdefault(image.size, ex.prompt_id)
+        if len(sizes) > 1:
+            problems.append(
+                f"{where}: condition images of several sizes {sorted(sizes)} (e.g. prompts "
+                f"{list(sizes.values())[:2]}); a request batches them: give them one size"
+            )
+        return problems

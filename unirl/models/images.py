@@ -1,0 +1,48 @@
+"""Images a prompt row carries (a vision-language prompt's images, an edit's condition image),
+read into PIL for any family: files, arrays or PIL images, a bad one named with its sample."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def load_image(entry: Any, sample_id: str, index: int) -> Any:
+    """A PIL RGB image from a prompt row's `images[index]`: a file path, an HWC uint8
+    array (numpy or torch, 3 channels, or 2-D gray) or a PIL image. Anything
+    unreadable (missing or corrupt file, wrong mode or dtype, zero size) is an error
+    naming the sample, the entry and the file."""
+    from PIL import Image, UnidentifiedImageError
+
+    where = f"sample {sample_id!r}: images[{index}]"
+    if isinstance(entry, str):
+        try:
+            with Image.open(entry) as im:
+                im.load()
+                image = im.convert("RGB")
+        except FileNotFoundError:
+            raise ValueError(f"{where}: no image file {entry!r}") from None
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"{where}: cannot read image file {entry!r} ({e})") from None
+    elif isinstance(entry, Image.Image):
+        if entry.mode not in ("RGB", "RGBA", "L"):
+            raise ValueError(f"{where}: PIL image mode {entry.mode!r}; give RGB, RGBA or L")
+        image = entry.convert("RGB")
+    elif isinstance(entry, (np.ndarray, torch.Tensor)):
+        arr = entry.numpy() if isinstance(entry, torch.Tensor) else entry
+        if arr.dtype != np.uint8:
+            raise ValueError(f"{where}: image arrays must be uint8 (0..255), got {arr.dtype}")
+        if arr.ndim == 2:
+            arr = np.repeat(arr[..., None], 3, axis=-1)
+        if arr.ndim != 3 or arr.shape[-1] != 3:
+            raise ValueError(f"{where}: image arrays must be [H, W, 3] (or [H, W]), got {list(arr.shape)}")
+        image = Image.fromarray(np.ascontiguousarray(arr), "RGB")
+    else:
+        raise ValueError(
+            f"{where}: an image is a file path, an [H, W, 3] uint8 array or a PIL image, got {type(entry).__name__}"
+        )
+    if image.width == 0 or image.height == 0:
+        raise ValueError(f"{where}: the image has zero size ({image.width} x {image.height})")
+    return image
