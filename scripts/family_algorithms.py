@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -25,9 +26,11 @@ import time
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from tests.conftest import EXAMPLES
-from unirl.config.validate import validate_rl_config
-from unirl.trainer.trainer import Trainer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's tests/
+
+from tests.conftest import EXAMPLES  # noqa: E402
+from unirl.config.validate import validate_rl_config  # noqa: E402
+from unirl.trainer.trainer import Trainer  # noqa: E402
 
 RECIPES = [
     "tiny_sd3_flowgrpo", "tiny_sd3_ddpo", "tiny_sd3_dpok", "tiny_sd3_flowdppo", "tiny_sd3_diffusiondpo",
@@ -50,6 +53,16 @@ def flux(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.train.fsdp.block_classes = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
 
 
+REDNESS = {
+    "_target_": "unirl.reward.RewardService",
+    "backend": {
+        "_target_": "unirl.reward.LocalRewardBackend",
+        "components": {"redness": {"_target_": "unirl.reward.local.color.ColorTarget", "target": [1.0, 0.0, 0.0]}},
+        "weights": {"redness": 1.0},
+    },
+}
+
+
 def kontext(cfg, size: int, lora_targets: list[str]) -> None:
     flux(cfg, size, lora_targets)
     cfg.model._target_ = "unirl.models.flux.FluxKontextModelConfig"
@@ -59,6 +72,11 @@ def kontext(cfg, size: int, lora_targets: list[str]) -> None:
         "data_path": "datasets/tiny_edit/prompts.jsonl",
         "seed": cfg.seed,
     }
+    # the shapes scorers parse scene prompts, not edit instructions: score the edits' redness
+    # (differentiable, so the reward-backprop algorithms take it too)
+    cfg.reward = REDNESS
+    if "reward" in cfg.algorithm:
+        cfg.algorithm.reward = REDNESS
 
 
 def wan(cfg, size: int, lora_targets: list[str]) -> None:
