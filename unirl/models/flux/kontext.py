@@ -50,8 +50,10 @@ class FluxKontextBundle(FluxBundle):
     def encode_conditions(self, rows: list[Any], sample_ids: list[str]) -> dict[str, torch.Tensor]:
         """{"image_latents": [B, C, h', w'] fp32} from each sample's `metadata["images"]` (`rows`,
         one entry per sample): exactly one image, sides multiples of `cell`, every reference of
-        a request one size (they are batched). Errors name the sample and what to give."""
-        latents = []
+        a request one size. Encoded as `FluxKontextPipeline` encodes its `image` list: resized to
+        its own size, `preprocess`ed to [-1, 1] as one batch, the VAE's mode of that batch in one
+        call, shifted and scaled (the pixels themselves in pixel space). Errors name the sample."""
+        images = []
         for sid, entries in zip(sample_ids, rows, strict=True):
             if not isinstance(entries, list | tuple) or len(entries) != 1:
                 got = "none" if not entries else f"{len(entries)}"
@@ -59,33 +61,28 @@ class FluxKontextBundle(FluxBundle):
                     f"sample {sid!r}: FLUX.1-Kontext edits one condition image (metadata {CONDITION_KEY!r}: "
                     f"a list of one image), got {got}"
                 )
-            latents.append(self.encode_image(load_image(entries[0], sid, 0), sid))
-        sizes = {tuple(t.shape) for t in latents}
-        if len(sizes) > 1:
-            raise ValueError(
-                f"samples {sample_ids[0]!r}...: condition images of several sizes in one request "
-                f"({sorted(sizes)} latents); give every row of a prompt file images of one size"
-            )
-        return {"image_latents": torch.stack(latents)}
-
-    def encode_image(self, image: Any, sample_id: str) -> torch.Tensor:
-        """[C, h', w'] fp32: the PIL `image` as `FluxKontextPipeline` encodes its `image` (resize
-        to its own size, `preprocess` to [-1, 1], the VAE's mode, shifted and scaled); the pixels
-        in pixel space."""
-        width, height = image.size
-        if width % self.cell or height % self.cell:
-            raise ValueError(
-                f"sample {sample_id!r}: condition image of {width}x{height} px; FLUX.1-Kontext takes sides "
-                f"that are multiples of {self.cell} px (the VAE's downsample x the 2x2 packing)"
-            )
+            image = load_image(entries[0], sid, 0)
+            if image.width % self.cell or image.height % self.cell:
+                raise ValueError(
+                    f"sample {sid!r}: condition image of {image.width}x{image.height} px; FLUX.1-Kontext takes "
+                    f"sides that are multiples of {self.cell} px (the VAE's downsample x the 2x2 packing)"
+                )
+            if images and image.size != images[0].size:
+                raise ValueError(
+                    f"sample {sid!r}: condition image of {image.width}x{image.height} px beside "
+                    f"{images[0].width}x{images[0].height} px in the same request (sample {sample_ids[0]!r}); "
+                    "give every row of a prompt file images of one size"
+                )
+            images.append(image)
+        width, height = images[0].size
         processor = self.pipeline.image_processor
-        pixels = processor.preprocess(processor.resize(image, height, width), height, width)
+        pixels = processor.preprocess(processor.resize(images, height, width), height, width)
         pixels = pixels.to(self.device, torch.float32)
         if self.vae is None:
-            return pixels[0]
+            return {"image_latents": pixels}
         vae = self.vae
-        latent = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
-        return ((latent - vae.config.shift_factor) * vae.config.scaling_factor)[0].float()
+        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        return {"image_latents": ((latents - vae.config.shift_factor) * vae.config.scaling_factor).float()}
 
     def image_tokens(self, x: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The sample's packed latents, then the reference's, with the reference's position ids
