@@ -4,6 +4,7 @@ weights its package ships; PickScore from a local checkpoint)."""
 from unirl.reward.local.aesthetic import AestheticScore
 from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
+from unirl.reward.local.edit import SourcePreservation
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.ocr import OCRReward
 from unirl.reward.local.pickscore import CLIPScore, PickScore, PickScoreRank
@@ -26,6 +27,7 @@ __all__ = [
     "OverlongPenalty",
     "RandomDirectionReward",
     "RandomReward",
+    "SourcePreservation",
     "TargetCharFraction",
     "jpeg_size_kb",
 ]
