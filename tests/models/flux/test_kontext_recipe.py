@@ -16,7 +16,8 @@ import torch
 from diffusers import FluxKontextPipeline
 from PIL import Image
 
-from tests.recipes import IN_PROCESS, QUIET, recipe, run
+from tests.conftest import untimed
+from tests.recipes import IN_PROCESS, QUIET, recipe, run, same_weights
 from unirl.config.validate import ConfigError
 
 RECIPE = "diffusion/tiny_kontext_flowgrpo"
@@ -24,7 +25,6 @@ SMALL = [
     *IN_PROCESS,
     *QUIET,
     "threads_per_worker=1",
-    "num_steps=2",
     "prompts_per_rollout=2",
     "sampling.samples_per_prompt=4",
     "sampling.num_steps=4",
@@ -50,7 +50,7 @@ NFT = [
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "diffusion_nft"])
 def test_the_tiny_edit_recipe_trains(tmp_path, algorithm) -> None:
     extra = NFT if algorithm == "diffusion_nft" else []
-    rows = run(RECIPE, tmp_path, *SMALL, *extra)
+    rows = run(RECIPE, tmp_path, *SMALL, "num_steps=2", *extra)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0.0 < r["reward/mean"] < 1.0 and torch.isfinite(torch.tensor(r["loss"]))
@@ -62,7 +62,7 @@ def test_its_lora_loads_into_flux_kontext_pipeline(tmp_path) -> None:
     """The exported LoRA is what `FluxKontextPipeline.load_lora_weights` reads: the pipeline
     built from the run's base model (latent space: the pipeline needs a VAE to encode its image)
     edits a source differently once it is loaded."""
-    run(RECIPE, tmp_path, *SMALL, "model.tiny.pixel_space=false")
+    run(RECIPE, tmp_path, *SMALL, "num_steps=2", "model.tiny.pixel_space=false")
     pipe = FluxKontextPipeline.from_pretrained(tmp_path / "base_model")
     pipe.set_progress_bar_config(disable=True)
     source = Image.open("datasets/tiny_edit/blue_square.png")
@@ -95,3 +95,17 @@ def test_rows_without_a_usable_source_are_refused_before_the_run(tmp_path) -> No
     text = "\n".join(info.value.problems)
     assert "data_source: prompt 'bare' carries no condition image" in text
     assert "prompt 'pair' carries 2" in text and "'lost'" in text and "no image file" in text
+
+
+@pytest.mark.ray
+def test_a_ray_run_with_its_sources_resumes_exactly(tmp_path, ray_cluster) -> None:
+    """Through Ray and the object-store data plane: the source latents ride with each track from
+    the rollout to training; stopped at a step-2 checkpoint and resumed, the run writes the rows
+    and the final weights of the run that never stopped."""
+    ray_run = [o for o in SMALL if o not in IN_PROCESS] + ["num_steps=3", "transport=ray"]
+    full = run(RECIPE, tmp_path / "full", *ray_run, "checkpoint.every_n_steps=2")
+    ckpt = tmp_path / "full" / "checkpoints" / "step_000002"
+    resumed = run(RECIPE, tmp_path / "resumed", *ray_run, f"resume_from={ckpt}")
+    assert [r["step"] for r in resumed] == [3]
+    assert untimed(resumed[0]) == untimed(full[2])
+    assert same_weights(tmp_path / "full", tmp_path / "resumed")
