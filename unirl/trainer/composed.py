@@ -90,9 +90,8 @@ def aggregate_children(parent: RolloutTrack, child: RolloutTrack, how: str) -> t
 
 def track_recipe(plain: dict[str, Any], name: str) -> dict[str, Any]:
     """The single-track recipe an engine of track `name` is built from: the run's top level
-    (seed, devices, threads, transport, `weight_sync`), the track's own nodes over it (model,
-    stage, sampling, train, its `weight_sync` if set) and its `engine` as `rollout`, producing a
-    track named `name`."""
+    (seed, devices, threads, transport), the track's own nodes over it (model, stage, sampling,
+    train, its `weight_sync`) and its `engine` as `rollout`, producing a track named `name`."""
     track = plain["tracks"][name]
     view = {k: v for k, v in plain.items() if k not in RUN_ONLY_KEYS}
     view.update({k: v for k, v in track.items() if k != "engine"})
