@@ -319,3 +319,17 @@ def test_image_rows_resolve_their_files_against_the_prompt_file(tmp_path: Path) 
     f.write_text('{"prompt": "<image>q", "images": "a.png"}\n')
     with pytest.raises(PromptFileError, match=r"vqa.jsonl, line 1: 'images' must be a list of image file paths"):
         load_prompts(str(f))
+def test_path_keys_resolve_other_image_lists_against_the_prompt_file(tmp_path) -> None:
+    """An edit row's `source` resolves like `images` when it is one of `path_keys`; a malformed one
+    is named with its key and line."""
+    from unirl.data.datasets import PromptFileError, load_prompts
+
+    path = tmp_path / "edits.jsonl"
+    path.write_text('{"prompt": "make it red", "source": ["a.png"]}\n')
+    (ex,) = load_prompts(str(path), path_keys=("images", "source"))
+    assert ex.metadata["source"] == [str(tmp_path / "a.png")]
+    (plain,) = load_prompts(str(path))
+    assert plain.metadata["source"] == ["a.png"]  # not a path key: left as written
+    path.write_text('{"prompt": "make it red", "source": "a.png"}\n')
+    with pytest.raises(PromptFileError, match=r"line 1: 'source' must be a list of image file paths"):
+        load_prompts(str(path), path_keys=("source",))

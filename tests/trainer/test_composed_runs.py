@@ -183,3 +183,26 @@ def test_a_composed_step_that_fails_before_train_releases_its_kept_graphs(tmp_pa
     with pytest.raises(TrainingError, match=r"during 'reward \(diffusion\)'"):
         ComposedTrainer(cfg).run()
     assert released == ["step_0"] and before[0] > 0 and held == [0]
+
+
+def test_an_edit_model_renders_the_rewrites_over_each_rows_source(tmp_path) -> None:
+    """`pe/tiny_pe_kontext`: the enhancer rewrites each edit instruction and FLUX.1-Kontext renders
+    the rewrites as edits of the row's source (its `condition_key: source`, which the text track
+    does not read); the leaf's reward sees the source (`SourcePreservation`). A row without a
+    source is refused before the run, naming the track and the row."""
+    rows = run("pe/tiny_pe_kontext", tmp_path / "run", "num_steps=2", *IN_PROCESS, *QUIET)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 < r["diffusion/reward/preservation/mean"] < 1 and "ar/loss" in r and "diffusion/loss" in r
+        assert r["ar/reward/mean"] == pytest.approx(r["diffusion/reward/mean"])
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"prompt": "make it red", "prompt_id": "bare"}) + "\n")
+    from unirl.config.validate import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        recipe("pe/tiny_pe_kontext", tmp_path / "bad", f"data_source.data_path={bare}")
+    assert any(
+        p.startswith("tracks.diffusion.model: data_source: prompt 'bare' carries no condition image")
+        and "'source'" in p
+        for p in info.value.problems
+    )

@@ -200,6 +200,11 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
                 f"{key}.train.fsdp: num_devices={run.num_devices} needs FSDP2 settings for a trained track"
             )
         _check_engine(node, passed, key, name, run, [samplings[n] for n in chain[:depth]], problems)
+        # an edit model's rows: every child keeps its user prompt's metadata, the source among it
+        conditions = getattr(model, "condition_problems", None)
+        examples = examples_of(passed.get("data_source"))
+        if conditions is not None and examples:
+            problems.extend(_prefixed(f"{key}.model: ", conditions(examples, "data_source")))
     _check_batches(run, chain, samplings, passed, problems)
 
 

@@ -133,16 +133,29 @@ class ListDataSource:
 
 
 class PromptDataSource(ListDataSource):
-    """Prompts loaded from a file at construction (see `load_prompts` for formats).
+    """Prompts loaded from a file at construction (see `load_prompts` for formats); `path_keys`:
+    the metadata keys whose file lists resolve against the file's directory (`images`, and an
+    edit model's `condition_key` when it is another).
 
     Raises:
         PromptFileError: the file is missing or malformed.
     """
 
-    def __init__(self, data_path: str, shuffle: bool = True, seed: int = 0, prompt_key: str = "prompt"):
+    def __init__(
+        self,
+        data_path: str,
+        shuffle: bool = True,
+        seed: int = 0,
+        prompt_key: str = "prompt",
+        path_keys: list[str] | None = None,
+    ):
         self.data_path = data_path
+        keys = ("images",) if path_keys is None else tuple(path_keys)
         super().__init__(
-            load_prompts(data_path, prompt_key=prompt_key), shuffle=shuffle, seed=seed, source=data_path
+            load_prompts(data_path, prompt_key=prompt_key, path_keys=keys),
+            shuffle=shuffle,
+            seed=seed,
+            source=data_path,
         )
 
 

@@ -24,7 +24,9 @@ class PromptFileError(ValueError):
     """A prompt file is missing, unreadable or malformed; the message says where and how to fix it."""
 
 
-def load_prompts(path: str, prompt_key: str = "prompt") -> list[PromptExample]:
+def load_prompts(
+    path: str, prompt_key: str = "prompt", path_keys: tuple[str, ...] | list[str] = ("images",)
+) -> list[PromptExample]:
     """Read every prompt of `path`, in file order.
 
     Formats (chosen by extension):
@@ -38,7 +40,8 @@ def load_prompts(path: str, prompt_key: str = "prompt") -> list[PromptExample]:
     metadata. Legacy keys `prompt_embeds` / `prompt_embed_path` are rejected.
 
     A vision-language row names its images in metadata `images`: a list of file paths,
-    relative ones resolved against the prompt file's directory (the prompt holds one
+    relative ones resolved against the prompt file's directory (so is every metadata key of
+    `path_keys`: an edit row's `source` for a model whose `condition_key` it is, say) (the prompt holds one
     `<image>` per image; the model's stage reads them and names a bad one with its sample).
 
     Prompt text is stripped of surrounding whitespace. A row without a
@@ -84,14 +87,16 @@ def load_prompts(path: str, prompt_key: str = "prompt") -> list[PromptExample]:
     first_seen: dict[str, str] = {}
     for where, row in rows:
         ex = _to_example(row, prompt_key, f"{filename}:{len(examples)}", f"{path}, {where}", ext)
-        images = ex.metadata.get("images")
-        if images is not None:
+        for key in path_keys:
+            images = ex.metadata.get(key)
+            if images is None:
+                continue
             if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
                 raise PromptFileError(
-                    f"{path}, {where}: 'images' must be a list of image file paths, got {images!r}"
+                    f"{path}, {where}: {key!r} must be a list of image file paths, got {images!r}"
                 )
             base = os.path.dirname(os.path.abspath(path))
-            ex.metadata["images"] = [i if os.path.isabs(i) else os.path.join(base, i) for i in images]
+            ex.metadata[key] = [i if os.path.isabs(i) else os.path.join(base, i) for i in images]
         if ex.prompt_id in first_seen:
             raise PromptFileError(
                 f"{path}, {where}: duplicate prompt_id {ex.prompt_id!r} (first used at {first_seen[ex.prompt_id]}); "

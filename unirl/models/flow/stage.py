@@ -104,12 +104,13 @@ class FlowMatchingStage:
     @torch.no_grad()
     def encode_conditions(self, req: RolloutReq) -> dict:
         """Per-sample condition tensors [B, ...] fp32 of what the request's rows carry besides the
-        prompt (an edit family's reference image: `metadata["images"]`), from the family's
-        `encode_conditions(rows, sample_ids)`; {} for a family conditioned on text alone."""
+        prompt (an edit family's reference image, under its `condition_key` of the metadata), from
+        the family's `encode_conditions(metadata, sample_ids)`; {} for a family conditioned on text
+        alone."""
         encode = getattr(self.bundle, "encode_conditions", None)
         if encode is None:
             return {}
-        return encode([m.get("images") for m in req.metadata], req.sample_ids)
+        return encode(req.metadata, req.sample_ids)
 
     # ---- the denoiser -----------------------------------------------------------------------
     def velocity(

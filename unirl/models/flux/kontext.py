@@ -31,7 +31,9 @@ from unirl.models.flux.config import _DTYPES, FluxModelConfig
 from unirl.models.images import load_image
 
 CONDITION_KEY = "images"
-"""The prompt-row metadata key naming a sample's condition image (one path, array or PIL image)."""
+"""The default prompt-row metadata key naming a sample's condition image (one path, array or PIL
+image); `FluxKontextModelConfig.condition_key` names another (a composed run's rows whose `images`
+the text track would read as its own)."""
 
 
 class FluxKontextBundle(FluxBundle):
@@ -40,6 +42,7 @@ class FluxKontextBundle(FluxBundle):
 
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds", "image_latents")
     PIPELINE: ClassVar[type] = FluxKontextPipeline
+    condition_key: str = CONDITION_KEY  # the metadata key of a sample's source (set by the config)
 
     @property
     def cell(self) -> int:
@@ -47,18 +50,19 @@ class FluxKontextBundle(FluxBundle):
         return 2 * self.vae_scale_factor
 
     @torch.no_grad()
-    def encode_conditions(self, rows: list[Any], sample_ids: list[str]) -> dict[str, torch.Tensor]:
-        """{"image_latents": [B, C, h', w'] fp32} from each sample's `metadata["images"]` (`rows`,
-        one entry per sample): exactly one image, sides multiples of `cell`, every reference of
+    def encode_conditions(self, metadata: list[dict[str, Any]], sample_ids: list[str]) -> dict[str, torch.Tensor]:
+        """{"image_latents": [B, C, h', w'] fp32} from each sample's `metadata[condition_key]` (one
+        metadata dict per sample): exactly one image, sides multiples of `cell`, every reference of
         a request one size. Encoded as `FluxKontextPipeline` encodes its `image` list: resized to
         its own size, `preprocess`ed to [-1, 1] as one batch, the VAE's mode of that batch in one
         call, shifted and scaled (the pixels themselves in pixel space). Errors name the sample."""
         images = []
-        for sid, entries in zip(sample_ids, rows, strict=True):
+        for sid, meta in zip(sample_ids, metadata, strict=True):
+            entries = meta.get(self.condition_key)
             if not isinstance(entries, list | tuple) or len(entries) != 1:
                 got = "none" if not entries else f"{len(entries)}"
                 raise ValueError(
-                    f"sample {sid!r}: FLUX.1-Kontext edits one condition image (metadata {CONDITION_KEY!r}: "
+                    f"sample {sid!r}: FLUX.1-Kontext edits one condition image (metadata {self.condition_key!r}: "
                     f"a list of one image), got {got}"
                 )
             image = load_image(entries[0], sid, 0)
@@ -99,17 +103,24 @@ class FluxKontextBundle(FluxBundle):
 class FluxKontextModelConfig(FluxModelConfig):
     """Which FLUX.1-Kontext model to build: a local `FluxKontextPipeline` directory, or the tiny
     FLUX.1 of `tiny` (the same architecture; Kontext differs in its inputs, not its modules).
-    Its prompt rows each carry one condition image (`condition_problems`)."""
+    Its prompt rows each carry one condition image under `condition_key` (`condition_problems`;
+    a data source resolves that key's relative paths when it is in its `path_keys`)."""
 
     PIPELINE_CLASS: ClassVar[str] = "FluxKontextPipeline"
+    condition_key: str = CONDITION_KEY
 
     def build(self) -> FluxKontextBundle:
         if self.pretrained_path:
-            return FluxKontextBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
-        return FluxKontextBundle.tiny(self.tiny)
+            bundle = FluxKontextBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
+        else:
+            bundle = FluxKontextBundle.tiny(self.tiny)
+        bundle.condition_key = self.condition_key
+        return bundle
 
     def load_checkpoint(self, path: str) -> FluxKontextBundle:
-        return load_checkpoint(path, bundle_class=FluxKontextBundle)
+        bundle = load_checkpoint(path, bundle_class=FluxKontextBundle)
+        bundle.condition_key = self.condition_key
+        return bundle
 
     def directory_problems(self) -> list[str]:
         """`pretrained_path`, when set, is a directory whose `model_index.json` names FluxKontextPipeline."""
@@ -121,12 +132,13 @@ class FluxKontextModelConfig(FluxModelConfig):
         cell = self._read("cell")
         problems, sizes = [], {}
         for ex in examples:
-            entries = ex.metadata.get(CONDITION_KEY)
+            key = self.condition_key
+            entries = ex.metadata.get(key)
             if not isinstance(entries, list | tuple) or len(entries) != 1:
                 problems.append(
                     f"{where}: prompt {ex.prompt_id!r} carries {len(entries) if entries else 'no'} condition "
-                    f"image(s) in metadata {CONDITION_KEY!r}; FLUX.1-Kontext edits exactly one: give the row "
-                    f'"{CONDITION_KEY}": ["<image file>"]'
+                    f"image(s) in metadata {key!r}; FLUX.1-Kontext edits exactly one: give the row "
+                    f'"{key}": ["<image file>"]'
                 )
                 continue
             try:
