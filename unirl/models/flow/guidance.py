@@ -25,19 +25,27 @@ NEGATIVE = "negative_"
 Forward = Callable[..., torch.Tensor]
 
 
-def _halves(cond: dict, keys: tuple[str, ...]) -> tuple[dict, dict]:
-    positive = {k: cond[k] for k in keys}
-    return positive, {k: cond[NEGATIVE + k] for k in keys}
+class _Branches:
+    """What every style reads of the conditions: one branch's `cond_keys` (the cond branch, or the
+    `NEGATIVE` twins), and the uncond forward's autograd setting."""
+
+    cond_keys: tuple[str, ...]
+
+    def branch(self, cond: dict, negative: bool = False) -> dict:
+        return {k: cond[NEGATIVE + k if negative else k] for k in self.cond_keys}
+
+    @staticmethod
+    def uncond_context(detach_uncond: bool) -> contextlib.AbstractContextManager:
+        return torch.no_grad() if detach_uncond else contextlib.nullcontext()
 
 
-class ClassifierFreeGuidance:
+class ClassifierFreeGuidance(_Branches):
     """"cfg": v_u + s (v_c - v_u), the cond and `NEGATIVE` halves batched in one forward (or, with
     `separate_uncond`, two; the uncond one without autograd when `detach_uncond`: a sampling step
     whose graph is kept then keeps only the cond half's activations). SD3, Wan."""
 
     guidance = "cfg"
     encodes_uncond = True
-    cond_keys: tuple[str, ...]
 
     def guided_velocity(
         self,
@@ -49,13 +57,12 @@ class ClassifierFreeGuidance:
         detach_uncond: bool,
         separate_uncond: bool = False,
     ) -> torch.Tensor:
-        positive, negative = (
-            _halves(cond, self.cond_keys) if scale > 1.0 else ({k: cond[k] for k in self.cond_keys}, None)
-        )
-        if negative is None:
+        positive = self.branch(cond)
+        if scale <= 1.0:
             return forward(x, sigma, positive)
+        negative = self.branch(cond, negative=True)
         if separate_uncond:
-            with torch.no_grad() if detach_uncond else contextlib.nullcontext():
+            with self.uncond_context(detach_uncond):
                 v_uncond = forward(x, sigma, negative)
             v_cond = forward(x, sigma, positive)
             return v_uncond + scale * (v_cond - v_uncond)
@@ -66,13 +73,12 @@ class ClassifierFreeGuidance:
         return v_uncond + scale * (v_cond - v_uncond)
 
 
-class EmbeddedGuidance:
+class EmbeddedGuidance(_Branches):
     """"embedded": the scale is an input of the network (guidance-distilled models): one forward
     with `guidance` = s per row, no uncond branch. FLUX.1-dev."""
 
     guidance = "embedded"
     encodes_uncond = False
-    cond_keys: tuple[str, ...]
 
     def guided_velocity(
         self,
@@ -84,11 +90,10 @@ class EmbeddedGuidance:
         detach_uncond: bool,
         separate_uncond: bool = False,
     ) -> torch.Tensor:
-        positive = {k: cond[k] for k in self.cond_keys}
-        return forward(x, sigma, positive, guidance=torch.full_like(sigma, scale))
+        return forward(x, sigma, self.branch(cond), guidance=torch.full_like(sigma, scale))
 
 
-class TrueCFGGuidance:
+class TrueCFGGuidance(_Branches):
     """"true_cfg": the cond half, then the `NEGATIVE` half (without autograd when
     `detach_uncond`), in forwards of their own (their conditioning may differ in length),
     combined by the family's `combine_guidance(v_uncond, v_cond, s)`. Qwen-Image (its combine
@@ -96,7 +101,6 @@ class TrueCFGGuidance:
 
     guidance = "true_cfg"
     encodes_uncond = True
-    cond_keys: tuple[str, ...]
 
     @staticmethod
     def combine_guidance(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -115,9 +119,8 @@ class TrueCFGGuidance:
         separate_uncond: bool = False,
     ) -> torch.Tensor:
         if scale <= 1.0:
-            return forward(x, sigma, {k: cond[k] for k in self.cond_keys})
-        positive, negative = _halves(cond, self.cond_keys)
-        v_cond = forward(x, sigma, positive)
-        with torch.no_grad() if detach_uncond else contextlib.nullcontext():
-            v_uncond = forward(x, sigma, negative)
+            return forward(x, sigma, self.branch(cond))
+        v_cond = forward(x, sigma, self.branch(cond))
+        with self.uncond_context(detach_uncond):
+            v_uncond = forward(x, sigma, self.branch(cond, negative=True))
         return self.combine_guidance(v_uncond, v_cond, scale)
