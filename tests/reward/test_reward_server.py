@@ -345,9 +345,9 @@ def test_connections_are_kept_alive_and_a_restarted_server_is_reconnected(token_
         port = urlsplit(first.url).port
         client = RemoteRewardBackend(first.url, token_env=token_env, max_retries=0)
         client.score(req)
-        conn = client._local.conn
+        conn = client._http._local.conn
         client.score(req)
-        assert client._local.conn is conn and conn.sock is not None
+        assert client._http._local.conn is conn and conn.sock is not None
     with RewardServer(image_backend(), TOKEN, ServerConfig(port=port)):
         got = client.score(req).components["red"]
     assert torch.equal(got, ColorTarget([1.0, 0.0, 0.0])(req))

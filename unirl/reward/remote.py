@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import threading
-import time
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from annotated_types import Ge, Gt
 
 from unirl.reward.base import RewardBackend
+from unirl.reward.http import JsonHttp, check_http_url, error_of
 from unirl.reward.service import RewardError
 from unirl.reward.wire import WireError, decode_response, encode_request
 from unirl.types.reward import RewardRequest, RewardResponse
@@ -62,11 +59,7 @@ class RemoteRewardBackend(RewardBackend):
         backoff_s: Annotated[float, Ge(0)] = 0.5,
         image_encoding: Literal["raw", "png"] = "raw",
     ) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise ValueError(
-                f"url must be http(s)://host:port of a reward server (python -m unirl.reward.server), got {url!r}"
-            )
+        url = check_http_url(url, "a reward server (python -m unirl.reward.server)")
         if token_env is not None and token_file is not None:
             raise ValueError("give the reward server's token by token_env or token_file, not both")
         token = None
@@ -87,37 +80,24 @@ class RemoteRewardBackend(RewardBackend):
                 ) from None
             if not token:
                 raise ValueError(f"token_file={token_file!r} is empty; write the reward server's token there")
-        if not (timeout_s > 0 and max_retries >= 0 and backoff_s >= 0):
-            raise ValueError(
-                f"need timeout_s > 0, max_retries >= 0, backoff_s >= 0; got {timeout_s}, {max_retries}, {backoff_s}"
-            )
         if image_encoding not in ("raw", "png"):
             raise ValueError(f"image_encoding must be 'raw' or 'png', got {image_encoding!r}")
-        self.url = url.rstrip("/")
-        self.timeout_s, self.max_retries, self.backoff_s = (
-            float(timeout_s),
-            int(max_retries),
-            float(backoff_s),
-        )
+        self.url = url
         self.image_encoding = image_encoding
-        parts = urlsplit(self.url)
-        self._https, self._host, self._port = parts.scheme == "https", parts.hostname, parts.port
-        self._prefix = parts.path
-        self._headers = {"Content-Type": "application/json"}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        self._http = JsonHttp(
+            url,
+            {"Authorization": f"Bearer {token}"} if token else {},
+            timeout_s,
+            max_retries,
+            backoff_s,
+            RemoteRewardError,
+            "reward server",
+            "Is `python -m unirl.reward.server` running there?",
+        )
         self._info: dict[str, Any] | None = None
-        self._local = threading.local()  # one kept-alive connection per calling thread
 
     def __repr__(self) -> str:  # the token stays out of logs
         return f"RemoteRewardBackend(url={self.url!r})"
-
-    def __getstate__(self) -> dict[str, Any]:  # connections do not travel
-        return {k: v for k, v in self.__dict__.items() if k != "_local"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._local = threading.local()
 
     @property
     def weights(self) -> dict[str, float]:
@@ -159,72 +139,14 @@ class RemoteRewardBackend(RewardBackend):
             self._info = {"weights": {str(k): float(v) for k, v in weights.items()}, "max_body_bytes": limit}
         return self._info
 
-    # ---- transport ----------------------------------------------------------------------------
-
-    def _exchange(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
-        """(status, body) of one HTTP exchange on this thread's kept-alive connection. A reused
-        connection the server closed meanwhile is replaced once, silently; other errors raise."""
-        for fresh in (False, True):
-            conn = getattr(self._local, "conn", None)
-            reused = conn is not None and not fresh
-            if not reused:
-                self._drop()
-                kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-                conn = self._local.conn = kind(self._host, self._port, timeout=self.timeout_s)
-            try:
-                conn.request(method, self._prefix + path, body=body, headers=self._headers)
-                answer = conn.getresponse()
-                data = answer.read()
-            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
-                self._drop()
-                if reused:
-                    continue
-                raise
-            except BaseException:
-                self._drop()
-                raise
-            if answer.will_close:
-                self._drop()
-            return answer.status, data
-        raise AssertionError("unreachable")
-
-    def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-        self._local.conn = None
-
     def _call(self, method: str, path: str, body: bytes | None, req: RewardRequest | None) -> Any:
-        """The JSON answer of one request, retried on connection errors, timeouts and 5xx."""
-        url, started, last = self.url + path, time.perf_counter(), ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                status, raw = self._exchange(method, path, body)
-            except TimeoutError:
-                last = f"no answer within timeout_s={self.timeout_s:g} s"
-                continue
-            except (OSError, http.client.HTTPException) as e:
-                last = f"{type(e).__name__}: {e}"
-                continue
-            if status >= 500:
-                last = f"HTTP {status}: {_error_of(raw)}"
-                continue
-            if status >= 400:
-                raise RemoteRewardError(self._describe(url, status, raw, req))
-            try:
-                return json.loads(raw)
-            except ValueError:
-                raise RemoteRewardError(f"reward server {url} answered non-JSON: {raw[:200]!r}") from None
-        raise RemoteRewardError(
-            f"reward server {url} gave no answer after {self.max_retries + 1} attempt(s) in "
-            f"{time.perf_counter() - started:.1f} s (timeout_s={self.timeout_s:g}, max_retries={self.max_retries}); "
-            f"last: {last}{_samples(req)}. Is `python -m unirl.reward.server` running there?"
+        """The JSON answer of one request (`JsonHttp.call`), errors naming the samples."""
+        return self._http.call(
+            method, path, body, lambda url, status, raw: self._describe(url, status, raw, req), _samples(req)
         )
 
     def _describe(self, url: str, status: int, raw: bytes, req: RewardRequest | None) -> str:
-        message = f"reward server {url} answered HTTP {status}: {_error_of(raw)}"
+        message = f"reward server {url} answered HTTP {status}: {error_of(raw)}"
         try:
             index = json.loads(raw).get("sample_index")
         except (ValueError, AttributeError):
@@ -234,15 +156,6 @@ class RemoteRewardBackend(RewardBackend):
         else:
             message += _samples(req)
         return message
-
-
-def _error_of(raw: bytes) -> str:
-    """The `error` of a JSON error body, else the start of the body."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return raw[:200].decode("utf-8", "replace") or "(no message)"
-    return str(body.get("error", body)) if isinstance(body, dict) else str(body)
 
 
 def _samples(req: RewardRequest | None) -> str:

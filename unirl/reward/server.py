@@ -1,6 +1,6 @@
 """The remote reward service: serve any reward backend over HTTP (aiohttp), one command.
 
-    python -m unirl.reward.server --config <yaml> [--host 127.0.0.1] [--port 8765]
+    python -m unirl.reward.server --config <yaml> [--chat-model DIR] [--host 127.0.0.1] [--port 8765]
         [--token-file FILE] [--max-batch 64] [--batch-window-ms 0] [--max-body-mb 64]
 
 `<yaml>` names the backend the way a recipe does: a whole recipe (its
@@ -14,6 +14,10 @@
   data (its `ValueError`, e.g. a sample without the answer key), 500 a scorer
   crashed. Every error is a JSON body with `error`; the server keeps serving.
 - `GET /v1/info`: `weights` (component name -> weight) and `max_body_bytes`.
+- `POST /v1/chat/completions`, `GET /v1/models` (with `--chat-model DIR`, a local VLM directory;
+  `--config` may then be left out): the OpenAI-style chat API a judge (`unirl.reward.chat.ChatJudge`)
+  asks, answered greedily by `unirl.reward.chat.ChatModel`; 400 for a body it cannot answer, with
+  the OpenAI error shape `{"error": {"message", "type"}}`.
 - `GET /health` (no token): `status`, `schema`, and counters (`requests`,
   `samples`, `scorer_calls`, `errors`).
 
@@ -50,6 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 from unirl.distributed.cores import apply_thread_count, govern_threads
 from unirl.reward.base import LocalRewardBackend, RewardBackend
 from unirl.reward.batching import Batcher
+from unirl.reward.chat import ChatModel
 from unirl.reward.wire import SCHEMA, WireError, decode_request, encode_response
 
 log = logging.getLogger("unirl.reward.server")
@@ -157,11 +162,18 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"schema": SCHEMA, "error": message, **extra}, status=status)
 
 
-def build_app(backend: RewardBackend, token: str | None, config: ServerConfig) -> web.Application:
-    """The aiohttp application serving `backend` (routes and statuses: the module docstring)."""
+def build_app(
+    backend: RewardBackend | None, token: str | None, config: ServerConfig, chat: ChatModel | None = None
+) -> web.Application:
+    """The aiohttp application serving `backend` and/or the chat model `chat` (routes and
+    statuses: the module docstring)."""
+    if backend is None and chat is None:
+        raise ValueError(
+            "the reward server needs a backend (--config) or a chat model (--chat-model), or both"
+        )
     expected = None if token is None else f"Bearer {token}".encode()
     counters = {"requests": 0, "samples": 0, "errors": 0}
-    weights = backend.weights
+    weights = backend.weights if backend is not None else {}
     batcher_key = web.AppKey("batcher", Batcher)
 
     @web.middleware
@@ -224,8 +236,30 @@ def build_app(backend: RewardBackend, token: str | None, config: ServerConfig) -
             }
         )
 
+    async def chat_completions(request: web.Request) -> web.Response:
+        counters["requests"] += 1
+        try:
+            body = await request.json()
+            answer = await asyncio.get_running_loop().run_in_executor(None, chat.complete, body)
+        except (ValueError, UnicodeDecodeError) as e:  # ChatRequestError, or a body that is not JSON
+            counters["errors"] += 1
+            return web.json_response(
+                {"error": {"message": str(e), "type": "invalid_request_error"}}, status=400
+            )
+        except Exception as e:  # noqa: BLE001 - answer, log and keep serving
+            counters["errors"] += 1
+            log.exception("a chat completion failed")
+            return web.json_response(
+                {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}}, status=500
+            )
+        counters["samples"] += 1
+        return web.json_response(answer)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(chat.models())
+
     async def health(request: web.Request) -> web.Response:
-        calls = request.app[batcher_key].scorer_calls
+        calls = request.app[batcher_key].scorer_calls if batcher_key in request.app else 0
         return web.json_response({"status": "ok", "schema": SCHEMA, **counters, "scorer_calls": calls})
 
     async def start_batcher(app: web.Application) -> None:
@@ -243,11 +277,15 @@ def build_app(backend: RewardBackend, token: str | None, config: ServerConfig) -
         await app[batcher_key].stop()
 
     app = web.Application(middlewares=[authorize], client_max_size=config.max_body_bytes)
-    app.router.add_post("/v1/score", score)
-    app.router.add_get("/v1/info", info)
+    if backend is not None:
+        app.router.add_post("/v1/score", score)
+        app.router.add_get("/v1/info", info)
+        app.on_startup.append(start_batcher)
+        app.on_cleanup.append(stop_batcher)
+    if chat is not None:
+        app.router.add_post("/v1/chat/completions", chat_completions)
+        app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
-    app.on_startup.append(start_batcher)
-    app.on_cleanup.append(stop_batcher)
     return app
 
 
@@ -277,10 +315,16 @@ class RewardServer:
     runs the same application in the foreground.
     """
 
-    def __init__(self, backend: RewardBackend, token: str | None = None, config: ServerConfig | None = None):
+    def __init__(
+        self,
+        backend: RewardBackend | None,
+        token: str | None = None,
+        config: ServerConfig | None = None,
+        chat: ChatModel | None = None,
+    ):
         self.config = config or ServerConfig(port=0)
         _check_bind(self.config.host, token)
-        self.app = build_app(backend, token, self.config)
+        self.app = build_app(backend, token, self.config, chat)
         self.url: str | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="reward-server", daemon=True)
@@ -323,7 +367,11 @@ async def _serve_forever(app: web.Application, host: str, port: int, describe: s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m unirl.reward.server", description=__doc__.split("\n")[0])
     defaults = ServerConfig()
-    parser.add_argument("--config", required=True, help="YAML naming the reward backend (a recipe works)")
+    parser.add_argument("--config", default=None, help="YAML naming the reward backend (a recipe works)")
+    parser.add_argument(
+        "--chat-model", default=None, help="a local VLM directory to serve at /v1/chat/completions (a judge)"
+    )
+    parser.add_argument("--chat-name", default=None, help="its model name (default: the directory's name)")
     parser.add_argument("--host", default=defaults.host, help="address to bind (default: loopback)")
     parser.add_argument("--port", type=int, default=defaults.port, help="TCP port; 0 picks a free one")
     parser.add_argument(
@@ -346,13 +394,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         token = read_token(args.token_file)
         _check_bind(config.host, token)
-        backend = load_backend(args.config)
+        if args.config is None and args.chat_model is None:
+            raise ValueError("give --config (a reward backend), --chat-model (a judge VLM), or both")
+        backend = load_backend(args.config) if args.config else None
+        chat = ChatModel(args.chat_model, args.chat_name) if args.chat_model else None
     except (OSError, ValueError) as e:
         print(f"unirl reward server: {e}", file=sys.stderr)
         return 2
     auth = f"bearer token from {args.token_file or TOKEN_ENV}" if token else "no token (loopback only)"
-    describe = f"serving {sorted(backend.weights)} ({auth}, max batch {config.max_batch})"
-    app = build_app(backend, token, config)
+    served = [f"{sorted(backend.weights)} (max batch {config.max_batch})"] if backend else []
+    served += [f"chat model {chat.name!r} at /v1/chat/completions"] if chat else []
+    describe = f"serving {' and '.join(served)} ({auth})"
+    app = build_app(backend, token, config, chat)
     started = time.perf_counter()
     try:
         asyncio.run(_serve_forever(app, config.host, config.port, describe))
