@@ -96,20 +96,21 @@ def images_to_model(images: np.ndarray) -> torch.Tensor:
 
 
 def check_data_geometry(x0: torch.Tensor, info: dict, size: int | None) -> None:
-    """Raise naming the model key unless `x0` ([n, 3, H, W] or [n, 3, F, H, W]) has the model's
-    resolution (`size`; None: a model that takes any side its VAE scale x patch divides, such as a
-    Wan directory) and, for a video family (`info["num_frames"]`), its frame count."""
-    if size is None:
-        cell = int(info.get("vae_scale_factor", 1)) * int(info.get("patch_size", 1))
-        if any(side % cell for side in x0.shape[-2:]):
-            raise ValueError(
-                f"the data gives {tuple(x0.shape[-2:])} frames but the model takes sides that are "
-                f"multiples of {cell} (its VAE's scale x its patch); resize the data"
-            )
-    elif tuple(x0.shape[-2:]) != (size, size):
+    """Raise naming the model key unless `x0` ([n, 3, H, W] or [n, 3, F, H, W]) has sides the
+    model takes: multiples of its VAE scale x patch, and at most `size` (a tiny model's
+    resolution, the extent of its position embedding; None: a model that takes any such side,
+    such as a Wan directory), and, for a video family (`info["num_frames"]`), its frame count.
+    A tiny model of resolution 64 trains on 32x64 images, as it samples them."""
+    cell = int(info.get("vae_scale_factor", 1)) * int(info.get("patch_size", 1))
+    if any(side % cell for side in x0.shape[-2:]):
         raise ValueError(
-            f"the data gives {tuple(x0.shape[-2:])} frames but the model is built for {size}x{size} "
-            "(match model.tiny.resolution to the data)"
+            f"the data gives {tuple(x0.shape[-2:])} frames but the model takes sides that are "
+            f"multiples of {cell} (its VAE's scale x its patch); resize the data"
+        )
+    if size is not None and max(x0.shape[-2:]) > size:
+        raise ValueError(
+            f"the data gives {tuple(x0.shape[-2:])} frames but the model is built for sides of at "
+            f"most {size} (raise model.tiny.resolution to the data's longer side)"
         )
     frames = info.get("num_frames")
     if frames is None and x0.dim() != 4:
