@@ -12,7 +12,17 @@ from tests.conftest import tiny_model_config
 from unirl.models.flow.loading import tiny_clip_t5_tokenizers
 from unirl.reward.local.ocr import quoted_text
 from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig
-from worlds.ocr import HEIGHT, LETTERS, SPLITS, WIDTH, OCRAccuracy, OCRWords, render_word, split_words, word_prompt
+from worlds.ocr import (
+    HEIGHT,
+    LETTERS,
+    SPLITS,
+    WIDTH,
+    OCRAccuracy,
+    OCRWords,
+    render_word,
+    split_words,
+    word_prompt,
+)
 
 
 def test_splits_are_disjoint_sized_and_fixed_by_the_seed():
