@@ -14,7 +14,13 @@ from unirl.reward.local import AestheticScore
 from unirl.types.reward import RewardRequest
 
 WIDTH = 16  # the tiny CLIP's projection: the predictor's input (768 for ViT-L/14)
-SHAPES = {"layers.0": (1024, WIDTH), "layers.2": (128, 1024), "layers.4": (64, 128), "layers.6": (16, 64), "layers.7": (1, 16)}
+SHAPES = {
+    "layers.0": (1024, WIDTH),
+    "layers.2": (128, 1024),
+    "layers.4": (64, 128),
+    "layers.6": (16, 64),
+    "layers.7": (1, 16),
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +51,9 @@ def reference(clip_dir, state, images: torch.Tensor) -> torch.Tensor:
 
 def test_scores_equal_the_predictors_steps(files) -> None:
     clip_dir, mlp, state = files
-    images = torch.randint(0, 256, (5, 3, 48, 40), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    images = torch.randint(
+        0, 256, (5, 3, 48, 40), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
+    )
     req = RewardRequest([f"s{i}" for i in range(5)], ["p"] * 5, images=images)
     want = reference(clip_dir, state, images)
     for batch_size in (16, 2):

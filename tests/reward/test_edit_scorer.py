@@ -13,7 +13,9 @@ from unirl.types import RewardRequest
 
 def request(images: torch.Tensor, metadata: list[dict]) -> RewardRequest:
     n = len(images)
-    return RewardRequest(sample_ids=[f"s{i}" for i in range(n)], prompts=["edit"] * n, images=images, metadata=metadata)
+    return RewardRequest(
+        sample_ids=[f"s{i}" for i in range(n)], prompts=["edit"] * n, images=images, metadata=metadata
+    )
 
 
 def test_scores_equal_one_minus_the_mean_difference_to_the_source(tmp_path) -> None:

@@ -27,7 +27,9 @@ def checkpoint(tmp_path_factory):
 
 def request(groups: list[str], seed: int = 0) -> RewardRequest:
     n = len(groups)
-    images = torch.randint(0, 256, (n, 3, 40, 40), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    images = torch.randint(
+        0, 256, (n, 3, 40, 40), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+    )
     return RewardRequest([f"s{i}" for i in range(n)], PROMPTS[:n], images=images, group_ids=groups)
 
 
@@ -47,7 +49,9 @@ def test_ranks_within_each_group(checkpoint) -> None:
     raw = PickScore(checkpoint)(req).tolist()
     got = PickScoreRank(checkpoint)(req).tolist()
     assert got == pytest.approx(ranks_by_hand(raw[:3]) + ranks_by_hand(raw[3:]))
-    assert sorted(got[:3]) == pytest.approx([0.0, 0.5, 1.0]) and sorted(got[3:]) == pytest.approx([0.0, 0.5, 1.0])
+    assert sorted(got[:3]) == pytest.approx([0.0, 0.5, 1.0]) and sorted(got[3:]) == pytest.approx(
+        [0.0, 0.5, 1.0]
+    )
 
 
 def test_equal_images_share_their_rank(checkpoint) -> None:
@@ -79,7 +83,10 @@ def test_group_ids_cross_the_wire_and_merging_keeps_clients_apart(checkpoint) ->
     merged = merge_requests([request(["g0", "g0"], 1), request(["g0", "g0"], 2)])
     assert merged.group_ids == ["0:g0", "0:g0", "1:g0", "1:g0"]  # one id, two clients: two groups
     assert len(merged.groups("test")) == 2
-    assert merge_requests([request(["g0", "g0"]), RewardRequest(["t"], ["p"], images=req.images[:1])]).group_ids == []
+    assert (
+        merge_requests([request(["g0", "g0"]), RewardRequest(["t"], ["p"], images=req.images[:1])]).group_ids
+        == []
+    )
     backend = LocalRewardBackend({"rank": PickScoreRank(checkpoint)})
     assert backend.score(merged).components["rank"].tolist() == pytest.approx(
         backend.score(request(["g0", "g0"], 1)).components["rank"].tolist()
@@ -111,8 +118,12 @@ def test_recipes_that_cannot_keep_groups_are_refused_before_ray(checkpoint, tmp_
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"components.rank scores each sample against its group's"):
         validate_rl_config(one, expect="diffusion")
-    split = compose_with_rank("diffusion/tiny_sd3_dedicated_colocate", checkpoint, tmp_path, "rollout.forward_batch_size=4")
-    with pytest.raises(ConfigError, match=r"rollout.forward_batch_size=4 .* splits groups of sampling.samples_per_prompt=8"):
+    split = compose_with_rank(
+        "diffusion/tiny_sd3_dedicated_colocate", checkpoint, tmp_path, "rollout.forward_batch_size=4"
+    )
+    with pytest.raises(
+        ConfigError, match=r"rollout.forward_batch_size=4 .* splits groups of sampling.samples_per_prompt=8"
+    ):
         validate_rl_config(split, expect="diffusion")
     whole = compose_with_rank("diffusion/tiny_sd3_dedicated_colocate", checkpoint, tmp_path)
     validate_rl_config(whole, expect="diffusion")

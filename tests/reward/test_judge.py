@@ -137,3 +137,18 @@ def test_bad_input_is_named(judge, tmp_path):
     texts = RewardRequest(sample_ids=["t0"], prompts=["a red circle"], texts=["yes"])
     with pytest.raises(ValueError, match="VLMJudge needs images"):
         judge(texts)
+
+
+def test_an_offloaded_judge_scores_on_its_device_and_rests_in_host_memory(judge):
+    """`offload`: the model is on `device` while it scores (a hook records it) and in host memory
+    after; the scores are the resident judge's. On a CPU-only machine only the bookkeeping runs."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    offloaded = VLMJudge(BASE, questions=JudgeQuestions(), batch_size=5, device=device, offload=True)
+    ran_on = []
+    offloaded.bundle.model.register_forward_pre_hook(
+        lambda m, a: ran_on.append(next(m.parameters()).device.type)
+    )
+    req = request(PROMPTS, scene_images(PROMPTS))
+    got = offloaded(req)
+    assert set(ran_on) == {device} and next(offloaded.bundle.model.parameters()).device.type == "cpu"
+    torch.testing.assert_close(got, judge(req).to(got.device), rtol=1e-5, atol=1e-6)

@@ -73,7 +73,9 @@ def test_real_weights_read_rendered_words_exactly(scorer) -> None:
 def test_a_misspelling_scores_its_edit_distance_and_a_blank_scores_zero(scorer) -> None:
     req = request(["HELO", "SUN"], ["HELLO", "RAIN"])
     assert scorer(req).tolist() == pytest.approx([1 - 1 / 5, 1 - 3 / 4])  # sun -> rain: 3 edits
-    blank = RewardRequest(["b0"], ['a sign that says "HELLO"'], images=torch.full((1, 3, 48, 224), 255, dtype=torch.uint8))
+    blank = RewardRequest(
+        ["b0"], ['a sign that says "HELLO"'], images=torch.full((1, 3, 48, 224), 255, dtype=torch.uint8)
+    )
     assert scorer(blank).tolist() == [0.0]
 
 
@@ -89,7 +91,9 @@ def test_the_reading_keeps_ascii_unless_told_otherwise(scorer) -> None:
 def test_detection_then_recognition_reads_the_same(scorer) -> None:
     det = OCRReward(mode="det_rec")
     assert det(request(["CAT 42", "HELLO"], ["CAT 42", "HELLO"])).tolist() == [1.0, 1.0]
-    assert det(RewardRequest(["b"], ['"RL"'], images=torch.full((1, 3, 48, 224), 255, dtype=torch.uint8))).tolist() == [0.0]
+    assert det(
+        RewardRequest(["b"], ['"RL"'], images=torch.full((1, 3, 48, 224), 255, dtype=torch.uint8))
+    ).tolist() == [0.0]
 
 
 def test_targets_from_a_metadata_key() -> None:
@@ -102,7 +106,9 @@ def test_targets_from_a_metadata_key() -> None:
 
 
 def test_a_sample_without_a_target_is_named() -> None:
-    req = RewardRequest(["s0", "s7"], ['"sun"', "a sign with no quotes"], images=torch.stack([render("sun")] * 2))
+    req = RewardRequest(
+        ["s0", "s7"], ['"sun"', "a sign with no quotes"], images=torch.stack([render("sun")] * 2)
+    )
     with pytest.raises(ValueError, match=r"sample s7 has no target text in double quotes in its prompt"):
         OCRReward()(req)
     req = RewardRequest(["m0"], ["x"], images=render("sun")[None], metadata=[{"other": 1}])
@@ -112,7 +118,9 @@ def test_a_sample_without_a_target_is_named() -> None:
         OCRReward()(RewardRequest(["t"], ['"x"'], texts=["x"]))
 
 
-@pytest.mark.parametrize("kwargs, match", [({"mode": "boxes"}, "mode must be one of"), ({"min_confidence": 1.0}, "min_confidence")])
+@pytest.mark.parametrize(
+    "kwargs, match", [({"mode": "boxes"}, "mode must be one of"), ({"min_confidence": 1.0}, "min_confidence")]
+)
 def test_bad_settings_are_refused(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         OCRReward(**kwargs)

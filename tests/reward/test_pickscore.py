@@ -76,9 +76,13 @@ def test_the_processor_is_the_documented_preprocessing(checkpoint) -> None:
 
 
 def test_missing_files_are_named_when_built(checkpoint, tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"PickScore: missing .*config\.json.*model\.safetensors or pytorch_model\.bin"):
+    with pytest.raises(
+        ValueError, match=r"PickScore: missing .*config\.json.*model\.safetensors or pytorch_model\.bin"
+    ):
         PickScore(str(tmp_path))
-    with pytest.raises(ValueError, match=r"missing .*nowhere/processor_config\.json or preprocessor_config\.json"):
+    with pytest.raises(
+        ValueError, match=r"missing .*nowhere/processor_config\.json or preprocessor_config\.json"
+    ):
         PickScore(str(checkpoint), processor_path=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="dtype must be"):
         PickScore(str(checkpoint), dtype="int8")
@@ -134,4 +138,25 @@ def test_video_pickscore_is_the_frame_mean(checkpoint) -> None:
         [f"v{v}/frame{k}" for v in range(2) for k in range(3)], [p for p in PROMPTS[:2] for _ in range(3)],
         images=videos.flatten(0, 1),
     )  # fmt: skip
-    torch.testing.assert_close(FrameMean(pick)(req), pick(frames).view(2, 3).mean(dim=1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        FrameMean(pick)(req), pick(frames).view(2, 3).mean(dim=1), rtol=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_offload_keeps_the_model_in_host_memory_between_calls(checkpoint, offload) -> None:
+    """With `offload` the model is on `device` only while it scores (a hook records where its
+    forwards ran) and in host memory after; the scores are the resident model's. On a CPU-only
+    machine `device` is the CPU, so only the bookkeeping is exercised; on a GPU the move is real."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    imgs = images(3)
+    req = RewardRequest([f"s{i}" for i in range(3)], PROMPTS[:3], images=imgs)
+    scorer = PickScore(str(checkpoint), device=device, offload=offload, batch_size=2)
+    ran_on = []
+    model = scorer.clip.load()[0]
+    model.register_forward_pre_hook(lambda m, a: ran_on.append(next(m.parameters()).device.type))
+    model.vision_model.register_forward_pre_hook(lambda m, a: ran_on.append(next(m.parameters()).device.type))
+    got = scorer(req)
+    assert ran_on and set(ran_on) == {device}
+    assert next(model.parameters()).device.type == ("cpu" if offload else device)
+    torch.testing.assert_close(got, flow_grpo_scores(checkpoint, imgs, PROMPTS[:3]), rtol=1e-5, atol=1e-6)

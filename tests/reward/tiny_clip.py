@@ -26,7 +26,9 @@ def save_tiny_clip(path, projection_dim: int = 16):
     )  # fmt: skip
     CLIPModel(config).eval().save_pretrained(path)
     processor = CLIPProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}),
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}
+        ),
         tokenizer=tokenizer,
     )
     processor.save_pretrained(path)

@@ -75,7 +75,9 @@ class Batcher:
         self.scorer_calls = 0
         self._wake = asyncio.Event()
         # initializer: run once in the scorer's thread (the server's: its torch threads' governor)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scorer", initializer=initializer)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="reward-scorer", initializer=initializer
+        )
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

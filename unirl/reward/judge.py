@@ -60,6 +60,9 @@ class VLMJudge:
         aggregate: "product" or "mean" over a sample's questions.
         batch_size: (image, question) pairs per forward.
         threads: torch threads while scoring (None: leave the process's setting).
+        device: where the model scores.
+        offload: keep the model in host memory between calls, on `device` only while scoring
+            (a judge colocated with the rollout gives its accelerator memory back).
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class VLMJudge:
         aggregate: str = "product",
         batch_size: int = 64,
         threads: int | None = None,
+        device: str = "cpu",
+        offload: bool = False,
     ) -> None:
         if aggregate not in AGGREGATES:
             raise ValueError(f"VLMJudge aggregate must be one of {AGGREGATES}, got {aggregate!r}")
@@ -95,6 +100,7 @@ class VLMJudge:
         self.aggregate = aggregate
         self.batch_size = batch_size
         self.threads = threads
+        self.device, self.offload = torch.device(device), bool(offload)
         self._bundle: Any = None
 
     @property
@@ -102,7 +108,7 @@ class VLMJudge:
         """The judge's VLM bundle, loaded (fp32, eval mode, no gradients) on first use."""
         if self._bundle is None:
             bundle = VLMConfig(pretrained_path=self.model_path).build()
-            bundle.model.eval().requires_grad_(False)
+            bundle.model.eval().requires_grad_(False).to("cpu" if self.offload else self.device)
             self._bundle = bundle
         return self._bundle
 
@@ -130,6 +136,8 @@ class VLMJudge:
         previous = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)
+        if self.offload:
+            bundle.to(self.device)
         try:
             for start in range(0, len(asked), self.batch_size):
                 rows = [
@@ -144,6 +152,10 @@ class VLMJudge:
                 logps.append((token * (target != IGNORE_INDEX)).sum(dim=1).cpu())
         finally:
             torch.set_num_threads(previous)
+            if self.offload:
+                bundle.to("cpu")
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
         return torch.cat(logps).exp()
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:

@@ -210,7 +210,11 @@ def decode_request(body: Any, max_pixels: int = 4096 * 4096) -> RewardRequest:
     ids, prompts, metas, images, texts, lengths, groups = [], [], [], [], [], [], []
     first = samples[0] if isinstance(samples[0], dict) else {}
     kind = "image" if "image" in first else "text"
-    with_meta, with_lengths, with_groups = "metadata" in first, "response_length" in first, "group_id" in first
+    with_meta, with_lengths, with_groups = (
+        "metadata" in first,
+        "response_length" in first,
+        "group_id" in first,
+    )
     for i, sample in enumerate(samples):
         sid = sample.get("sample_id") if isinstance(sample, dict) else None
         sid = sid if isinstance(sid, str) else None

@@ -20,7 +20,13 @@ from torch import nn
 from unirl.reward.local.clip import ClipBackbone
 from unirl.types.reward import RewardRequest
 
-LAYERS = ("layers.0", "layers.2", "layers.4", "layers.6", "layers.7")  # the Linear layers of the published MLP
+LAYERS = (
+    "layers.0",
+    "layers.2",
+    "layers.4",
+    "layers.6",
+    "layers.7",
+)  # the Linear layers of the published MLP
 
 
 def aesthetic_mlp(width: int) -> nn.Sequential:
@@ -38,7 +44,8 @@ class AestheticScore:
         clip_path: local directory of the CLIP ViT-L/14 `CLIPModel` (and its processor, unless
             `processor_path` names another).
         mlp_path: the predictor's state dict file (`sac+logos+ava1-l14-linearMSE.pth`).
-        processor_path, batch_size, device, dtype: as `PickScore`'s.
+        processor_path, batch_size, device, dtype, offload: as `PickScore`'s (with `offload` the
+            MLP moves with the CLIP model).
 
     Missing files, or a state dict that is not the published MLP's (its keys and shapes), are a
     `ValueError` naming the path when the scorer is built.
@@ -52,9 +59,12 @@ class AestheticScore:
         batch_size: int = 16,
         device: str = "cpu",
         dtype: str = "float32",
+        offload: bool = False,
     ) -> None:
         what = " (openai/clip-vit-large-patch14's files)"
-        self.clip = ClipBackbone("AestheticScore", clip_path, processor_path, device, dtype, what, batch_size)
+        self.clip = ClipBackbone(
+            "AestheticScore", clip_path, processor_path, device, dtype, what, batch_size, offload
+        )
         if not os.path.isfile(mlp_path):
             raise ValueError(
                 f"AestheticScore: mlp_path {mlp_path} does not exist; it is the predictor's "
@@ -72,9 +82,13 @@ class AestheticScore:
             self.mlp.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
         except RuntimeError as exc:
             raise ValueError(f"AestheticScore: {mlp_path} does not fit the predictor's MLP: {exc}") from exc
-        self.mlp = self.mlp.eval().requires_grad_(False).to(self.clip.device, self.clip.dtype)
+        self.mlp = (
+            self.mlp.eval().requires_grad_(False).to("cpu" if offload else self.clip.device, self.clip.dtype)
+        )
 
     @torch.no_grad()
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8)."""
-        return self.mlp(self.clip.images(req.require_images("AestheticScore"))).squeeze(1).float().cpu()
+        images = req.require_images("AestheticScore")
+        with self.clip.on_device(self.mlp):
+            return self.mlp(self.clip.images(images)).squeeze(1).float().cpu()

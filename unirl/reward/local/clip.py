@@ -12,6 +12,7 @@ Without torchvision transformers runs the processor's PIL backend (`CLIPImagePro
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ class ClipBackbone:
         device, dtype: where and in what precision the model runs.
         what: what the directories should hold, for the missing-files error.
         batch_size: samples per forward of `images` / `cosines`.
+        offload: keep the model in host memory between calls and move it to `device` only for
+            one (`on_device`), so a scorer colocated with the rollout gives its accelerator
+            memory back between scorings (CUDA's cache is emptied after the move back).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class ClipBackbone:
         dtype: str = "float32",
         what: str = "",
         batch_size: int = 16,
+        offload: bool = False,
     ) -> None:
         self.model_path, self.processor_path = str(model_path), str(processor_path or model_path)
         missing = missing_files(self.model_path, self.processor_path)
@@ -73,6 +78,8 @@ class ClipBackbone:
             raise ValueError(f"{owner} batch_size must be >= 1, got {batch_size}")
         self.device, self.dtype = torch.device(device), getattr(torch, dtype)
         self.batch_size = int(batch_size)
+        self.offload = bool(offload)
+        self._active = 0
         self._model: Any = None
         self._processor: Any = None
 
@@ -83,12 +90,32 @@ class ClipBackbone:
 
             self._processor = CLIPProcessor.from_pretrained(self.processor_path)
             model = CLIPModel.from_pretrained(self.model_path, torch_dtype=self.dtype)
-            self._model = model.eval().requires_grad_(False).to(self.device)
+            home = "cpu" if self.offload and not self._active else self.device
+            self._model = model.eval().requires_grad_(False).to(home)
         return self._model, self._processor
+
+    @contextmanager
+    def on_device(self, *modules: torch.nn.Module):
+        """The model (and `modules`, e.g. a head on the embeddings) on `device` inside the block;
+        with `offload`, back in host memory after the outermost block."""
+        self._active += 1
+        try:
+            if self.offload and self._active == 1:
+                for m in (self.load()[0], *modules):
+                    m.to(self.device)
+            yield
+        finally:
+            self._active -= 1
+            if self.offload and not self._active:
+                for m in (self.load()[0], *modules):
+                    m.to("cpu")
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
 
     @property
     def logit_scale(self) -> torch.Tensor:
-        return self.load()[0].logit_scale.exp()
+        """exp(the model's logit scale), on `device`."""
+        return self.load()[0].logit_scale.exp().to(self.device)
 
     @torch.no_grad()
     def image_embeddings(self, images: torch.Tensor) -> torch.Tensor:
@@ -111,15 +138,23 @@ class ClipBackbone:
 
     def images(self, images: torch.Tensor) -> torch.Tensor:
         """[B, D] unit-norm embeddings of `images`, `batch_size` at a time."""
-        return torch.cat(
-            [self.image_embeddings(images[i : i + self.batch_size]) for i in range(0, len(images), self.batch_size)]
-        )
+        with self.on_device():
+            return torch.cat(
+                [
+                    self.image_embeddings(images[i : i + self.batch_size])
+                    for i in range(0, len(images), self.batch_size)
+                ]
+            )
 
     def cosines(self, images: torch.Tensor, texts: list[str]) -> torch.Tensor:
         """[B] cosine of each image's embedding and its text's, `batch_size` pairs at a time."""
-        return torch.cat(
-            [
-                (self.text_embeddings(texts[i : i + self.batch_size]) * self.image_embeddings(images[i : i + self.batch_size])).sum(dim=-1)
-                for i in range(0, len(texts), self.batch_size)
-            ]
-        )
+        with self.on_device():
+            return torch.cat(
+                [
+                    (
+                        self.text_embeddings(texts[i : i + self.batch_size])
+                        * self.image_embeddings(images[i : i + self.batch_size])
+                    ).sum(dim=-1)
+                    for i in range(0, len(texts), self.batch_size)
+                ]
+            )

@@ -60,7 +60,11 @@ class OCRReward:
     """
 
     def __init__(
-        self, mode: str = "rec", text_key: str | None = None, min_confidence: float = 0.0, ascii_only: bool = True
+        self,
+        mode: str = "rec",
+        text_key: str | None = None,
+        min_confidence: float = 0.0,
+        ascii_only: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"OCRReward mode must be one of {list(MODES)}, got {mode!r}")
@@ -123,4 +127,6 @@ class OCRReward:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8) against their targets."""
         targets = self.targets(req)
         texts = self.read(req.require_images("OCRReward"))
-        return torch.tensor([ocr_score(t, want) for t, want in zip(texts, targets, strict=True)], dtype=torch.float32)
+        return torch.tensor(
+            [ocr_score(t, want) for t, want in zip(texts, targets, strict=True)], dtype=torch.float32
+        )

@@ -26,6 +26,7 @@ class PickScore:
             logit, about 20-23 for real images).
         batch_size: images per forward.
         device, dtype: where and in what precision the model runs (loaded on the first call).
+        offload: keep the model in host memory between calls (`ClipBackbone`).
 
     Missing files are a `ValueError` naming each path when the scorer is built (before Ray, as
     the recipe validator builds reward components).
@@ -39,12 +40,15 @@ class PickScore:
         batch_size: int = 16,
         device: str = "cpu",
         dtype: str = "float32",
+        offload: bool = False,
     ) -> None:
         what = (
             " (yuvalkirstain/PickScore_v1's files, and laion/CLIP-ViT-H-14-laion2B-s32B-b79K's "
             "preprocessor and tokenizer files)"
         )
-        self.clip = ClipBackbone("PickScore", model_path, processor_path, device, dtype, what, batch_size)
+        self.clip = ClipBackbone(
+            "PickScore", model_path, processor_path, device, dtype, what, batch_size, offload
+        )
         self.scale = float(scale)
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
@@ -61,7 +65,7 @@ class CLIPScore:
         model_path: local directory of a transformers `CLIPModel` (e.g. the files of
             `openai/clip-vit-large-patch14`); processor_path its `CLIPProcessor` (None: model_path).
         weight: the paper's w (2.5); 100 gives torchmetrics' scale.
-        batch_size, device, dtype: as `PickScore`'s.
+        batch_size, device, dtype, offload: as `PickScore`'s.
     """
 
     def __init__(
@@ -72,9 +76,12 @@ class CLIPScore:
         batch_size: int = 16,
         device: str = "cpu",
         dtype: str = "float32",
+        offload: bool = False,
     ) -> None:
         what = " (e.g. openai/clip-vit-large-patch14's files)"
-        self.clip = ClipBackbone("CLIPScore", model_path, processor_path, device, dtype, what, batch_size)
+        self.clip = ClipBackbone(
+            "CLIPScore", model_path, processor_path, device, dtype, what, batch_size, offload
+        )
         if not weight > 0:
             raise ValueError(f"CLIPScore needs weight > 0, got {weight}")
         self.weight = float(weight)
