@@ -1,10 +1,11 @@
 """In-process scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor (weight-free; OCR on the PP-OCRv4
-weights its package ships; PickScore from a local checkpoint)."""
+weights its package ships; PickScore, CLIPScore, HPSv2 and the aesthetic predictor from local checkpoints)."""
 
 from unirl.reward.local.aesthetic import AestheticScore
 from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.edit import SourcePreservation
+from unirl.reward.local.hps import HPSv2
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.ocr import OCRReward
 from unirl.reward.local.pickscore import CLIPScore, PickScore, PickScoreRank
@@ -19,6 +20,7 @@ __all__ = [
     "ExactAnswer",
     "FormatCheck",
     "FrameMean",
+    "HPSv2",
     "JpegCompressibility",
     "JpegIncompressibility",
     "OCRReward",

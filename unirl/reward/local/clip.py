@@ -12,6 +12,7 @@ Without torchvision transformers runs the processor's PIL backend (`CLIPImagePro
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,12 +23,13 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def missing_files(model_path: str, processor_path: str) -> list[str]:
-    """What a CLIP checkpoint and its processor lack, named by path ([] when complete)."""
+def missing_files(model_path: str, processor_path: str, weights: bool = True) -> list[str]:
+    """What a CLIP checkpoint and its processor lack, named by path ([] when complete); without
+    `weights` the directory need not hold weight files (they come from elsewhere)."""
     missing = []
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         missing.append(os.path.join(model_path, "config.json"))
-    if not any(os.path.isfile(os.path.join(model_path, w)) for w in WEIGHT_FILES):
+    if weights and not any(os.path.isfile(os.path.join(model_path, w)) for w in WEIGHT_FILES):
         missing.append(f"{model_path}/{' or '.join(WEIGHT_FILES)}")
     if not any(os.path.isfile(os.path.join(processor_path, name)) for name in PROCESSOR_FILES):
         missing.append(f"{processor_path}/{' or '.join(PROCESSOR_FILES)}")
@@ -52,6 +54,9 @@ class ClipBackbone:
         offload: keep the model in host memory between calls and move it to `device` only for
             one (`on_device`), so a scorer colocated with the rollout gives its accelerator
             memory back between scorings (CUDA's cache is emptied after the move back).
+        state_dict: a callable giving the model's weights (transformers names) when they are not
+            in `model_path` (then only its `config.json` is read), e.g. a converted open_clip
+            checkpoint; called once, on first use; loaded strictly.
     """
 
     def __init__(
@@ -64,9 +69,11 @@ class ClipBackbone:
         what: str = "",
         batch_size: int = 16,
         offload: bool = False,
+        state_dict: Callable[[], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.model_path, self.processor_path = str(model_path), str(processor_path or model_path)
-        missing = missing_files(self.model_path, self.processor_path)
+        self.state_dict = state_dict
+        missing = missing_files(self.model_path, self.processor_path, weights=state_dict is None)
         if missing:
             raise ValueError(
                 f"{owner}: missing {missing}; model_path is a transformers CLIPModel directory and "
@@ -86,10 +93,15 @@ class ClipBackbone:
     def load(self) -> tuple[Any, Any]:
         """(model, processor), loaded on first use."""
         if self._model is None:
-            from transformers import CLIPModel, CLIPProcessor
+            from transformers import CLIPConfig, CLIPModel, CLIPProcessor
 
             self._processor = CLIPProcessor.from_pretrained(self.processor_path)
-            model = CLIPModel.from_pretrained(self.model_path, torch_dtype=self.dtype)
+            if self.state_dict is None:
+                model = CLIPModel.from_pretrained(self.model_path, torch_dtype=self.dtype)
+            else:
+                model = CLIPModel(CLIPConfig.from_pretrained(self.model_path))
+                model.load_state_dict(self.state_dict(), strict=True)
+                model = model.to(self.dtype)
             home = "cpu" if self.offload and not self._active else self.device
             self._model = model.eval().requires_grad_(False).to(home)
         return self._model, self._processor
