@@ -33,10 +33,8 @@ def test_splits_are_disjoint_sized_and_fixed_by_the_seed():
     assert {len(w) for w in splits["heldout_length"]} == {3}
     assert all(set(w) <= set(LETTERS) for s in SPLITS for w in splits[s])
     assert split_words(0) == splits and split_words(1)["heldout"] != splits["heldout"]
-    for word in [w for s in SPLITS for w in splits[s]]:  # every word fits whole at the largest shift
-        render_word(word, (3, 2)), render_word(word, (-3, -2))
     with pytest.raises(ValueError, match="does not fit a 32x64 canvas"):
-        render_word("MMMMMM")
+        render_word("MMMMM")
 
 
 def test_prompt_quotes_the_word_the_ocr_reward_reads():
@@ -56,12 +54,16 @@ def test_an_unseen_word_is_spelled_letter_by_letter_by_the_tiny_tokenizers():
     tokens = clip.convert_ids_to_tokens(clip(word_prompt("HMPT"))["input_ids"])
     assert tokens[1:5] == ["a</w>", "sign</w>", "that</w>", "says</w>"]
     assert tokens[6:10] == ["h", "m", "p", "t</w>"]
-    assert [t for t in t5.convert_ids_to_tokens(t5(word_prompt("HMPT"))["input_ids"]) if t in "hmpt"] == list("hmpt")
+    assert [t for t in t5.convert_ids_to_tokens(t5(word_prompt("HMPT"))["input_ids"]) if t in "hmpt"] == list(
+        "hmpt"
+    )
 
 
 def test_clean_renders_are_read_exactly_and_a_blank_scores_zero():
     words = ["AC", "HKMN", "PRT", "TEAM", "NECK"]
     images = torch.stack([torch.from_numpy(render_word(w, (2, -1))).permute(2, 0, 1) for w in words])
+    left = render_word("AC", (-2, 0))
+    assert np.array_equal(left[:, :-2], render_word("AC", (0, 0))[:, 2:])  # a shift moves the pixels whole
     prompts = [word_prompt(w) for w in words]
     assert OCRAccuracy().evaluate(images, prompts) == {"ocr": 1.0, "accuracy": 1.0}
     blank = torch.full((1, 3, HEIGHT, WIDTH), 255, dtype=torch.uint8)
@@ -80,7 +82,10 @@ def test_training_batches_are_shifted_renders_of_the_split():
     assert set(words) <= set(ds.words)
     centred = [render_word(w) for w in words]
     assert any(not np.array_equal(a, b) for a, b in zip(images, centred, strict=True))  # shifted
-    ink = [(255.0 - a.astype(float)).sum() / (255.0 - b.astype(float)).sum() for a, b in zip(images, centred, strict=True)]
+    ink = [
+        (255.0 - a.astype(float)).sum() / (255.0 - b.astype(float)).sum()
+        for a, b in zip(images, centred, strict=True)
+    ]
     assert all(abs(r - 1) < 0.03 for r in ink), ink  # nothing cut at the border
 
 

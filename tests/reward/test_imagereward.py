@@ -235,3 +235,15 @@ def test_missing_files_and_foreign_checkpoints_are_named(files, tmp_path):
     )
     with pytest.raises(ValueError, match=r"has 22 token embeddings but the tokenizer .* has 19"):
         ImageReward(str(bigger), str(tok), vision_heads=VH, text_heads=TH)(req)
+
+
+def test_offload_scores_as_resident_and_rests_in_host_memory(files):
+    ckpt, tok, _ = files
+    req = RewardRequest([f"s{i}" for i in range(3)], PROMPTS, images=images(3))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    resident = ImageReward(str(ckpt), str(tok), vision_heads=VH, text_heads=TH)(req)
+    scorer = ImageReward(str(ckpt), str(tok), vision_heads=VH, text_heads=TH, device=device, offload=True)
+    ran_on = []
+    scorer.load()[0].register_forward_pre_hook(lambda m, a: ran_on.append(next(m.parameters()).device.type))
+    torch.testing.assert_close(scorer(req), resident, rtol=1e-5, atol=1e-5)
+    assert ran_on == [device] and next(scorer.load()[0].parameters()).device.type == "cpu"

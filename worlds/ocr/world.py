@@ -1,8 +1,8 @@
 """The text-rendering world: short words drawn in black on white, read back by a real OCR model.
 
-A word is 2 to 4 capital letters of `LETTERS`, drawn with Pillow's bundled font (no system font
-needed, so every machine renders the same pixels) at `FONT_SIZE` px, centred on a `HEIGHT` x
-`WIDTH` white canvas with a small random shift. Clean renders are read exactly by PP-OCRv4's
+A word is 2 to 4 capital letters of `LETTERS`, drawn bold with Pillow's bundled font (no system
+font needed, so every machine renders the same pixels) at `FONT_SIZE` px, one letter per `CELL`-px
+slot, centred on a `HEIGHT` x `WIDTH` white canvas with a small random shift. Clean renders are read exactly by PP-OCRv4's
 recogniser (`unirl.reward.local.OCRReward`, tested in `tests/ocr/`). The prompt names the word in
 lower case between double quotes, `a sign that says "cat"`, as Flow-GRPO's OCR prompts do (the
 OCR reward compares case-insensitively; the tiny model's tokenizers are lower-case): with no
@@ -28,10 +28,16 @@ from unirl.types import PromptExample
 LETTERS = "ACEHKMNPRT"
 """The alphabet: ten capitals that the recogniser does not confuse with each other or digits."""
 HEIGHT, WIDTH = 32, 64
-FONT_SIZE = 17
-MAX_SHIFT = (3, 2)
-"""Largest random shift of a training render from the centre, (x, y) pixels; the widest word
-(57 px) still fits whole."""
+FONT_SIZE = 18
+CELL = 15
+"""Each letter is centred in its own CELL-px slot; a word's slots are centred on the canvas, so a
+letter's place depends only on its index and the word's length (a tiny model learns that far
+faster than proportional spacing, where every letter moves with its neighbours' widths)."""
+STROKE = 1
+"""Pixels of outline drawn around each glyph in the same black: a bold face, which both a tiny
+model and the recogniser see better at 32 px."""
+MAX_SHIFT = (2, 1)
+"""Largest random shift of a training render from the centre, (x, y) pixels."""
 N_TRAIN_4 = 1500
 N_HELDOUT = 200
 SPLITS = ("train", "heldout", "heldout_length")
@@ -44,16 +50,19 @@ def _font() -> ImageFont.FreeTypeFont:
 
 
 def render_word(word: str, shift: tuple[int, int] = (0, 0)) -> np.ndarray:
-    """uint8 [HEIGHT, WIDTH, 3]: `word` in upper case, black on white, centred and moved by `shift`."""
+    """uint8 [HEIGHT, WIDTH, 3]: `word` in upper case, black on white, one letter per `CELL`-px
+    slot, the slots centred and moved by `shift`; raises if the word does not fit whole."""
+    text = word.upper()
+    if len(text) * CELL > WIDTH - 2 * abs(shift[0]) or abs(shift[1]) > 4:
+        raise ValueError(f"{text!r} moved by {shift} does not fit a {HEIGHT}x{WIDTH} canvas ({CELL} px a letter)")
     image = Image.new("RGB", (WIDTH, HEIGHT), "white")
     draw = ImageDraw.Draw(image)
-    text = word.upper()
-    left, top, right, bottom = draw.textbbox((0, 0), text, font=_font())
-    if right - left > WIDTH - 2 * abs(shift[0]) or bottom - top > HEIGHT - 2 * abs(shift[1]):
-        raise ValueError(f"{text!r} moved by {shift} does not fit a {HEIGHT}x{WIDTH} canvas at {FONT_SIZE} px")
-    x = (WIDTH - (right - left)) / 2 - left + shift[0]
-    y = (HEIGHT - (bottom - top)) / 2 - top + shift[1]
-    draw.text((x, y), text, fill="black", font=_font())
+    x0 = (WIDTH - len(text) * CELL) / 2 + shift[0]
+    for i, letter in enumerate(text):
+        left, top, right, bottom = draw.textbbox((0, 0), letter, font=_font(), stroke_width=STROKE)
+        x = x0 + i * CELL + (CELL - (right - left)) / 2 - left
+        y = (HEIGHT - (bottom - top)) / 2 - top + shift[1]
+        draw.text((x, y), letter, fill="black", font=_font(), stroke_width=STROKE, stroke_fill="black")
     return np.array(image)
 
 
