@@ -7,7 +7,7 @@ RUN_DIR_OR_LOG is a `train_sft` output_dir (its `sft_log.jsonl` is read) or a lo
 
 Loss table: the logged loss (mean over each logging window) and lr every
 `--every` steps. Eval table: every row with `eval/...` keys (the per-category
-held-out accuracies of `GenEvalMini`). This is how `checkpoints/*/TRAINING.md`
+held-out accuracies of `GenEvalMini`, or any other scorer's keys). This is how `checkpoints/*/TRAINING.md`
 tables are made.
 """
 
@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     if evals:
         cols = [(name, key) for name, key in EVAL_COLUMNS if any(key in r for r in evals)]
+        known = {key for _, key in EVAL_COLUMNS}  # other scorers' keys (e.g. the OCR world's): as they are named
+        cols += [(k.removeprefix("eval/"), k) for k in sorted({k for r in evals for k in r}) if k.startswith("eval/") and k not in known]
         print("\n| step | " + " | ".join(name for name, _ in cols) + " |")
         print("|---:|" + "---:|" * len(cols))
         for r in evals:
