@@ -56,7 +56,7 @@ OVERRIDES = {
     "sample.num_batches_per_epoch": 8,
     "sample.test_batch_size": 16,
     "train.batch_size": 8,
-    "train.learning_rate": 3e-3,  # the recipe's LoRA learning rate for this tiny base (the config's 3e-4 is SD3.5-M's)
+    "train.learning_rate": 1e-3,  # the recipe's LoRA learning rate for this tiny base (the config's 3e-4 is SD3.5-M's)
     # this machine: CPU, one process
     "mixed_precision": "no",  # bf16 autocast on a CPU is slow and not what the UniRL runs use
     "allow_tf32": False,
