@@ -27,7 +27,6 @@ What is put around the trainer, nothing inside it:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -35,6 +34,9 @@ import time
 import types
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared checkout helpers
+from flowgrpo_checkout import load_trainer, set_key  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,34 +67,6 @@ OVERRIDES = {
     "eval_freq": 8,
     "save_freq": 100000,  # no LoRA checkpoints
 }
-
-
-def set_key(config, dotted: str, value) -> None:
-    node = config
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        node = node[part]
-    node[leaf] = value
-
-
-def load_source(name: str, path: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_trainer(checkout: str):
-    """The official trainer module and its `general_ocr_sd3` config (config/grpo.py loads base.py
-    with `imp.load_source`, which Python 3.12 removed; `load_source` stands in for it there)."""
-    sys.path.insert(0, checkout)
-    try:
-        import imp  # noqa: F401
-    except ImportError:
-        sys.modules["imp"] = types.SimpleNamespace(load_source=load_source)
-    config_module = load_source("flow_grpo_config_grpo", os.path.join(checkout, "config", "grpo.py"))
-    trainer = load_source("train_sd3", os.path.join(checkout, "scripts", "train_sd3.py"))
-    return trainer, config_module.general_ocr_sd3()
 
 
 def pixel_vae_class():
@@ -161,7 +135,7 @@ def main() -> None:
 
     from diffusers import StableDiffusion3Pipeline
 
-    trainer, config = load_trainer(os.path.abspath(args.flow_grpo))
+    trainer, config = load_trainer(os.path.abspath(args.flow_grpo), "train_sd3", "general_ocr_sd3")
 
     # the prompts: the trainer reads <dataset>/train.txt and test.txt
     data = os.path.join(os.path.abspath(args.out), "dataset")

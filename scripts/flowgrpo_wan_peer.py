@@ -31,13 +31,15 @@ The trainer skips its first two epochs (its comment: group sizes settle), so epo
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import types
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared checkout helpers
+from flowgrpo_checkout import load_trainer, set_key  # noqa: E402
 
 from worlds.shapes.motion import SQUARE_SIDES, square_prompt
 
@@ -67,35 +69,6 @@ OVERRIDES = {
     "eval_freq": 10,
     "save_freq": 100000,  # no LoRA checkpoints
 }
-
-
-def set_key(config, dotted: str, value) -> None:
-    node = config
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        node = node[part]
-    node[leaf] = value
-
-
-def load_source(name: str, path: str) -> types.ModuleType:
-    """The module in the file `path`, executed under `name`."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_trainer(checkout: str):
-    """The official trainer module and its `general_ocr_wan2_1` config (config/grpo.py loads base.py
-    with `imp.load_source`, which Python 3.12 removed; `load_source` stands in for it there)."""
-    sys.path.insert(0, checkout)
-    try:
-        import imp  # noqa: F401
-    except ImportError:
-        sys.modules["imp"] = types.SimpleNamespace(load_source=load_source)
-    config_module = load_source("flow_grpo_config_grpo", os.path.join(checkout, "config", "grpo.py"))
-    trainer = load_source("train_wan2_1", os.path.join(checkout, "scripts", "train_wan2_1.py"))
-    return trainer, config_module.general_ocr_wan2_1()
 
 
 def pixel_vae_class():
@@ -169,7 +142,7 @@ def main() -> None:
     import accelerate
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
-    trainer, config = load_trainer(os.path.abspath(args.flow_grpo))
+    trainer, config = load_trainer(os.path.abspath(args.flow_grpo), "train_wan2_1", "general_ocr_wan2_1")
     fg_rewards = trainer.flow_grpo.rewards  # the checkout's module, which the trainer calls
 
     # the prompts: the trainer reads <dataset>/train.txt and test.txt
