@@ -247,3 +247,13 @@ def test_offload_scores_as_resident_and_rests_in_host_memory(files):
     scorer.load()[0].register_forward_pre_hook(lambda m, a: ran_on.append(next(m.parameters()).device.type))
     torch.testing.assert_close(scorer(req), resident, rtol=1e-5, atol=1e-5)
     assert ran_on == [device] and next(scorer.load()[0].parameters()).device.type == "cpu"
+
+
+def test_an_unreadable_checkpoint_is_named(files, tmp_path):
+    _, tok, _ = files
+    junk = tmp_path / "ImageReward.pt"
+    junk.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="ImageReward .*ImageReward.pt: not a readable torch checkpoint"):
+        ImageReward(str(junk), str(tok), vision_heads=VH, text_heads=TH)(
+            RewardRequest(["s0"], ["a"], images=images(1))
+        )

@@ -247,7 +247,7 @@ class ChatJudge:
             answer = self._http.call("POST", "/v1/chat/completions", body, context=f" [{where}]")
             return self.score_answer(answer, where)
 
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(req))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(req)))) as pool:
             scores = list(pool.map(one, range(len(req))))
         return torch.tensor(scores, dtype=torch.float32)
 

@@ -162,7 +162,12 @@ class ImageReward:
             from transformers.models.blip.modeling_blip_text import BlipTextModel
 
             where = f"ImageReward {self.checkpoint_path}"
-            raw = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
+            try:
+                raw = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+                raise ValueError(
+                    f"{where}: not a readable torch checkpoint ({type(e).__name__}: {e})"
+                ) from None
             state = blip_to_hf(raw.get("state_dict", raw) if isinstance(raw, dict) else {}, where)
             vision_cfg, text_cfg = configs(state, self.vision_heads, self.text_heads, where)
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
