@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from unirl.models.causal_lm import VLMConfig
 from unirl.models.causal_lm.bundle import IGNORE_INDEX
 from unirl.models.causal_lm.vision import IMAGE_PLACEHOLDER, is_vlm_directory
+from unirl.reward.placement import on_device_while_scoring
 from unirl.types.reward import RewardRequest
 
 Questions = Callable[[str, dict], Sequence[tuple[str, str]]]
@@ -136,26 +137,22 @@ class VLMJudge:
         previous = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        if self.offload:
-            bundle.to(self.device)
         try:
-            for start in range(0, len(asked), self.batch_size):
-                rows = [
-                    (IMAGE_PLACEHOLDER + q, a, [hwc[i]]) for i, q, a in asked[start : start + self.batch_size]
-                ]
-                inputs, labels = bundle.pair_batch(rows, "judge")
-                logits = bundle.model(**inputs).logits[:, :-1].float()
-                target = labels[:, 1:]
-                token = -F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
-                ).view(target.shape)
-                logps.append((token * (target != IGNORE_INDEX)).sum(dim=1).cpu())
+            with on_device_while_scoring(self.device, self.offload, bundle.model):
+                for start in range(0, len(asked), self.batch_size):
+                    rows = [
+                        (IMAGE_PLACEHOLDER + q, a, [hwc[i]])
+                        for i, q, a in asked[start : start + self.batch_size]
+                    ]
+                    inputs, labels = bundle.pair_batch(rows, "judge")
+                    logits = bundle.model(**inputs).logits[:, :-1].float()
+                    target = labels[:, 1:]
+                    token = -F.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+                    ).view(target.shape)
+                    logps.append((token * (target != IGNORE_INDEX)).sum(dim=1).cpu())
         finally:
             torch.set_num_threads(previous)
-            if self.offload:
-                bundle.to("cpu")
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
         return torch.cat(logps).exp()
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:

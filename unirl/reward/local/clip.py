@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from unirl.reward.placement import on_device_while_scoring
+
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -110,19 +112,13 @@ class ClipBackbone:
     def on_device(self, *modules: torch.nn.Module):
         """The model (and `modules`, e.g. a head on the embeddings) on `device` inside the block;
         with `offload`, back in host memory after the outermost block."""
+        outermost = self._active == 0
         self._active += 1
         try:
-            if self.offload and self._active == 1:
-                for m in (self.load()[0], *modules):
-                    m.to(self.device)
-            yield
+            with on_device_while_scoring(self.device, self.offload and outermost, self.load()[0], *modules):
+                yield
         finally:
             self._active -= 1
-            if self.offload and not self._active:
-                for m in (self.load()[0], *modules):
-                    m.to("cpu")
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
 
     @property
     def logit_scale(self) -> torch.Tensor:

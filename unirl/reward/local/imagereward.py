@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import os
 import re
-from contextlib import contextmanager
 
 import torch
 
 from unirl.reward.local.aesthetic import LAYERS, aesthetic_mlp
+from unirl.reward.placement import on_device_while_scoring
 from unirl.types.reward import RewardRequest
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072  # the package's normalisation of the head's output
@@ -202,22 +202,6 @@ class ImageReward:
             self._parts = (*modules, tokenizer, processor)
         return self._parts
 
-    @contextmanager
-    def on_device(self):
-        """The models on `device` inside the block; with `offload`, in host memory after."""
-        parts = self.load()[:3]
-        if self.offload:
-            for m in parts:
-                m.to(self.device)
-        try:
-            yield
-        finally:
-            if self.offload:
-                for m in parts:
-                    m.to("cpu")
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-
     @torch.no_grad()
     def __call__(self, req: RewardRequest) -> torch.Tensor:
         """[B] fp32 scores of `req.images` ([B, 3, H, W] uint8) against `req.prompts`."""
@@ -226,7 +210,7 @@ class ImageReward:
         images = req.require_images("ImageReward")
         vision, text, head, tokenizer, processor = self.load()
         out = []
-        with self.on_device():
+        with on_device_while_scoring(self.device, self.offload, vision, text, head):
             for i in range(0, len(images), self.batch_size):
                 pil = [
                     Image.fromarray(im.permute(1, 2, 0).numpy())
