@@ -42,7 +42,7 @@ class LinearStage:
             stds.append(out.std_dev_t)
         return torch.stack(lps, dim=1), torch.stack(means, dim=1), torch.stack(stds)
 
-    def replay_chunks(self, steps: list[int]):
+    def replay_chunks(self, steps: list[int], segment=None):
         for k in range(0, len(steps), 2):
             yield steps[k : k + 2]
 

@@ -85,7 +85,7 @@ def test_rollout_log_probs_equal_replay_and_first_ratio_is_one(sde: str, layout:
     assert seg.sde_indices == request(stage, sp, 3).sde_indices and len(seg.sde_indices) == sp.sde_num_steps
     with torch.no_grad():
         replayed = torch.cat(
-            [stage.replay(seg, track.conditions, s)[0] for s in stage.replay_chunks(seg.sde_indices)], 1
+            [stage.replay(seg, track.conditions, s)[0] for s in stage.replay_chunks(seg.sde_indices, seg)], 1
         )
     torch.testing.assert_close(replayed, seg.log_probs, rtol=0, atol=1e-5)
     stack = TrainStack(

@@ -88,7 +88,7 @@ def test_rollout_log_probs_match_replay_at_train_geometry():
     seg = track.segment
     with torch.no_grad():
         replayed = torch.cat(
-            [stage.replay(seg, track.conditions, s)[0] for s in stage.replay_chunks(seg.sde_indices)], 1
+            [stage.replay(seg, track.conditions, s)[0] for s in stage.replay_chunks(seg.sde_indices, seg)], 1
         )
     torch.testing.assert_close(replayed, seg.log_probs, rtol=0, atol=1e-5)
 

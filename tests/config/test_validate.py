@@ -319,6 +319,10 @@ def test_unmodified_recipes_validate():
             "stage.replay_steps_per_forward: expected greater than or equal to 1, got 0",
         ),
         (
+            "+stage.replay_token_budget=0",
+            "stage.replay_token_budget: expected greater than or equal to 1, got 0",
+        ),
+        (
             "rollout.forward_batch_size=0",
             "rollout.forward_batch_size: expected greater than or equal to 1, got 0",
         ),

@@ -78,7 +78,7 @@ class FlowDPPO(FlowGRPO):
         seg = track.segment
         cond = self.replay_conditions(track)
         logps, means = [], []
-        for steps in stage.replay_chunks(seg.sde_indices):
+        for steps in stage.replay_chunks(seg.sde_indices, seg):
             logp, mean, _ = stage.replay(seg, cond, steps)
             logps.append(logp)
             means.append(mean)

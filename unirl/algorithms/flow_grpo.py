@@ -235,7 +235,7 @@ class FlowGRPO(StageAlgorithm):
         seg = track.segment
         cond = self.replay_conditions(track)
         logps, means = [], []
-        for steps in stage.replay_chunks(seg.sde_indices):
+        for steps in stage.replay_chunks(seg.sde_indices, seg):
             found = kept.lookup(track.sample_ids, steps) if kept is not None else None
             logp, mean, _ = found if found is not None else stage.replay(seg, cond, steps)
             logps.append(logp)
@@ -308,7 +308,7 @@ class FlowGRPO(StageAlgorithm):
         def add(key: str, value: float, w: int) -> None:
             sums[key] = sums.get(key, 0.0) + value * w
 
-        for steps in stage.replay_chunks(seg.sde_indices):
+        for steps in stage.replay_chunks(seg.sde_indices, seg):
             cols = [seg.sde_indices.index(i) for i in steps]
             if coef > 0:  # before the policy forward: a full fine-tune's reference swaps weights in place
                 ref_means = reference_means(stage, seg, cond, steps, ctx["reference"])

@@ -11,6 +11,7 @@ K SDE steps.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -33,8 +34,13 @@ class FlowMatchingStage:
     Args:
         bundle: the model bundle, a `FlowFamily` (a family's bundle).
         replay_steps_per_forward: SDE steps replayed in one denoiser
-            forward (their latents stacked along the batch); larger is faster
-            on big batches of small images, smaller bounds memory.
+            forward (their latents stacked along the batch: batched-step
+            replay); larger is faster (one forward, and under FSDP one
+            all-gather, for several steps), smaller bounds memory.
+        replay_token_budget: instead of a fixed count, as many steps per
+            forward as keep the forward's denoiser tokens (steps x samples x
+            `tokens_per_sample`) within this budget, at least one step
+            (`replay_chunks`); None: `replay_steps_per_forward` decides.
         detach_uncond: stop gradients through the unconditional CFG branch
             in replay (flow_grpo's training setting).
         sde: the SDE step strategy of rollout and replay, a name in
@@ -57,6 +63,7 @@ class FlowMatchingStage:
         self,
         bundle: FlowFamily,
         replay_steps_per_forward: Annotated[int, Ge(1)] = 1,  # Ge: checked before any bundle exists
+        replay_token_budget: Annotated[int, Ge(1)] | None = None,
         detach_uncond: bool = True,
         autocast_dtype: str | None = None,
         sde: str = "flow",
@@ -64,6 +71,8 @@ class FlowMatchingStage:
     ) -> None:
         if replay_steps_per_forward < 1:
             raise ValueError(f"stage.replay_steps_per_forward must be >= 1, got {replay_steps_per_forward}")
+        if replay_token_budget is not None and replay_token_budget < 1:
+            raise ValueError(f"stage.replay_token_budget must be >= 1 or null, got {replay_token_budget}")
         if sde not in SDE_STRATEGIES:
             raise ValueError(f"stage.sde must be one of {sorted(SDE_STRATEGIES)}, got {sde!r}")
         if autocast_dtype not in AUTOCAST_DTYPES:
@@ -79,6 +88,7 @@ class FlowMatchingStage:
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.denoiser
         self.replay_steps_per_forward = replay_steps_per_forward
+        self.replay_token_budget = replay_token_budget
         self.detach_uncond = detach_uncond
         self.sde = sde
         self.store_trajectory = store_trajectory
@@ -283,11 +293,23 @@ class FlowMatchingStage:
             x = strategy.step(x, v, sigmas, i, sde=False).next_sample
         return x
 
-    def replay_chunks(self, steps: list[int]) -> Iterator[list[int]]:
-        """`steps` in chunks of `replay_steps_per_forward`."""
+    def replay_chunks(self, steps: list[int], segment: LatentSegment) -> Iterator[list[int]]:
+        """`steps` in the chunks `replay` runs as one forward each: `replay_steps_per_forward`
+        steps, or with `replay_token_budget` as many as keep steps x len(segment) x
+        `tokens_per_sample` within it (at least one)."""
         n = self.replay_steps_per_forward
+        if self.replay_token_budget is not None:
+            per_step = len(segment) * self.tokens_per_sample(segment.at(steps[0]).shape[1:]) if steps else 1
+            n = max(1, self.replay_token_budget // per_step)
         for k in range(0, len(steps), n):
             yield steps[k : k + n]
+
+    def tokens_per_sample(self, latent_shape: torch.Size | tuple[int, ...]) -> int:
+        """Denoiser image tokens of one latent [C, (F,) h, w]: (F x) h x w / patch_size^2 (the
+        family's `model_info` patch; a video's frames are patched in time by 1)."""
+        patch = self.bundle.model_info()["patch_size"]
+        cells = math.prod(latent_shape[1:])
+        return max(1, cells // (patch * patch))
 
     # ---- media ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -211,8 +211,8 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
                 dim_mult=[1, 2, 4, 4, 4, 4][: levels + 1],  # Qwen-Image's (1, 2, 4, 4) at 8x
                 num_res_blocks=1,
                 temperal_downsample=[False] * levels,  # one frame: no temporal compression
-                latents_mean=torch.linspace(-0.5, 0.5, c).tolist(),
-                latents_std=torch.linspace(0.8, 2.0, c).tolist(),
+                latents_mean=torch.linspace(-0.5, 0.5, c, device="cpu").tolist(),
+                latents_std=torch.linspace(0.8, 2.0, c, device="cpu").tolist(),
             )
         pipe = QwenImagePipeline(
             # Qwen-Image's scheduler: exponential time shift, dynamic mu in [0.5, 0.9] over 256..8192 tokens

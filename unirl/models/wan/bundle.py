@@ -225,8 +225,8 @@ class WanBundle(ClassifierFreeGuidance):
                 dim_mult=[1, 2, 4, 4, 4, 4][: levels + 1],  # Wan's (1, 2, 4, 4) at 8x
                 num_res_blocks=cfg.vae_res_blocks,
                 temperal_downsample=[i >= levels - temporal for i in range(levels)],
-                latents_mean=torch.linspace(-0.5, 0.5, c).tolist(),
-                latents_std=torch.linspace(0.8, 2.0, c).tolist(),
+                latents_mean=torch.linspace(-0.5, 0.5, c, device="cpu").tolist(),
+                latents_std=torch.linspace(0.8, 2.0, c, device="cpu").tolist(),
                 scale_factor_temporal=cfg.vae_temporal,
                 scale_factor_spatial=cfg.vae_spatial,
             )
