@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Issue 45 on one GPU (none of this runs in CI): batched-step replay against per-step replay on the
-# SD3.5-Medium-sized random transformer (train-phase time and peak GPU memory, runs alternated), and
-# the memory planner's prediction beside each run's measured peak (SD3.5-M both ways, Wan 2.1
-# 1.3B-sized). In-process runs (no Ray needed).
+# Issue 45 on one GPU (none of this runs in CI), in-process runs (no Ray needed):
+#   1. the GPU test of activation offload (tests/train/test_offload_activations.py);
+#   2. batched-step replay against per-step replay on the SD3.5-Medium-sized random transformer
+#      (train-phase time and peak GPU memory; the two sides alternated, twice);
+#   3. activation offload on it without activation checkpointing, against no offload;
+#   4. the Wan 2.1 1.3B-sized recipe's peak;
+#   and the memory planner's prediction for each configuration (computed on the CPU meanwhile).
 # Usage: bash scripts/gpu_replay_memory.sh [output dir, default outputs/gpu_replay_memory] [steps, default 3]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +16,7 @@ mkdir -p "$OUT"
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'needs a CUDA build of torch and a GPU')"
 echo "== $(python -c 'import torch; print(torch.cuda.get_device_name(0), torch.__version__)')"
 
-summary() {  # $1: run dir, $2: label -> train-phase time per step (after the first) and peak GPU memory
+summary() {  # $1: run dir, $2: label -> train-phase time per step and peak GPU memory, one JSON line
   python - "$1" "$2" <<'PY'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1] + "/metrics.jsonl") if '"time/train_s"' in line]
@@ -23,28 +26,49 @@ print(json.dumps({"run": sys.argv[2], "steps": len(rows), "train_s": [round(r["t
                   "train_s_median_after_first": round(statistics.median(train), 3),
                   "step_s": [round(r["time/step_s"], 3) for r in rows], "peak_gib": round(peak, 3),
                   "reward": [round(r["reward/mean"], 5) for r in rows],
-                  "ratio_first_update": [r.get("ratio/first_update_mean") for r in rows]}))
+                  "ratio_first_update": [r.get("ratio/first_update_mean") for r in rows]}), flush=True)
 PY
 }
 
-plan() {  # $1: recipe, then overrides -> the planner's peak
-  python -m unirl.plan_memory --config-name="$@" 2>&1 | grep -E "memory plan|peak per device|phase"
-}
-
-SD35=(--config-name=diffusion/sd35m_random_flowgrpo num_steps="$STEPS" logging.progress=false)
+SD35=(--config-name=diffusion/sd35m_random_flowgrpo logging.progress=false)
 BATCHED=stage.replay_steps_per_forward=10  # all 10 SDE steps of a sample in one forward
-plan diffusion/sd35m_random_flowgrpo
-plan diffusion/sd35m_random_flowgrpo "$BATCHED"
+NOCKPT=train.fsdp.activation_checkpointing=false
+OFFLOAD=+train.stack.offload_activations=true
+
+# the planner's predictions, on the CPU while the GPU runs
+(
+  for args in "sd35m_random_flowgrpo" "sd35m_random_flowgrpo $BATCHED" "sd35m_random_flowgrpo $NOCKPT" \
+    "sd35m_random_flowgrpo $NOCKPT $OFFLOAD" "wan13b_random_flowgrpo"; do
+    set -- $args
+    recipe=$1; shift
+    echo "== plan: $recipe $*"
+    python -m unirl.plan_memory --config-name="diffusion/$recipe" "$@" 2>&1 | grep -E "phase|peak per device"
+  done
+) > "$OUT/plans.txt" 2>&1 &
+PLANS=$!
+
+python -m pytest -q -n 0 -m gpu -p no:cacheprovider tests/train/test_offload_activations.py 2>&1 | tail -3
+
 for rep in 0 1; do
   if [ "$rep" = 0 ]; then order="per_step batched"; else order="batched per_step"; fi
   for side in $order; do
     extra=(); [ "$side" = batched ] && extra=("$BATCHED")
-    python -m unirl.train_diffusion "${SD35[@]}" "${extra[@]}" output_dir="$OUT/sd35m_${side}_$rep" > "$OUT.sd35m_${side}_$rep.log" 2>&1
+    python -m unirl.train_diffusion "${SD35[@]}" num_steps="$STEPS" "${extra[@]}" output_dir="$OUT/sd35m_${side}_$rep" \
+      > "$OUT/sd35m_${side}_$rep.log" 2>&1
     summary "$OUT/sd35m_${side}_$rep" "sd35m_${side}_$rep"
   done
 done
 
-plan diffusion/wan13b_random_flowgrpo
+for side in no_ckpt no_ckpt_offload; do
+  extra=("$NOCKPT"); [ "$side" = no_ckpt_offload ] && extra+=("$OFFLOAD")
+  python -m unirl.train_diffusion "${SD35[@]}" num_steps=2 "${extra[@]}" output_dir="$OUT/sd35m_$side" \
+    > "$OUT/sd35m_$side.log" 2>&1 || tail -5 "$OUT/sd35m_$side.log"
+  summary "$OUT/sd35m_$side" "sd35m_$side" || true
+done
+
 python -m unirl.train_diffusion --config-name=diffusion/wan13b_random_flowgrpo num_steps=2 logging.progress=false \
-  output_dir="$OUT/wan13b" > "$OUT.wan13b.log" 2>&1
+  output_dir="$OUT/wan13b" > "$OUT/wan13b.log" 2>&1
 summary "$OUT/wan13b" wan13b
+
+wait $PLANS
+cat "$OUT/plans.txt"

@@ -11,7 +11,9 @@ reference copies) and the stage's `velocity` and `decode`. Two phases run under
 - rollout: one no-grad guided forward of `rollout.forward_batch_size` samples (classifier-free
   guidance as the family does it), then a decode of them;
 - train: one replay forward of `micro_batch_size x steps per forward` (latent, sigma) pairs with
-  autograd (`stage.replay_steps_per_forward` / `replay_token_budget`), its backward and an AdamW step.
+  autograd (`stage.replay_steps_per_forward` / `replay_token_budget`), its backward and an AdamW step;
+  with `train.stack.offload_activations` the saved tensors leave the device as they are saved
+  (`host_saved_tensors`).
 
 On the meta device two things differ from a GPU, and the plan models them: `torch.autocast` does not
 run there, so `meta_autocast` casts the inputs of linear, convolution and attention calls to the
@@ -135,10 +137,30 @@ def meta_answers_yes() -> Iterator[None]:
     torch.Tensor.__bool__ = lambda t: True if t.is_meta else real_bool(t)
     torch.Tensor.item = lambda t: 1 if t.is_meta else real_item(t)
     try:
-        with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+        flag = (
+            {"meta_nonzero_assume_all_nonzero": True}
+            if hasattr(fx_config, "meta_nonzero_assume_all_nonzero")
+            else {}
+        )
+        with fx_config.patch(**flag):
             yield
     finally:
         torch.Tensor.__bool__, torch.Tensor.item = real_bool, real_item
+
+
+def host_saved_tensors() -> Any:
+    """`torch.autograd.graph.save_on_cpu` as the device sees it: a saved tensor leaves the device
+    when saved (only its shape and dtype are kept here) and comes back, newly allocated, when
+    backward unpacks it (`train.stack.offload_activations`)."""
+
+    def pack(t: torch.Tensor) -> tuple:
+        return t.shape, t.dtype, t.device
+
+    def unpack(packed: tuple) -> torch.Tensor:
+        shape, dtype, device = packed
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def nbytes(tensors: Iterator[torch.Tensor]) -> int:
@@ -209,7 +231,7 @@ def _build(node: Any, **kwargs: Any) -> Any:
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensors allocated while active and still alive: each new storage an op
-    returns is counted once (views share it) until it is freed; `peak` is the most at any op.
+    returns is counted once until it is freed (views and in-place results are not new storage); `peak` is the most at any op.
     Tensors that existed before (weights) are not counted. The autograd engine carries the mode
     into backward, so gradients and the tensors backward allocates are counted too."""
 
@@ -224,6 +246,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out  # a view or an in-place result: storage that exists already
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
@@ -300,7 +324,8 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
             cond = encode(stage, prompts[:micro], sp.guidance_scale, sp.max_sequence_length)
         cond = {key: t.repeat(k, *([1] * (t.dim() - 1))) for key, t in cond.items()}
         x = torch.empty(micro * k, *latent, device="meta")
-        with meta_autocast(stage.autocast_dtype):
+        offload = host_saved_tensors() if stack.get("offload_activations") else contextlib.nullcontext()
+        with meta_autocast(stage.autocast_dtype), offload:
             v = stage.velocity(x, torch.full((micro * k,), 0.5, device="meta"), cond, sp.guidance_scale)
             v.float().square().mean().backward()
         backend.optimizer.step()
@@ -435,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.devices is not None and args.devices < 1:
         sys.exit(f"error: --devices must be >= 1, got {args.devices}")
     try:
-        validate_rl_config(cfg, expect="diffusion")
+        validate_rl_config(cfg, expect="diffusion", on_this_machine=False)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -52,6 +52,21 @@ def check_transport(cfg: DictConfig, problems: list[str]) -> None:
     problems.extend(transport_problems(node))
 
 
+def check_this_machine(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    """What this machine must have for the run to start here: a GPU for an in-process run that
+    offloads activations (a Ray run's worker checks its own device when it starts)."""
+    stack = passed.get("train.stack")
+    if getattr(stack, "offload_activations", False) and cfg.get("launcher") == "in_process":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append(
+                "train.stack.offload_activations=true needs a GPU worker, and this in-process run's worker "
+                "computes on the CPU (torch sees no CUDA device), where saved tensors already are in host "
+                "memory: set it to false"
+            )
+
+
 def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     """World size vs sharding, FSDP block names vs the model, resume keys."""
     from unirl.train.fsdp import unmatched_block_classes

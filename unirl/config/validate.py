@@ -26,7 +26,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from unirl.config.critic import check_mini_batches
-from unirl.config.distributed import check_distributed, check_transport
+from unirl.config.distributed import check_distributed, check_this_machine, check_transport
 from unirl.config.engines import check_rollout
 from unirl.config.geometry import check_training_guidance
 from unirl.config.modality import check_eval_sampling, check_modality
@@ -38,12 +38,15 @@ from unirl.config.tree import ConfigError, check_recipe, target_class
 __all__ = ["ConfigError", "validate_rl_config", "validate_sft_config"]
 
 
-def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
+def validate_rl_config(cfg: DictConfig, expect: str | None = None, on_this_machine: bool = True) -> None:
     """Raise `ConfigError` listing every problem of an RL recipe (diffusion or text).
 
     Args:
         expect: the modality the entry point runs ("diffusion" or "text"); a
             recipe of the other modality is a problem naming the right entry point.
+        on_this_machine: the run starts here, so what this machine must have is checked too
+            (`check_this_machine`); False for a recipe planned for other machines
+            (`unirl.plan_memory`).
     """
     problems: list[str] = []
     passed = check_recipe(cfg, RL_SECTIONS, problems)
@@ -64,6 +67,8 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None) -> None:
     check_eval_sampling(cfg, modality, problems)
     check_mini_batches(cfg, passed, algorithm, problems)
     check_distributed(cfg, passed, problems)
+    if on_this_machine:
+        check_this_machine(cfg, passed, problems)
     check_rollout(cfg, passed, problems)
     check_prompt_keys(passed, problems)
     check_conditions(passed, problems)

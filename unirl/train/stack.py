@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -30,11 +31,17 @@ class TrainStackConfig:
             per-rank batch's micro-batches split into this many contiguous
             groups, each accumulated into one step; must divide the number of
             micro-batches. 1: one step per pass over the whole batch.
+        offload_activations: the tensors autograd saves for backward go to pinned host memory
+            as the forward saves them and come back for the backward
+            (`torch.autograd.graph.save_on_cpu`): a GPU's activation memory for PCIe traffic.
+            GPU workers only (on a CPU worker they already are in host memory: refused). Graphs
+            kept at sampling (`rollout.keep_graph`) are not offloaded.
     """
 
     micro_batch_size: int = 4
     num_updates_per_batch: int = 1
     num_mini_batches: int = 1
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -128,6 +135,12 @@ class TrainStack:
                 f"{config.num_mini_batches} but {type(algorithm).__name__} does not support multiple updates "
                 "per rollout"
             )
+        device = next(stage.module.parameters()).device
+        if config.offload_activations and device.type != "cuda":
+            raise ValueError(
+                f"train.stack.offload_activations needs a GPU worker; this one computes on {device}, where "
+                "the saved tensors already are in host memory: set it to false"
+            )
         self.stage = stage
         self.backend = backend
         self.algorithm = algorithm
@@ -208,7 +221,13 @@ class TrainStack:
 
     def backward(self, micro: list[RolloutTrack], ctx: dict) -> list[dict[str, float]]:
         """Accumulate one update's gradients over all micro-batches; their metric rows."""
-        rows = [self.algorithm.compute_loss_and_backward(self.stage, mb, ctx) for mb in micro]
+        offload = (
+            torch.autograd.graph.save_on_cpu(pin_memory=True)
+            if self.config.offload_activations
+            else contextlib.nullcontext()
+        )
+        with offload:
+            rows = [self.algorithm.compute_loss_and_backward(self.stage, mb, ctx) for mb in micro]
         deferred = ctx.get("deferred")
         if deferred:  # losses on kept graphs: one backward through the sampling forwards they share
             torch.stack(deferred).sum().backward()
