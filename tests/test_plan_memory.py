@@ -1,0 +1,197 @@
+"""The memory planner (`unirl.plan_memory`, issue 45 item 7): its cost models against independent
+computations (autocast's saved tensors on real CPU tensors, a flash kernel's saves by hand, a live
+byte count by hand, the meta run against the same code on real tensors) and its bad input."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+
+from unirl.plan_memory import (
+    FlashAttentionCost,
+    LiveBytes,
+    _peak_while,
+    largest_micro_batch,
+    main,
+    meta_autocast,
+    plan_memory,
+)
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def saved_of(fn) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every tensor autograd saves while `fn()` runs, sorted."""
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sorted(saved, key=str)
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.up = torch.nn.Linear(16, 64)
+        self.down = torch.nn.Linear(64, 16)
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+        h = self.down(F.gelu(self.up(self.norm(x))))
+        return h.float().sum() + self.conv(img).float().sum()
+
+
+def test_meta_autocast_saves_what_cpu_autocast_saves():
+    """The same block under real bf16 autocast on CPU tensors and under `meta_autocast` on meta
+    tensors: autograd saves tensors of the same shapes and dtypes (the casts included)."""
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(3, 16, requires_grad=True)
+    img = torch.randn(2, 4, 8, 8, requires_grad=True)
+
+    def real():
+        with torch.autocast("cpu", torch.bfloat16):
+            block(x, img)
+
+    want = saved_of(real)
+    meta_block = Block().to("meta")
+    xm, im = x.detach().to("meta").requires_grad_(), img.detach().to("meta").requires_grad_()
+
+    def emulated():
+        with meta_autocast(torch.bfloat16), torch.autocast("meta", torch.bfloat16):
+            meta_block(xm, im)
+
+    got = saved_of(emulated)
+    assert any(dtype == torch.bfloat16 for _, dtype in want)  # the casts are there to compare
+    assert got == want
+
+
+def test_attention_is_costed_as_a_flash_kernel():
+    q = torch.empty(2, 3, 10, 8, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.empty(2, 3, 12, 8, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.empty(2, 3, 12, 4, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with meta_autocast(None):
+        saved = saved_of(lambda: F.scaled_dot_product_attention(q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v)
+    assert out.shape == (2, 3, 10, 4) and out.dtype == torch.bfloat16
+    # q, k, v, the output and an fp32 log-sum-exp per query; no 10 x 12 probability matrix
+    assert saved == sorted(
+        [
+            ((2, 3, 10, 8), torch.bfloat16),
+            ((2, 3, 12, 8), torch.bfloat16),
+            ((2, 3, 12, 4), torch.bfloat16),
+            ((2, 3, 10, 4), torch.bfloat16),
+            ((2, 3, 10), torch.float32),
+        ],
+        key=str,
+    )
+    assert F.scaled_dot_product_attention is not FlashAttentionCost  # restored after the context
+    grads = torch.autograd.grad(FlashAttentionCost.apply(q, k, v).sum(), (q, k, v))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_live_bytes_by_hand():
+    def fn():
+        a = torch.empty(1000, device="meta")  # 4000 bytes
+        b = a * 2  # +4000: 8000 alive
+        view = b[:10]  # a view: no new storage
+        del a  # 4000
+        c = torch.empty(250, dtype=torch.float64, device="meta")  # +2000: 6000
+        b.mul_(3)  # in place: no new storage
+        return view, c
+
+    with LiveBytes() as tracker:
+        kept = fn()
+    assert tracker.peak == 8000
+    assert tracker.live == 6000
+    del kept
+    assert tracker.live == 0
+
+
+def test_the_meta_run_counts_what_real_tensors_allocate():
+    """A forward and backward of the same block on real CPU tensors and on meta tensors: the same
+    peak of bytes alive (the meta device's bookkeeping is the real allocations')."""
+    torch.manual_seed(0)
+    peaks = {}
+    for device in ("cpu", "meta"):
+        block = Block().to(device)
+        x = torch.randn(64, 16).to(device).requires_grad_()
+        img = torch.randn(4, 4, 16, 16).to(device).requires_grad_()
+        peaks[device] = _peak_while(lambda b=block, x=x, img=img: b(x, img).backward())
+    assert peaks["cpu"] > 0
+    assert peaks["meta"] == peaks["cpu"]
+
+
+def tiny_recipe(*overrides: str):
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        return compose(config_name="diffusion/tiny_sd3_flowgrpo", overrides=list(overrides))
+
+
+def test_the_plan_of_the_tiny_recipe_against_hand_counts():
+    cfg = tiny_recipe()
+    plan = plan_memory(cfg)
+    model = compose_model(cfg)
+    weights = sum(p.numel() * p.element_size() for p in model.denoiser.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.denoiser.buffers()
+    )
+    lora = plan.trainable
+    assert plan.module == weights + lora  # the module holds its LoRA adapters
+    # AdamW: two fp32 moments per trainable fp32 element, and a 4-byte step count per tensor
+    extra = plan.optimizer - 2 * lora
+    assert extra % 4 == 0 and 0 < extra < 4096, extra
+    assert plan.train_extra >= lora  # gradients at least
+    assert plan.peak == plan.resident + max(plan.rollout_extra, plan.train_extra)
+    halves = plan_memory(cfg, devices=2)
+    assert halves.module == plan.module // 2 and halves.optimizer == plan.optimizer // 2
+    assert halves.gathered > 0  # two blocks whole while they compute
+    more = plan_memory(cfg, micro_batch=2 * int(cfg.train.stack.micro_batch_size))
+    assert more.train_extra > plan.train_extra
+
+
+def compose_model(cfg):
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.model, _convert_="all").build()
+
+
+def test_the_command_prints_the_plan_and_the_largest_micro_batch(capsys):
+    main(["--config-name=diffusion/tiny_sd3_flowgrpo", "--device-gib", "0.001"])
+    out = capsys.readouterr().out
+    assert "memory plan: diffusion/tiny_sd3_flowgrpo, 1 device(s)" in out
+    assert "peak per device" in out
+    assert "largest micro-batch within 0.001 GiB: none (1 does not fit)" in out
+
+
+def test_the_largest_micro_batch_is_the_last_doubling_that_fits():
+    cfg = tiny_recipe("rollout.forward_batch_size=1")  # the train phase sets the peak
+    one, two = (plan_memory(cfg, micro_batch=m).peak for m in (1, 2))
+    assert one < two
+    assert largest_micro_batch(cfg, 1, (one + two) // 2, limit=32) == 1
+    assert largest_micro_batch(cfg, 1, one - 1, limit=32) is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config-name=diffusion/tiny_sd3_flowgrpo", "--devices", "0"], "--devices must be >= 1, got 0"),
+        (["--config-name=pe/tiny_pe_smoke"], "is not a single-track recipe"),
+        (["--config-name=diffusion/tiny_sd3_flowgrpo", "sampling.height=30"], None),
+    ],
+)
+def test_bad_input_is_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    if message is None:  # a recipe problem: the validator's message, exit 2
+        assert exc.value.code == 2
+        assert "sampling.height=30 must be a multiple of 4" in capsys.readouterr().err
+    else:
+        assert message in str(exc.value.code)
