@@ -20,8 +20,8 @@ PKG = ROOT / "unirl"
 CORE = ["types", "sde", "models"]
 MIDDLE = ["rollout", "reward", "algorithms"]
 UTILS = {"data", "tracking"}
-ENTRY = "<entry>"  # unirl/train_*.py, unirl/evaluate.py, unirl/view.py and unirl/entry.py (what the RL entry points share)
-ENTRY_MODULES = ("evaluate", "entry", "view")
+ENTRY = "<entry>"  # unirl/train_*.py, unirl/evaluate.py, unirl/view.py, unirl/plan_memory.py and unirl/entry.py (what the RL entry points share)
+ENTRY_MODULES = ("evaluate", "entry", "view", "plan_memory")
 # entry points that live beside their package: `python -m unirl.reward.server`, `python -m unirl.train`
 # (nothing imports them)
 ENTRY_SUBMODULES = ("unirl.reward.server", "unirl.train.__main__")

@@ -210,5 +210,8 @@ def test_an_embedded_guidance_family_trains_offline_dpo_at_its_scale(tmp_path):
 def test_a_family_that_trains_unguided_refuses_a_dpo_guidance_scale(tmp_path):
     with pytest.raises(ValueError, match=r"sft.guidance_scale=2.0: SD3Bundle guides by 'cfg'"):
         OfflineDiffusionDPO(
-            tiny_model_config().build(), PreferencePairsFile(write_pairs(tmp_path)), config(guidance_scale=2.0), str(tmp_path)
+            tiny_model_config().build(),
+            PreferencePairsFile(write_pairs(tmp_path)),
+            config(guidance_scale=2.0),
+            str(tmp_path),
         )

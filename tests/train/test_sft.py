@@ -158,7 +158,9 @@ def test_an_embedded_guidance_family_trains_at_its_guidance_scale(tmp_path):
 def test_a_family_that_trains_unguided_refuses_a_guidance_scale(tmp_path):
     bundle = tiny_model_config(resolution=32, words=WORDS).build()
     cfg = FlowMatchingSFTConfig(num_steps=2, batch_size=2, eval_every=0, guidance_scale=3.5)
-    with pytest.raises(ValueError, match=r"sft.guidance_scale=3.5: SD3Bundle guides by 'cfg'.*Set sft.guidance_scale: 1.0"):
+    with pytest.raises(
+        ValueError, match=r"sft.guidance_scale=3.5: SD3Bundle guides by 'cfg'.*Set sft.guidance_scale: 1.0"
+    ):
         FlowMatchingSFT(bundle, ShapesDataset("train"), cfg, str(tmp_path))
 
 
@@ -169,7 +171,9 @@ def test_validation_names_a_scale_a_flux_model_without_guidance_embedding_cannot
     problems: list[str] = []
     schnell = FluxModelConfig(tiny=TinyFluxConfig(guidance_embeds=False))
     check_training_guidance(schnell, FlowMatchingSFTConfig(guidance_scale=3.5), problems)
-    assert len(problems) == 1 and problems[0].startswith("sft.guidance_scale=3.5: this FLUX model has no guidance")
+    assert len(problems) == 1 and problems[0].startswith(
+        "sft.guidance_scale=3.5: this FLUX model has no guidance"
+    )
     problems.clear()
     check_training_guidance(schnell, FlowMatchingSFTConfig(guidance_scale=1.0), problems)
     assert problems == []

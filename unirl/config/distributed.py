@@ -79,6 +79,12 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
         problems.append(
             f"num_devices={run.num_devices} needs train.fsdp (FSDP2 sharding settings); see the tiny recipe"
         )
+    if fsdp is not None and run.num_devices % fsdp.replicate:
+        divisors = [d for d in range(1, run.num_devices + 1) if run.num_devices % d == 0]
+        problems.append(
+            f"train.fsdp.replicate={fsdp.replicate} does not divide num_devices={run.num_devices}: HSDP's mesh "
+            f"is replicate x (num_devices / replicate) ranks; valid values: {divisors}"
+        )
     if (
         run.num_devices == 1
         and fsdp is not None

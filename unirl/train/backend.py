@@ -220,8 +220,15 @@ class TrainBackend:
         if world > 1:
             if fsdp is None:
                 raise ValueError(f"{world} data-parallel ranks need train.fsdp (FSDP2 sharding settings)")
+            if fsdp.sp > 1:
+                from unirl.train.sequence_parallel import enable_ulysses
+
+                enable_ulysses(module, fsdp.sp)
             shard_module(module, fsdp, next(module.parameters()).device.type, roots)
         self.sharded = world > 1
+        # Ulysses groups: FSDP averages gradients over all ranks, but a group's ranks hold partial
+        # gradients of the same samples whose sum is theirs: the train stack scales losses by this
+        self.loss_multiplier = float(fsdp.sp) if world > 1 and fsdp is not None else 1.0
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         if not self.params:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,6 +31,15 @@ class FSDPConfig:
             (less memory, one more all-gather in backward).
         activation_checkpointing: recompute each block's activations in backward
             (applied on one rank too; the other fields only act when sharded).
+        replicate: HSDP: the ranks form a 2-D mesh of `replicate` x (world / `replicate`);
+            parameters, gradients and optimizer state are sharded along the second dimension
+            and replicated along the first (gradients reduce-scattered within a replica group,
+            then all-reduced across replicas). 1: plain FSDP over all ranks. Must divide
+            `num_devices` (validated before Ray). A checkpoint written on one mesh resumes on
+            another of the same world size (`torch.distributed.checkpoint` reshards).
+        sp: Ulysses sequence-parallel degree (`unirl.train.sequence_parallel`): groups of `sp`
+            consecutive ranks share their samples and split each sample's tokens; 1: off. Must
+            divide `num_devices` and the transformer's heads; FLUX.1, Wan and Qwen-Image only.
     """
 
     block_classes: list[str] = field(default_factory=lambda: ["JointTransformerBlock"])
@@ -37,8 +47,14 @@ class FSDPConfig:
     reduce_dtype: str = "float32"
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
+    replicate: int = 1
+    sp: int = 1
 
     def __post_init__(self) -> None:
+        if self.sp < 1:
+            raise ValueError(f"train.fsdp.sp must be >= 1, got {self.sp}")
+        if self.replicate < 1:
+            raise ValueError(f"train.fsdp.replicate must be >= 1, got {self.replicate}")
         for key in ("param_dtype", "reduce_dtype"):
             if getattr(self, key) not in _DTYPES:
                 raise ValueError(
@@ -72,6 +88,25 @@ def checkpoint_blocks(module: torch.nn.Module, block_classes: list[str]) -> int:
     return count
 
 
+def device_mesh(device_type: str, world: int, replicate: int = 1) -> DeviceMesh:
+    """The data-parallel mesh: 1-D over `world` ranks (FSDP), or with `replicate` > 1 the 2-D
+    ("replicate", "shard") mesh of replicate x world / replicate ranks (HSDP: `fully_shard` on a
+    2-D mesh shards along "shard" and replicates along "replicate"). Ranks r = i * shard + j
+    (replica i, shard j)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world % replicate:
+        raise ValueError(
+            f"train.fsdp.replicate={replicate} does not divide the {world} data-parallel ranks; "
+            f"valid values: {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    if replicate == 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(
+        device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
 def shard_module(
     module: torch.nn.Module, cfg: FSDPConfig, device_type: str, roots: tuple[str, ...] = ()
 ) -> torch.nn.Module:
@@ -88,7 +123,6 @@ def shard_module(
     Requires an initialized default process group; the mesh spans all its ranks.
     """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     missing = unmatched_block_classes(module, cfg.block_classes)
@@ -104,7 +138,7 @@ def shard_module(
     blocks = [m for m in module.modules() if isinstance(m, CheckpointWrapper)] or [
         m for m in module.modules() if type(m).__name__ in set(cfg.block_classes)
     ]
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mesh = device_mesh(device_type, dist.get_world_size(), cfg.replicate)
     policy = MixedPrecisionPolicy(
         param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype]
     )

@@ -164,7 +164,11 @@ class TrainStack:
             micro = [self.algorithm.prepare_segment(self.stage, mb) for mb in micro]
         else:
             micro = [self.algorithm.prepare_segment(self.stage, mb, kept=kept) for mb in micro]
-        ctx = {"loss_scale": 1.0 / len(micro), "progress": progress, "reference": self.backend.reference}
+        ctx = {
+            "loss_scale": self.backend.loss_multiplier / len(micro),
+            "progress": progress,
+            "reference": self.backend.reference,
+        }
         if self.backend.ema is not None:  # the EMA weights, for a loss that measures a KL to them (AWM)
             ctx["ema"] = self.backend.ema_weights
         if self.backend.snapshots:  # the loss's own snapshots (DGPO's EMA reference, CRD's old policy)
@@ -212,7 +216,7 @@ class TrainStack:
         size = per * self.config.micro_batch_size
         out = []
         for j in range(n):
-            mini_ctx = {**ctx, "loss_scale": 1.0 / per}
+            mini_ctx = {**ctx, "loss_scale": self.backend.loss_multiplier / per}
             if isinstance(track.segment, TokenSegment):
                 mini = track.select(list(range(j * size, (j + 1) * size)))
                 mini_ctx.update(self.batch_totals(mini.segment))

@@ -199,7 +199,9 @@ class SupervisedRun(ABC):
                 m.train()
 
     # ---- the loop ---------------------------------------------------------------------------
-    before_step: Callable[[], object] | None = None  # called as each step starts (train_sft: the thread count)
+    before_step: Callable[[], object] | None = (
+        None  # called as each step starts (train_sft: the thread count)
+    )
 
     def run(self, max_seconds: float | None = None, recipe: DictConfig | None = None) -> list[dict[str, Any]]:
         """Train to `num_steps` (or until `max_seconds` of wall clock pass), logging and

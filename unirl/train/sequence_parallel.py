@@ -1,0 +1,77 @@
+"""Ulysses sequence parallelism for a diffusers transformer, through diffusers' own context
+parallelism (`diffusers.ContextParallelConfig`, the model class's `_cp_plan`).
+
+With `train.fsdp.sp = P`, the data-parallel ranks form groups of P consecutive ranks (rank r is
+in group r // P) that hold the same samples. The transformer's context-parallel plan splits its
+token sequences (image and text) into P shards at the model's entry, each attention runs an
+all-to-all from sequence shards to head shards and back (`TemplatedUlyssesAttention`, with its
+backward), and the output is all-gathered along the sequence at `proj_out`, so every rank of a
+group sees the whole velocity: rollout, replay, log-probs and losses are computed identically on
+each. Backward through the gather leaves each rank the gradient of its own tokens; their sum over
+the group is the sample's gradient. FSDP2 averages gradients over all ranks, so the train stack
+scales every loss by P (`TrainBackend.loss_multiplier`; FSDP2's own divide factor needs a
+PREMUL_SUM reduction, which gloo lacks): the update is the mean over groups of the sum over each
+group, the whole-batch gradient of unsharded training (`tests/train/test_sequence_parallel.py`).
+
+Works on any device the process group runs on (gloo on CPU, NCCL on GPUs): diffusers'
+`enable_parallelism` resolves an accelerator, so the plan is applied here with a CPU-capable mesh.
+Families whose transformer has no `_cp_plan` (SD3) cannot use it: `cp_plan_problem` says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cp_plan_problem(module: torch.nn.Module, sp: int) -> str | None:
+    """Why `module` cannot run with Ulysses degree `sp`, or None: it needs diffusers' context-parallel
+    plan and attention heads divisible by `sp`."""
+    if getattr(module, "_cp_plan", None) is None:
+        return (
+            f"train.fsdp.sp={sp}: {type(module).__name__} has no context-parallel plan in diffusers "
+            "(`_cp_plan`); sequence parallelism runs on FLUX.1, Wan and Qwen-Image transformers"
+        )
+    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    if heads is not None and heads % sp:
+        return f"train.fsdp.sp={sp} does not divide the transformer's {heads} attention heads"
+    return None
+
+
+def sp_mesh(device_type: str, world: int, sp: int):
+    """The ("dp", "ring", "ulysses") mesh of world / sp groups of sp consecutive ranks (ring 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world // sp, 1, sp), mesh_dim_names=("dp", "ring", "ulysses"))
+
+
+def enable_ulysses(module: torch.nn.Module, sp: int) -> None:
+    """Apply diffusers' Ulysses context parallelism of degree `sp` to `module` (a diffusers
+    transformer with a `_cp_plan`), in place, before FSDP wraps it. Needs the default process
+    group; every rank of the world calls it."""
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+    from diffusers.hooks.context_parallel import apply_context_parallel
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    problem = cp_plan_problem(module, sp)
+    if problem:
+        raise ValueError(problem)
+    world = dist.get_world_size()
+    if world % sp:
+        raise ValueError(f"train.fsdp.sp={sp} does not divide the {world} ranks")
+    device = next(module.parameters()).device
+    mesh = sp_mesh(device.type, world, sp)
+    cp = ContextParallelConfig(ulysses_degree=sp, mesh=mesh)
+    config = ParallelConfig(context_parallel_config=cp)
+    config.setup(dist.get_rank(), world, device, mesh=mesh)
+    module._parallel_config = config
+    for sub in module.modules():
+        processor = getattr(sub, "processor", None)
+        if processor is not None and hasattr(processor, "_parallel_config"):
+            processor._parallel_config = config
+    apply_context_parallel(module, cp, module._cp_plan)
+
+
+def group_of(rank: int, sp: int) -> int:
+    """The data-parallel group (sample shard) of `rank`: ranks r // sp share their samples."""
+    return rank // sp
