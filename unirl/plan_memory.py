@@ -24,10 +24,12 @@ and group norms in fp32; and attention is costed as the flash / memory-efficient
 The planned peak of a device is the larger phase's peak (trained module, its optimizer state and the
 phase's tensors) plus what lives beside the module all run long: the frozen modules (text encoders,
 VAE), EMA / reference copies, the rollout's stored latents and media, and kept graphs. With N > 1
-data-parallel ranks (FSDP2), the module's weights, gradients and optimizer state are divided by N
-and two of its largest blocks are counted whole (the one computing and the one prefetched).
-Sequence parallelism, HSDP and parameter offload are not options of the trainer yet, so they are
-not planned. `--device-gib` also prints the largest micro-batch whose plan fits the device.
+data-parallel ranks (FSDP2), the module's weights, gradients and optimizer state are divided by the
+shard degree (N, or N / `train.fsdp.replicate` under HSDP) and two of its largest blocks are counted
+whole (the one computing and the one prefetched). Ulysses sequence parallelism (`train.fsdp.sp`) is
+not modelled yet (its collectives cannot run on the meta device): a plan with it says so and
+counts the activations of unsplit sequences, an upper bound. `--device-gib` also prints the
+largest micro-batch whose plan fits the device.
 
 Checked against the peaks measured on an H200 in `docs/results/devices.md` (`tests/test_plan_memory.py`
 checks the arithmetic on a tiny model against a hand count; `docs/results/memory_plan.md` the
@@ -360,12 +362,13 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
     gathered = 0
     if devices > 1:
         fsdp = train.fsdp
+        shard = devices // int(fsdp.get("replicate", 1) or 1)  # HSDP: sharded within a replica group
         size = torch.empty((), dtype=getattr(torch, fsdp.param_dtype)).element_size()
         blocks = [m for m in denoiser.modules() if type(m).__name__ in set(fsdp.block_classes)]
         gathered = 2 * size * max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-        train_extra -= trainable - trainable // devices  # gradients are sharded too
-        weights //= devices
-        optimizer_state //= devices
+        train_extra -= trainable - trainable // shard  # gradients are sharded too
+        weights //= shard
+        optimizer_state //= shard
     return MemoryPlan(
         recipe=str(cfg.get("output_dir", "")),
         devices=devices,
@@ -467,6 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     plan = plan_memory(cfg, args.devices)
     plan.recipe = args.config_name
     print(plan.table())
+    sp = int((cfg.train.get("fsdp") or {}).get("sp", 1) or 1)
+    if sp > 1:
+        print(f"  train.fsdp.sp={sp} is not modelled: activations are those of whole sequences (an upper bound)")
     if args.device_gib is not None:
         per_rank = int(cfg.prompts_per_rollout) * int(cfg.sampling.samples_per_prompt) // plan.devices
         best = largest_micro_batch(cfg, plan.devices, int(args.device_gib * GIB), per_rank)

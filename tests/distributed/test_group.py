@@ -150,6 +150,18 @@ def test_dp_scatter_split_and_gather(group: WorkerGroup) -> None:
         group.call("plus", torch.zeros(3), mode=Dispatch.DP_SCATTER)
 
 
+def test_dp_scatter_in_groups_gives_a_group_one_part(group: WorkerGroup) -> None:
+    """With `data_group_size` 2 (a sequence-parallel group of both ranks) the one part goes to
+    both ranks, and only the group's first rank's result comes back."""
+    group.data_group_size = 2
+    try:
+        metrics = group.tag(IntBatch([1, 2, 3, 4]), metrics=True)
+        assert metrics == [{"n": 4.0, "rank": 0.0}]
+        assert group.plus(1) == [101, 102]  # broadcast is unchanged
+    finally:
+        group.data_group_size = 1
+
+
 def test_rank_zero_calls_only_rank_zero(group: WorkerGroup) -> None:
     before = group.count()
     assert group.bump() == 0

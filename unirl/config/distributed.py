@@ -67,6 +67,49 @@ def check_this_machine(cfg: DictConfig, passed: dict[str, Any], problems: list[s
             )
 
 
+def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, problems: list[str]) -> None:
+    """`train.fsdp.sp` > 1 (Ulysses): it divides num_devices, the token sequences split evenly, and
+    the run is one whose ranks it supports (Ray workers sampling trainside, replay, no critic)."""
+    run, sampling, model = passed.get(""), passed.get("sampling"), passed.get("model")
+    if run.num_devices % sp:
+        divisors = [d for d in range(1, run.num_devices + 1) if run.num_devices % d == 0]
+        problems.append(
+            f"train.fsdp.sp={sp} does not divide num_devices={run.num_devices}; valid values: {divisors}"
+        )
+    if cfg.get("launcher") == "in_process":
+        problems.append(f"train.fsdp.sp={sp} needs {sp} or more Ray workers: launcher=in_process runs one")
+    rollout = cfg.get("rollout") or {}
+    if not str(rollout.get("_target_", "")).endswith("TrainsideEngine"):
+        problems.append(
+            f"train.fsdp.sp={sp} runs with trainside rollouts (unirl.rollout.trainside.TrainsideEngine) only"
+        )
+    if rollout.get("keep_graph"):
+        problems.append(
+            f"train.fsdp.sp={sp} with rollout.keep_graph=true is not supported: set keep_graph false"
+        )
+    if cfg.get("critic") is not None:
+        problems.append(f"train.fsdp.sp={sp} with a critic is not supported")
+    if sampling is not None and model is not None and hasattr(model, "build"):
+        text = getattr(sampling, "max_sequence_length", None)
+        if text is not None and text % sp:
+            problems.append(
+                f"train.fsdp.sp={sp} does not divide sampling.max_sequence_length={text}: the text tokens split "
+                "into sp shards (pad the prompts to a multiple of sp)"
+            )
+        try:  # the family's own count, from its bundle built on the meta device (no storage)
+            import torch
+
+            with torch.device("meta"):
+                tokens = model.build().image_seq_len(sampling.height, sampling.width)
+        except Exception:  # noqa: BLE001 - the model's own checks report an unbuildable config
+            tokens = None
+        if tokens is not None and tokens % sp:
+            problems.append(
+                f"train.fsdp.sp={sp} does not divide the {tokens} image tokens of sampling.height x width: "
+                "choose a size whose token grid splits into sp shards"
+            )
+
+
 def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     """World size vs sharding, FSDP block names vs the model, resume keys."""
     from unirl.train.fsdp import unmatched_block_classes
@@ -85,6 +128,8 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
             f"train.fsdp.replicate={fsdp.replicate} does not divide num_devices={run.num_devices}: HSDP's mesh "
             f"is replicate x (num_devices / replicate) ranks; valid values: {divisors}"
         )
+    if fsdp is not None and fsdp.sp > 1:
+        check_sequence_parallel(cfg, passed, fsdp.sp, problems)
     if (
         run.num_devices == 1
         and fsdp is not None
@@ -108,6 +153,12 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
             from unirl.train.backend import lora_target_problem
 
             problem = lora_target_problem(denoiser, lora.target_modules)
+            if problem:
+                problems.append(problem)
+        if denoiser is not None and fsdp is not None and fsdp.sp > 1:
+            from unirl.train.sequence_parallel import cp_plan_problem
+
+            problem = cp_plan_problem(denoiser, fsdp.sp)
             if problem:
                 problems.append(problem)
         if denoiser is not None and fsdp is not None:

@@ -10,21 +10,26 @@ from typing import Any
 from unirl.types.sampling import DiffusionSamplingParams
 
 
-def check_geometry(run: Any, sampling: Any, stack: Any, model: Any, problems: list[str]) -> None:
+def check_geometry(run: Any, sampling: Any, stack: Any, model: Any, problems: list[str], sp: int = 1) -> None:
     """Batch geometry vs devices and micro-batches; image size vs the model's patch grid (as the
-    model config states it)."""
+    model config states it). With sequence parallelism (`sp` > 1) the samples split over the
+    num_devices / sp groups of ranks, each group's ranks holding the same samples."""
     if run is not None and sampling is not None:
-        world = run.num_devices
+        world = max(1, run.num_devices // sp)
+        shards = "num_devices" if sp == 1 else f"num_devices / train.fsdp.sp = {world} sample shards"
         total = run.prompts_per_rollout * sampling.samples_per_prompt
         if total % world:
             problems.append(
                 f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x sampling.samples_per_prompt "
+                f"({sampling.samples_per_prompt}) = {total} samples do not split evenly over {shards}={world}"
+                if sp > 1
+                else f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x sampling.samples_per_prompt "
                 f"({sampling.samples_per_prompt}) = {total} samples do not split evenly over num_devices={world}"
             )
         elif stack is not None and (total // world) % stack.micro_batch_size:
             problems.append(
                 f"batch geometry: train.stack.micro_batch_size={stack.micro_batch_size} does not divide the "
-                f"per-rank batch of {total // world} samples (prompts_per_rollout x samples_per_prompt / num_devices)"
+                f"per-rank batch of {total // world} samples (prompts_per_rollout x samples_per_prompt / {shards})"
             )
     sizes = getattr(model, "size_problems", None)
     if sizes is not None and isinstance(sampling, DiffusionSamplingParams):
@@ -36,7 +41,11 @@ def check_eval_size(model: Any, sampling: Any, eval_sampling: Any, problems: lis
     to the rollouts') vs the model's patch grid, as the model config states it."""
     sizes = getattr(model, "size_problems", None)
     height, width = (getattr(eval_sampling, k, None) for k in ("height", "width"))
-    if sizes is None or not isinstance(sampling, DiffusionSamplingParams) or (height is None and width is None):
+    if (
+        sizes is None
+        or not isinstance(sampling, DiffusionSamplingParams)
+        or (height is None and width is None)
+    ):
         return
     h, w = height or sampling.height, width or sampling.width
     try:

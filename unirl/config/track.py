@@ -63,7 +63,10 @@ def check_track(
     algorithm = target_class(cfg, "algorithm") if cfg.get("algorithm") is not None else None
     built = passed.get("algorithm")
     check_model_path(model, problems)
-    check_geometry(run, sampling, stack, model, problems)
+    fsdp = passed.get("train.fsdp")
+    check_geometry(
+        run, sampling, stack, model, problems, sp=getattr(fsdp, "sp", 1) if fsdp is not None else 1
+    )
     check_guidance(model, sampling, eval_sampling, problems)
     check_eval_size(model, sampling, eval_sampling, problems)
     if modality == "text":

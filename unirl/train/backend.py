@@ -187,6 +187,9 @@ class TrainBackend:
             whole component of a parameter's path ("vqmodel" matches "model.vqmodel.x").
         roots: with several ranks, the submodules sharded as FSDP roots of their own instead of
             the whole module (`shard_module`): a unified model's stages call them directly.
+        groups_share_samples: the caller gives every group of `fsdp.sp` consecutive ranks the same
+            samples, as sequence parallelism needs (`unirl.train.sequence_parallel`); without it
+            `fsdp.sp > 1` is refused.
     """
 
     def __init__(
@@ -202,6 +205,7 @@ class TrainBackend:
         writer: Callable[[str, str, dict[str, torch.Tensor], torch.nn.Module], None] | None = None,
         frozen: tuple[str, ...] = (),
         roots: tuple[str, ...] = (),
+        groups_share_samples: bool = False,
     ) -> None:
         self.module = module
         self.writer = writer
@@ -222,6 +226,12 @@ class TrainBackend:
                 raise ValueError(f"{world} data-parallel ranks need train.fsdp (FSDP2 sharding settings)")
             if fsdp.sp > 1:
                 from unirl.train.sequence_parallel import enable_ulysses
+
+                if not groups_share_samples:
+                    raise ValueError(
+                        f"train.fsdp.sp={fsdp.sp}: sequence parallelism runs in single-track recipes only (their "
+                        "driver gives each group of sp ranks one sample shard); set it to 1 here"
+                    )
 
                 enable_ulysses(module, fsdp.sp)
             shard_module(module, fsdp, next(module.parameters()).device.type, roots)

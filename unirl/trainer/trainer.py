@@ -76,6 +76,12 @@ class TrainingError(RuntimeError):
     """A run stopped: names the step, the failing worker and the last checkpoint."""
 
 
+def sequence_parallel_degree(cfg: Any) -> int:
+    """`train.fsdp.sp` of a recipe (1 without sharding settings): the ranks per sample shard."""
+    fsdp = (cfg.get("train") or {}).get("fsdp")
+    return int(fsdp.get("sp", 1) or 1) if fsdp else 1
+
+
 class Trainer:
     """Runs the recipe `cfg` (already validated) up to `cfg.num_steps`.
 
@@ -167,6 +173,7 @@ class Trainer:
             else:
                 where = placement(pool, int(self.cfg.num_devices))
                 group = remote(self.worker_class, where, *args, env=WORKER_ENV)
+                group.data_group_size = sequence_parallel_degree(self.cfg)
                 layout = {
                     "num_devices": pool.num_devices,
                     "num_nodes": pool.num_nodes,
@@ -207,7 +214,9 @@ class Trainer:
         """Devices the run reserves: the training devices, plus the engines' own when separate."""
         return self.rollout_settings.pool_devices(int(self.cfg.num_devices))
 
-    def _start_engines(self, plain: dict[str, Any], pool: Any, group: Any, transport_info: dict[str, Any]) -> list:
+    def _start_engines(
+        self, plain: dict[str, Any], pool: Any, group: Any, transport_info: dict[str, Any]
+    ) -> list:
         """Set `self.rollouts` (the train workers', or dedicated engines fed by weight sync);
         returns the engines' `process_info` for placement.json."""
         if self.rollout_settings.dedicated:
@@ -320,7 +329,7 @@ class Trainer:
     def _evaluate(self, group, step: int, modality) -> dict[str, float]:
         """`eval/...` accuracies on the held-out prompts, sampled deterministically on the workers
         (from the EMA weights with `eval.use_ema`) and scored as the modality says."""
-        world = int(self.cfg.num_devices)
+        world = int(self.cfg.num_devices) // sequence_parallel_degree(self.cfg)  # sample shards
 
         def sample(req):
             n = len(req)

@@ -190,6 +190,7 @@ class RLWorker(ProcessWorker):
         self.stage = build(cfg["stage"], bundle=self.bundle)
         self.algorithm = build(cfg["algorithm"])
         self.samples_from_ema = self.algorithm.requires_ema_rollout
+        self.sequence_parallel = int((cfg["train"].get("fsdp") or {}).get("sp", 1))
         # KL folded into the reward: the rollout records the reference policy's token log-probs
         self.kl_in_reward = float(cfg["advantage"].get("kl_coef", 0) or 0) > 0
         train = cfg["train"]
@@ -203,6 +204,7 @@ class RLWorker(ProcessWorker):
             snapshots={name: EMAConfig(**spec) for name, spec in self.algorithm.snapshots.items()},
             keep_reference=self.algorithm.needs_reference_policy or self.kl_in_reward,
             writer=self.bundle.write_weights,
+            groups_share_samples=True,  # the driver scatters one shard per sequence-parallel group
         )
         self.stage.module = self.backend.module
         self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
@@ -278,6 +280,8 @@ class RLWorker(ProcessWorker):
                 self._attach_reference_log_probs(track)
             if self.critic is not None:
                 self.critic.attach_values(track)
+        if self.rank_info.rank % self.sequence_parallel:  # a sequence-parallel group's copy: its
+            return None  # first rank puts the samples the group generated together
         return put_batch(self.transport, partition, track)
 
     @torch.no_grad()
@@ -356,4 +360,3 @@ class RLWorker(ProcessWorker):
         place when `use_ema`."""
         with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
             self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
-

@@ -165,6 +165,23 @@ def _scatter_rank_zero(
     return [(args, kwargs)] + [None] * (world_size - 1)
 
 
+def in_groups(spec: DispatchSpec, group: int) -> DispatchSpec:
+    """`spec` over groups of `group` consecutive ranks that act as one data-parallel rank (a
+    sequence-parallel group: its ranks hold the same samples): scatter into world / group parts,
+    part i to every rank of group i; gather the first rank's result of each group. `group` 1:
+    `spec` itself."""
+    if group == 1:
+        return spec
+
+    def scatter(world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[RankCall | None]:
+        if world_size % group:
+            raise ValueError(f"{world_size} ranks do not form groups of {group}")
+        parts = spec.scatter(world_size // group, args, kwargs)
+        return [parts[r // group] for r in range(world_size)]
+
+    return DispatchSpec(scatter, lambda results: spec.gather(results[::group]))
+
+
 DISPATCH_SPECS: dict[Dispatch, DispatchSpec] = {
     Dispatch.BROADCAST: DispatchSpec(_scatter_broadcast, list),
     Dispatch.DP_SCATTER: DispatchSpec(_scatter_dp, gather_dp),

@@ -12,7 +12,7 @@ import torch
 from ray.actor import ActorHandle
 
 from unirl.distributed.group.device_pool import Placement, node_ip
-from unirl.distributed.group.dispatch import DISPATCH_SPECS, Dispatch, dispatch_mode
+from unirl.distributed.group.dispatch import DISPATCH_SPECS, Dispatch, dispatch_mode, in_groups
 from unirl.distributed.group.rank import RankInfo
 
 # A device is shared by up to this many colocated worker groups by default.
@@ -82,6 +82,9 @@ class WorkerGroup:
         self._actors = list(actors)
         self._rank_infos = list(rank_infos)
         self._closed = False
+        self.data_group_size = 1
+        """Ranks per data-parallel group (a sequence-parallel group shares its samples):
+        `Dispatch.DP_SCATTER` calls give each group one part (`in_groups`)."""
 
     @property
     def worker_cls(self) -> type:
@@ -117,7 +120,10 @@ class WorkerGroup:
         fn = getattr(self._worker_cls, method, None)
         if method.startswith("_") or not callable(fn):
             raise AttributeError(f"{self._worker_cls.__name__} has no public method {method!r}")
-        spec = DISPATCH_SPECS[mode if mode is not None else dispatch_mode(fn)]
+        mode = mode if mode is not None else dispatch_mode(fn)
+        spec = DISPATCH_SPECS[mode]
+        if mode is Dispatch.DP_SCATTER:
+            spec = in_groups(spec, self.data_group_size)
         calls = spec.scatter(self.world_size, args, kwargs)
         pending: dict[ray.ObjectRef, int] = {}
         for rank, call in enumerate(calls):
