@@ -196,3 +196,78 @@ def test_sd3_has_no_context_parallel_plan():
 
     problem = cp_plan_problem(tiny_model_config().build().denoiser, 2)
     assert problem.startswith("train.fsdp.sp=2: SD3Transformer2DModel has no context-parallel plan")
+
+
+def _family_setup(family: str, sp: int | None):
+    """A tiny Wan 2.1 (3 frames) or Qwen-Image (2 heads each) with LoRA on q/k/v, under Ulysses
+    degree `sp` (None: unsharded): its 4 samples' rollout log-probs and one update's gradient."""
+    from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+    from unirl.models.flow.stage import FlowMatchingStage
+    from unirl.rollout.trainside import TrainsideEngine
+    from unirl.sde.schedules import sigmas_for
+    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
+    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.stack import TrainStack, TrainStackConfig
+    from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
+
+    torch.manual_seed(0)
+    if family == "wan":
+        from unirl.models.wan.config import TinyWanConfig, WanModelConfig
+
+        model, blocks, guidance = (
+            WanModelConfig(tiny=TinyWanConfig(), num_frames=3),
+            ["WanTransformerBlock"],
+            2.0,
+        )
+    else:
+        from unirl.models.qwenimage.config import QwenImageModelConfig, TinyQwenImageConfig
+
+        model, blocks, guidance = (
+            QwenImageModelConfig(tiny=TinyQwenImageConfig(resolution=16)),
+            ["QwenImageTransformerBlock"],
+            1.0,
+        )
+    bundle = model.build()
+    stage = FlowMatchingStage(bundle, replay_steps_per_forward=2)
+    fsdp = FSDPConfig(block_classes=blocks, sp=sp) if sp else None
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=["to_q", "to_k", "to_v"])
+    backend = TrainBackend(stage.module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True)
+    stage.module = backend.module
+    stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(4))
+    params = DiffusionSamplingParams(
+        num_steps=4, samples_per_prompt=2, height=16, width=16, guidance_scale=guidance, eta=0.7,
+        max_sequence_length=8, sde_scheduler="all",
+    )  # fmt: skip
+    prompts = [PromptExample("a red square", "0"), PromptExample("a blue dot", "1")]
+    req = RolloutReq.from_prompts(prompts, params, sigmas_for(params, bundle.image_seq_len(16, 16)), 0)
+    track = TrainsideEngine(stage, forward_batch_size=4).generate(req).track("diffusion")
+    track.advantages = torch.linspace(-1.0, 1.0, 4)
+    return track.segment.log_probs, _grad(backend, stack, track)
+
+
+def _family_rank(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        out = {family: _family_setup(family, 2) for family in ("wan", "qwenimage")}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_wan_and_qwen_image_under_sp_2_match_unsharded(tmp_path):
+    """The other families with diffusers' context-parallel plan (Wan's video tokens with its
+    rotary embedding and cross-attention; Qwen-Image's joint stream): one group of 2 gloo ranks
+    samples the same log-probs and trains the same gradient as one process (1e-5)."""
+    reference = {family: _family_setup(family, None) for family in ("wan", "qwenimage")}
+    mp.spawn(_family_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for family, (log_probs, grad) in reference.items():
+            torch.testing.assert_close(got[family][0], log_probs, rtol=0, atol=1e-5)
+            assert float(grad.norm()) > 0
+            rel = float((got[family][1] - grad).norm() / grad.norm())
+            assert rel < 1e-5, (rank, family, rel)
