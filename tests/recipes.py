@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tests.conftest import EXAMPLES
 
 QUIET = ["logging.progress=false", "logging.save_images_every=0"]
-SD3 = [
+SIXTEEN_PX = [  # a flow recipe at a test's size: 8 samples of 16 px, 4 denoising steps, 2 of them SDE
     "prompts_per_rollout=2",
     "sampling.samples_per_prompt=4",
     "sampling.num_steps=4",
@@ -30,11 +30,11 @@ SD3 = [
     "sampling.width=16",
     "sampling.max_sequence_length=8",
     "model.tiny.resolution=16",
-    "model.tiny.num_layers=2",
     "model.tiny.clip_max_length=8",
-    "train.stack.micro_batch_size=2",
     *QUIET,
 ]
+SD3 = [*SIXTEEN_PX, "model.tiny.num_layers=2", "train.stack.micro_batch_size=2"]
+FLUX = [*SIXTEEN_PX, "train.stack.micro_batch_size=4"]  # tiny_flux_flowgrpo
 LM = [
     "prompts_per_rollout=4",
     "sampling.samples_per_prompt=4",
@@ -48,6 +48,7 @@ SMALL = {  # the shrunk set of each recipe that has one
     "diffusion/tiny_sd3_dedicated_colocate": SD3,
     "diffusion/tiny_sd3_dedicated_separate": SD3,
     "diffusion/tiny_ppo": SD3,
+    "diffusion/tiny_flux_flowgrpo": FLUX,
     "llm/tiny_lm_grpo": LM,
     "llm/tiny_lm_dapo": LM,
     "llm/tiny_lm_dedicated": LM,

@@ -120,20 +120,10 @@ def test_ulysses_sequence_parallel_matches_unsharded_training(tmp_path):
 
 
 FLUX_SMALL = [
-    "prompts_per_rollout=2",
-    "sampling.samples_per_prompt=4",
-    "sampling.num_steps=4",
-    "sampling.sde_num_steps=2",
-    "sampling.height=16",
-    "sampling.width=16",
-    "sampling.max_sequence_length=8",
-    "model.tiny.resolution=16",
-    "model.tiny.clip_max_length=8",
     "model.tiny.num_attention_heads=4",
-    "train.stack.micro_batch_size=4",
     "num_steps=2",
     "threads_per_worker=1",
-]
+]  # + tests.recipes.FLUX
 
 
 @pytest.mark.ray

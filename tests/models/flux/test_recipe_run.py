@@ -6,23 +6,9 @@ from __future__ import annotations
 
 import math
 
-from tests.recipes import IN_PROCESS, QUIET, exported_weights, run
+from tests.recipes import IN_PROCESS, exported_weights, run
 
-SMALL = [
-    "num_steps=2",
-    "threads_per_worker=1",
-    "prompts_per_rollout=2",
-    "sampling.samples_per_prompt=4",
-    "sampling.num_steps=4",
-    "sampling.sde_num_steps=2",
-    "sampling.height=16",
-    "sampling.width=16",
-    "sampling.max_sequence_length=8",
-    "model.tiny.resolution=16",
-    "model.tiny.clip_max_length=8",
-    "train.stack.micro_batch_size=4",
-    *QUIET,
-]
+SMALL = ["num_steps=2", "threads_per_worker=1"]  # with the recipe's shrunk set (tests.recipes.FLUX)
 
 
 def test_tiny_flux_flowgrpo_runs_two_steps(tmp_path) -> None:
