@@ -279,7 +279,7 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
     devices = devices or int(cfg.num_devices)
     stack = cfg.train.stack
     micro = micro_batch or int(stack.micro_batch_size)
-    sp = _build(cfg.sampling)
+    sampling = _build(cfg.sampling)
     with torch.device("meta"):
         bundle = _build(cfg.model).build()
     stage = _build(cfg.stage, bundle=bundle)
@@ -304,31 +304,31 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
         (backend.ema is not None) + len(backend.snapshots) + (backend._reference is not None)
     )
 
-    latent = bundle.latent_shape(sp.height, sp.width)
+    latent = bundle.latent_shape(sampling.height, sampling.width)
     forward_batch = int(cfg.rollout.get("forward_batch_size") or 0) or int(
-        cfg.prompts_per_rollout * sp.samples_per_prompt
+        cfg.prompts_per_rollout * sampling.samples_per_prompt
     )
-    per_rank = int(cfg.prompts_per_rollout) * int(sp.samples_per_prompt) // devices
+    per_rank = int(cfg.prompts_per_rollout) * int(sampling.samples_per_prompt) // devices
     prompts = ["a prompt"] * max(forward_batch, micro)
 
     def rollout() -> None:
         with torch.no_grad(), meta_autocast(stage.autocast_dtype):
-            cond = encode(stage, prompts[:forward_batch], sp.guidance_scale, sp.max_sequence_length)
+            cond = encode(stage, prompts[:forward_batch], sampling.guidance_scale, sampling.max_sequence_length)
             x = torch.empty(forward_batch, *latent, device="meta")
-            v = stage.velocity(x, torch.full((forward_batch,), 0.5, device="meta"), cond, sp.guidance_scale)
+            v = stage.velocity(x, torch.full((forward_batch,), 0.5, device="meta"), cond, sampling.guidance_scale)
             del v
             stage.decode(x)
 
-    k = _steps_per_forward(stage, sp, micro, latent)
+    k = _steps_per_forward(stage, sampling, micro, latent)
 
     def train_step() -> None:
         with torch.no_grad():
-            cond = encode(stage, prompts[:micro], sp.guidance_scale, sp.max_sequence_length)
+            cond = encode(stage, prompts[:micro], sampling.guidance_scale, sampling.max_sequence_length)
         cond = {key: t.repeat(k, *([1] * (t.dim() - 1))) for key, t in cond.items()}
         x = torch.empty(micro * k, *latent, device="meta")
         offload = host_saved_tensors() if stack.get("offload_activations") else contextlib.nullcontext()
         with meta_autocast(stage.autocast_dtype), offload:
-            v = stage.velocity(x, torch.full((micro * k,), 0.5, device="meta"), cond, sp.guidance_scale)
+            v = stage.velocity(x, torch.full((micro * k,), 0.5, device="meta"), cond, sampling.guidance_scale)
             v.float().square().mean().backward()
         backend.optimizer.step()
 
@@ -347,10 +347,10 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
         p.grad = None
 
     latent_bytes = 4 * math.prod(latent)
-    sde_steps = len(sp.resolve_sde_indices(0))
+    sde_steps = len(sampling.resolve_sde_indices(0))
     with torch.no_grad():
-        cond_one = encode(stage, prompts[:1], sp.guidance_scale, sp.max_sequence_length)
-    media = 3 * sp.height * sp.width * int(bundle.model_info().get("num_frames", 1) or 1)
+        cond_one = encode(stage, prompts[:1], sampling.guidance_scale, sampling.max_sequence_length)
+    media = 3 * sampling.height * sampling.width * int(bundle.model_info().get("num_frames", 1) or 1)
     store = per_rank * ((sde_steps + 1) * latent_bytes + nbytes(iter(cond_one.values())) + media)
     kept = 0
     if cfg.rollout.get("keep_graph"):
@@ -414,10 +414,10 @@ def encode(stage: Any, prompts: list[str], guidance_scale: float, max_sequence_l
     return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in cond.items()}
 
 
-def _steps_per_forward(stage: Any, sp: Any, micro: int, latent: tuple[int, ...]) -> int:
+def _steps_per_forward(stage: Any, sampling: Any, micro: int, latent: tuple[int, ...]) -> int:
     """The SDE steps one replay forward stacks (the stage's `replay_chunks` rule) for a
     micro-batch of `micro`, capped by the steps a rollout trains."""
-    trained = max(1, len(sp.resolve_sde_indices(0)))
+    trained = max(1, len(sampling.resolve_sde_indices(0)))
     if stage.replay_token_budget is not None:
         per_step = micro * stage.tokens_per_sample(latent)
         return max(1, min(trained, stage.replay_token_budget // per_step))

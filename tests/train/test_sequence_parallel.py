@@ -156,6 +156,10 @@ def test_a_flux_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster
         ),
         (["+train.fsdp.sp=2"], "train.fsdp.sp=2 needs 2 or more Ray workers: launcher=in_process runs one"),
         (
+            ["num_devices=4", "+train.fsdp.sp=2", "sampling.samples_per_prompt=3", "prompts_per_rollout=1"],
+            "= 3 samples do not split evenly over num_devices / train.fsdp.sp=2",
+        ),
+        (
             ["num_devices=2", "+train.fsdp.sp=2", "sampling.max_sequence_length=7"],
             "does not divide sampling.max_sequence_length=7",
         ),

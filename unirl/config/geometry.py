@@ -16,15 +16,12 @@ def check_geometry(run: Any, sampling: Any, stack: Any, model: Any, problems: li
     num_devices / sp groups of ranks, each group's ranks holding the same samples."""
     if run is not None and sampling is not None:
         world = max(1, run.num_devices // sp)
-        shards = "num_devices" if sp == 1 else f"num_devices / train.fsdp.sp = {world} sample shards"
+        shards = "num_devices" if sp == 1 else "num_devices / train.fsdp.sp"  # sample shards
         total = run.prompts_per_rollout * sampling.samples_per_prompt
         if total % world:
             problems.append(
                 f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x sampling.samples_per_prompt "
                 f"({sampling.samples_per_prompt}) = {total} samples do not split evenly over {shards}={world}"
-                if sp > 1
-                else f"batch geometry: prompts_per_rollout ({run.prompts_per_rollout}) x sampling.samples_per_prompt "
-                f"({sampling.samples_per_prompt}) = {total} samples do not split evenly over num_devices={world}"
             )
         elif stack is not None and (total // world) % stack.micro_batch_size:
             problems.append(
