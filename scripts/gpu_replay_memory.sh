@@ -7,14 +7,24 @@
 #   4. the Wan 2.1 1.3B-sized recipe's peak;
 #   and the memory planner's prediction for each configuration (computed on the CPU meanwhile).
 # Usage: bash scripts/gpu_replay_memory.sh [output dir, default outputs/gpu_replay_memory] [steps, default 3]
-set -euo pipefail
+# Each step has its own time limit (STEP_S seconds, default 150) and its log under the output dir, so
+# a hung step costs one limit and the rest still runs; the summary lines go to stdout as they come.
+# On a device machine of this workplace, first run a call of seconds that only imports (torch,
+# diffusers, hydra, unirl): the one call of 2026-11-28 that ran this to its limit returned nothing.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${1:-outputs/gpu_replay_memory}
 STEPS=${2:-3}
+STEP_S=${STEP_S:-150}
 mkdir -p "$OUT"
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'needs a CUDA build of torch and a GPU')"
-echo "== $(python -c 'import torch; print(torch.cuda.get_device_name(0), torch.__version__)')"
+step() {  # $1: label, then the command: run it under the step limit, its output in $OUT/<label>.log
+  local label=$1; shift
+  echo "== $label ($(date +%T))"
+  timeout "$STEP_S" "$@" > "$OUT/$label.log" 2>&1 || { echo "== $label failed or timed out:"; tail -5 "$OUT/$label.log"; }
+}
+timeout 60 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'needs a CUDA build of torch and a GPU')" || exit 1
+echo "== $(timeout 60 python -c 'import torch; print(torch.cuda.get_device_name(0), torch.__version__)')"
 
 summary() {  # $1: run dir, $2: label -> train-phase time per step and peak GPU memory, one JSON line
   python - "$1" "$2" <<'PY'
@@ -47,28 +57,28 @@ OFFLOAD=+train.stack.offload_activations=true
 ) > "$OUT/plans.txt" 2>&1 &
 PLANS=$!
 
-python -m pytest -q -n 0 -m gpu -p no:cacheprovider tests/train/test_offload_activations.py 2>&1 | tail -3
+step offload_test python -m pytest -q -n 0 -m gpu -p no:cacheprovider tests/train/test_offload_activations.py
+tail -3 "$OUT/offload_test.log"
 
 for rep in 0 1; do
   if [ "$rep" = 0 ]; then order="per_step batched"; else order="batched per_step"; fi
   for side in $order; do
     extra=(); [ "$side" = batched ] && extra=("$BATCHED")
-    python -m unirl.train_diffusion "${SD35[@]}" num_steps="$STEPS" "${extra[@]}" output_dir="$OUT/sd35m_${side}_$rep" \
-      > "$OUT/sd35m_${side}_$rep.log" 2>&1
-    summary "$OUT/sd35m_${side}_$rep" "sd35m_${side}_$rep"
+    step "sd35m_${side}_$rep" python -m unirl.train_diffusion "${SD35[@]}" num_steps="$STEPS" "${extra[@]}" \
+      output_dir="$OUT/sd35m_${side}_$rep"
+    summary "$OUT/sd35m_${side}_$rep" "sd35m_${side}_$rep" || true
   done
 done
 
 for side in no_ckpt no_ckpt_offload; do
   extra=("$NOCKPT"); [ "$side" = no_ckpt_offload ] && extra+=("$OFFLOAD")
-  python -m unirl.train_diffusion "${SD35[@]}" num_steps=2 "${extra[@]}" output_dir="$OUT/sd35m_$side" \
-    > "$OUT/sd35m_$side.log" 2>&1 || tail -5 "$OUT/sd35m_$side.log"
+  step "sd35m_$side" python -m unirl.train_diffusion "${SD35[@]}" num_steps=2 "${extra[@]}" output_dir="$OUT/sd35m_$side"
   summary "$OUT/sd35m_$side" "sd35m_$side" || true
 done
 
-python -m unirl.train_diffusion --config-name=diffusion/wan13b_random_flowgrpo num_steps=2 logging.progress=false \
-  output_dir="$OUT/wan13b" > "$OUT/wan13b.log" 2>&1
-summary "$OUT/wan13b" wan13b
+step wan13b python -m unirl.train_diffusion --config-name=diffusion/wan13b_random_flowgrpo num_steps=2 \
+  logging.progress=false output_dir="$OUT/wan13b"
+summary "$OUT/wan13b" wan13b || true
 
 wait $PLANS
 cat "$OUT/plans.txt"
