@@ -71,7 +71,3 @@ def enable_ulysses(module: torch.nn.Module, sp: int) -> None:
             processor._parallel_config = config
     apply_context_parallel(module, cp, module._cp_plan)
 
-
-def group_of(rank: int, sp: int) -> int:
-    """The data-parallel group (sample shard) of `rank`: ranks r // sp share their samples."""
-    return rank // sp
