@@ -26,10 +26,10 @@ phase's tensors) plus what lives beside the module all run long: the frozen modu
 VAE), EMA / reference copies, the rollout's stored latents and media, and kept graphs. With N > 1
 data-parallel ranks (FSDP2), the module's weights, gradients and optimizer state are divided by the
 shard degree (N, or N / `train.fsdp.replicate` under HSDP) and two of its largest blocks are counted
-whole (the one computing and the one prefetched). Ulysses sequence parallelism (`train.fsdp.sp`) is
-not modelled yet (its collectives cannot run on the meta device): a plan with it says so and
-counts the activations of unsplit sequences, an upper bound. `--device-gib` also prints the
-largest micro-batch whose plan fits the device.
+whole (the one computing and the one prefetched). With Ulysses sequence parallelism
+(`train.fsdp.sp`) the phases run as one rank of the group (`sequence_parallel_group`: a fake
+process group and diffusers' context parallelism on the meta module). `--device-gib` also prints
+the largest micro-batch whose plan fits the device.
 
 Checked against the peaks measured on an H200 in `docs/results/devices.md` (`tests/test_plan_memory.py`
 checks the arithmetic on a tiny model against a hand count; `docs/results/memory_plan.md` the
@@ -275,6 +275,7 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
     recipe's `train.stack.micro_batch_size`)."""
     from unirl.train.backend import TrainBackend
     from unirl.train.ema import EMAConfig
+    from unirl.train.fsdp import checkpoint_blocks
 
     devices = devices or int(cfg.num_devices)
     stack = cfg.train.stack
@@ -287,12 +288,14 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
     train = cfg.train
     denoiser = stage.module
     frozen = sum(module_bytes(m) for m in bundle.frozen_modules())
-    backend = TrainBackend(
+    fsdp = _build(train.get("fsdp"))
+    seq_parallel = fsdp.sp if fsdp is not None else 1
+    backend = TrainBackend(  # one rank here; its checkpoint wrappers after SP's hooks, as the backend orders them
         denoiser,
         _build(train.get("lora")),
         _build(train.optim),
         1,
-        fsdp=_build(train.get("fsdp")),  # one rank here: activation checkpointing only
+        fsdp=dataclasses.replace(fsdp, activation_checkpointing=False) if fsdp is not None else None,
         ema=_build(train.get("ema")),
         snapshots={name: EMAConfig(**spec) for name, spec in algorithm.snapshots.items()},
         keep_reference=algorithm.needs_reference_policy,
@@ -308,7 +311,8 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
     forward_batch = int(cfg.rollout.get("forward_batch_size") or 0) or int(
         cfg.prompts_per_rollout * sampling.samples_per_prompt
     )
-    per_rank = int(cfg.prompts_per_rollout) * int(sampling.samples_per_prompt) // devices
+    # samples a rank holds: a sequence-parallel group of ranks holds one shard together
+    per_rank = int(cfg.prompts_per_rollout) * int(sampling.samples_per_prompt) // max(1, devices // seq_parallel)
     prompts = ["a prompt"] * max(forward_batch, micro)
 
     def rollout() -> None:
@@ -333,18 +337,15 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
         backend.optimizer.step()
 
     weights = module_bytes(module)
-    with meta_answers_yes():
-        train_step()  # a first step allocates AdamW's moments: resident from then on, counted apart
+    group = sequence_parallel_group(module, seq_parallel) if seq_parallel > 1 else contextlib.nullcontext()
+    with group, meta_answers_yes():
+        if fsdp is not None and fsdp.activation_checkpointing:
+            checkpoint_blocks(module, fsdp.block_classes)
+        measured = _phases(train_step, rollout, backend)
+    optimizer_state, rollout_extra, train_extra = measured
     for p in backend.params:
         p.grad = None
-    optimizer_state = nbytes(
-        t for state in backend.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
-    )
-    with meta_answers_yes():
-        rollout_extra = _peak_while(rollout)
-        train_extra = _peak_while(train_step)
-    for p in backend.params:
-        p.grad = None
+
 
     latent_bytes = 4 * math.prod(latent)
     sde_steps = len(sampling.resolve_sde_indices(0))
@@ -361,8 +362,7 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
 
     gathered = 0
     if devices > 1:
-        fsdp = train.fsdp
-        shard = devices // int(fsdp.get("replicate", 1) or 1)  # HSDP: sharded within a replica group
+        shard = devices // fsdp.replicate  # HSDP: sharded within a replica group
         size = torch.empty((), dtype=getattr(torch, fsdp.param_dtype)).element_size()
         blocks = [m for m in denoiser.modules() if type(m).__name__ in set(fsdp.block_classes)]
         gathered = 2 * size * max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
@@ -412,6 +412,40 @@ def encode(stage: Any, prompts: list[str], guidance_scale: float, max_sequence_l
         else:
             cls.device = own
     return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in cond.items()}
+
+
+def _phases(train_step: Any, rollout: Any, backend: Any) -> tuple[int, int, int]:
+    """(AdamW's moments, the rollout phase's peak, the train phase's peak): a first train step
+    allocates the moments (resident from then on, counted apart), then each phase is measured."""
+    train_step()
+    for p in backend.params:
+        p.grad = None
+    optimizer_state = nbytes(
+        t for state in backend.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+    )
+    return optimizer_state, _peak_while(rollout), _peak_while(train_step)
+
+
+@contextlib.contextmanager
+def sequence_parallel_group(module: torch.nn.Module, sp: int) -> Iterator[None]:
+    """Plan one rank of a Ulysses group of `sp` (`train.fsdp.sp`): a fake process group of `sp`
+    ranks in this process (`torch.testing._internal.distributed.fake_pg`: collectives return
+    tensors of the right shapes and do nothing) and diffusers' context parallelism on the meta
+    module, so each phase holds what one rank of the group holds (its share of the tokens, the
+    all-to-all buffers, the gathered output)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from unirl.train.sequence_parallel import enable_ulysses
+
+    if dist.is_initialized():
+        raise RuntimeError("the memory planner needs a process without a process group")
+    dist.init_process_group("fake", rank=0, world_size=sp, store=FakeStore())
+    try:
+        enable_ulysses(module, sp, device_type="cpu")
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _steps_per_forward(stage: Any, sampling: Any, micro: int, latent: tuple[int, ...]) -> int:
@@ -470,11 +504,10 @@ def main(argv: list[str] | None = None) -> None:
     plan = plan_memory(cfg, args.devices)
     plan.recipe = args.config_name
     print(plan.table())
-    sp = int((cfg.train.get("fsdp") or {}).get("sp", 1) or 1)
-    if sp > 1:
-        print(f"  train.fsdp.sp={sp} is not modelled: activations are those of whole sequences (an upper bound)")
+
     if args.device_gib is not None:
-        per_rank = int(cfg.prompts_per_rollout) * int(cfg.sampling.samples_per_prompt) // plan.devices
+        sp = int((cfg.train.get("fsdp") or {}).get("sp", 1) or 1)
+        per_rank = int(cfg.prompts_per_rollout) * int(cfg.sampling.samples_per_prompt) // max(1, plan.devices // sp)
         best = largest_micro_batch(cfg, plan.devices, int(args.device_gib * GIB), per_rank)
         print(
             f"  largest micro-batch within {args.device_gib:g} GiB: {best if best else 'none (1 does not fit)'}"

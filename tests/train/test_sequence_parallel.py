@@ -223,7 +223,9 @@ def _family_setup(family: str, sp: int | None):
         )
     bundle = model.build()
     stage = FlowMatchingStage(bundle, replay_steps_per_forward=2)
-    fsdp = FSDPConfig(block_classes=blocks, sp=sp) if sp else None
+    # checkpointed blocks: the plan's hooks go on before the checkpoint wrappers (Wan's plan names
+    # a block's inputs)
+    fsdp = FSDPConfig(block_classes=blocks, sp=sp, activation_checkpointing=True) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=["to_q", "to_k", "to_v"])
     backend = TrainBackend(stage.module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True)
     stage.module = backend.module

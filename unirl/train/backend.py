@@ -218,22 +218,22 @@ class TrainBackend:
         for name, param in module.named_parameters():
             if set(name.split(".")) & set(frozen):
                 param.requires_grad_(False)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1 and fsdp is not None and fsdp.sp > 1:
+            from unirl.train.sequence_parallel import enable_ulysses
+
+            if not groups_share_samples:
+                raise ValueError(
+                    f"train.fsdp.sp={fsdp.sp}: sequence parallelism runs in single-track recipes only (their "
+                    "driver gives each group of sp ranks one sample shard); set it to 1 here"
+                )
+            # before the checkpoint wrappers: the plan's hooks find a block's inputs by their names
+            enable_ulysses(module, fsdp.sp)
         if fsdp is not None and fsdp.activation_checkpointing:
             checkpoint_blocks(module, fsdp.block_classes)
-        world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             if fsdp is None:
                 raise ValueError(f"{world} data-parallel ranks need train.fsdp (FSDP2 sharding settings)")
-            if fsdp.sp > 1:
-                from unirl.train.sequence_parallel import enable_ulysses
-
-                if not groups_share_samples:
-                    raise ValueError(
-                        f"train.fsdp.sp={fsdp.sp}: sequence parallelism runs in single-track recipes only (their "
-                        "driver gives each group of sp ranks one sample shard); set it to 1 here"
-                    )
-
-                enable_ulysses(module, fsdp.sp)
             shard_module(module, fsdp, next(module.parameters()).device.type, roots)
         self.sharded = world > 1
         # Ulysses groups: FSDP averages gradients over all ranks, but a group's ranks hold partial

@@ -44,10 +44,11 @@ def sp_mesh(device_type: str, world: int, sp: int):
     return init_device_mesh(device_type, (world // sp, 1, sp), mesh_dim_names=("dp", "ring", "ulysses"))
 
 
-def enable_ulysses(module: torch.nn.Module, sp: int) -> None:
+def enable_ulysses(module: torch.nn.Module, sp: int, device_type: str | None = None) -> None:
     """Apply diffusers' Ulysses context parallelism of degree `sp` to `module` (a diffusers
     transformer with a `_cp_plan`), in place, before FSDP wraps it. Needs the default process
-    group; every rank of the world calls it."""
+    group; every rank of the world calls it. `device_type`: the mesh's (default: the module's
+    device's; the memory planner passes "cpu" for a module on the meta device)."""
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
     from diffusers.hooks.context_parallel import apply_context_parallel
@@ -60,7 +61,7 @@ def enable_ulysses(module: torch.nn.Module, sp: int) -> None:
     if world % sp:
         raise ValueError(f"train.fsdp.sp={sp} does not divide the {world} ranks")
     device = next(module.parameters()).device
-    mesh = sp_mesh(device.type, world, sp)
+    mesh = sp_mesh(device_type or device.type, world, sp)
     cp = ContextParallelConfig(ulysses_degree=sp, mesh=mesh)
     config = ParallelConfig(context_parallel_config=cp)
     config.setup(dist.get_rank(), world, device, mesh=mesh)
