@@ -135,8 +135,8 @@ class TrainStack:
                 f"{config.num_mini_batches} but {type(algorithm).__name__} does not support multiple updates "
                 "per rollout"
             )
-        device = next(stage.module.parameters()).device
-        if config.offload_activations and device.type != "cuda":
+        device = next(stage.module.parameters()).device if config.offload_activations else None
+        if device is not None and device.type != "cuda":
             raise ValueError(
                 f"train.stack.offload_activations needs a GPU worker; this one computes on {device}, where "
                 "the saved tensors already are in host memory: set it to false"
