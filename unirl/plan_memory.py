@@ -53,6 +53,8 @@ from omegaconf import DictConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from unirl.train.sequence_parallel import sequence_parallel_degree
+
 GIB = 2**30
 _CASTS = {"linear", "conv1d", "conv2d", "conv3d"}
 _FP32 = {"layer_norm", "group_norm"}
@@ -289,7 +291,7 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
     denoiser = stage.module
     frozen = sum(module_bytes(m) for m in bundle.frozen_modules())
     fsdp = _build(train.get("fsdp"))
-    seq_parallel = fsdp.sp if fsdp is not None else 1
+    seq_parallel = sequence_parallel_degree(cfg)
     backend = TrainBackend(  # one rank here; its checkpoint wrappers after SP's hooks, as the backend orders them
         denoiser,
         _build(train.get("lora")),
@@ -449,13 +451,10 @@ def sequence_parallel_group(module: torch.nn.Module, sp: int) -> Iterator[None]:
 
 
 def _steps_per_forward(stage: Any, sampling: Any, micro: int, latent: tuple[int, ...]) -> int:
-    """The SDE steps one replay forward stacks (the stage's `replay_chunks` rule) for a
-    micro-batch of `micro`, capped by the steps a rollout trains."""
+    """The SDE steps one replay forward stacks (`stage.steps_per_forward`) for a micro-batch of
+    `micro`, capped by the steps a rollout trains."""
     trained = max(1, len(sampling.resolve_sde_indices(0)))
-    if stage.replay_token_budget is not None:
-        per_step = micro * stage.tokens_per_sample(latent)
-        return max(1, min(trained, stage.replay_token_budget // per_step))
-    return max(1, min(trained, stage.replay_steps_per_forward))
+    return min(trained, stage.steps_per_forward(micro, latent))
 
 
 def largest_micro_batch(cfg: DictConfig, devices: int, device_bytes: int, limit: int) -> int | None:
@@ -506,8 +505,8 @@ def main(argv: list[str] | None = None) -> None:
     print(plan.table())
 
     if args.device_gib is not None:
-        sp = int((cfg.train.get("fsdp") or {}).get("sp", 1) or 1)
-        per_rank = int(cfg.prompts_per_rollout) * int(cfg.sampling.samples_per_prompt) // max(1, plan.devices // sp)
+        groups = max(1, plan.devices // sequence_parallel_degree(cfg))
+        per_rank = int(cfg.prompts_per_rollout) * int(cfg.sampling.samples_per_prompt) // groups
         best = largest_micro_batch(cfg, plan.devices, int(args.device_gib * GIB), per_rank)
         print(
             f"  largest micro-batch within {args.device_gib:g} GiB: {best if best else 'none (1 does not fit)'}"

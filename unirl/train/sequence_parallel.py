@@ -20,7 +20,16 @@ Families whose transformer has no `_cp_plan` (SD3) cannot use it: `cp_plan_probl
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def sequence_parallel_degree(cfg: Any) -> int:
+    """`train.fsdp.sp` of a recipe (plain dict or DictConfig; 1 without sharding settings): the
+    ranks that share one sample shard."""
+    fsdp = (cfg.get("train") or {}).get("fsdp")
+    return int(fsdp.get("sp", 1) or 1) if fsdp else 1
 
 
 def cp_plan_problem(module: torch.nn.Module, sp: int) -> str | None:

@@ -34,6 +34,7 @@ from unirl.distributed.group.cluster import init_ray
 from unirl.reward.service import RewardError
 from unirl.tracking.gallery import write_gallery
 from unirl.tracking.trackers import Tracking
+from unirl.train.sequence_parallel import sequence_parallel_degree
 from unirl.train.stack import reduce_metrics
 from unirl.trainer.checkpoints import (
     checkpoint_dir,
@@ -74,12 +75,6 @@ def warn_if_niced(processes: list[dict[str, Any]]) -> None:
 
 class TrainingError(RuntimeError):
     """A run stopped: names the step, the failing worker and the last checkpoint."""
-
-
-def sequence_parallel_degree(cfg: Any) -> int:
-    """`train.fsdp.sp` of a recipe (1 without sharding settings): the ranks per sample shard."""
-    fsdp = (cfg.get("train") or {}).get("fsdp")
-    return int(fsdp.get("sp", 1) or 1) if fsdp else 1
 
 
 class Trainer:

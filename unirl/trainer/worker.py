@@ -38,6 +38,7 @@ from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.critic import Critic
 from unirl.train.ema import EMAConfig
+from unirl.train.sequence_parallel import sequence_parallel_degree
 from unirl.train.stack import TrainStack, keep_graph_problems
 from unirl.types.rollout_req import RolloutReq
 
@@ -190,7 +191,7 @@ class RLWorker(ProcessWorker):
         self.stage = build(cfg["stage"], bundle=self.bundle)
         self.algorithm = build(cfg["algorithm"])
         self.samples_from_ema = self.algorithm.requires_ema_rollout
-        self.sequence_parallel = int((cfg["train"].get("fsdp") or {}).get("sp", 1))
+        self.sequence_parallel = sequence_parallel_degree(cfg)
         # KL folded into the reward: the rollout records the reference policy's token log-probs
         self.kl_in_reward = float(cfg["advantage"].get("kl_coef", 0) or 0) > 0
         train = cfg["train"]

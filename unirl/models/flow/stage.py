@@ -294,15 +294,20 @@ class FlowMatchingStage:
         return x
 
     def replay_chunks(self, steps: list[int], segment: LatentSegment) -> Iterator[list[int]]:
-        """`steps` in the chunks `replay` runs as one forward each: `replay_steps_per_forward`
-        steps, or with `replay_token_budget` as many as keep steps x len(segment) x
-        `tokens_per_sample` within it (at least one)."""
-        n = self.replay_steps_per_forward
-        if self.replay_token_budget is not None:
-            per_step = len(segment) * self.tokens_per_sample(segment.at(steps[0]).shape[1:]) if steps else 1
-            n = max(1, self.replay_token_budget // per_step)
+        """`steps` in the chunks `replay` runs as one forward each (`steps_per_forward`)."""
+        if not steps:
+            return
+        n = self.steps_per_forward(len(segment), segment.at(steps[0]).shape[1:])
         for k in range(0, len(steps), n):
             yield steps[k : k + n]
+
+    def steps_per_forward(self, samples: int, latent_shape: torch.Size | tuple[int, ...]) -> int:
+        """SDE steps one replay forward stacks for `samples` latents of `latent_shape`:
+        `replay_steps_per_forward`, or with `replay_token_budget` as many as keep steps x samples x
+        `tokens_per_sample` within it (at least one)."""
+        if self.replay_token_budget is None:
+            return self.replay_steps_per_forward
+        return max(1, self.replay_token_budget // (samples * self.tokens_per_sample(latent_shape)))
 
     def tokens_per_sample(self, latent_shape: torch.Size | tuple[int, ...]) -> int:
         """Denoiser image tokens of one latent [C, (F,) h, w]: (F x) h x w / patch_size^2 (the
