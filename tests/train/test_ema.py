@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 
+from tests.gloo import join_gloo
 from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
 from unirl.train.ema import EMA, EMAConfig
 
@@ -163,18 +163,12 @@ def test_ema_over_lora_tracks_only_adapter_params() -> None:
                 assert torch.equal(p, after[n])
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def test_ema_over_fsdp2_dtensor_params() -> None:
+def test_ema_over_fsdp2_dtensor_params(tmp_path) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    join_gloo(0, 1, str(tmp_path))
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

@@ -6,22 +6,16 @@ same next gradient (issue 45, item 3)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import tiny_model_config
+from tests.gloo import join_gloo
 
 WORLD = 4
 PER_RANK = 4
 MESHES = (1, 2, 4)  # replicate: 1 x 4, 2 x 2, 4 x 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup(replicate: int | None, samples: list[int]):
@@ -76,14 +70,13 @@ def _state(backend) -> list[torch.Tensor]:
     return out
 
 
-def _rank(rank: int, port: int, path: str, out_dir: str) -> None:
+def _rank(rank: int, rdzv: str, path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from unirl.train.checkpoint import load_train_state, save_train_state
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_gloo(rank, WORLD, rdzv)
     try:
         mine = list(range(PER_RANK * rank, PER_RANK * rank + PER_RANK))
         out = {}
@@ -118,7 +111,7 @@ def test_hsdp_meshes_give_the_whole_batch_gradient_and_reshard_on_resume(tmp_pat
     backend, stack, track = _setup(None, list(range(WORLD * PER_RANK)))
     reference = _grad(backend, stack, track)  # one process, all 16 samples, 4 micro-batches
     assert float(reference.norm()) > 0
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_rank, args=(str(tmp_path), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=WORLD, join=True)
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
     for rank, out in results.items():
         assert [out[f"mesh_{r}"] for r in MESHES] == [(4,), (2, 2), (4, 1)]

@@ -5,13 +5,11 @@ different collectives. (Every rank samples with autograd alike: its shard has th
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import tiny_model_config
+from tests.gloo import join_gloo
 
 CASES = {  # name: (FSDPConfig kwargs, keep_graph_max_pairs, rollout forward_batch_size)
     "reshard": ({"reshard_after_forward": True}, None, 4),
@@ -24,13 +22,7 @@ CASES = {  # name: (FSDPConfig kwargs, keep_graph_max_pairs, rollout forward_bat
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, queue) -> None:
+def _rank(rank: int, world: int, rdzv: str, queue) -> None:
     import torch.distributed as dist
 
     from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
@@ -42,9 +34,8 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, rdzv)
     try:
         out = {}
         sp = DiffusionSamplingParams(
@@ -102,11 +93,11 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def test_kept_graphs_under_fsdp2_give_the_replay_gradients():
-    world, port = 2, _free_port()
+def test_kept_graphs_under_fsdp2_give_the_replay_gradients(tmp_path):
+    world, rdzv = 2, str(tmp_path)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, rdzv, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}

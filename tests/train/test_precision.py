@@ -8,14 +8,12 @@ and by how often the blocks run; the CUDA variants are in the `gpu` tier.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import tiny_model_config
+from tests.gloo import join_gloo
 from unirl.models.sd3 import SD3Stage
 from unirl.models.sd3.bundle import SD3Bundle
 from unirl.train.backend import OptimConfig, TrainBackend
@@ -100,18 +98,11 @@ def test_activation_checkpointing_on_one_rank_recomputes_blocks_and_keeps_gradie
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fsdp_rank(rank: int, world: int, port: int, queue) -> None:
+def _fsdp_rank(rank: int, world: int, rdzv: str, queue) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, rdzv)
     try:
         out = {}
         for ac in (False, True):
@@ -146,11 +137,11 @@ def _fsdp_rank(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def test_fsdp2_bf16_policy_computes_in_bf16_keeps_fp32_masters_and_checkpoints_blocks():
-    world, port = 2, _free_port()
+def test_fsdp2_bf16_policy_computes_in_bf16_keeps_fp32_masters_and_checkpoints_blocks(tmp_path):
+    world, rdzv = 2, str(tmp_path)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_fsdp_rank, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_fsdp_rank, args=(r, world, rdzv, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}

@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.gloo import join_gloo
+
 WORLD = 4
 SAMPLES = 8
 MESHES = (2, 4)  # sp: 2 groups x 2 ranks, 1 group x 4 ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup(sp: int | None, samples: list[int]):
@@ -77,12 +72,11 @@ def _grad(backend, stack, track) -> torch.Tensor:
     )
 
 
-def _rank(rank: int, port: int, out_dir: str) -> None:
+def _rank(rank: int, rdzv: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_gloo(rank, WORLD, rdzv)
     try:
         out = {}
         for sp in MESHES:
@@ -106,7 +100,7 @@ def test_ulysses_sequence_parallel_matches_unsharded_training(tmp_path):
     reference = _grad(backend, stack, track)
     log_probs = track.segment.log_probs
     assert float(reference.norm()) > 0
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)  # a failed rank raises here
+    mp.spawn(_rank, args=(str(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)  # a failed rank raises here
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
     for rank, out in results.items():
         for sp in MESHES:
@@ -241,12 +235,11 @@ def _family_setup(family: str, sp: int | None):
     return track.segment.log_probs, _grad(backend, stack, track)
 
 
-def _family_rank(rank: int, port: int, out_dir: str) -> None:
+def _family_rank(rank: int, rdzv: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, 2, rdzv)
     try:
         out = {family: _family_setup(family, 2) for family in ("wan", "qwenimage")}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -259,7 +252,7 @@ def test_wan_and_qwen_image_under_sp_2_match_unsharded(tmp_path):
     rotary embedding and cross-attention; Qwen-Image's joint stream): one group of 2 gloo ranks
     samples the same log-probs and trains the same gradient as one process (1e-5)."""
     reference = {family: _family_setup(family, None) for family in ("wan", "qwenimage")}
-    mp.spawn(_family_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_family_rank, args=(str(tmp_path), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for family, (log_probs, grad) in reference.items():

@@ -7,13 +7,13 @@ every rank holds is the mean of the unsharded per-rank gradients."""
 from __future__ import annotations
 
 import contextlib
-import os
 import queue as queue_module
-import socket
 import time
 
 import torch
 import torch.multiprocessing as mp
+
+from tests.gloo import join_gloo
 
 TINY = {"hidden_size": 32, "num_layers": 2, "max_position_embeddings": 128, "seed": 3}
 CANDIDATES = [
@@ -21,12 +21,6 @@ CANDIDATES = [
     "purple", "a scene", "yes",
 ]  # fmt: skip
 NEW = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plan_request(prompt: str, stops: list[str]):
@@ -56,16 +50,15 @@ def _loss(plan_stage, image_stage, plan, image) -> torch.Tensor:
     return -(plan_stage.token_log_probs(plan).sum() + image_stage.token_log_probs(image).mean())
 
 
-def _rank(rank: int, world: int, port: int, queue) -> None:
+def _rank(rank: int, world: int, rdzv: str, queue) -> None:
     import torch.distributed as dist
 
     from unirl.models.janus import JanusModelConfig
     from unirl.train.backend import OptimConfig, TrainBackend
     from unirl.train.fsdp import FSDPConfig
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, rdzv)
     try:
         ref = JanusModelConfig(tiny=TINY).build()
         tok = ref.tokenizer
@@ -118,11 +111,11 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def test_sharded_janus_samples_replays_and_reduces_as_the_unsharded_model():
-    world, port = 2, _free_port()
+def test_sharded_janus_samples_replays_and_reduces_as_the_unsharded_model(tmp_path):
+    world, rdzv = 2, str(tmp_path)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, rdzv, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results, deadline = {}, time.monotonic() + 300
