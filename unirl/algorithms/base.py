@@ -41,6 +41,9 @@ class StageAlgorithm(ABC):
         uses_reward: the loss trains on the rollout's rewards (through its advantages). A
             loss that does not (distillation from teachers: DiffusionOPD) sets it False, and
             validation then refuses a weighted reward component (weight-0 monitors only).
+        learns_from_demonstrations: a supervised loss (`unirl.algorithms.sft`): its batch is the
+            data's demonstrations (`rollout: unirl.rollout.demonstrations.DemonstrationEngine`), so
+            the recipe has no reward and no advantage (both null); validation holds the pairing.
 
     State that evolves over training (an adaptive KL coefficient) is updated in
     `end_of_rollout` and saved with the checkpoint through `state_dict` /
@@ -55,6 +58,7 @@ class StageAlgorithm(ABC):
     compares_within_groups: ClassVar[bool] = False
     uses_values: ClassVar[bool] = False
     uses_reward: ClassVar[bool] = True
+    learns_from_demonstrations: ClassVar[bool] = False
 
     def dynamic_sampling_limit(self) -> int | None:
         """Dynamic sampling: None (the default) trains on every sampled group; an int n lets the

@@ -38,6 +38,8 @@ def check_distillation(
     with the student's LoRA layout, the trajectory kept for ODE rollouts, a teacher per source."""
     if algorithm is None or getattr(algorithm, "uses_reward", True):
         return
+    if getattr(algorithm, "learns_from_demonstrations", False):  # supervised: unirl.config.supervised
+        return
     name = algorithm.__name__
     weights = reward_weights(passed.get("reward"))
     weighted = sorted(k for k, w in (weights or {}).items() if w != 0)

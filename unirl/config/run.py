@@ -31,13 +31,13 @@ def _at_least(section: str, key: str, value: int | None, low: int) -> None:
         raise ValueError(f"{section}{key} must be >= {low}, got {value}")
 
 
-def check_run_top_level(run: Any, components: tuple[str, ...]) -> None:
+def check_run_top_level(run: Any, components: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     """The top-level rules of every RL recipe (single-track and composed): the counts are >= 1,
-    the `components` are `_target_` nodes, the launcher is known, and `in_process` runs one
-    worker on the inband transport."""
+    the `components` are `_target_` nodes (the `optional` ones may be null), the launcher is
+    known, and `in_process` runs one worker on the inband transport."""
     for key in ("num_devices", "num_steps", "prompts_per_rollout", "threads_per_worker"):
         _at_least("", key, getattr(run, key), 1)
-    _components("", run, components)
+    _components("", run, components, optional)
     if run.launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {run.launcher!r}")
     transport = (run.transport or {}).get("name") if isinstance(run.transport, dict) else None
@@ -89,9 +89,10 @@ class RunBase:
     hydra: Any = None
 
     COMPONENTS: ClassVar[tuple[str, ...]] = ("data_source",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        check_run_top_level(self, self.COMPONENTS)
+        check_run_top_level(self, self.COMPONENTS, self.OPTIONAL)
 
 
 @dataclass(kw_only=True)
@@ -100,7 +101,8 @@ class RunConfig(RunBase):
 
     Attributes:
         sampling, model, stage, rollout, reward, advantage, algorithm: component sections,
-            each a `_target_` node.
+            each a `_target_` node; `reward` and `advantage` are null exactly for a supervised
+            track (`unirl.config.supervised.check_supervised`).
         train: the train backend's section (`TrainConfig`).
         weight_sync: how the trainer's weights reach a dedicated rollout engine
             (`unirl.sync.WeightSyncConfig`); only with a dedicated engine.
@@ -124,11 +126,10 @@ class RunConfig(RunBase):
         "model",
         "stage",
         "rollout",
-        "reward",
-        "advantage",
         "algorithm",
         "data_source",
     )
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("reward", "advantage")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from unirl.config.engines import group_scorers
 from unirl.config.geometry import check_eval_size, check_geometry, check_guidance
 from unirl.config.modality import check_text
 from unirl.config.references import check_model_path
+from unirl.config.supervised import check_supervised
 from unirl.config.tree import target_class
 
 
@@ -76,6 +77,7 @@ def check_track(
     if not trained:
         return
     check_algorithm(algorithm, sampling, stack, train, ev, problems)
+    check_supervised(cfg, algorithm, sampling, run is None, problems)
     check_ema_use(built, train, problems)
     check_keep_graph(cfg, passed, modality, problems)
     check_reward_backprop(cfg, algorithm, built, sampling, problems)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -364,6 +365,9 @@ class Trainer:
         stale = self.rollout_settings.max_staleness > 0 and self.rollouts.version is not None
 
         def score(chunk: RolloutTrack) -> None:
+            if self.reward is None:  # a supervised track: its demonstrations carry no reward
+                chunk.rewards = torch.zeros(len(chunk))
+                return
             self._driver_phase(step, "reward", self.reward.score_and_attach, chunk)
 
         for k in range(max_batches):
@@ -376,11 +380,11 @@ class Trainer:
                     self.step_stats.update(self._guard(step, "weight sync", self.rollouts.prepare, step))
                 flight = self._guard(step, "rollout", self.rollouts.submit, req, partition)
             fields = modality.reward_fields
-            if self.advantage.estimator == "gae" and "segment" not in fields:  # GAE's per-step values
-                fields = [*fields, "segment.values"]
+            if self.advantage is not None and self.advantage.estimator == "gae" and "segment" not in fields:
+                fields = [*fields, "segment.values"]  # GAE's per-step values
             meta, track, t_done = self._guard(step, "rollout", flight.collect, self.transport, fields, score)
             t_first = t_first or t_done
-            if k == 0:
+            if k == 0 and self.reward is not None:
                 row.update(self.reward.metrics(track))
                 if self.rollout_settings.dedicated:
                     row["rollout/staleness"] = step - flight.version
@@ -440,7 +444,10 @@ class Trainer:
                     )
                     record.mark("rollout", t_rollout)
                     ahead = None
-                    self._driver_phase(step, "advantages", track_advantages, track, self.advantage)
+                    if self.advantage is None:  # a supervised track: nothing to weigh its samples by
+                        track.advantages = torch.zeros(len(track))
+                    else:
+                        self._driver_phase(step, "advantages", track_advantages, track, self.advantage)
                     record.mark("reward")
                     self._guard(step, "sleep", self.rollouts.release)  # colocated engines free the devices
                     if self.rollout_settings.max_staleness and step + 1 < self.num_steps:
@@ -483,7 +490,7 @@ class Trainer:
                 if self.every_n and (step + 1) % self.every_n == 0:
                     self._save_checkpoint(group, step + 1, ahead)
                 loss = row.get("loss", float("nan"))  # none while a critic warms up alone
-                bar.set_postfix(reward=f"{row['reward/mean']:.4f}", loss=f"{loss:.2e}")
+                bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.4f}", loss=f"{loss:.2e}")
                 if every > 0 and ((step + 1) % every == 0 or step + 1 == self.num_steps):
                     stem = os.path.join(self.out, "samples", f"step_{step + 1:04d}")
                     modality.save_samples(track, stem)

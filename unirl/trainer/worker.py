@@ -193,7 +193,7 @@ class RLWorker(ProcessWorker):
         self.samples_from_ema = self.algorithm.requires_ema_rollout
         self.sequence_parallel = sequence_parallel_degree(cfg)
         # KL folded into the reward: the rollout records the reference policy's token log-probs
-        self.kl_in_reward = float(cfg["advantage"].get("kl_coef", 0) or 0) > 0
+        self.kl_in_reward = float((cfg["advantage"] or {}).get("kl_coef", 0) or 0) > 0
         train = cfg["train"]
         self.backend = TrainBackend(
             self.stage.module,
@@ -227,6 +227,10 @@ class RLWorker(ProcessWorker):
             self.engine = TrainsideEngine(self.stage, cfg["rollout"].get("forward_batch_size"))
         else:
             self.engine = build(cfg["rollout"], stage=self.stage)
+        # evaluation samples the policy; an engine that replays demonstrations (supervised) cannot
+        self.eval_engine = self.engine
+        if not getattr(self.engine, "samples_policy", True):
+            self.eval_engine = TrainsideEngine(self.stage)
         # rollout.keep_graph: the trained SDE steps' graphs, kept from `rollout` to `train` of one step
         self.kept = getattr(self.engine, "kept", None)
         if self.kept is not None:
@@ -298,7 +302,7 @@ class RLWorker(ProcessWorker):
         """This rank's shard of an evaluation request: [n, 3, H, W] uint8 images (CPU) or n
         response texts, from the EMA weights when `use_ema` (restored after)."""
         with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
-            track = self.engine.generate(req).track(self.engine.track_name)
+            track = self.eval_engine.generate(req).track(self.eval_engine.track_name)
         return track.media.cpu() if track.media is not None else list(track.texts)
 
     @dispatch(Dispatch.DP_SCATTER)

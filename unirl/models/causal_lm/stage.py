@@ -317,6 +317,37 @@ class CausalLMStage:
         )
         return segment, texts
 
+    def teacher_forced(self, req: RolloutReq, responses: list[str]) -> TokenSegment:
+        """The segment of `req` whose responses are the given texts rather than samples (a
+        supervised track's demonstrations): prompt ids as `encode` makes them (chat template,
+        a VLM's images), response i the tokens of `responses[i]`
+        (`tokenizer(text, add_special_tokens=False)`) + EOS, as `encode_pairs` builds an SFT row.
+        Nothing was sampled, so `log_probs` are zeros and the temperature is 1 (the
+        cross-entropy's). A response longer than `sampling.max_new_tokens` is an error naming
+        the sample (the prompt's bounds are `encode`'s)."""
+        sp: TextSamplingParams = req.sampling
+        prompts, pixel_values, grids = self.encode(req)
+        tokens = self.tokenizer(list(responses), add_special_tokens=False)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        response_ids = []
+        for sid, text, ids in zip(req.sample_ids, responses, tokens, strict=True):
+            row = torch.tensor([*ids, eos], dtype=torch.long)
+            if row.numel() > sp.max_new_tokens:
+                raise ValueError(
+                    f"sample {sid!r}: the demonstration {text!r} is {row.numel()} tokens with EOS, more than "
+                    f"sampling.max_new_tokens={sp.max_new_tokens}; raise it or shorten the data"
+                )
+            response_ids.append(row)
+        device = self.device
+        return TokenSegment(
+            prompt_ids=[p.to(device) for p in prompts],
+            response_ids=[r.to(device) for r in response_ids],
+            log_probs=[torch.zeros(r.numel(), device=device) for r in response_ids],
+            temperature=1.0,
+            pixel_values=pixel_values,
+            image_grid_thw=grids,
+        )
+
     # ---- replay -----------------------------------------------------------------------------
     def token_log_probs(self, segment: TokenSegment) -> torch.Tensor:
         """[B, Rmax] fp32 log-probs of the response tokens under the current `module`

@@ -1,0 +1,60 @@
+"""The pairing rules of a supervised track: a loss that learns from demonstrations
+(`learns_from_demonstrations`, `unirl.algorithms.sft.LMSFT`) and the engine that replays them
+(`samples_policy = False`, `unirl.rollout.demonstrations.DemonstrationEngine`) come together, with
+no reward, advantage or critic and one sample a row; every other trained track has a reward and an
+advantage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from unirl.config.tree import target_class
+
+DEMONSTRATIONS = "unirl.rollout.demonstrations.DemonstrationEngine"
+
+
+def check_supervised(
+    cfg: DictConfig, algorithm: type | None, sampling: Any, composed: bool, problems: list[str]
+) -> None:
+    """`cfg`: the track's node (a single-track recipe's root, or `tracks.<name>` with its reward
+    under `reward` as `track_view` renames it); `composed`: the track is one of several."""
+    engine_key = "engine" if composed else "rollout"
+    engine = target_class(cfg, engine_key) if cfg.get(engine_key) is not None else None
+    replays = engine is not None and getattr(engine, "samples_policy", True) is False
+    supervised = bool(getattr(algorithm, "learns_from_demonstrations", False))
+    name = getattr(algorithm, "__name__", "the algorithm")
+    if replays and not supervised and algorithm is not None:
+        problems.append(
+            f"{engine_key}: {engine.__name__} gives the data's demonstrations, not samples of the policy, and "
+            f"{name} is an RL loss that needs samples: use unirl.rollout.trainside.TrainsideEngine, or a "
+            "supervised algorithm (unirl.algorithms.sft.LMSFT)"
+        )
+    if not supervised:
+        for key in ("reward", "advantage"):
+            if algorithm is not None and key in cfg and cfg.get(key) is None:
+                problems.append(
+                    f"{key} is null, but {name} trains on rewards through advantages: give {key} a _target_ "
+                    "node (only a supervised algorithm, which learns from demonstrations, runs without)"
+                )
+        return
+    if composed:
+        problems.append(
+            f"algorithm: {name} is a supervised loss; a composed run's tracks learn from their rewards, so run "
+            "it as a single-track recipe (examples/llm/arith_sft.yaml)"
+        )
+        return
+    if not replays:
+        problems.append(
+            f"rollout: {name} learns from the data's demonstrations; set rollout._target_={DEMONSTRATIONS} "
+            f"(got {cfg.rollout.get('_target_')})"
+        )
+    for key in ("reward", "advantage", "critic"):
+        if cfg.get(key) is not None:
+            problems.append(f"{key}: {name} learns from demonstrations, not rewards; set {key}: null")
+    if sampling is not None and getattr(sampling, "samples_per_prompt", 1) != 1:
+        problems.append(
+            f"sampling.samples_per_prompt={sampling.samples_per_prompt}: a row has one demonstration, so "
+            f"{name} takes one sample a row; set it to 1"
+        )
