@@ -1,0 +1,52 @@
+"""A supervised track's pairing rules (`unirl.config.supervised`), refused before Ray naming the
+keys: a supervised loss with the demonstrations' engine and no reward / advantage / critic, one
+sample a row, a single-track recipe; an RL loss with a reward, an advantage and sampled rollouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.recipes import composed
+from unirl.config.composed import validate_composed_config
+from unirl.config.validate import ConfigError, validate_rl_config
+
+SFT = "llm/arith_sft_smoke"
+REWARD = (
+    "+reward={_target_: unirl.reward.RewardService, backend: {_target_: unirl.reward.LocalRewardBackend, "
+    "components: {answer: {_target_: worlds.arith.ArithAnswer}}}}"
+)
+GRPO = "algorithm={_target_: unirl.algorithms.grpo.GRPO}"
+ADVANTAGE = "+advantage={_target_: unirl.types.AdvantageConfig, estimator: grpo}"
+TRAINSIDE = ["rollout._target_=unirl.rollout.trainside.TrainsideEngine", "~rollout.target_key"]
+
+
+def problems(tmp_path, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_rl_config(composed(SFT, tmp_path, *overrides), expect="text")
+    return str(info.value)
+
+
+def test_the_supervised_recipes_validate(tmp_path):
+    for name in (SFT, "llm/arith_sft"):
+        validate_rl_config(composed(name, tmp_path), expect="text")
+
+
+def test_a_supervised_loss_needs_demonstrations_and_nothing_of_rl(tmp_path):
+    found = problems(tmp_path, *TRAINSIDE, REWARD, ADVANTAGE, "sampling.samples_per_prompt=2")
+    assert "rollout: LMSFT learns from the data's demonstrations; set rollout._target_=" in found
+    assert "reward: LMSFT learns from demonstrations, not rewards; set reward: null" in found
+    assert "advantage: LMSFT learns from demonstrations, not rewards; set advantage: null" in found
+    assert "sampling.samples_per_prompt=2: a row has one demonstration" in found
+
+
+def test_an_rl_loss_needs_samples_a_reward_and_an_advantage(tmp_path):
+    found = problems(tmp_path, GRPO)
+    assert "rollout: DemonstrationEngine gives the data's demonstrations, not samples of the policy, and GRPO" in found
+    assert "reward is null, but GRPO trains on rewards through advantages" in found
+    assert "advantage is null, but GRPO trains on rewards through advantages" in found
+
+
+def test_a_composed_track_cannot_be_supervised(tmp_path):
+    cfg = composed("pe/tiny_pe_smoke", tmp_path, "tracks.ar.algorithm={_target_: unirl.algorithms.sft.LMSFT}")
+    with pytest.raises(ConfigError, match=r"tracks.ar.algorithm: LMSFT is a supervised loss; a composed run"):
+        validate_composed_config(cfg)
