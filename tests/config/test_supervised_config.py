@@ -41,7 +41,10 @@ def test_a_supervised_loss_needs_demonstrations_and_nothing_of_rl(tmp_path):
 
 def test_an_rl_loss_needs_samples_a_reward_and_an_advantage(tmp_path):
     found = problems(tmp_path, GRPO)
-    assert "rollout: DemonstrationEngine gives the data's demonstrations, not samples of the policy, and GRPO" in found
+    assert (
+        "rollout: DemonstrationEngine gives the data's demonstrations, not samples of the policy, and GRPO"
+        in found
+    )
     assert "reward is null, but GRPO trains on rewards through advantages" in found
     assert "advantage is null, but GRPO trains on rewards through advantages" in found
 

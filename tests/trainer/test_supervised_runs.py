@@ -1,7 +1,8 @@
 """A supervised track through the RL machinery (issue 41, item 5): `llm/arith_sft_smoke` trains
 the demonstrations' cross-entropy on 2 Ray workers with FSDP2, learns, evaluates by sampling the
 policy, and a run stopped at its step-2 checkpoint and resumed writes the uninterrupted run's
-rows and weights."""
+rows and weights; one in-process worker gives the 2 workers' losses (the token-mean over the whole
+batch, whatever the split)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import pytest
 
 from tests.conftest import untimed
-from tests.recipes import exported_weights, same_weights, stopped_and_resumed
+from tests.recipes import IN_PROCESS, exported_weights, run, same_weights, stopped_and_resumed
 
 pytestmark = pytest.mark.ray
 
@@ -30,3 +31,7 @@ def test_lm_sft_on_two_fsdp_workers_learns_and_resumes_exactly(ray_cluster, tmp_
         assert json.load(f)["num_devices"] == 2
     weights = exported_weights(tmp_path / "full")
     assert weights and not any("lora" in k for k in weights)  # the whole model, transformers' layout
+    one = [r for r in run(RECIPE, tmp_path / "one", *IN_PROCESS) if "loss" in r]
+    for a, b in zip(one, train, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
