@@ -92,5 +92,113 @@ def test_a_stage_that_cannot_teacher_force_is_refused():
     class Images:
         module = torch.nn.Linear(1, 1)
 
-    with pytest.raises(TypeError, match="DemonstrationEngine teacher-forces text.*no `teacher_forced`"):
+    with pytest.raises(TypeError, match="DemonstrationEngine teacher-forces demonstrations; Images has no `teacher_forced`"):
         DemonstrationEngine(Images())
+
+
+# ---- flow-matching SFT ----------------------------------------------------------------------
+
+
+def _flow_request(n: int = 4, size: int = 16) -> RolloutReq:
+    import numpy as np
+
+    from unirl.sde.schedules import sigmas_for
+    from unirl.types import DiffusionSamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = ["a red square", "two blue circles", "a green triangle", "a yellow circle"][:n]
+    examples = [
+        PromptExample(p, f"p{i}", {"image": rng.integers(0, 256, (size, size, 3), dtype=np.uint8)})
+        for i, p in enumerate(prompts)
+    ]
+    sampling = DiffusionSamplingParams(
+        num_steps=2,
+        samples_per_prompt=1,
+        height=size,
+        width=size,
+        guidance_scale=1.0,
+        eta=0.0,
+        max_sequence_length=8,
+    )
+    return RolloutReq.from_prompts(examples, sampling, sigmas_for(sampling, (size // 4) ** 2), rollout_id=3)
+
+
+def _flow_stage():
+    from tests.conftest import tiny_model_config
+    from unirl.models.sd3 import SD3Stage
+
+    torch.manual_seed(0)
+    return SD3Stage(tiny_model_config().build())
+
+
+def _hand_flow_loss(stage, track, cond_dropout: float, seed: int = 0) -> torch.Tensor:
+    """The flow-matching loss written out: per sample, its own generator seeded by (seed, id) draws
+    t ~ logit-normal, eps and the dropout coin; x_t = (1 - t) x0 + t eps; the network's velocity
+    against eps - x0 (the empty prompt's conditions, encoded here, for a dropped sample)."""
+    import zlib
+
+    from unirl.train.sft import flow_matching_loss
+
+    req = _flow_request(len(track))
+    empty = stage.encode_prompts([""], 1.0, req.sampling.max_sequence_length)
+    losses = []
+    for i, sid in enumerate(track.sample_ids):
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{sid}".encode()))
+        t = torch.sigmoid(torch.randn(1, generator=gen))
+        x0 = (torch.from_numpy(req.metadata[i]["image"]).float().movedim(-1, 0) / 127.5 - 1)[None]
+        eps = torch.randn(x0.shape[1:], generator=gen)[None]
+        drop = bool(torch.rand(1, generator=gen) < cond_dropout)
+        cond = {k: (empty[k] if drop else v[i : i + 1]) for k, v in track.conditions.items() if k in empty}
+        pred = stage.bundle.predict(stage.module, (1 - t) * x0 + t * eps, t, cond)
+        losses.append(flow_matching_loss(pred, x0, eps))
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("cond_dropout", [0.0, 0.999])
+@pytest.mark.parametrize("micro_batch_size", [4, 1])
+def test_flowsft_through_the_train_stack_is_the_flow_matching_loss(cond_dropout, micro_batch_size):
+    from unirl.algorithms.sft import FlowSFT, FlowSFTConfig
+
+    stage = _flow_stage()
+    track = DemonstrationEngine(stage, target_key="image").generate(_flow_request()).track("diffusion")
+    reference = _hand_flow_loss(stage, track, cond_dropout)
+    reference.backward()
+    want = _grads(stage.module).clone()
+    stage.module.zero_grad(set_to_none=True)
+
+    algorithm = FlowSFT(FlowSFTConfig(cond_dropout=cond_dropout))
+    backend = TrainBackend(stage.module, None, OptimConfig(), total_steps=1)
+    stack = TrainStack(stage, backend, algorithm, TrainStackConfig(micro_batch_size=micro_batch_size))
+    micro, ctx = stack.prepare(track, 0.0)
+    rows = stack.backward(micro, ctx)
+    assert float((_grads(stage.module) - want).norm() / want.norm()) < 1e-5
+    assert sum(r["loss"] for r in rows) / len(rows) == pytest.approx(float(reference), rel=1e-5)
+    assert sum(r["sft/dropped_frac"] for r in rows) / len(rows) == (1.0 if cond_dropout else 0.0)
+
+
+def test_the_diffusion_demonstration_track_holds_the_images():
+    stage = _flow_stage()
+    req = _flow_request()
+    track = DemonstrationEngine(stage, target_key="image").generate(req).track("diffusion")
+    for i, meta in enumerate(req.metadata):
+        assert torch.equal(
+            track.media[i].permute(1, 2, 0), torch.from_numpy(meta["image"])
+        )  # exact round trip
+    assert track.segment.sde_indices == [] and track.segment.log_probs.shape == (4, 0)
+    assert {"empty_" + k for k in stage.encode_prompts(["x"], 1.0, 8)} <= set(track.conditions)
+
+
+def test_bad_diffusion_demonstrations_are_named():
+    stage = _flow_stage()
+    req = _flow_request(size=16)
+    req.metadata[1]["image"] = req.metadata[1]["image"][:8]
+    with pytest.raises(
+        ValueError, match=r"sample 'r3/g1:p1::sample:0': the demonstration is 16 x 8 pixels.*16 x 16"
+    ):
+        DemonstrationEngine(stage, target_key="image").generate(req)
+    from tests.conftest import tiny_model_config
+    from unirl.models.sd3 import SD3Stage
+
+    latent = SD3Stage(tiny_model_config(pixel_space=False, resolution=64).build())
+    with pytest.raises(ValueError, match=r"VAE's latent space.*model.tiny.pixel_space: true"):
+        DemonstrationEngine(latent, target_key="image").generate(_flow_request())

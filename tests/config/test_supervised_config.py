@@ -53,3 +53,27 @@ def test_a_composed_track_cannot_be_supervised(tmp_path):
     cfg = composed("pe/tiny_pe_smoke", tmp_path, "tracks.ar.algorithm={_target_: unirl.algorithms.sft.LMSFT}")
     with pytest.raises(ConfigError, match=r"tracks.ar.algorithm: LMSFT is a supervised loss; a composed run"):
         validate_composed_config(cfg)
+
+
+def test_demonstrations_are_checked_against_the_rows_and_the_model(tmp_path):
+    flow = "diffusion/shapes_sft_smoke"
+    validate_rl_config(composed(flow, tmp_path))
+
+    def found(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as info:
+            validate_rl_config(composed(flow, tmp_path, *overrides))
+        return str(info.value)
+
+    assert (
+        "rollout.target_key='img': 165 of the 165 examples of data_source have no metadata key 'img'"
+        in found("rollout.target_key=img")
+    )
+    assert (
+        "row 'shapes/single/a_red_circle' has a [16, 16, 3] image under metadata['image'], but the track samples "
+        "sampling.height x width = 32 x 32"
+    ) in found("data_source.size=16")
+    assert "model.tiny.pixel_space=false: a demonstration image enters a supervised track" in found(
+        "model.tiny.pixel_space=false"
+    )
+    text = problems(tmp_path, "rollout.target_key=completion")
+    assert "rollout.target_key='completion'" in text and "their metadata keys are ['answer', 'digits'" in text

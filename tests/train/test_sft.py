@@ -12,7 +12,8 @@ import torch
 from tests.conftest import tiny_model_config
 from unirl.models.flow.loading import tiny_clip_t5_tokenizers
 from unirl.models.sd3 import SD3Bundle
-from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig, flow_matching_loss, sample_sigmas
+from unirl.sde.schedules import sample_sigmas
+from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig, flow_matching_loss
 from unirl.trainer.evaluation import BundleEvaluator, EvalSampling
 from unirl.types import DiffusionSamplingParams
 from worlds.shapes import GenEvalMini, ShapesDataset

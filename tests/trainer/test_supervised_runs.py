@@ -1,8 +1,8 @@
-"""A supervised track through the RL machinery (issue 41, item 5): `llm/arith_sft_smoke` trains
-the demonstrations' cross-entropy on 2 Ray workers with FSDP2, learns, evaluates by sampling the
-policy, and a run stopped at its step-2 checkpoint and resumed writes the uninterrupted run's
-rows and weights; one in-process worker gives the 2 workers' losses (the token-mean over the whole
-batch, whatever the split)."""
+"""Supervised tracks through the RL machinery (issue 41, item 5): `llm/arith_sft_smoke` (LM SFT)
+and `diffusion/shapes_sft_smoke` (flow-matching SFT) train their demonstrations on 2 Ray workers
+with FSDP2, learn, evaluate by sampling the policy, and a run stopped at its step-2 checkpoint and
+resumed writes the uninterrupted run's rows and weights; one in-process worker gives the 2
+workers' losses (each loss is the whole batch's, whatever the split)."""
 
 from __future__ import annotations
 
@@ -15,23 +15,28 @@ from tests.recipes import IN_PROCESS, exported_weights, run, same_weights, stopp
 
 pytestmark = pytest.mark.ray
 
-RECIPE = "llm/arith_sft_smoke"
+RECIPES = {  # recipe -> (an evaluation key, the steps that evaluate)
+    "llm/arith_sft_smoke": ("eval/accuracy/greedy", [0, 2, 4]),
+    "diffusion/shapes_sft_smoke": ("eval/accuracy_strict", [0, 4]),
+}
 
 
-def test_lm_sft_on_two_fsdp_workers_learns_and_resumes_exactly(ray_cluster, tmp_path):
-    full, resumed = stopped_and_resumed(RECIPE, tmp_path, stop=2, steps=4)
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_sft_on_two_fsdp_workers_learns_and_resumes_exactly(ray_cluster, tmp_path, recipe):
+    full, resumed = stopped_and_resumed(recipe, tmp_path, stop=2, steps=4)
     train = [r for r in full if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
-    assert train[-1]["loss"] < train[0]["loss"]  # the demonstrations' cross-entropy falls
+    assert train[-1]["loss"] < train[0]["loss"]  # the demonstrations' loss falls
     assert not any(k.startswith(("reward/", "advantage")) for r in full for k in r)  # no reward phase
-    assert all("eval/accuracy/greedy" in r for r in full if r["step"] in (0, 2, 4))  # sampled from the policy
+    key, steps = RECIPES[recipe]
+    assert [r["step"] for r in full if key in r] == steps  # evaluated by sampling the policy
     assert [untimed(r) for r in resumed if r["step"] > 2] == [untimed(r) for r in full if r["step"] > 2]
     assert same_weights(tmp_path / "full", tmp_path / "part")
     with open(tmp_path / "full" / "placement.json") as f:
         assert json.load(f)["num_devices"] == 2
     weights = exported_weights(tmp_path / "full")
-    assert weights and not any("lora" in k for k in weights)  # the whole model, transformers' layout
-    one = [r for r in run(RECIPE, tmp_path / "one", *IN_PROCESS) if "loss" in r]
+    assert weights and not any("lora" in k for k in weights)  # the whole model, in its library's layout
+    one = [r for r in run(recipe, tmp_path / "one", *IN_PROCESS) if "loss" in r]
     for a, b in zip(one, train, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)

@@ -1,16 +1,19 @@
-"""The pairing rules of a supervised track: a loss that learns from demonstrations
+"""The rules of a supervised track. The pairing: a loss that learns from demonstrations
 (`learns_from_demonstrations`, `unirl.algorithms.sft.LMSFT`) and the engine that replays them
 (`samples_policy = False`, `unirl.rollout.demonstrations.DemonstrationEngine`) come together, with
 no reward, advantage or critic and one sample a row; every other trained track has a reward and an
-advantage."""
+advantage. And the demonstrations against the rows and the model (`check_demonstrations`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig
 
+from unirl.config.references import check_metadata_key, examples_of
 from unirl.config.tree import target_class
+from unirl.types.sampling import DiffusionSamplingParams
 
 DEMONSTRATIONS = "unirl.rollout.demonstrations.DemonstrationEngine"
 
@@ -58,3 +61,35 @@ def check_supervised(
             f"sampling.samples_per_prompt={sampling.samples_per_prompt}: a row has one demonstration, so "
             f"{name} takes one sample a row; set it to 1"
         )
+
+
+def check_demonstrations(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    """A single-track recipe whose rollout replays demonstrations, against its training rows and
+    model before the run: every row carries `rollout.target_key`; an image demonstration is an
+    [H, W, 3] array of the sampling size (a file is read when the track samples); a tiny
+    diffusion model samples in pixel space (a demonstration enters as x0; no VAE encoder)."""
+    engine = target_class(cfg, "rollout") if cfg.get("rollout") is not None else None
+    if engine is None or getattr(engine, "samples_policy", True) is not False:
+        return
+    key = cfg.rollout.get("target_key", "answer")
+    examples = examples_of(passed.get("data_source"))
+    check_metadata_key("rollout.target_key", key, examples, "data_source", problems)
+    sampling = passed.get("sampling")
+    if not isinstance(sampling, DiffusionSamplingParams):
+        return
+    tiny = getattr(passed.get("model"), "tiny", None)
+    if tiny is not None and getattr(tiny, "pixel_space", True) is False:
+        problems.append(
+            "model.tiny.pixel_space=false: a demonstration image enters a supervised track as a pixel-space "
+            "model's x0 (the bundles expose no VAE encoder); set model.tiny.pixel_space: true"
+        )
+    want = (sampling.height, sampling.width, 3)
+    for ex in examples or []:
+        image = ex.metadata.get(key)
+        if isinstance(image, np.ndarray) and image.shape != want:
+            problems.append(
+                f"data_source: row {ex.prompt_id!r} has a {list(image.shape)} image under metadata[{key!r}], but "
+                f"the track samples sampling.height x width = {sampling.height} x {sampling.width}; give "
+                f"[{sampling.height}, {sampling.width}, 3] images or change the sampling size"
+            )
+            break

@@ -32,6 +32,7 @@ from unirl.config.geometry import check_training_guidance
 from unirl.config.modality import check_eval_sampling, check_modality
 from unirl.config.references import check_conditions, check_model_path, check_prompt_keys, check_tracking
 from unirl.config.run import RL_SECTIONS, SFT_SECTIONS
+from unirl.config.supervised import check_demonstrations
 from unirl.config.track import check_track
 from unirl.config.tree import ConfigError, check_recipe, target_class
 
@@ -71,6 +72,7 @@ def validate_rl_config(cfg: DictConfig, expect: str | None = None, on_this_machi
         check_this_machine(cfg, passed, problems)
     check_rollout(cfg, passed, problems)
     check_prompt_keys(passed, problems)
+    check_demonstrations(cfg, passed, problems)
     check_conditions(passed, problems)
     check_tracking(cfg, problems)
     if problems:

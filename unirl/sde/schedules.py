@@ -132,3 +132,24 @@ def sigmas_for(sampling: DiffusionSamplingParams, image_seq_len: int) -> torch.T
     if mu is not None:
         return dynamic_shift_sigmas(sampling.num_steps, mu)
     return static_shift_sigmas(sampling.num_steps, sampling.shift)
+
+
+# ---- training noise levels (the supervised flow-matching losses) ------------------------------
+SIGMA_SAMPLING = ("logit_normal", "uniform")
+
+
+def check_sigma_sampling(value: str, key: str = "sft.sigma_sampling") -> None:
+    """Raise naming `key` unless `value` is one of `SIGMA_SAMPLING`."""
+    if value not in SIGMA_SAMPLING:
+        raise ValueError(f"{key} must be one of {SIGMA_SAMPLING}, got {value!r}")
+
+
+def sample_sigmas(n: int, cfg, gen: torch.Generator) -> torch.Tensor:
+    """[n] fp32 training noise levels in (0, 1) drawn from `gen` as `cfg.sigma_sampling` says
+    ("logit_normal": sigmoid of N(0, 1), SD3's default; "uniform"), then shifted like the sampling
+    schedule: `cfg.shift` t / (1 + (`cfg.shift` - 1) t)."""
+    if cfg.sigma_sampling == "logit_normal":
+        t = torch.sigmoid(torch.randn(n, generator=gen))
+    else:
+        t = torch.rand(n, generator=gen).clamp(1e-4, 1 - 1e-4)
+    return cfg.shift * t / (1 + (cfg.shift - 1) * t)

@@ -24,7 +24,8 @@ import torch
 
 from unirl.algorithms.diffusion_dpo import diffusion_dpo_loss, flow_matching_error
 from unirl.models.flow.family import FlowFamily, training_guidance
-from unirl.train.sft import check_sigma_sampling, export_bundle, sample_sigmas
+from unirl.sde.schedules import check_sigma_sampling, sample_sigmas
+from unirl.train.sft import export_bundle
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
 
 

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from unirl.models.flow.family import FlowFamily, training_guidance
+from unirl.sde.schedules import check_sigma_sampling, sample_sigmas
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
-
-SIGMA_SAMPLING = ("logit_normal", "uniform")
 
 
 @dataclass
@@ -62,12 +61,6 @@ class FlowMatchingSFTConfig(SupervisedConfig):
         super().__post_init__()
 
 
-def check_sigma_sampling(value: str) -> None:
-    """Raise naming `sft.sigma_sampling` unless it is one of `SIGMA_SAMPLING`."""
-    if value not in SIGMA_SAMPLING:
-        raise ValueError(f"sft.sigma_sampling must be one of {SIGMA_SAMPLING}, got {value!r}")
-
-
 class ImageTextSource(Protocol):
     """Supervised data: `sample_batch(n, rng) -> (uint8 images [n, H, W, 3], prompts)`, or uint8
     videos [n, F, H, W, 3] for a video family (F = the model's `num_frames`)."""
@@ -78,15 +71,6 @@ class ImageTextSource(Protocol):
 def flow_matching_loss(pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """Mean squared error of the predicted velocity against eps - x0 (fp32 scalar)."""
     return ((pred.float() - (eps - x0).float()) ** 2).mean()
-
-
-def sample_sigmas(n: int, cfg: FlowMatchingSFTConfig, gen: torch.Generator) -> torch.Tensor:
-    """[n] fp32 training noise levels in (0, 1)."""
-    if cfg.sigma_sampling == "logit_normal":
-        t = torch.sigmoid(torch.randn(n, generator=gen))
-    else:
-        t = torch.rand(n, generator=gen).clamp(1e-4, 1 - 1e-4)
-    return cfg.shift * t / (1 + (cfg.shift - 1) * t)
 
 
 def images_to_model(images: np.ndarray) -> torch.Tensor:

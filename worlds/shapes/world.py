@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from unirl.data.data_source import ListDataSource
 from unirl.types.rollout_req import PromptExample
 
 BACKGROUND: tuple[int, int, int] = (230, 230, 230)
@@ -429,3 +430,26 @@ class ShapesDataset:
             images[i] = render(spec, rng, size)
             prompts.append(scene_to_prompt(spec))
         return images, prompts
+
+
+class ShapesDemonstrations(ListDataSource):
+    """The split's scenes as supervised rows (recipe: `_target_: worlds.shapes.ShapesDemonstrations`):
+    each prompt with a rendering of its scene under metadata "image" ([size, size, 3] uint8), the
+    demonstrations a flow-matching SFT track learns from (`unirl.algorithms.sft.FlowSFT` with
+    `rollout: unirl.rollout.demonstrations.DemonstrationEngine`, `target_key: image`).
+
+    One placement per scene, drawn once from `seed` (the single-process loop's `sample_batch`
+    draws a new placement every time and a category before a scene; here every scene is a row of a
+    shuffled epoch). Epochs, shuffling and resume are `ListDataSource`'s.
+    """
+
+    def __init__(self, split: str = "train", seed: int = 0, size: int = 32, shuffle: bool = True) -> None:
+        dataset = ShapesDataset(split, seed)
+        rng = np.random.default_rng(seed)
+        rows = [
+            PromptExample(e.prompt, e.prompt_id, {**e.metadata, "image": render(spec, rng, size)})
+            for e, spec in zip(dataset.examples, dataset.scenes, strict=True)
+        ]
+        super().__init__(
+            rows, shuffle=shuffle, seed=seed, source=f"<shapes demonstrations split={split} seed={seed} size={size}>"
+        )

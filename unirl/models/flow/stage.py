@@ -15,10 +15,12 @@ import math
 from collections.abc import Iterator
 from typing import Annotated
 
+import numpy as np
 import torch
 from annotated_types import Ge
 
 from unirl.models.flow.family import FlowFamily
+from unirl.models.images import load_image
 from unirl.models.kept import KeptGraphs
 from unirl.sde.solvers import make_ode_solver
 from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
@@ -26,6 +28,7 @@ from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment
 
 AUTOCAST_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EMPTY = "empty_"  # a demonstration track's empty-prompt conditions ride beside its own as `empty_<key>`
 
 
 class FlowMatchingStage:
@@ -232,6 +235,42 @@ class FlowMatchingStage:
             sigmas=sigmas,
             sde_indices=sorted(sde),
             log_probs=torch.stack(log_probs, dim=1) if log_probs else torch.zeros(len(req), 0, device=device),
+            eta=sp.eta,
+            guidance_scale=sp.guidance_scale,
+        )
+
+    @torch.no_grad()
+    def teacher_forced(self, req: RolloutReq, images: list) -> LatentSegment:
+        """The segment of `req` whose final samples are the given images rather than samples (a
+        supervised track's demonstrations): image i ([H, W, 3] uint8 array, PIL image or file path,
+        `unirl.models.images.load_image`) as the model's x0, held at position `num_steps` alone (no
+        SDE step, no log-prob). Pixel-space families only (x0 = the image in [-1, 1]); a latent
+        family's demonstration needs its VAE's encoder, which the bundles do not expose: refused
+        naming the key. An image of another size than `sampling.height` x `width` is an error naming
+        the sample."""
+        sp = req.sampling
+        if not self.bundle.model_info().get("pixel_space"):
+            raise ValueError(
+                f"{type(self.bundle).__name__} samples in a VAE's latent space; a demonstration image enters a "
+                "supervised track as a pixel-space model's x0 only (model.tiny.pixel_space: true)"
+            )
+        shape = tuple(self.bundle.latent_shape(sp.height, sp.width))
+        rows = []
+        for sid, entry in zip(req.sample_ids, images, strict=True):
+            x0 = torch.from_numpy(np.array(load_image(entry, sid, 0))).float().movedim(-1, 0) / 127.5 - 1.0
+            if tuple(x0.shape) != shape:
+                raise ValueError(
+                    f"sample {sid!r}: the demonstration is {x0.shape[2]} x {x0.shape[1]} pixels but the track samples "
+                    f"sampling.width x height = {sp.width} x {sp.height}; give images of that size"
+                )
+            rows.append(x0)
+        device = self.bundle.device
+        return LatentSegment(
+            latents=torch.stack(rows)[:, None].to(device),
+            positions=[sp.num_steps],
+            sigmas=req.sigmas.to(device),
+            sde_indices=[],
+            log_probs=torch.zeros(len(req), 0, device=device),
             eta=sp.eta,
             guidance_scale=sp.guidance_scale,
         )
