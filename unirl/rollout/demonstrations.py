@@ -78,16 +78,5 @@ class DemonstrationEngine:
             cond.update({EMPTY + k: v for k, v in empty.items()})
             cond.update(self.stage.encode_conditions(req))
             extra = {"conditions": cond, "media": self.stage.decode(segment.final)}
-        track = RolloutTrack(
-            name=self.track_name,
-            sample_ids=req.sample_ids,
-            group_ids=req.group_ids,
-            prompts=req.prompts,
-            metadata=req.metadata,
-            segment=segment,
-            rollout_id=req.rollout_id,
-            parent_ids=req.parent_ids,
-            root_ids=req.root_ids,
-            **extra,
-        )
+        track = RolloutTrack.of_request(self.track_name, req, segment, **extra)
         return RolloutResp(tracks={self.track_name: track})

@@ -93,18 +93,7 @@ class TrainsideEngine:
                     rows = {k: v[idx] for k, v in cond.items()}
                     segment = self.stage.diffuse(part, rows, kept=self.kept if keep else None)
                     extra = {"conditions": rows, "media": self.stage.decode(segment.final)}
-                yield RolloutTrack(
-                    name=self.track_name,
-                    sample_ids=part.sample_ids,
-                    group_ids=part.group_ids,
-                    prompts=part.prompts,
-                    metadata=part.metadata,
-                    segment=segment,
-                    rollout_id=req.rollout_id,
-                    parent_ids=part.parent_ids,
-                    root_ids=part.root_ids,
-                    **extra,
-                )
+                yield RolloutTrack.of_request(self.track_name, part, segment, **extra)
         finally:
             self.stage.module.train(was_training)
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from unirl.types.batch import concat, select, split
+from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment, TokenSegment
 
 __all__ = ["RolloutResp", "RolloutTrack"]
@@ -76,6 +77,25 @@ class RolloutTrack:
         "parent_ids",
         "root_ids",
     )
+
+    @classmethod
+    def of_request(
+        cls, name: str, req: RolloutReq, segment: LatentSegment | TokenSegment, **extra: Any
+    ) -> RolloutTrack:
+        """The track `name` of request `req`: its sample and group ids, prompts,
+        metadata, rollout id and lineage, with `segment` and `extra` fields (texts, media, conditions)."""
+        return cls(
+            name=name,
+            sample_ids=req.sample_ids,
+            group_ids=req.group_ids,
+            prompts=req.prompts,
+            metadata=req.metadata,
+            segment=segment,
+            rollout_id=req.rollout_id,
+            parent_ids=req.parent_ids,
+            root_ids=req.root_ids,
+            **extra,
+        )
 
     def __len__(self) -> int:
         return len(self.sample_ids)
