@@ -92,7 +92,9 @@ def test_a_stage_that_cannot_teacher_force_is_refused():
     class Images:
         module = torch.nn.Linear(1, 1)
 
-    with pytest.raises(TypeError, match="DemonstrationEngine teacher-forces demonstrations; Images has no `teacher_forced`"):
+    with pytest.raises(
+        TypeError, match="DemonstrationEngine teacher-forces demonstrations; Images has no `teacher_forced`"
+    ):
         DemonstrationEngine(Images())
 
 
@@ -202,3 +204,37 @@ def test_bad_diffusion_demonstrations_are_named():
     latent = SD3Stage(tiny_model_config(pixel_space=False, resolution=64).build())
     with pytest.raises(ValueError, match=r"VAE's latent space.*model.tiny.pixel_space: true"):
         DemonstrationEngine(latent, target_key="image").generate(_flow_request())
+
+
+def test_lmsft_on_a_vlm_is_the_completion_cross_entropy_of_its_image_rows():
+    """A vision-language track: the prompt's images go through the stage's encoding as in a
+    rollout, and the loss is `completion_loss` of `pair_batch`'s image rows."""
+    import numpy as np
+
+    from unirl.models.causal_lm.vision import TinyVLMConfig, VLMConfig
+
+    torch.manual_seed(0)
+    stage = CausalLMStage(VLMConfig(tiny=TinyVLMConfig()).build())
+    rng = np.random.default_rng(0)
+    rows = [
+        ("<image>what colour?", "red", [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)]),
+        ("<image>how many?", "two", [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)]),
+    ]
+    inputs, labels = stage.bundle.pair_batch(rows, "sft", 128)
+    completion_loss(stage.module(**inputs).logits, labels).backward()
+    want = _grads(stage.module).clone()
+    stage.module.zero_grad(set_to_none=True)
+
+    examples = [PromptExample(p, f"p{i}", {"answer": c, "images": im}) for i, (p, c, im) in enumerate(rows)]
+    sampling = TextSamplingParams(
+        samples_per_prompt=1, max_new_tokens=8, max_prompt_length=128, chat_template=False
+    )
+    track = (
+        DemonstrationEngine(stage)
+        .generate(RolloutReq.from_prompts(examples, sampling, None, 0))
+        .track("text")
+    )
+    backend = TrainBackend(stage.module, None, OptimConfig(), total_steps=1)
+    stack = TrainStack(stage, backend, LMSFT(), TrainStackConfig(micro_batch_size=1))
+    stack.backward(*stack.prepare(track, 0.0))
+    assert float((_grads(stage.module) - want).norm() / want.norm()) < 1e-5

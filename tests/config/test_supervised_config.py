@@ -27,7 +27,7 @@ def problems(tmp_path, *overrides: str) -> str:
 
 
 def test_the_supervised_recipes_validate(tmp_path):
-    for name in (SFT, "llm/arith_sft"):
+    for name in (SFT, "llm/arith_sft", "vlm/shapes_vqa_sft"):
         validate_rl_config(composed(name, tmp_path), expect="text")
 
 

@@ -2,7 +2,8 @@
 and `diffusion/shapes_sft_smoke` (flow-matching SFT) train their demonstrations on 2 Ray workers
 with FSDP2, learn, evaluate by sampling the policy, and a run stopped at its step-2 checkpoint and
 resumed writes the uninterrupted run's rows and weights; one in-process worker gives the 2
-workers' losses (each loss is the whole batch's, whatever the split)."""
+workers' losses (each loss is the whole batch's, whatever the split). `vlm/shapes_vqa_sft` trains
+a VLM's answers after its images in process."""
 
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ import pytest
 from tests.conftest import untimed
 from tests.recipes import IN_PROCESS, exported_weights, run, same_weights, stopped_and_resumed
 
-pytestmark = pytest.mark.ray
-
 RECIPES = {  # recipe -> (an evaluation key, the steps that evaluate)
     "llm/arith_sft_smoke": ("eval/accuracy/greedy", [0, 2, 4]),
     "diffusion/shapes_sft_smoke": ("eval/accuracy_strict", [0, 4]),
 }
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_sft_on_two_fsdp_workers_learns_and_resumes_exactly(ray_cluster, tmp_path, recipe):
     full, resumed = stopped_and_resumed(recipe, tmp_path, stop=2, steps=4)
@@ -40,3 +40,18 @@ def test_sft_on_two_fsdp_workers_learns_and_resumes_exactly(ray_cluster, tmp_pat
     for a, b in zip(one, train, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+
+
+def test_vlm_sft_trains_its_answers_in_process(tmp_path):
+    small = [
+        "num_steps=2",
+        "prompts_per_rollout=4",
+        "train.stack.micro_batch_size=2",
+        "train.optim.warmup_steps=0",
+    ]
+    small += ["eval.every_n_steps=2", "eval.examples.size=4", "eval.sampling.pass_k=2"]
+    rows = run("vlm/shapes_vqa_sft", tmp_path, *IN_PROCESS, *small)
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2] and train[1]["loss"] < train[0]["loss"]
+    assert all(r["response_length/mean"] >= 2 for r in train)  # a one-word answer + EOS
+    assert [r["step"] for r in rows if "eval/accuracy/greedy" in r] == [0, 2]
