@@ -160,11 +160,11 @@ def test_a_composed_step_that_fails_before_train_releases_its_kept_graphs(tmp_pa
     the graphs the diffusion track kept for it are released on the worker, none left behind."""
     from tests.trainer.test_keep_graph_runs import NaNOnOne  # noqa: F401 (the recipe names it)
     from unirl.trainer.composed import ComposedTrainer
-    from unirl.trainer.composed_worker import ComposedWorker
     from unirl.trainer.trainer import TrainingError
+    from unirl.trainer.worker import RLWorker
 
     released, before, held = [], [], []
-    original = ComposedWorker.release_kept
+    original = RLWorker.release_kept
 
     def spy(self, partition):
         before.append(len(self.samplers["diffusion"].kept))
@@ -172,7 +172,7 @@ def test_a_composed_step_that_fails_before_train_releases_its_kept_graphs(tmp_pa
         released.append(partition)
         held.append(len(self.samplers["diffusion"].kept))
 
-    monkeypatch.setattr(ComposedWorker, "release_kept", spy)
+    monkeypatch.setattr(RLWorker, "release_kept", spy)
     broken = [
         "~rewards.diffusion.backend.components.redness",
         "~rewards.diffusion.backend.weights.redness",

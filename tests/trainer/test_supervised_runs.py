@@ -1,18 +1,19 @@
 """Supervised tracks through the RL machinery (issue 41, item 5): `llm/arith_sft_smoke` (LM SFT)
 and `diffusion/shapes_sft_smoke` (flow-matching SFT) train their demonstrations on 2 Ray workers
-with FSDP2, learn, evaluate by sampling the policy, and a run stopped at its step-2 checkpoint and
-resumed writes the uninterrupted run's rows and weights; one in-process worker gives the 2
+with FSDP2, learn, evaluate by sampling the policy, and the run resumed from its step-2
+checkpoint writes the uninterrupted run's rows and weights; one in-process worker gives the 2
 workers' losses (each loss is the whole batch's, whatever the split). `vlm/shapes_vqa_sft` trains
 a VLM's answers after its images in process."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from tests.conftest import untimed
-from tests.recipes import IN_PROCESS, exported_weights, run, same_weights, stopped_and_resumed
+from tests.recipes import IN_PROCESS, exported_weights, run, same_weights
 
 RECIPES = {  # recipe -> (an evaluation key, the steps that evaluate)
     "llm/arith_sft_smoke": ("eval/accuracy/greedy", [0, 2, 4]),
@@ -23,7 +24,11 @@ RECIPES = {  # recipe -> (an evaluation key, the steps that evaluate)
 @pytest.mark.ray
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_sft_on_two_fsdp_workers_learns_and_resumes_exactly(ray_cluster, tmp_path, recipe):
-    full, resumed = stopped_and_resumed(recipe, tmp_path, stop=2, steps=4)
+    full = run(recipe, tmp_path / "full", "checkpoint.every_n_steps=2")
+    # the run as it stood at its step-2 checkpoint, resumed from there
+    shutil.copytree(tmp_path / "full", tmp_path / "part", ignore=shutil.ignore_patterns("step_000004", "final"))
+    step_2 = tmp_path / "part" / "checkpoints" / "step_000002"
+    resumed = run(recipe, tmp_path / "part", "checkpoint.every_n_steps=2", f"resume_from={step_2}")
     train = [r for r in full if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert train[-1]["loss"] < train[0]["loss"]  # the demonstrations' loss falls

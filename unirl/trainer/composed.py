@@ -12,8 +12,8 @@ rewrites; a rewrite's images) -> each trained track trains on its own stack.
 Rows prefix each track's metrics with `<track>/`; `reward/mean` is the leaf's.
 
 Placement, checkpoints, resume and failure reporting are the single-track
-`Trainer`'s (this class reuses them); what differs is the worker
-(`ComposedWorker`), the walk, the loop and evaluation.
+`Trainer`'s (this class reuses them), and so is the worker (`RLWorker`, one track per
+`tracks.<name>`); what differs is the walk, the loop and evaluation.
 """
 
 from __future__ import annotations
@@ -36,12 +36,11 @@ from unirl.tracking.trackers import Tracking
 from unirl.train.stack import reduce_metrics
 from unirl.trainer.checkpoints import saves_base_model
 from unirl.trainer.composed_eval import ComposedEval
-from unirl.trainer.composed_worker import ComposedWorker, track_partition
 from unirl.trainer.engines import DedicatedRollouts, RolloutSettings
 from unirl.trainer.modality import ImageModality, TextModality, modality_for
 from unirl.trainer.step_record import StepRecord
 from unirl.trainer.trainer import WORKER_ENV, Trainer
-from unirl.trainer.worker import build
+from unirl.trainer.worker import RLWorker, build, track_partition
 from unirl.types.lineage import child_request
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutTrack
@@ -110,7 +109,7 @@ class ComposedTrainer(Trainer):
     rewrites -> image rewards).
     """
 
-    worker_class = ComposedWorker
+    worker_class = RLWorker
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -385,7 +384,7 @@ class ComposedTrainer(Trainer):
             n = len(req)
             if n % world:  # pad with copies of the last sample so every rank gets the same count
                 req = req.select(list(range(n)) + [n - 1] * (world - n % world))
-            parts = self._call(group, "sample_eval", step, req, samplings, feed)
+            parts = self._call(group, "sample_chain", step, req, samplings, feed)
             texts = [t for p in parts for t in p["texts"]][:n]
             per = len(parts[0]["images"]) // len(parts[0]["texts"])
             images = torch.cat([p["images"] for p in parts])[: n * per]

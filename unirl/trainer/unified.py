@@ -43,11 +43,10 @@ from unirl.train.stack import reduce_metrics
 from unirl.trainer.checkpoints import saves_base_model
 from unirl.trainer.composed import ComposedTrainer
 from unirl.trainer.composed_eval import ComposedEval, ComposedEvalConfig
-from unirl.trainer.composed_worker import track_partition
 from unirl.trainer.engine_worker import EngineWorker
 from unirl.trainer.engines import RolloutSettings
 from unirl.trainer.step_record import StepRecord
-from unirl.trainer.worker import ProcessWorker, build
+from unirl.trainer.worker import ProcessWorker, build, track_partition
 from unirl.types.rollout_req import RolloutReq
 
 
@@ -148,7 +147,7 @@ class UnifiedWorker(ProcessWorker):
         }
 
     @dispatch(Dispatch.DP_SCATTER)
-    def sample_eval(self, req: RolloutReq, samplings: dict, feed: str = "rewrite") -> dict[str, Any]:
+    def sample_chain(self, req: RolloutReq, samplings: dict, feed: str = "rewrite") -> dict[str, Any]:
         """This rank's shard of an evaluation (`ComposedEval`'s `sample`): the plans and the images
         ([n, 3, H, W] uint8 on the CPU) of the deterministic request `req` (greedy plans). `feed`:
         "rewrite" (think, then draw: the plan's texts and images after prompt + plan), "user" (draw

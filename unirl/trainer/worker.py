@@ -1,4 +1,4 @@
-"""`RLWorker`: one data-parallel rank holding the model, the train stack and the trainside engine.
+"""`RLWorker`: one data-parallel rank holding each track's model, train stack and trainside engine.
 
 Modality-agnostic: the recipe names the model family (`model`), its stage
 (`unirl.models.stage`: a `DiffusionStage` or a `TextStage`), the algorithm and
@@ -21,16 +21,19 @@ import contextlib
 import os
 import resource
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
+from unirl.algorithms.base import StageAlgorithm
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.cores import apply_thread_count, govern_threads, thread_metrics
 from unirl.distributed.device import build_bundle, init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
+from unirl.models.kept import KeptGraphs
 from unirl.rollout.dedicated import is_dedicated
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sync import SyncPlan, SyncTicket, WeightSyncConfig, WeightSyncSender, make_sender, plan_for
@@ -159,15 +162,139 @@ class ProcessWorker(Worker):
             dist.destroy_process_group()
 
 
+def track_partition(partition: str, track: str) -> str:
+    """The data-plane partition of one track of a composed step (each track is put on its own)."""
+    return f"{partition}/{track}"
+
+
+@dataclass
+class TrackParts:
+    """One track on one worker: its bundle and stage, and when trained its backend, algorithm and
+    stack (None for a frozen track); the engine that samples its training rollouts here
+    (`sampler`) and the one that samples its evaluations (`eval_sampler`: the policy on this
+    module); PPO's colocated critic; whether its rollouts record the reference policy's token
+    log-probs (`kl_in_reward`) or sample the EMA weights, and whether the Adam moments leave the
+    device while it samples."""
+
+    name: str
+    bundle: Any
+    stage: Any
+    backend: TrainBackend | None = None
+    algorithm: StageAlgorithm | None = None
+    stack: TrainStack | None = None
+    critic: Critic | None = None
+    kl_in_reward: bool = False
+    offload_optimizer: bool = False
+    sampler: Any = None
+    eval_sampler: Any = None
+
+    @property
+    def trained(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def from_ema(self) -> bool:
+        """Its rollouts sample the EMA weights (the algorithm asks: CRD)."""
+        return self.trained and self.algorithm.requires_ema_rollout
+
+    @property
+    def kept(self) -> KeptGraphs | None:
+        """The graphs its sampler keeps from `rollout` to `train` (`keep_graph`), else None."""
+        return getattr(self.sampler, "kept", None)
+
+
+def build_track(
+    name: str,
+    cfg: dict[str, Any],
+    total_optimizer_steps: int,
+    base_dir: str | None,
+    rank: int,
+    device: torch.device,
+    shares_samples: bool = False,
+) -> TrackParts:
+    """Build track `name` from its recipe node `cfg` on `device` (a single-track recipe's root, or
+    a composed recipe's `tracks.<name>`); rank 0 writes the untrained bundle to `base_dir` (tiny
+    models) before LoRA is injected. `shares_samples`: the ranks of a sequence-parallel group
+    train on one shard (`TrainBackend(groups_share_samples=...)`). The samplers are set after."""
+    bundle = build_bundle(build(cfg["model"]), device)
+    if base_dir and rank == 0:
+        bundle.save_pretrained(base_dir)
+    stage = build(cfg["stage"], bundle=bundle)
+    if not cfg.get("trained", True):
+        stage.module.requires_grad_(False)
+        stage.module.eval()
+        return TrackParts(name, bundle, stage)
+    algorithm = build(cfg["algorithm"])
+    # KL folded into the reward: the rollout records the reference policy's token log-probs
+    kl_in_reward = float((cfg.get("advantage") or {}).get("kl_coef", 0) or 0) > 0
+    train = cfg["train"]
+    backend = TrainBackend(
+        stage.module,
+        build(train.get("lora")),
+        build(train["optim"]),
+        total_optimizer_steps,
+        fsdp=build(train.get("fsdp")),
+        ema=build(train.get("ema")),
+        snapshots={n: EMAConfig(**spec) for n, spec in algorithm.snapshots.items()},
+        keep_reference=algorithm.needs_reference_policy or kl_in_reward,
+        writer=bundle.write_weights,
+        groups_share_samples=shares_samples,
+    )
+    stage.module = backend.module
+    stack = TrainStack(stage, backend, algorithm, build(train["stack"]))
+    critic = None
+    if cfg.get("critic") is not None:  # PPO's critic, colocated: it values this track's rollouts
+        critic = Critic(
+            build(cfg["critic"]),
+            stack.config,
+            build(cfg["advantage"]),
+            total_optimizer_steps,
+            device,
+            policy=stage,
+        )
+    return TrackParts(
+        name,
+        bundle,
+        stage,
+        backend,
+        algorithm,
+        stack,
+        critic=critic,
+        kl_in_reward=kl_in_reward,
+        offload_optimizer=bool(train.get("offload_optimizer_during_rollout", False)),
+    )
+
+
+def sampler_of(node: dict[str, Any] | None, stage: Any, name: str | None) -> Any:
+    """The engine that samples a track's training rollouts on this worker, from its engine node:
+    the node's own engine when it samples here (trainside, with or without kept graphs, or the
+    demonstrations of a supervised track); a trainside engine for a track a dedicated engine
+    samples (this worker then samples only its evaluations). `name`: a composed track's name."""
+    named = {} if name is None else {"track_name": name}
+    if is_dedicated(node):
+        return TrainsideEngine(stage, node.get("forward_batch_size"), **named)
+    return build(node, stage=stage, **named)
+
+
 class RLWorker(ProcessWorker):
-    """A train rank of a single-track run of any modality; it also samples when the rollout is trainside.
+    """A train rank of an RL run of any modality, single-track or composed; it also samples the
+    tracks whose rollouts are trainside.
+
+    A single-track recipe is one track, built from the recipe's root and named by its engine
+    ("diffusion" or "text"); a composed recipe (`tracks`) one per `tracks.<name>`, in the order
+    of `rollout.tracks`, with the composed engine (`rollout`) for chained evaluation. Methods that
+    act on one track take its name (`track`; None: a single-track run's only one). A single-track
+    run's checkpoint and export keep their flat layout (`path/weights`, `path/<files>`); a composed
+    run's are one directory per track.
 
     Args:
         rank_info: this rank.
         cfg: the resolved recipe as a plain dict.
-        total_optimizer_steps: optimizer steps of the run (LR schedule length).
-        base_model_dir: if set, rank 0 writes the untrained bundle there before
-            LoRA is injected (a tiny model's checkpoint then has a base to load onto).
+        total_optimizer_steps: optimizer steps of the run (LR schedule length); a composed run's
+            per trained track.
+        base_model_dir: where rank 0 writes the untrained bundle before LoRA is injected (a tiny
+            model's checkpoint then has a base to load onto); a composed run's per track (None:
+            none).
         transport_info: what the driver's transport `start()` returned (to attach to it).
         device: the device to compute on; None decides from what Ray assigned
             (`resolve_device`). Tests and in-process drivers pass it explicitly.
@@ -177,191 +304,284 @@ class RLWorker(ProcessWorker):
         self,
         rank_info: RankInfo,
         cfg: dict[str, Any],
-        total_optimizer_steps: int,
-        base_model_dir: str | None = None,
+        total_optimizer_steps: int | dict[str, int],
+        base_model_dir: str | dict[str, str | None] | None = None,
         transport_info: dict[str, Any] | None = None,
         device: str | None = None,
     ) -> None:
         super().__init__(rank_info)
         self.start_process(cfg, device)
-        self.model_cfg = build(cfg["model"])
-        self.bundle = build_bundle(self.model_cfg, self.device)
-        if base_model_dir and rank_info.rank == 0:
-            self.bundle.save_pretrained(base_model_dir)
-        self.stage = build(cfg["stage"], bundle=self.bundle)
-        self.algorithm = build(cfg["algorithm"])
-        self.samples_from_ema = self.algorithm.requires_ema_rollout
-        self.sequence_parallel = sequence_parallel_degree(cfg)
-        # KL folded into the reward: the rollout records the reference policy's token log-probs
-        self.kl_in_reward = float((cfg["advantage"] or {}).get("kl_coef", 0) or 0) > 0
-        train = cfg["train"]
-        self.backend = TrainBackend(
-            self.stage.module,
-            build(train.get("lora")),
-            build(train["optim"]),
-            total_optimizer_steps,
-            fsdp=build(train.get("fsdp")),
-            ema=build(train.get("ema")),
-            snapshots={name: EMAConfig(**spec) for name, spec in self.algorithm.snapshots.items()},
-            keep_reference=self.algorithm.needs_reference_policy or self.kl_in_reward,
-            writer=self.bundle.write_weights,
-            groups_share_samples=True,  # the driver scatters one shard per sequence-parallel group
-        )
-        self.stage.module = self.backend.module
-        self.offload_optimizer = bool(train.get("offload_optimizer_during_rollout", False))
-        self.stack = TrainStack(self.stage, self.backend, self.algorithm, build(train["stack"]))
-        # PPO's critic, colocated: it values this worker's rollouts and trains on its shard
-        self.critic = None
-        if cfg.get("critic") is not None:
-            critic_cfg, advantage = build(cfg["critic"]), build(cfg["advantage"])
-            self.critic = Critic(
-                critic_cfg,
-                self.stack.config,
-                advantage,
-                total_optimizer_steps,
-                self.device,
-                policy=self.stage,
-            )
+        self.composed = "tracks" in cfg
         self.num_steps = int(cfg["num_steps"])
-        if is_dedicated(cfg["rollout"]):  # engines sample the rollouts; this one samples evaluations
-            self.engine = TrainsideEngine(self.stage, cfg["rollout"].get("forward_batch_size"))
+        self.sequence_parallel = 1
+        rank = rank_info.rank
+        if self.composed:
+            order = list(cfg["rollout"]["tracks"])
+            self.tracks = {
+                n: build_track(
+                    n, cfg["tracks"][n], total_optimizer_steps.get(n, 0), base_model_dir[n], rank, self.device
+                )
+                for n in order
+            }
+            # chained evaluation; a track with no engine node samples through the composed engine's
+            self.engine = build(cfg["rollout"]).bind(
+                {n: t.stage for n, t in self.tracks.items()},
+                {n: build(cfg["tracks"][n]["sampling"]) for n in order},
+            )
+            for n, parts in self.tracks.items():
+                node = cfg["tracks"][n].get("engine")
+                own = node is not None and not is_dedicated(node)
+                parts.sampler = sampler_of(node, parts.stage, n) if own else self.engine.engines[n]
+                parts.eval_sampler = parts.sampler
         else:
-            self.engine = build(cfg["rollout"], stage=self.stage)
-        # evaluation samples the policy; an engine that replays demonstrations (supervised) cannot
-        self.eval_engine = self.engine
-        if not getattr(self.engine, "samples_policy", True):
-            self.eval_engine = TrainsideEngine(self.stage)
-        # rollout.keep_graph: the trained SDE steps' graphs, kept from `rollout` to `train` of one step
-        self.kept = getattr(self.engine, "kept", None)
-        if self.kept is not None:
-            updates = self.stack.config.num_updates_per_batch
-            full_finetune = train.get("lora") is None
-            problems = keep_graph_problems(self.algorithm, updates, full_finetune)
-            if problems:
-                raise ValueError("; ".join(problems))
+            self.sequence_parallel = sequence_parallel_degree(cfg)
+            parts = build_track("", cfg, total_optimizer_steps, base_model_dir, rank, self.device, True)
+            parts.sampler = sampler_of(cfg["rollout"], parts.stage, None)
+            parts.name = parts.sampler.track_name
+            # evaluation samples the policy; an engine that replays demonstrations (supervised) cannot
+            parts.eval_sampler = parts.sampler
+            if not getattr(parts.sampler, "samples_policy", True):
+                parts.eval_sampler = TrainsideEngine(parts.stage)
+            if parts.kept is not None:
+                full_finetune = cfg["train"].get("lora") is None
+                problems = keep_graph_problems(
+                    parts.algorithm, parts.stack.config.num_updates_per_batch, full_finetune
+                )
+                if problems:
+                    raise ValueError("; ".join(problems))
+            self.tracks = {parts.name: parts}
+            self.engine = parts.sampler
         self.transport = make_transport(cfg["transport"], device=self.device)
         self.transport.attach(transport_info or {})
 
+    # ---- the tracks ---------------------------------------------------------------------------
+    def track(self, name: str | None) -> TrackParts:
+        """Track `name`'s parts (None: a single-track run's only track)."""
+        if name is None:
+            if self.composed:
+                raise ValueError(f"a composed run names the track to act on, one of {list(self.tracks)}")
+            return next(iter(self.tracks.values()))
+        return self.tracks[name]
+
+    # a single-track run's parts, by the names its callers (tests, benchmarks) read
+    backend = property(lambda self: self.track(None).backend)
+    stage = property(lambda self: self.track(None).stage)
+    bundle = property(lambda self: self.track(None).bundle)
+    algorithm = property(lambda self: self.track(None).algorithm)
+    stack = property(lambda self: self.track(None).stack)
+    critic = property(lambda self: self.track(None).critic)
+    kept = property(lambda self: self.track(None).kept)
+
+    @property
+    def samplers(self) -> dict[str, Any]:
+        """Each track's training sampler on this worker."""
+        return {n: t.sampler for n, t in self.tracks.items()}
+
+    def sync_source(self, track: str | None) -> tuple[TrainBackend, bool]:
+        """A dedicated engine of `track` (None: the single track) is fed that track's weights (its
+        EMA weights when its algorithm samples from them)."""
+        parts = self.track(track)
+        if not parts.trained:
+            raise ValueError(f"track {track!r} is frozen: it has no train backend to sync from")
+        return parts.backend, parts.from_ema
+
     @dispatch(Dispatch.RANK_ZERO)
     def model_info(self) -> dict[str, Any]:
-        """The stage's `model_info()` (what the driver's modality needs, e.g. the latent
-        geometry that pins a sigma schedule), plus sizes for the log."""
-        return {
-            **self.stage.model_info(),
-            "num_trainable": self.backend.num_trainable,
-            "device": str(self.device),
+        """The stage's `model_info()` (what the driver's modality needs, e.g. the latent geometry
+        that pins a sigma schedule), its trainable parameter count and the device; a composed
+        run's per track."""
+        info = {
+            n: {
+                **t.stage.model_info(),
+                "num_trainable": t.backend.num_trainable if t.trained else 0,
+                "device": str(self.device),
+            }
+            for n, t in self.tracks.items()
         }
+        return info if self.composed else next(iter(info.values()))
 
+    # ---- rollout ------------------------------------------------------------------------------
     @dispatch(Dispatch.DP_SCATTER)
-    def rollout(self, req: RolloutReq, partition: str) -> BatchMeta:
-        """Generate this rank's shard of the request (from EMA weights when the
-        algorithm asks for it) and put the track into the transport under
-        `partition`; returns its meta (gathered in rank order by the driver).
+    def rollout(self, req: RolloutReq, partition: str, track: str | None = None) -> BatchMeta:
+        """Sample this rank's shard of the track's request (from EMA weights when the algorithm
+        asks for it) and put it into the transport under `partition`; returns its meta
+        (gathered in rank order by the driver, which walks a composed run's chain).
 
-        With `rollout.keep_graph` the graphs of the trained SDE steps stay on this
-        worker for `train` of the same partition (graphs of another partition are
-        dropped first; several rollouts into one partition add up)."""
+        With kept graphs (`keep_graph`) the graphs of the trained SDE steps stay on this worker
+        for `train` of the same partition (graphs of another partition are dropped first;
+        several rollouts into one partition add up). A text track whose advantage folds a KL
+        into the reward records the reference policy's log-probs; a critic values the samples.
+        Of a sequence-parallel group only the first rank puts the samples it generated with the
+        others."""
         apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
-        if self.kept is not None and self.kept.partition != partition:
-            self.kept.clear()
-            self.kept.partition = partition
+        parts = self.track(track)
+        kept = parts.kept
+        if kept is not None and kept.partition != partition:
+            kept.clear()
+            kept.partition = partition
         with contextlib.ExitStack() as stack:
-            if self.offload_optimizer:
-                stack.enter_context(self.backend.optimizer_offloaded())
-            if self.algorithm.requires_ema_rollout:
-                stack.enter_context(self.backend.ema_weights())
+            if parts.offload_optimizer:
+                stack.enter_context(parts.backend.optimizer_offloaded())
+            if parts.from_ema:
+                stack.enter_context(parts.backend.ema_weights())
             try:
                 resp = (
-                    self.engine.generate(req, keep=True)
-                    if self.kept is not None
-                    else self.engine.generate(req)
+                    parts.sampler.generate(req, keep=True)
+                    if kept is not None
+                    else parts.sampler.generate(req)
                 )
             except BaseException:
-                if self.kept is not None:
-                    self.kept.clear()
+                if kept is not None:
+                    kept.clear()
                 raise
-            track = resp.track(self.engine.track_name)
-            if self.kl_in_reward:
-                self._attach_reference_log_probs(track)
-            if self.critic is not None:
-                self.critic.attach_values(track)
-        if self.rank_info.rank % self.sequence_parallel:  # a sequence-parallel group's copy: its
-            return None  # first rank puts the samples the group generated together
-        return put_batch(self.transport, partition, track)
+            sampled = resp.track(parts.sampler.track_name)
+            if parts.kl_in_reward:
+                self._attach_reference_log_probs(parts, sampled)
+            if parts.critic is not None:
+                parts.critic.attach_values(sampled)
+        if self.rank_info.rank % self.sequence_parallel:  # a sequence-parallel group's copy
+            return None
+        return put_batch(self.transport, partition, sampled)
 
     @torch.no_grad()
-    def _attach_reference_log_probs(self, track) -> None:
+    def _attach_reference_log_probs(self, parts: TrackParts, track) -> None:
         """Set `segment.ref_log_probs`: the reference policy's log-probs of the sampled tokens."""
         seg = track.segment
-        with self.backend.reference():
-            ref = self.stage.token_log_probs(seg).float()
+        with parts.backend.reference():
+            ref = parts.stage.token_log_probs(seg).float()
         seg.ref_log_probs = [ref[i, : r.numel()].clone() for i, r in enumerate(seg.response_ids)]
-
-    @dispatch(Dispatch.DP_SCATTER)
-    def sample_eval(self, req: RolloutReq, use_ema: bool = False) -> torch.Tensor | list[str]:
-        """This rank's shard of an evaluation request: [n, 3, H, W] uint8 images (CPU) or n
-        response texts, from the EMA weights when `use_ema` (restored after)."""
-        with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
-            track = self.eval_engine.generate(req).track(self.eval_engine.track_name)
-        return track.media.cpu() if track.media is not None else list(track.texts)
-
-    @dispatch(Dispatch.DP_SCATTER)
-    def train(
-        self, meta: BatchMeta, rewards: torch.Tensor, advantages: torch.Tensor, progress: float
-    ) -> dict[str, float]:
-        """Fetch this rank's shard of the track from the transport, attach the
-        driver's [b] rewards and advantages, and train; returns this rank's metrics.
-        Graphs kept by `rollout` for this partition replace the replay of the steps they
-        cover; they are dropped when this returns or raises. With a critic it trains first
-        (`critic/...` metrics); during its warm-up steps the policy is not updated."""
-        try:
-            track = get_batch(self.transport, meta)
-            track.rewards, track.advantages = rewards.to(self.device), advantages.to(self.device)
-            if self.kept is not None and self.kept.partition != meta.partition:
-                self.kept.clear()  # another step's graphs; every rank still offers its (empty) store
-            metrics = {}
-            if self.critic is not None:
-                metrics = self.critic.train(track, progress)
-                warmup = round(progress * self.num_steps) < self.critic.config.warmup_steps
-                metrics["critic/warmup"] = float(warmup)
-                if warmup:
-                    return metrics
-            metrics.update(self.stack.train_track(track, progress, kept=self.kept))
-            metrics.update(thread_metrics())
-        finally:
-            if self.kept is not None:
-                self.kept.clear()
-        self.backend.end_of_rollout()
-        return metrics
 
     @dispatch(Dispatch.BROADCAST)
     def release_kept(self, partition: str) -> None:
-        """Drop the graphs `rollout` kept for `partition` (the driver calls it when a step
-        fails before `train` consumed them); a no-op for any other partition."""
-        if self.kept is not None and self.kept.partition in (partition, None):
-            self.kept.clear()
+        """Drop the graphs `rollout` kept for step partition `partition` (a composed run's track
+        partitions under it included); the driver calls it when a step fails before `train`
+        consumed them. A no-op for any other partition."""
+        for parts in self.tracks.values():
+            kept = parts.kept
+            if kept is not None and (
+                kept.partition is None
+                or kept.partition == partition
+                or kept.partition.startswith(partition + "/")
+            ):
+                kept.clear()
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def sample_eval(self, req: RolloutReq, use_ema: bool = False) -> torch.Tensor | list[str]:
+        """This rank's shard of a single-track evaluation request: [n, 3, H, W] uint8 images
+        (CPU) or n response texts, from the EMA weights when `use_ema` (restored after)."""
+        parts = self.track(None)
+        with parts.backend.ema_weights() if use_ema else contextlib.nullcontext():
+            sampled = parts.eval_sampler.generate(req).track(parts.eval_sampler.track_name)
+        return sampled.media.cpu() if sampled.media is not None else list(sampled.texts)
+
+    @dispatch(Dispatch.DP_SCATTER)
+    def sample_chain(self, req: RolloutReq, samplings: dict, feed: str = "rewrite") -> dict[str, Any]:
+        """This rank's shard of a composed evaluation: the root texts and the leaf's images ([n, 3,
+        H, W] uint8 on the CPU) of the deterministic request `req` with the child `samplings`.
+        `feed`: what the image model renders: "rewrite" (the root stage's texts), "user" (the
+        user prompt itself, without a closing full stop: the floor) or "canonical"
+        (`metadata["canonical"]`: the ceiling)."""
+        root = self.engine.tracks[0]
+        override = None
+        if feed == "user":  # as written, less surrounding blanks and a closing full stop (not content)
+            override = {root: [p.strip().removesuffix(".").strip() for p in req.prompts]}
+        elif feed == "canonical":
+            override = {root: [m["canonical"] for m in req.metadata]}
+        elif feed != "rewrite":
+            raise ValueError(f"feed must be rewrite, user or canonical, got {feed!r}")
+        resp = self.engine.generate(req, samplings=samplings, texts_override=override)
+        leaf = resp.track(self.engine.tracks[-1])
+        return {"texts": list(resp.track(root).texts), "images": leaf.media.cpu()}
+
+    # ---- train --------------------------------------------------------------------------------
+    @dispatch(Dispatch.DP_SCATTER)
+    def train(
+        self,
+        meta: BatchMeta,
+        rewards: torch.Tensor,
+        advantages: torch.Tensor,
+        progress: float,
+        track: str | None = None,
+    ) -> dict[str, float]:
+        """Fetch this rank's shard of the track from the transport, attach the driver's [b]
+        rewards and advantages, and train; returns this rank's metrics. Graphs kept by `rollout`
+        for this partition replace the replay of the steps they cover; they are dropped when this
+        returns or raises. With a critic it trains first (`critic/...` metrics); during its
+        warm-up steps the policy is not updated."""
+        parts = self.track(track)
+        if not parts.trained:
+            raise ValueError(
+                f"track {track!r} is frozen (tracks.{track}.trained: false); it has nothing to train"
+            )
+        kept = parts.kept
+        try:
+            batch = get_batch(self.transport, meta)
+            batch.rewards, batch.advantages = rewards.to(self.device), advantages.to(self.device)
+            if kept is not None and kept.partition != meta.partition:
+                kept.clear()  # another step's graphs; every rank still offers its (empty) store
+            metrics = {}
+            if parts.critic is not None:
+                metrics = parts.critic.train(batch, progress)
+                warmup = round(progress * self.num_steps) < parts.critic.config.warmup_steps
+                metrics["critic/warmup"] = float(warmup)
+                if warmup:
+                    return metrics
+            metrics.update(parts.stack.train_track(batch, progress, kept=kept))
+            metrics.update(thread_metrics())
+        finally:
+            if kept is not None:
+                kept.clear()
+        parts.backend.end_of_rollout()
+        return metrics
+
+    # ---- checkpoints and exports --------------------------------------------------------------
+    def _layout(self, path: str, sub: str | None = None) -> dict[str, str]:
+        """Where each track's files go under `path` (in `sub`, e.g. "weights"): a single-track
+        run's at `path` itself, a composed run's in one directory per track."""
+        base = os.path.join(path, sub) if sub else path
+        if not self.composed:
+            return {n: base for n in self.tracks}
+        return {n: os.path.join(base, n) for n in self.tracks}
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
-    def save_checkpoint(self, path: str, base_model: str) -> None:
-        """Write the sharded train state and the exported weights under `path`."""
-        os.makedirs(path, exist_ok=True)
-        save_train_state(path, self.backend, self.rank_info.rank, self.algorithm)
-        if self.critic is not None:
-            self.critic.save(path, self.rank_info.rank)
-        self.backend.save_weights(os.path.join(path, "weights"), base_model, write=self.rank_info.rank == 0)
+    def save_checkpoint(self, path: str, base_model: str | dict[str, str]) -> None:
+        """Write every trained track's sharded train state (its algorithm's and critic's included)
+        and its exported weights under `path` (all ranks at once)."""
+        rank = self.rank_info.rank
+        states, weights = self._layout(path), self._layout(path, "weights")
+        for n, t in self.tracks.items():
+            if not t.trained:
+                continue
+            os.makedirs(states[n], exist_ok=True)
+            save_train_state(states[n], t.backend, rank, t.algorithm)
+            if t.critic is not None:
+                t.critic.save(states[n], rank)
+            base = base_model[n] if isinstance(base_model, dict) else base_model
+            t.backend.save_weights(weights[n], base, write=rank == 0)
 
     @dispatch(Dispatch.BROADCAST)
     def load_checkpoint(self, path: str) -> None:
-        """Restore the train state written by `save_checkpoint`, the algorithm's state
-        included, and the critic's (all ranks at once)."""
-        load_train_state(path, self.backend, self.rank_info.rank, self.algorithm)
-        if self.critic is not None:
-            self.critic.load(path, self.rank_info.rank)
+        """Restore what `save_checkpoint` wrote (all ranks at once)."""
+        rank = self.rank_info.rank
+        states = self._layout(path)
+        for n, t in self.tracks.items():
+            if t.trained:
+                load_train_state(states[n], t.backend, rank, t.algorithm)
+                if t.critic is not None:
+                    t.critic.load(states[n], rank)
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
-    def save_weights(self, path: str, base_model: str, use_ema: bool = False) -> None:
-        """Export the trained weights (LoRA or full model, in the family's library format:
-        diffusers for the diffusion families, transformers / peft for causal LMs); the EMA weights in their
-        place when `use_ema`."""
-        with self.backend.ema_weights() if use_ema else contextlib.nullcontext():
-            self.backend.save_weights(path, base_model, write=self.rank_info.rank == 0)
+    def save_weights(self, path: str, base_model: str | dict[str, str], use_ema: bool = False) -> None:
+        """Export every track under `path` (a composed run's in `path/<track>`): a trained track's
+        weights in its family's library format (LoRA or full model: diffusers for the diffusion
+        families, transformers / peft for causal LMs; the EMA weights with `use_ema`), a frozen
+        track's whole bundle."""
+        rank0 = self.rank_info.rank == 0
+        outs = self._layout(path)
+        for n, t in self.tracks.items():
+            if t.trained:
+                base = base_model[n] if isinstance(base_model, dict) else base_model
+                with t.backend.ema_weights() if use_ema else contextlib.nullcontext():
+                    t.backend.save_weights(outs[n], base, write=rank0)
+            elif rank0:
+                t.bundle.save_pretrained(outs[n])
