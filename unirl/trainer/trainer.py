@@ -384,8 +384,9 @@ class Trainer:
                 fields = [*fields, "segment.values"]  # GAE's per-step values
             meta, track, t_done = self._guard(step, "rollout", flight.collect, self.transport, fields, score)
             t_first = t_first or t_done
-            if k == 0 and self.reward is not None:
-                row.update(self.reward.metrics(track))
+            if k == 0:
+                if self.reward is not None:
+                    row.update(self.reward.metrics(track))
                 if self.rollout_settings.dedicated:
                     row["rollout/staleness"] = step - flight.version
             offset = sum(len(m) for m in metas)
