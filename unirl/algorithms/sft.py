@@ -61,7 +61,7 @@ class LMSFT(StageAlgorithm):
 @dataclass
 class FlowSFTConfig:
     """Settings of flow-matching SFT on a diffusion track (the single-process loop's
-    `FlowMatchingSFTConfig` less what the run owns: steps, batch, optimizer, seed).
+    `FlowMatchingSFTConfig` less what the run owns: steps, batch, optimizer).
 
     Attributes:
         sigma_sampling: "logit_normal" (sigmoid of N(0, 1), SD3's default) or "uniform".
@@ -69,7 +69,8 @@ class FlowSFTConfig:
         cond_dropout: probability of training a sample on the empty prompt (classifier-free
             guidance at sampling needs it).
         guidance_scale: the scale an "embedded" family (FLUX.1-dev) is trained at, a network
-            input; 1.0 for a family that trains unguided (validated against the model).
+            input; 1.0 for a family that trains unguided (any other scale is refused there at
+            the first step).
         seed: with the sample's id, seeds its noise level, noise and dropout draw, so a sample's
             loss depends on neither its batch-mates nor its rank, and a resumed run draws the same.
     """
