@@ -1,5 +1,5 @@
 """The rules of a supervised track. The pairing: a loss that learns from demonstrations
-(`learns_from_demonstrations`, `unirl.algorithms.sft.LMSFT`) and the engine that replays them
+(`learns_from_demonstrations`: `unirl.algorithms.sft.LMSFT`, `FlowSFT`) and the engine that replays them
 (`samples_policy = False`, `unirl.rollout.demonstrations.DemonstrationEngine`) come together, with
 no reward, advantage or critic and one sample a row; every other trained track has a reward and an
 advantage. And the demonstrations against the rows and the model (`check_demonstrations`)."""
@@ -21,8 +21,9 @@ DEMONSTRATIONS = "unirl.rollout.demonstrations.DemonstrationEngine"
 def check_supervised(
     cfg: DictConfig, algorithm: type | None, sampling: Any, composed: bool, problems: list[str]
 ) -> None:
-    """`cfg`: the track's node (a single-track recipe's root, or `tracks.<name>` with its reward
-    under `reward` as `track_view` renames it); `composed`: the track is one of several."""
+    """`cfg`: the track's node (a single-track recipe's root, whose `rollout`, `reward`, `advantage`
+    and `critic` it reads, or a composed recipe's `tracks.<name>`, whose `engine`); `composed`: the
+    track is one of several."""
     engine_key = "engine" if composed else "rollout"
     engine = target_class(cfg, engine_key) if cfg.get(engine_key) is not None else None
     replays = engine is not None and getattr(engine, "samples_policy", True) is False
@@ -32,7 +33,7 @@ def check_supervised(
         problems.append(
             f"{engine_key}: {engine.__name__} gives the data's demonstrations, not samples of the policy, and "
             f"{name} is an RL loss that needs samples: use unirl.rollout.trainside.TrainsideEngine, or a "
-            "supervised algorithm (unirl.algorithms.sft.LMSFT)"
+            "supervised algorithm (unirl.algorithms.sft.LMSFT or FlowSFT)"
         )
     if not supervised:
         for key in ("reward", "advantage"):
