@@ -171,8 +171,8 @@ def track_partition(partition: str, track: str) -> str:
 class TrackParts:
     """One track on one worker: its bundle and stage, and when trained its backend, algorithm and
     stack (None for a frozen track); the engine that samples its training rollouts here
-    (`sampler`) and the one that samples its evaluations (`eval_sampler`: the policy on this
-    module); PPO's colocated critic; whether its rollouts record the reference policy's token
+    (`sampler`) and, in a single-track run, the one that samples its evaluations (`eval_sampler`:
+    the policy on this module; a composed run evaluates through its chain, `sample_chain`); PPO's colocated critic; whether its rollouts record the reference policy's token
     log-probs (`kl_in_reward`) or sample the EMA weights, and whether the Adam moments leave the
     device while it samples."""
 
@@ -332,7 +332,6 @@ class RLWorker(ProcessWorker):
                 node = cfg["tracks"][n].get("engine")
                 own = node is not None and not is_dedicated(node)
                 parts.sampler = sampler_of(node, parts.stage, n) if own else self.engine.engines[n]
-                parts.eval_sampler = parts.sampler
         else:
             self.sequence_parallel = sequence_parallel_degree(cfg)
             parts = build_track("", cfg, total_optimizer_steps, base_model_dir, rank, self.device, True)
