@@ -86,14 +86,9 @@ def recipe(name: str, out, *overrides: str, expect: str | None = None) -> DictCo
 
 def run(name: str, out, *overrides: str) -> list[dict]:
     """Train `recipe(name, out, *overrides)` to the end; the rows of `out/metrics.jsonl`."""
-    cfg = recipe(name, out, *overrides)
-    if name.startswith("pe/"):
-        from unirl.trainer.composed import ComposedTrainer as trainer
-    elif name.startswith("unified/"):
-        from unirl.trainer.unified import UnifiedTrainer as trainer
-    else:
-        from unirl.trainer.trainer import Trainer as trainer
-    trainer(cfg).run()
+    from unirl.trainer.trainer import Trainer
+
+    Trainer(recipe(name, out, *overrides)).run()
     return rows(out)
 
 

@@ -3,9 +3,9 @@
 A recipe is one of three kinds (`recipe_kind`): a single-track run (one model: no `tracks`),
 a composed run (`tracks.<name>`, each with its own model: a prompt enhancer feeding a diffusion
 model) or a unified run (`tracks.<name>` sharing the recipe's one `model`: Janus's plan and image
-segments). `run` validates a recipe with its kind's validator before any Ray work and runs its
-kind's trainer. `python -m unirl.train` runs any recipe (the kind read from the recipe); the
-four names users know pass the kind (and a single-track run's modality) they expect:
+segments). `run` validates a recipe with its kind's validator before any Ray work and runs the
+one `Trainer` (`unirl.trainer.trainer`), which sees every kind as a graph of tracks.
+`python -m unirl.train` runs any recipe (the kind read from the recipe); the four names users know pass the kind (and a single-track run's modality) they expect:
 `unirl.train_diffusion` and `unirl.train_vlm` (single-track, diffusion / text), `unirl.train_pe`
 (composed) and `unirl.train_unified_model` (unified). A supervised recipe (an `sft` node) runs
 `unirl.train_sft`'s loop in this process.
@@ -21,11 +21,6 @@ from omegaconf import DictConfig
 from unirl.config.validate import ConfigError, validate_rl_config
 
 KINDS = ("single", "composed", "unified", "sft")
-TRAINERS = {
-    "single": "unirl.trainer.trainer.Trainer",
-    "composed": "unirl.trainer.composed.ComposedTrainer",
-    "unified": "unirl.trainer.unified.UnifiedTrainer",
-}
 
 
 def recipe_kind(cfg: DictConfig) -> str:
@@ -63,7 +58,7 @@ def run(cfg: DictConfig, kind: str | None = None, modality: str | None = None) -
 
         run_sft(cfg)
         return
-    validate_then_run(cfg, validator(kind, modality), TRAINERS[kind])
+    validate_then_run(cfg, validator(kind, modality))
 
 
 def run_recipe(cfg: DictConfig, expect: str) -> None:
@@ -71,23 +66,20 @@ def run_recipe(cfg: DictConfig, expect: str) -> None:
     run(cfg, "single", expect)
 
 
-def validate_then_run(cfg: DictConfig, validate: Callable[[DictConfig], None], trainer: str) -> None:
+def validate_then_run(cfg: DictConfig, validate: Callable[[DictConfig], None]) -> None:
     """`validate(cfg)` before any Ray work (exit 2 listing every problem), then
-    `<trainer>(cfg).run()`, the trainer named by its class path and imported only after
-    validation (exit 1 with the step and last checkpoint when a run stops, or naming the
-    tracker that failed)."""
+    `Trainer(cfg).run()`, imported only after validation (exit 1 with the step and last
+    checkpoint when a run stops, or naming the tracker that failed)."""
     try:
         validate(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    from hydra.utils import get_class
-
     from unirl.tracking.trackers import TrackerError
-    from unirl.trainer.trainer import TrainingError  # after validation: no heavy imports first
+    from unirl.trainer.trainer import Trainer, TrainingError  # after validation: no heavy imports first
 
     try:
-        get_class(trainer)(cfg).run()
+        Trainer(cfg).run()
     except (TrainingError, TrackerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -4,7 +4,7 @@ A unified-model run: one backbone (Janus) writes a semantic plan for each prompt
 image tokens after prompt + plan; one image reward is credited to both segments and each
 trained segment's loss enters one joint step with its weight (BiCoT-GRPO). Validates the
 recipe before any Ray work (exit 2 listing every problem), then runs
-`unirl.trainer.unified.UnifiedTrainer` (exit 1 naming the step when a run stops).
+`unirl.trainer.trainer.Trainer` (exit 1 naming the step when a run stops).
 `--cfg job --resolve` prints the composed recipe and exits.
 """
 

@@ -1,4 +1,4 @@
-"""Composed runs (a prompt enhancer feeding a diffusion model) through `ComposedTrainer` and
+"""Composed runs (a prompt enhancer feeding a diffusion model) through `Trainer` and
 `python -m unirl.train_pe`: a frozen track stays bit-identical, both tracks export, and a run
 with both tracks trained on 2 Ray workers resumes exactly (3 + 3 steps == 6)."""
 
@@ -159,8 +159,7 @@ def test_a_composed_step_that_fails_before_train_releases_its_kept_graphs(tmp_pa
     """A step whose leaf reward fails (a NaN naming the sample) stops the run before training;
     the graphs the diffusion track kept for it are released on the worker, none left behind."""
     from tests.trainer.test_keep_graph_runs import NaNOnOne  # noqa: F401 (the recipe names it)
-    from unirl.trainer.composed import ComposedTrainer
-    from unirl.trainer.trainer import TrainingError
+    from unirl.trainer.trainer import Trainer, TrainingError
     from unirl.trainer.worker import RLWorker
 
     released, before, held = [], [], []
@@ -181,7 +180,7 @@ def test_a_composed_step_that_fails_before_train_releases_its_kept_graphs(tmp_pa
     ]
     cfg = recipe(PE, tmp_path, "num_steps=1", *IN_PROCESS, *QUIET, *KEEP_TRACK, *broken)
     with pytest.raises(TrainingError, match=r"during 'reward \(diffusion\)'"):
-        ComposedTrainer(cfg).run()
+        Trainer(cfg).run()
     assert released == ["step_0"] and before[0] > 0 and held == [0]
 
 

@@ -232,7 +232,7 @@ def test_failed_step_leaks_nothing_and_spares_a_running_controller(tmp_path):
             assert outer.stored_partitions() == ["step_0"]  # the rollout is in the store...
             raise RuntimeError("reward server down")
 
-        trainer.reward.score_and_attach = reward_down
+        trainer.graph.tracks[None].reward.score_and_attach = reward_down
         with pytest.raises(RuntimeError, match="reward server down"):
             trainer.run()
         assert outer.stored_partitions() == []  # ...and gone after the failed step

@@ -25,7 +25,7 @@ from unirl.config.track import check_track, track_view
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.rollout.dedicated import is_dedicated
 from unirl.sync.config import WeightSyncConfig
-from unirl.trainer.composed import AGGREGATES
+from unirl.types.lineage import AGGREGATES
 from unirl.types.sampling import TextSamplingParams
 
 

@@ -122,12 +122,20 @@ class InFlightRollout:
             tracks.append(track)
         return request_order(metas, self.parts), request_order(tracks, self.parts), arrived
 
+    def wait(self) -> Any:
+        """Wait for every chunk; the meta in request order (one chunk: a shared backbone's
+        `{track: BatchMeta}`)."""
+        return request_order([chunk() for chunk in self.chunks], self.parts)
+
 
 class TrainsideRollouts:
-    """The train workers sample with the module they train: one call per rollout, nothing to sync."""
+    """The train workers sample with the module they train: one call per rollout, nothing to sync.
+    `track`: the composed track they sample (None: the run's own, or every track of a shared
+    backbone, whose rollout is every track's meta by name)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, track: str | None = None) -> None:
         self.group = group
+        self.track = track
         self.version = 0
 
     def prepare(self, version: int) -> dict[str, float]:
@@ -135,7 +143,14 @@ class TrainsideRollouts:
         return {}
 
     def submit(self, req: RolloutReq, partition: str) -> InFlightRollout:
-        return InFlightRollout([self.group.submit("rollout", req, partition).result], 1, self.version)
+        named = () if self.track is None else (self.track,)
+        call = self.group.submit("rollout", req, partition, *named)
+
+        def wait() -> Any:
+            metas = call.result()  # the ranks' metas, gathered; a shared backbone's: one dict per rank
+            return concat_metas(metas) if isinstance(metas, list) else metas
+
+        return InFlightRollout([wait], 1, self.version)
 
     def release(self) -> None:
         return None
@@ -163,7 +178,7 @@ class DedicatedRollouts:
         engine_class: the engine actor (`EngineWorker`; a unified run's `UnifiedEngineWorker`,
             whose chunk is every track's meta by name).
         track: the track of a composed run these engines sample (`cfg` is then that track's
-            view, `unirl.trainer.composed.track_recipe`); its weights are the ones synced.
+            view, `unirl.trainer.graph.track_recipe`); its weights are the ones synced.
         first_device: the pool index of the first separate engine (default: after the training
             devices; a composed run's second separate track starts after the first's engines).
 

@@ -1,15 +1,23 @@
-"""`Trainer`: the driver of an RL run, diffusion or text (single controller on Ray).
+"""`Trainer`: the driver of every RL run (single controller on Ray), a walk over a graph of tracks.
 
-One loop for every modality: what differs per modality (building a rollout
-request, the fields scoring fetches, how samples are kept) is a
-`unirl.trainer.modality` object chosen by the recipe's sampling params; the
-model family, stage and algorithm live in the workers. Per step: prompts -> rollout (workers put their tracks into the transport,
-the driver gets metas) -> reward (driver fetches only what scoring needs) ->
-advantages (driver) -> train (each worker fetches its shard by meta) ->
-[checkpoint]; the step's partition is cleared in a ``finally``. The driver
-holds metas, ids, media for scoring, rewards and advantages; the trainer owns
-placement, worker construction, the transport, phase order, checkpoints and
-resume.
+A recipe is a chain of tracks (`unirl.trainer.graph.RunGraph`): a single-track recipe is a
+chain of one; a composed one a chain whose tracks each have their own model (a prompt
+enhancer feeding a diffusion model); a unified one a chain whose tracks share one backbone
+(Janus's plan and image segments). Per step: prompts -> rollout, root first (each engine
+unit samples its track, or a shared backbone's tracks, where the recipe says: the train
+workers' own module or dedicated engines synced to this step's weights; a child's request is
+built from its parent's texts) -> rewards, leaf first (a leaf by its reward, a parent by the
+aggregate of its children's plus its own) -> advantages per trained track -> train per trained
+track (a shared backbone's tracks in one joint step) -> [checkpoint]; the step's partitions are
+cleared in a ``finally``. The driver holds metas, ids, media for scoring, rewards and
+advantages; the trainer owns placement, worker construction, the transport, phase order,
+checkpoints and resume.
+
+What differs per modality (building a rollout request, the fields scoring fetches, how samples
+are kept and evaluated) is a `unirl.trainer.modality` object chosen by a track's sampling
+params. A single-track run's one track is its own root and leaf, so its reward is scored
+chunk by chunk while the rest of the rollout generates, and it alone may sample dynamically
+(DAPO) or one step ahead (`rollout.max_staleness: 1`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,12 +37,13 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from unirl.algorithms.advantages import track_advantages
-from unirl.dataplane import BatchMeta, make_transport
+from unirl.dataplane import BatchMeta, get_batch, make_transport
 from unirl.distributed.cores import apply_thread_count, governed_threads, usable_cores
 from unirl.distributed.group import DevicePool, WorkerError, in_process, placement, remote
 from unirl.distributed.group.cluster import init_ray
-from unirl.reward.service import RewardError
+from unirl.reward.service import RewardError, RewardService
 from unirl.tracking.gallery import write_gallery
+from unirl.tracking.metrics import save_image_grid
 from unirl.tracking.trackers import Tracking
 from unirl.train.sequence_parallel import sequence_parallel_degree
 from unirl.train.stack import reduce_metrics
@@ -45,11 +55,15 @@ from unirl.trainer.checkpoints import (
     saves_base_model,
     write_driver_state,
 )
+from unirl.trainer.composed_eval import ComposedEval
 from unirl.trainer.engine_worker import EngineWorker
-from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, RolloutSettings, TrainsideRollouts
-from unirl.trainer.modality import modality_for
+from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, TrainsideRollouts
+from unirl.trainer.graph import LINEAGE_FIELDS, PARENT_FIELDS, RunGraph, track_recipe
+from unirl.trainer.modality import ImageModality, TextModality, modality_for
 from unirl.trainer.step_record import StepRecord
+from unirl.trainer.unified import UnifiedEngineWorker, UnifiedWorker, unified_eval
 from unirl.trainer.worker import RLWorker, build
+from unirl.types.lineage import aggregate_children, child_request
 from unirl.types.rollout_resp import RolloutTrack
 
 # exported in every worker. THP_MEM_ALLOC_ENABLE: PyTorch's CPU allocator backs large allocations
@@ -78,58 +92,104 @@ class TrainingError(RuntimeError):
     """A run stopped: names the step, the failing worker and the last checkpoint."""
 
 
+def labelled(what: str, name: str | None) -> str:
+    """A phase's name in errors: `what`, or `what (<track>)` for a named track or engine."""
+    return what if name is None else f"{what} ({name})"
+
+
+@dataclass
+class PolicyEval:
+    """A single-track run's held-out evaluation (`eval`): its examples, scorer and sampling,
+    and whether it samples the EMA weights."""
+
+    examples: list
+    scorer: Any
+    sampling: Any
+    use_ema: bool
+
+    @classmethod
+    def from_config(cls, node: Any) -> PolicyEval:
+        examples = build(node.examples)
+        return cls(
+            list(getattr(examples, "examples", examples)),
+            build(node.scorer),
+            build(node.sampling),
+            bool(node.get("use_ema", False)),
+        )
+
+
 class Trainer:
     """Runs the recipe `cfg` (already validated) up to `cfg.num_steps`.
 
     Writes into `cfg.output_dir`: `config.yaml` (resolved), `metrics.jsonl`
     (one row per step; with `eval`, a step-0 row and `eval/...` keys every
     `eval.every_n_steps` steps and at the end), `samples/step_XXXX.png` (+ .json prompts and
-    rewards; a text run writes only the .json, with the responses) every `logging.save_images_every` steps and at the last step,
+    rewards; a text run writes only the .json, with the responses; a chain's leaf images are
+    captioned "user prompt -> rewrite" beside `samples/lineage_step_XXXX.json`: user prompt ->
+    rewrites -> image rewards) every `logging.save_images_every` steps and at the last step,
     `gallery.html` (self-contained: sample grids, prompts, reward and accuracy curves),
     what the trackers the recipe's `tracking` lists write (rows, samples and the resolved
-    recipe; `unirl/tracking/README.md`),
-    `base_model/` for a tiny model, `checkpoints/step_XXXXXX/` every
-    `checkpoint.every_n_steps` steps, and `checkpoints/final/` (weights that the model
-    config's `load_checkpoint` loads back; with `train.ema`, the EMA weights in the same
-    format in `checkpoints/final_ema/`). With `resume_from` (a
-    checkpoint directory or `latest`) it continues from that step and the run
-    is identical to one that never stopped.
+    recipe; `unirl/tracking/README.md`), `base_model/` for a tiny model,
+    `checkpoints/step_XXXXXX/` every `checkpoint.every_n_steps` steps, and `checkpoints/final/`
+    (weights that the model config's `load_checkpoint` loads back; with `train.ema`, the EMA
+    weights in the same format in `checkpoints/final_ema/`). A composed run (a model per track)
+    has a directory per track under each (`base_model/<track>`, `checkpoints/.../<track>`; a
+    frozen track's final directory is its whole bundle). With `resume_from` (a checkpoint
+    directory or `latest`) it continues from that step and the run is identical to one that
+    never stopped. Rows prefix a named track's metrics with `<track>/`; `reward/mean` is the
+    leaf's.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.out = str(cfg.output_dir)
-        self.sampling = build(cfg.sampling)
+        self.graph = RunGraph.of(cfg)
         self.data_source = build(cfg.data_source)
-        self.reward = build(cfg.reward)
-        self.advantage = build(cfg.advantage)
-        self.algorithm = build(cfg.algorithm)  # the driver asks it only for its dynamic-sampling hook
+        # the driver asks a single track's algorithm only for its dynamic-sampling hook
+        self.algorithm = build(cfg.algorithm) if self.graph.single else None
         self.num_steps = int(cfg.num_steps)
-        self.rollout_settings = RolloutSettings.of(cfg)
-        self.rollouts: TrainsideRollouts | DedicatedRollouts | None = None
-        self.keep_graph = bool(cfg.rollout.get("keep_graph", False))
+        self.engines: dict[str | None, TrainsideRollouts | DedicatedRollouts] = {}  # per engine unit
+        self.modalities: dict[str | None, Any] = {}
+        self.keep_graph = self.graph.keep_graph
         ckpt = cfg.get("checkpoint") or {}
         self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
-        self.tiny = not cfg.model.get("pretrained_path")
-        self.base_model = (
-            os.path.abspath(os.path.join(self.out, "base_model"))
-            if self.tiny
-            else os.path.abspath(str(cfg.model.pretrained_path))
-        )
+        self.base_model = self._base_models()
         self.last_checkpoint: str | None = None
         self.step_stats: dict[str, float] = {}  # weight-sync figures of the step, for its row
+        self.ahead: InFlightRollout | None = None  # the next step's rollout, in flight while this one trains
         self.ahead_step: int | None = None
         self.ahead_source_state: dict[str, Any] | None = None
         self.restore_s: float | None = None
         self.transport = make_transport(cfg.transport)
+        if self.graph.shared:
+            self.worker_class, self.engine_class = UnifiedWorker, UnifiedEngineWorker
         ev = cfg.get("eval")
         self.eval_every = int(ev.get("every_n_steps", 0) or 0) if ev else 0
-        if ev:
-            examples = build(ev.examples)
-            self.eval_examples = list(getattr(examples, "examples", examples))
-            self.eval_scorer = build(ev.scorer)
-            self.eval_sampling = build(ev.sampling)
-            self.eval_use_ema = bool(ev.get("use_ema", False))
+        self.evaluator = self._evaluator(ev) if ev else None
+
+    worker_class: type = RLWorker  # a train rank (a shared backbone's: `UnifiedWorker`)
+    engine_class: type = EngineWorker  # a dedicated engine's actor (a shared backbone's: `UnifiedEngineWorker`)
+
+    def _evaluator(self, ev: DictConfig) -> PolicyEval | ComposedEval:
+        """A single track's evaluation of its policy, or a chain's of prompt -> rewrite -> image."""
+        if self.graph.single:
+            return PolicyEval.from_config(ev)
+        if self.graph.shared:
+            return unified_eval(ev, self.graph.leaf)
+        samplings = {n: t.sampling for n, t in self.graph.tracks.items()}
+        return ComposedEval.from_config(ev, self.graph.order, samplings)
+
+    def _base_models(self) -> str | dict[str, str]:
+        """The directory exports load onto: the model's `pretrained_path`, or where a tiny model's
+        untrained bundle is written (`base_model/`); a composed run's per track (`base_model/<track>`)."""
+
+        def base(model: Any, sub: str) -> str:
+            path = model.get("pretrained_path")
+            return os.path.abspath(str(path) if path else os.path.join(self.out, sub))
+
+        if self.graph.per_track_models:
+            return {n: base(self.cfg.tracks[n].model, os.path.join("base_model", n)) for n in self.graph.order}
+        return base(self.cfg.model, "base_model")
 
     def run(self) -> list[dict[str, Any]]:
         """Run the loop; returns the metric rows written by this invocation."""
@@ -152,9 +212,9 @@ class Trainer:
         """The run's processes, up for the `with` block and torn down after it whatever happens:
         Ray (started here unless already running or joined), the device pool, the transport, the
         worker group (in this process with `launcher: in_process`) and the rollout engines
-        (`self.rollouts`); writes `placement.json`. Yields the worker group."""
+        (`self.engines`); writes `placement.json`. Yields the worker group."""
         local = self.cfg.get("launcher", "ray") == "in_process"
-        devices = self._pool_devices()
+        devices = self.graph.pool_devices(int(self.cfg.num_devices))
         started_ray = False if local else init_ray(num_cpus=max(2 * devices, usable_cores()))
         pool = None if local else DevicePool(devices)
         group = None
@@ -203,51 +263,72 @@ class Trainer:
 
                 ray.shutdown()
 
-    worker_class: type = RLWorker
-    engine_class: type = EngineWorker  # a dedicated engine's actor
-
-    def _pool_devices(self) -> int:
-        """Devices the run reserves: the training devices, plus the engines' own when separate."""
-        return self.rollout_settings.pool_devices(int(self.cfg.num_devices))
-
     def _start_engines(
         self, plain: dict[str, Any], pool: Any, group: Any, transport_info: dict[str, Any]
     ) -> list:
-        """Set `self.rollouts` (the train workers', or dedicated engines fed by weight sync);
-        returns the engines' `process_info` for placement.json."""
-        if self.rollout_settings.dedicated:
-            self.rollouts = self._guard(
+        """Set `self.engines`: per engine unit, the train workers (trainside) or dedicated engines
+        fed by weight sync, built from the recipe (a composed track's from its view of it,
+        `track_recipe`); separate engines take the pool's devices after the training ones, unit
+        after unit. Returns the engines' `process_info` for placement.json."""
+        processes: list[dict[str, Any]] = []
+        first = int(self.cfg.num_devices)
+        for unit in self.graph.units:
+            settings = unit.settings
+            if not settings.dedicated:
+                self.engines[unit.key] = TrainsideRollouts(group, unit.key)
+                continue
+            view = plain if unit.key is None else track_recipe(plain, unit.key)
+            engines = self._guard(
                 0,
-                "engine setup",
+                labelled("engine setup", unit.key),
                 DedicatedRollouts,
-                self.rollout_settings,
-                plain,
+                settings,
+                view,
                 pool,
                 group,
                 transport_info,
                 WORKER_ENV,
                 self.engine_class,
+                unit.key,
+                first,
             )
-        else:
-            self.rollouts = TrainsideRollouts(group)
-        return self._guard(0, "process_info", self.rollouts.process_info)
+            self.engines[unit.key] = engines
+            first += settings.num_engines if settings.placement == "separate" else 0
+            info = self._guard(0, "process_info", engines.process_info)
+            processes += info if unit.key is None else [{**p, "track": unit.key} for p in info]
+        return processes
 
     def _stop_engines(self) -> None:
         """Shut down what `_start_engines` started (whatever state the run is in)."""
-        if self.rollouts is not None:
-            self.rollouts.shutdown()
+        for engines in self.engines.values():
+            engines.shutdown()
+        self.engines = {}
 
     def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
-        """Arguments of every worker after its `RankInfo` (the resolved recipe first)."""
-        updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
-        save_base = self.tiny and saves_base_model(self.cfg)
-        return (plain, updates, self.base_model if save_base else None, transport_info)
+        """Arguments of every worker after its `RankInfo`: the resolved recipe, the optimizer
+        steps of the run, where rank 0 writes a tiny model's untrained bundle (None: nowhere) and
+        the transport's info; a composed run's steps and bundles per track."""
+        save_base = saves_base_model(self.cfg)
+
+        def updates(train: Any) -> int:
+            return self.num_steps * build(train.stack).steps_per_rollout
+
+        def base(model: Any, path: str) -> str | None:
+            return None if model.get("pretrained_path") or not save_base else path
+
+        if self.graph.per_track_models:
+            tracks = self.cfg.tracks
+            steps = {n: updates(tracks[n].train) for n in self.graph.trained}
+            bases = {n: base(tracks[n].model, self.base_model[n]) for n in self.graph.order}
+            return (plain, steps, bases, transport_info)
+        return (plain, updates(self.cfg.train), base(self.cfg.model, self.base_model), transport_info)
 
     def _export(self, group) -> None:
-        """Write `checkpoints/final/` (and `final_ema/` with `train.ema`) after the last step."""
+        """Write `checkpoints/final/` (and `final_ema/` with a one-model run's `train.ema`) after
+        the last step."""
         final = os.path.join(self.out, "checkpoints", "final")
         self._call(group, "save_weights", self.num_steps - 1, final, self.base_model)
-        if self.cfg.train.get("ema"):
+        if not self.graph.per_track_models and self.cfg.train.get("ema"):
             self._call(group, "save_weights", self.num_steps - 1, final + "_ema", self.base_model, True)
 
     def _call(self, group, method: str, step: int, *args: Any) -> Any:
@@ -262,7 +343,7 @@ class Trainer:
             return fn(*args)
         except WorkerError as exc:
             last = self.last_checkpoint or "none written"
-            who = f"rollout engine {exc.rank} failed: " if exc.worker_cls == "EngineWorker" else ""
+            who = f"rollout engine {exc.rank} failed: " if exc.worker_cls.endswith("EngineWorker") else ""
             raise TrainingError(
                 f"run stopped at step {step + 1} during '{what}': {who}{exc}. Last complete checkpoint: {last}"
             ) from exc
@@ -288,15 +369,18 @@ class Trainer:
                 f"{type(exc).__name__}: {exc}. Last complete checkpoint: {last}"
             ) from exc
 
+    # ---------------------------------------------------------------- checkpoints
+
     def _restore(self, group, path: str) -> int:
         state = read_driver_state(path)
         self._call(group, "load_checkpoint", state["step"], path)
         self.data_source.load_state_dict(state["data_source"])
         behind = state.get("engine_weights_version")
-        if behind is not None and self.rollout_settings.max_staleness:
+        root = self.graph.units[0]
+        if behind is not None and root.settings.max_staleness:
             # the checkpoint was taken with the next rollout in flight: the engines get the weights it
             # sampled, and the resumed run samples that rollout again from them
-            self._guard(state["step"], "restore engine weights", self.rollouts.load_weights, path, behind)
+            self._guard(state["step"], "restore engine weights", self.engines[root.key].load_weights, path, behind)
         self.last_checkpoint = path
         metrics = os.path.join(self.out, "metrics.jsonl")
         if os.path.exists(metrics):  # drop rows a stopped run wrote after its last checkpoint
@@ -306,69 +390,124 @@ class Trainer:
                 f.writelines(kept)
         return int(state["step"])
 
-    def _save_checkpoint(self, group, step: int, ahead: InFlightRollout | None = None) -> None:
+    def _save_checkpoint(self, group, step: int) -> None:
         """Write the workers' state and the driver's. With the next step's rollout in flight
-        (`ahead`, max_staleness 1) the checkpoint also holds the weights that rollout samples
+        (`self.ahead`, max_staleness 1) the checkpoint also holds the weights that rollout samples
         (the engines', one version behind the trainer's) and the data source's position
         before its prompts, so a resumed run samples it again identically."""
         path = checkpoint_dir(self.out, step)
         t0 = time.perf_counter()
         self._call(group, "save_checkpoint", step - 1, path, self.base_model)
         source, extra = self.data_source.state_dict(), {}
-        if ahead is not None:
-            self._guard(step - 1, "save engine weights", self.rollouts.save_weights, path)
-            source, extra = self.ahead_source_state, {"engine_weights_version": ahead.version}
+        if self.ahead is not None:
+            self._guard(step - 1, "save engine weights", self.engines[self.graph.root].save_weights, path)
+            source, extra = self.ahead_source_state, {"engine_weights_version": self.ahead.version}
         write_driver_state(path, step, source, self.cfg, save_s=time.perf_counter() - t0, extra=extra)
         mark_complete(path)
         self.last_checkpoint = path
 
-    def _evaluate(self, group, step: int, modality) -> dict[str, float]:
-        """`eval/...` accuracies on the held-out prompts, sampled deterministically on the workers
-        (from the EMA weights with `eval.use_ema`) and scored as the modality says."""
-        world = int(self.cfg.num_devices) // sequence_parallel_degree(self.cfg)  # sample shards
+    # ---------------------------------------------------------------- evaluation and samples
 
-        def sample(req):
+    def _evaluate(self, group, step: int, references: bool = False) -> dict[str, float]:
+        """`eval/...` on the held-out prompts, sampled deterministically on the workers: a single
+        track's accuracies (from the EMA weights with `eval.use_ema`), scored as its modality says;
+        a chain's composed accuracies (`ComposedEval`; with `references`, the floor and the
+        ceiling: the user prompt and the canonical prompt fed straight to the image model)."""
+        if self.graph.single:
+            world = int(self.cfg.num_devices) // sequence_parallel_degree(self.cfg)  # sample shards
+        else:
+            world = int(self.cfg.num_devices)
+
+        def pad(req):  # with copies of the last sample, so every rank gets the same count
             n = len(req)
-            if n % world:  # pad with copies of the last sample so every rank gets the same count
-                req = req.select(list(range(n)) + [n - 1] * (world - n % world))
-            out = self._call(group, "sample_eval", step, req, self.eval_use_ema)
-            if isinstance(out, list):  # texts: one list per rank
-                out = [t for part in out for t in part]
-            return out[:n]
+            return req.select(list(range(n)) + [n - 1] * (world - n % world)) if n % world else req
 
-        metrics = modality.evaluate(sample, self.eval_examples, self.eval_scorer, self.eval_sampling)
+        ev = self.evaluator
+        if self.graph.single:
+
+            def sample(req):
+                out = self._call(group, "sample_eval", step, pad(req), ev.use_ema)
+                if isinstance(out, list):  # texts: one list per rank
+                    out = [t for part in out for t in part]
+                return out[: len(req)]
+
+            metrics = self.modalities[None].evaluate(sample, ev.examples, ev.scorer, ev.sampling)
+        else:
+
+            def sample(req, samplings, feed):
+                n = len(req)
+                parts = self._call(group, "sample_chain", step, pad(req), samplings, feed)
+                texts = [t for p in parts for t in p["texts"]][:n]
+                per = len(parts[0]["images"]) // len(parts[0]["texts"])
+                images = torch.cat([p["images"] for p in parts])[: n * per]
+                return texts, images
+
+            metrics = ev.run(sample, references)
         return {f"eval/{k}": v for k, v in metrics.items()}
 
-    def _rollout_and_score(
-        self, group, modality, step: int, partition: str, row: dict[str, Any], ahead: InFlightRollout | None
-    ):
-        """Draw prompts, roll out, fetch what scoring needs and score; returns the train batch's
-        (meta, scored track, time the first rollout ended) and adds the reward metrics to `row`.
+    def _save_samples(self, views: dict[str | None, RolloutTrack], stem: str) -> None:
+        """A single track's samples as its modality keeps them; a chain's leaf images as `<stem>.png`
+        (+ `.json`), each captioned "user prompt -> rewrite" with its reward, and
+        `lineage_<name>.json` beside it: per user prompt, its rewrites with their rewards and, per
+        rewrite, the rewards of its images."""
+        if self.graph.single:
+            self.modalities[None].save_samples(views[None], stem)
+            return
+        leaf, root = views[self.graph.leaf], views[self.graph.root]
+        key = self.graph.prompt_key
+        captions = [f"{m.get(key, '?')} -> {p}" for m, p in zip(leaf.metadata, leaf.prompts, strict=True)]
+        save_image_grid(leaf.media, stem + ".png", captions, leaf.rewards.tolist())
+        children: dict[str, list[float]] = {}
+        for pid, r in zip(leaf.parent_ids, leaf.rewards.tolist(), strict=True):
+            children.setdefault(pid, []).append(r)
+        tree: dict[str, dict[str, Any]] = {}
+        for i, sid in enumerate(root.sample_ids):
+            entry = tree.setdefault(root.group_ids[i], {"user_prompt": root.prompts[i], "rewrites": []})
+            entry["rewrites"].append(
+                {
+                    "rewrite": root.texts[i],
+                    "reward": float(root.rewards[i]),
+                    "image_rewards": children.get(sid, []),
+                }
+            )
+        head, tail = os.path.split(stem)
+        with open(os.path.join(head, f"lineage_{tail}.json"), "w") as f:
+            json.dump(list(tree.values()), f, indent=1)
 
-        The rollout runs where the recipe says (`self.rollouts`: the train workers, or dedicated
-        engines synced to this step's weights first); each finished chunk is scored while the
-        rest generates. `ahead`: this step's rollout, submitted during the previous step
+    # ---------------------------------------------------------------- one step
+
+    def _rollout_and_score(self, group, step: int, partition: str, row: dict[str, Any], ahead: InFlightRollout | None):
+        """A single-track run's rollout: draw prompts, roll out, fetch what scoring needs and
+        score; returns the train batch's (meta, scored track, time the first rollout ended) and
+        adds the reward metrics to `row`.
+
+        The rollout runs where the recipe says (the train workers, or dedicated engines synced
+        to this step's weights first); each finished chunk is scored while the rest generates.
+        `ahead`: this step's rollout, submitted during the previous step
         (`rollout.max_staleness: 1`); its engines then keep their weights for any extra
         generation, and `rollout/staleness` says how many versions behind they sampled.
 
         With an algorithm that samples dynamically (`dynamic_sampling_limit()` not None: DAPO),
-        the groups its `keep_groups` drops (DAPO: those whose rewards are all equal) are dropped and more prompts are rolled out into the same
-        partition until `prompts_per_rollout` groups with signal are kept (the first ones, in
-        order), at most `max_num_gen_batches` generations. The row's reward metrics are the
-        first generation's (the policy's reward as sampled); `dynamic/...` counts the rest.
+        the groups its `keep_groups` drops (DAPO: those whose rewards are all equal) are dropped
+        and more prompts are rolled out into the same partition until `prompts_per_rollout`
+        groups with signal are kept (the first ones, in order), at most `max_num_gen_batches`
+        generations. The row's reward metrics are the first generation's (the policy's reward as
+        sampled); `dynamic/...` counts the rest.
         """
+        track, modality, engines = self.graph.tracks[None], self.modalities[None], self.engines[None]
+        settings = self.graph.units[0].settings
         prompts = int(self.cfg.prompts_per_rollout)
         limit = self.algorithm.dynamic_sampling_limit()
         dynamic = limit is not None
         metas, tracks, kept, t_first = [], [], [], None
         max_batches = limit if dynamic else 1
-        stale = self.rollout_settings.max_staleness > 0 and self.rollouts.version is not None
+        stale = settings.max_staleness > 0 and engines.version is not None
 
         def score(chunk: RolloutTrack) -> None:
-            if self.reward is None:  # a supervised track: its demonstrations carry no reward
+            if track.reward is None:  # a supervised track: its demonstrations carry no reward
                 chunk.rewards = torch.zeros(len(chunk))
                 return
-            self._driver_phase(step, "reward", self.reward.score_and_attach, chunk)
+            self._driver_phase(step, "reward", track.reward.score_and_attach, chunk)
 
         for k in range(max_batches):
             if k == 0 and ahead is not None:
@@ -377,24 +516,24 @@ class Trainer:
                 # extra generations get rollout ids past every step's own, so their seeds and ids are new
                 req = modality.request(self.data_source.next_batch(prompts), step + k * self.num_steps)
                 if not stale:
-                    self.step_stats.update(self._guard(step, "weight sync", self.rollouts.prepare, step))
-                flight = self._guard(step, "rollout", self.rollouts.submit, req, partition)
+                    self.step_stats.update(self._guard(step, "weight sync", engines.prepare, step))
+                flight = self._guard(step, "rollout", engines.submit, req, partition)
             fields = modality.reward_fields
-            if self.advantage is not None and self.advantage.estimator == "gae" and "segment" not in fields:
+            if track.advantage is not None and track.advantage.estimator == "gae" and "segment" not in fields:
                 fields = [*fields, "segment.values"]  # GAE's per-step values
-            meta, track, t_done = self._guard(step, "rollout", flight.collect, self.transport, fields, score)
+            meta, view, t_done = self._guard(step, "rollout", flight.collect, self.transport, fields, score)
             t_first = t_first or t_done
             if k == 0:
-                if self.reward is not None:
-                    row.update(self.reward.metrics(track))
-                if self.rollout_settings.dedicated:
+                if track.reward is not None:
+                    row.update(track.reward.metrics(view))
+                if settings.dedicated:
                     row["rollout/staleness"] = step - flight.version
             offset = sum(len(m) for m in metas)
             metas.append(meta)
-            tracks.append(track)
+            tracks.append(view)
             if not dynamic:
-                return meta, track, t_first
-            kept += [offset + i for i in self.algorithm.keep_groups(track.rewards, track.group_ids)]
+                return meta, view, t_first
+            kept += [offset + i for i in self.algorithm.keep_groups(view.rewards, view.group_ids)]
             if len(kept) >= prompts * modality.sampling.samples_per_prompt:
                 break
         need = prompts * modality.sampling.samples_per_prompt
@@ -414,14 +553,154 @@ class Trainer:
         kept = kept[:need]
         return BatchMeta.concat(metas).select(kept), RolloutTrack.concat(tracks).select(kept), t_first
 
+    def _walk(self, group, step: int, partition: str, row: dict[str, Any]) -> dict[str, BatchMeta]:
+        """A chain's rollout, root first from the step's prompts: each engine unit's request
+        (after the root's, `child_request` of its parent's texts, fetched from the transport) is
+        sampled where the unit says (the train workers' own module, split over the ranks; or its
+        dedicated engines: synced to this step's weights first, asleep again before the next
+        unit wakes) into its tracks' partitions. Returns the metas by track; adds each engine's
+        sync figures (`<track>/sync/...`, `<track>/time/sync_s`) to `row`."""
+        graph = self.graph
+        examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
+        req = self.modalities[graph.root].request(examples, step)
+        metas: dict[str, BatchMeta] = {}
+        for i, unit in enumerate(graph.units):
+            first = unit.tracks[0]
+            depth = graph.order.index(first)
+            if depth:
+                fields = PARENT_FIELDS + (["root_ids"] if depth > 1 else [])
+                view = get_batch(self.transport, metas[graph.order[depth - 1]], fields)
+                sigmas = getattr(self.modalities[first], "sigmas", None)
+                req = child_request(view, view.texts, graph.tracks[first].sampling, sigmas, step, graph.prompt_key)
+            engines = self.engines[unit.key]
+            where = partition if unit.key is None else graph.tracks[unit.key].partition(partition)
+            if unit.settings.dedicated:
+                stats = self._guard(step, labelled("weight sync", unit.key), engines.prepare, step)
+                prefix = "" if unit.key is None else f"{unit.key}/"
+                row.update({prefix + k: v for k, v in stats.items()})
+            flight = self._guard(step, labelled("rollout", unit.key), engines.submit, req, where)
+            got = self._guard(step, labelled("rollout", unit.key), flight.wait)
+            metas.update(got if isinstance(got, dict) else {first: got})
+            if i + 1 < len(graph.units):  # colocated engines free the devices for the next unit's
+                self._guard(step, labelled("sleep", unit.key), engines.release)
+        return metas
+
+    def _fields(self, name: str) -> list[str]:
+        """What scoring fetches of a chain's track: its modality's reward fields, and a child's lineage."""
+        modality = TextModality if self.graph.tracks[name].text else ImageModality
+        return modality.reward_fields + (LINEAGE_FIELDS if name != self.graph.root else [])
+
+    def _score(self, step: int, metas: dict[str, BatchMeta], row: dict[str, Any]) -> dict[str, RolloutTrack]:
+        """Fetch what scoring needs of every track of a chain and set its rewards, leaf first: the
+        leaf by its reward, each parent by the aggregate of its children's rewards (+ its own)."""
+        views: dict[str, RolloutTrack] = {}
+        child = None
+        for name in reversed(self.graph.order):
+            track = self.graph.tracks[name]
+            view = get_batch(self.transport, metas[name], self._fields(name))
+            own = None
+            if track.reward is not None:
+                self._driver_phase(step, f"reward ({name})", track.reward.score_and_attach, view)
+                own = view.rewards
+                row.update({f"{name}/{k}": v for k, v in RewardService.metrics(view).items()})
+            if child is not None:
+                how = track.aggregate
+                agg = self._driver_phase(step, f"reward ({name})", aggregate_children, view, child, how)
+                view.reward_components = {**view.reward_components, f"children_{how}": agg}
+                view.reward_weights = {**view.reward_weights, f"children_{how}": 1.0}
+                view.rewards = agg if own is None else agg + own
+                row[f"{name}/reward/children_{how}/mean"] = agg.mean().item()
+                row[f"{name}/reward/mean"] = view.rewards.mean().item()
+                row[f"{name}/reward/std"] = view.rewards.std(unbiased=False).item()
+            if view.metadata and "plan_truncated" in view.metadata[0]:  # a plan cut at its token budget
+                row[f"{name}/truncated_fraction"] = sum(bool(m["plan_truncated"]) for m in view.metadata) / len(view)
+            views[name] = view
+            child = view
+        row["reward/mean"] = row[f"{self.graph.leaf}/reward/mean"]
+        return views
+
+    def _train(self, group, step: int, metas: dict, views: dict, row: dict[str, Any]) -> None:
+        """Each trained track's shard trains on the workers (a shared backbone's tracks in one
+        joint step); their metrics go into `row`, a named track's under `<track>/`."""
+        progress = step / self.num_steps
+        trained = self.graph.trained
+        if self.graph.shared:
+            shards = {n: self.transport.claim(metas[n], "train") for n in trained}
+            rewards = {n: views[n].rewards for n in trained}
+            advantages = {n: views[n].advantages for n in trained}
+            metrics = self._call(group, "train_joint", step, shards, rewards, advantages, progress)
+            row.update(reduce_metrics(metrics))
+            return
+        for name in trained:
+            shard, view = self.transport.claim(metas[name], "train"), views[name]
+            named = () if name is None else (name,)
+            metrics = self._call(group, "train", step, shard, view.rewards, view.advantages, progress, *named)
+            prefix = self.graph.tracks[name].prefix
+            row.update({prefix + k: v for k, v in reduce_metrics(metrics).items()})
+
+    def _step(self, group, step: int, partition: str, record: StepRecord) -> dict[str | None, RolloutTrack]:
+        """Rollout, rewards, advantages and training of one step, marked on `record`; returns the
+        scored views of every track."""
+        row = record.row
+        ahead, self.ahead = self.ahead, None
+        if self.graph.single:
+            meta, view, t_rollout = self._rollout_and_score(group, step, partition, row, ahead)
+            record.mark("rollout", t_rollout)
+            metas, views = {None: meta}, {None: view}
+        else:
+            metas = self._walk(group, step, partition, row)
+            record.mark("rollout")
+            views = self._score(step, metas, row)
+        for name in self.graph.trained:
+            track = self.graph.tracks[name]
+            if track.advantage is None:  # a supervised track: nothing to weigh its samples by
+                views[name].advantages = torch.zeros(len(views[name]))
+            else:
+                what = labelled("advantages", name)
+                self._driver_phase(step, what, track_advantages, views[name], track.advantage)
+        record.mark("reward")
+        last = self.graph.units[-1]
+        self._guard(step, labelled("sleep", last.key), self.engines[last.key].release)  # colocated engines free the devices
+        if self.graph.units[0].settings.max_staleness and step + 1 < self.num_steps:
+            self.ahead = self._submit_ahead(step)
+        record.mark("train")
+        self._train(group, step, metas, views, row)
+        record.mark("trained")
+        return views
+
+    def _engine_rows(self, step: int, record: StepRecord) -> None:
+        """Per dedicated engine unit (a named one under `<track>/`): its largest resident memory
+        (after sleep when colocated) and the first update's ratio as `off_policy/ratio_mean`; the
+        last unit's release (sleep, and the weight sync of an ahead rollout) as
+        `time/engine_release_s`."""
+        row = record.row
+        for unit in self.graph.units:
+            if not unit.settings.dedicated:
+                continue
+            prefix = "" if unit.key is None else f"{unit.key}/"
+            if f"{prefix}ratio/first_update_mean" in row:
+                row[f"{prefix}off_policy/ratio_mean"] = row[f"{prefix}ratio/first_update_mean"]
+            engines = self._guard(step, labelled("memory_mb", unit.key), self.engines[unit.key].memory_mb)
+            row[f"{prefix}memory/engine_rss_mb"] = max(e["rss"] for e in engines)
+        if self.graph.units[-1].settings.dedicated:
+            row["time/engine_release_s"] = record.marks["train"] - record.marks["reward"]
+
     def _loop(self, group, start: int) -> list[dict[str, Any]]:
-        modality = modality_for(self.sampling, self._call(group, "model_info", start))
+        infos = self._call(group, "model_info", start)
+        infos = {None: infos} if self.graph.single else infos
+        graph = self.graph
+        # a shared backbone's tracks after its root get their requests from its engine, not the driver
+        self.modalities = {
+            n: modality_for(t.sampling, infos[n])
+            for n, t in graph.tracks.items()
+            if n == graph.root or not graph.shared
+        }
         log_cfg = self.cfg.get("logging") or {}
         every = int(log_cfg.get("save_images_every", 10))
         tracking = Tracking.from_recipe(self.out, self.cfg)
         rows = []
         if self.eval_every and start == 0:
-            row0 = {"step": 0, **self._evaluate(group, 0, modality)}
+            row0 = {"step": 0, **self._evaluate(group, 0, references=True)}
             tracking.log(row0)
             rows.append(row0)
         bar = tqdm(
@@ -431,7 +710,6 @@ class Trainer:
             desc="train",
             disable=not log_cfg.get("progress", True),
         )
-        ahead = None  # the next step's rollout, running while this step trains (max_staleness 1)
         try:
             for step in bar:
                 apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
@@ -440,76 +718,51 @@ class Trainer:
                 partition = f"step_{step}"
                 trained = False
                 try:
-                    meta, track, t_rollout = self._rollout_and_score(
-                        group, modality, step, partition, row, ahead
-                    )
-                    record.mark("rollout", t_rollout)
-                    ahead = None
-                    if self.advantage is None:  # a supervised track: nothing to weigh its samples by
-                        track.advantages = torch.zeros(len(track))
-                    else:
-                        self._driver_phase(step, "advantages", track_advantages, track, self.advantage)
-                    record.mark("reward")
-                    self._guard(step, "sleep", self.rollouts.release)  # colocated engines free the devices
-                    if self.rollout_settings.max_staleness and step + 1 < self.num_steps:
-                        ahead = self._submit_ahead(modality, step)
-                    record.mark("train")
-                    shard_meta = self.transport.claim(meta, "train")
-                    progress = step / self.num_steps
-                    metrics = self._call(
-                        group, "train", step, shard_meta, track.rewards, track.advantages, progress
-                    )
+                    views = self._step(group, step, partition, record)
                     trained = True
-                    row.update(reduce_metrics(metrics))
-                    record.mark("trained")
-                finally:  # a failed step leaks nothing: its partition goes either way
-                    self.transport.clear(partition)
-                    meta = shard_meta = None
+                finally:  # a failed step leaks nothing: its partitions and kept graphs go either way
+                    for track in graph.tracks.values():
+                        self.transport.clear(track.partition(partition))
                     if self.keep_graph and not trained:  # graphs kept by rollout for a train that never ran
                         self._release_kept(group, partition)
-                engine_stats = self._guard(step, "dataplane_stats", self.rollouts.stats)
-                dataplane = (
-                    self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
-                )
+                engine_stats = [s for e in self.engines.values() for s in self._guard(step, "dataplane_stats", e.stats)]
+                dataplane = self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
                 record.add_resources(dataplane, self._call(group, "peak_memory_mb", step))
                 row.update(self.step_stats)
                 self.step_stats = {}
-                if "ratio/first_update_mean" in row and self.rollout_settings.dedicated:
-                    row["off_policy/ratio_mean"] = row["ratio/first_update_mean"]
-                if self.rollout_settings.dedicated:
-                    engines = self._guard(step, "memory_mb", self.rollouts.memory_mb)
-                    row["memory/engine_rss_mb"] = max(e["rss"] for e in engines)  # after sleep when colocated
-                    # sleep, and the weight sync of an ahead rollout
-                    row["time/engine_release_s"] = record.marks["train"] - record.marks["reward"]
+                self._engine_rows(step, record)
                 record.add_timings()
                 if self.eval_every and ((step + 1) % self.eval_every == 0 or step + 1 == self.num_steps):
-                    row.update(self._evaluate(group, step, modality))
+                    row.update(self._evaluate(group, step))
                 if self.restore_s is not None and step == start:
                     row["time/restore_s"] = self.restore_s
                 tracking.log(row)
                 rows.append(row)
                 if self.every_n and (step + 1) % self.every_n == 0:
-                    self._save_checkpoint(group, step + 1, ahead)
-                loss = row.get("loss", float("nan"))  # none while a critic warms up alone
-                bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.4f}", loss=f"{loss:.2e}")
+                    self._save_checkpoint(group, step + 1)
+                postfix = {"reward": f"{row.get('reward/mean', float('nan')):.4f}"}
+                if "loss" in row:  # none while a critic warms up alone, nor in a chain's row
+                    postfix["loss"] = f"{row['loss']:.2e}"
+                bar.set_postfix(postfix)
                 if every > 0 and ((step + 1) % every == 0 or step + 1 == self.num_steps):
                     stem = os.path.join(self.out, "samples", f"step_{step + 1:04d}")
-                    modality.save_samples(track, stem)
+                    self._save_samples(views, stem)
                     write_gallery(self.out)
                     tracking.log_samples(step + 1, stem)
         finally:
             tracking.close()
-            if ahead is not None:  # a failed step leaves the next step's rollout: drop what it put
+            if self.ahead is not None:  # a failed step leaves the next step's rollout: drop what it put
                 self.transport.clear(f"step_{self.ahead_step}")
         return rows
 
-    def _submit_ahead(self, modality, step: int) -> InFlightRollout:
-        """Sync this step's weights into the engines and start the next step's rollout on them,
-        to run while this step trains (its samples are one weight version behind when trained).
-        Keeps the data source's position before the next batch's prompts for a checkpoint."""
-        self.step_stats.update(self._guard(step, "weight sync", self.rollouts.prepare, step))
+    def _submit_ahead(self, step: int) -> InFlightRollout:
+        """Sync this step's weights into a single track's engines and start the next step's rollout
+        on them, to run while this step trains (its samples are one weight version behind when
+        trained). Keeps the data source's position before the next batch's prompts for a checkpoint."""
+        engines = self.engines[None]
+        self.step_stats.update(self._guard(step, "weight sync", engines.prepare, step))
         self.ahead_step = step + 1
         self.ahead_source_state = self.data_source.state_dict()
         prompts = int(self.cfg.prompts_per_rollout)
-        req = modality.request(self.data_source.next_batch(prompts), step + 1)
-        return self._guard(step, "rollout", self.rollouts.submit, req, f"step_{step + 1}")
+        req = self.modalities[None].request(self.data_source.next_batch(prompts), step + 1)
+        return self._guard(step, "rollout", engines.submit, req, f"step_{step + 1}")

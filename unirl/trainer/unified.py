@@ -1,24 +1,21 @@
-"""`UnifiedTrainer`: the driver of a unified-model run (one backbone that thinks and draws).
+"""The workers of a unified run (one backbone that thinks and draws): Janus's plan and image
+segments are two tracks sharing one backbone (`unirl.trainer.graph.RunGraph.shared`).
 
-Per step: user prompts x N -> on the workers, the `UnifiedEngine` writes a plan per sample
-and draws one image after prompt + plan (two tracks, `plan` and `image`, linked by lineage,
-each put into the transport on its own) -> the image reward scores the images; the plan's
-reward is its image's (`aggregate` mean over its single child), so one image reward is
-credited to both segments (BiCoT-GRPO) -> advantages per trained segment over the user
-prompt's group -> one joint optimizer step (`unirl.train.joint.JointTrainStack`: sum of the
-trained segments' losses, each weighted by `tracks.<name>.weight`). A frozen segment
-(`tracks.<name>.trained: false`) has no loss term, so it contributes no gradient: the
-plan-only and image-only ablations are one key each.
+Per step the driver (`unirl.trainer.trainer.Trainer`) asks for one rollout: on the workers
+(`UnifiedWorker`), or on dedicated engines (`UnifiedEngineWorker`), the `UnifiedEngine` writes
+a plan per sample and draws one image after prompt + plan (two tracks, `plan` and `image`,
+linked by lineage, each put into the transport on its own). The image reward scores the
+images; the plan's reward is its image's (the mean over its single child), so one image reward
+is credited to both segments (BiCoT-GRPO); advantages per trained segment over the user
+prompt's group; then one joint optimizer step (`train_joint`,
+`unirl.train.joint.JointTrainStack`: the sum of the trained segments' losses, each weighted by
+`tracks.<name>.weight`). A frozen segment (`tracks.<name>.trained: false`) has no loss term,
+so it contributes no gradient: the plan-only and image-only ablations are one key each.
 
-Scoring, the step loop, sample grids with plans beside images (`samples/step_XXXX.png`
-captioned "user prompt -> plan", `lineage_step_XXXX.json`), the gallery, checkpoints and
-exact resume are the composed trainer's; what differs is one model, one train backend and
-the joint step.
-
-With `rollout: DedicatedUnifiedEngine` the rollouts run in engine actors (`UnifiedEngineWorker`)
-with their own backbone, synced from the train workers before every rollout (`weight_sync`),
-colocated (sleeping while the trainer trains) or on devices of their own; the train workers then
-train and evaluate only.
+With `rollout: DedicatedUnifiedEngine` the rollouts run in engine actors with their own
+backbone, synced from the train workers before every rollout (`weight_sync`), colocated
+(sleeping while the trainer trains) or on devices of their own; the train workers then train
+and evaluate only.
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ import dataclasses
 import os
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from unirl.algorithms.advantages import track_advantages
 from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.cores import apply_thread_count, thread_metrics
 from unirl.distributed.device import build_bundle
@@ -39,13 +35,8 @@ from unirl.rollout.unified import UnifiedEngine
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.joint import JointTrainStack
-from unirl.train.stack import reduce_metrics
-from unirl.trainer.checkpoints import saves_base_model
-from unirl.trainer.composed import ComposedTrainer
 from unirl.trainer.composed_eval import ComposedEval, ComposedEvalConfig
 from unirl.trainer.engine_worker import EngineWorker
-from unirl.trainer.engines import RolloutSettings
-from unirl.trainer.step_record import StepRecord
 from unirl.trainer.worker import ProcessWorker, build, track_partition
 from unirl.types.rollout_req import RolloutReq
 
@@ -265,68 +256,3 @@ def unified_eval(node: Any, image_track: str) -> ComposedEval:
         cfg.group_by,
         cfg.references,
     )
-
-
-class UnifiedTrainer(ComposedTrainer):
-    """Runs the unified recipe `cfg` (validated by `unirl.config.unified`) up to `cfg.num_steps`.
-
-    Writes what `Trainer` writes for one model: `checkpoints/step_XXXXXX/` (train state and
-    `weights/`), `checkpoints/final/` (the trained backbone, loadable by the model config's
-    `load_checkpoint`), `base_model/` for a tiny model, and with every sample grid the images
-    captioned with their plans and `samples/lineage_step_XXXX.json` (user prompt -> plans ->
-    image rewards).
-    """
-
-    worker_class = UnifiedWorker
-    engine_class = UnifiedEngineWorker
-
-    def __init__(self, cfg: DictConfig) -> None:
-        super().__init__(cfg)
-        self.aggregate = {self.root: "mean"}  # one image per plan: the plan's reward is its image's
-        # trainside, or DedicatedUnifiedEngine's engines, which return a rollout whole (one call each)
-        self.rollout_settings = dataclasses.replace(RolloutSettings.of(cfg), overlap_reward=False)
-
-    def _base_models(self) -> str:
-        """The one backbone's base: its `pretrained_path`, or `base_model/` for a tiny model."""
-        path = self.cfg.model.get("pretrained_path")
-        return os.path.abspath(str(path) if path else os.path.join(self.out, "base_model"))
-
-    def _evaluator(self, ev: DictConfig) -> ComposedEval:
-        return unified_eval(ev, self.leaf)
-
-    def _worker_args(self, plain: dict[str, Any], transport_info: dict[str, Any]) -> tuple:
-        updates = self.num_steps * build(self.cfg.train.stack).steps_per_rollout
-        save_base = saves_base_model(self.cfg)
-        base = None if self.cfg.model.get("pretrained_path") or not save_base else self.base_model
-        return (plain, updates, base, transport_info)
-
-    def _step(self, group, step: int, partition: str, record: StepRecord) -> dict:
-        """Rollout, rewards (the image's, credited to its plan), advantages per trained segment and
-        one joint train step, marked on `record`; returns the scored views of both tracks."""
-        row = record.row
-        examples = self.data_source.next_batch(int(self.cfg.prompts_per_rollout))
-        req = RolloutReq.from_prompts(examples, self.samplings[self.root], None, rollout_id=step)
-        if self.rollout_settings.dedicated:  # engines synced to this step's weights, then asleep again
-            row.update(self._guard(step, "weight sync", self.rollouts.prepare, step))
-            flight = self._guard(step, "rollout", self.rollouts.submit, req, partition)
-            metas = self._guard(step, "rollout", flight.chunks[0])
-            self._guard(step, "sleep", self.rollouts.release)
-        else:
-            per_rank = self._call(group, "rollout", step, req, partition)
-            metas = {n: BatchMeta.concat([m[n] for m in per_rank]) for n in self.order}
-        record.mark("rollout")
-        views = self._score(step, metas, row)
-        truncated = [bool(m.get("plan_truncated")) for m in views[self.root].metadata]
-        row[f"{self.root}/truncated_fraction"] = sum(truncated) / len(truncated)
-        for name in self.trained:
-            self._driver_phase(
-                step, f"advantages ({name})", track_advantages, views[name], self.advantage[name]
-            )
-        record.mark("reward")
-        shards = {n: self.transport.claim(metas[n], "train") for n in self.trained}
-        rewards = {n: views[n].rewards for n in self.trained}
-        advantages = {n: views[n].advantages for n in self.trained}
-        metrics = self._call(group, "train_joint", step, shards, rewards, advantages, step / self.num_steps)
-        row.update(reduce_metrics(metrics))
-        record.mark("trained")
-        return views
