@@ -3,8 +3,8 @@
 A driver loop marks its phases (`mark`), adds the metrics its phases return to `row`, and
 then asks for the figures of the machine: phase timings (`time/...`), the data plane's
 counters (`dataplane/...`, summed over the workers and the driver) and the workers' peak
-memory (`memory/worker_peak_<kind>_mb`). `Trainer` and `ComposedTrainer` share it, so their
-rows name the same things the same way.
+memory (`memory/worker_peak_<kind>_mb`). `Trainer` uses it for every kind of run, so every
+run's rows name the same things the same way.
 """
 
 from __future__ import annotations
