@@ -222,3 +222,15 @@ def test_what_a_composed_tracks_engine_cannot_do() -> None:
     assert any(p.startswith("tracks.ar.engine: track 'ar' is frozen") for p in found)
     (p,) = dedicated_problems("tracks.ar.engine._target_=unirl.rollout.vllm.VLLMEngine")
     assert p.startswith("tracks.ar.model.tiny: head size 16") and "32" in p
+
+
+def test_dynamic_sampling_on_a_chained_track_is_refused() -> None:
+    """DAPO's dynamic sampling draws more prompts until enough groups differ: a chained track
+    trains on what its parent made, so the recipe is refused naming the track's key."""
+    dapo = [
+        "tracks.ar.algorithm._target_=unirl.algorithms.dapo.DAPO",
+        "tracks.ar.algorithm.config._target_=unirl.algorithms.dapo.DAPOConfig",
+    ]
+    found = problems(*dapo)
+    assert any(p.startswith("tracks.ar.algorithm.config.dynamic_sampling=true: DAPO") for p in found)
+    validate_composed_config(recipe(*dapo, "+tracks.ar.algorithm.config.dynamic_sampling=false"))

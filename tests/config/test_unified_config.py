@@ -194,3 +194,11 @@ def test_every_leaf_of_the_smoke_recipe_rejects_bad_values_with_its_full_key() -
             ), f"{key}={bad!r} not named:\n{info.value}"
             checked += 1
     assert checked > 60
+
+
+def test_dynamic_sampling_on_a_segment_is_refused() -> None:
+    (p,) = problems(
+        "tracks.plan.algorithm._target_=unirl.algorithms.dapo.DAPO",
+        "tracks.plan.algorithm.config._target_=unirl.algorithms.dapo.DAPOConfig",
+    )
+    assert p.startswith("tracks.plan.algorithm.config.dynamic_sampling=true: DAPO") and "false" in p

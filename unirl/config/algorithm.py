@@ -71,6 +71,19 @@ def check_ema_use(built: Any, train: Any, problems: list[str]) -> None:
     )
 
 
+def check_chained_algorithm(built: Any, problems: list[str]) -> None:
+    """A track of a chain (composed or unified) trains on the batch its parent's samples made:
+    dynamic sampling (DAPO's `dynamic_sampling`), which draws more prompts until enough groups
+    differ, belongs to a single-track run (`unirl.trainer.graph`)."""
+    if built is None or getattr(built, "dynamic_sampling_limit", lambda: None)() is None:
+        return
+    problems.append(
+        f"algorithm.config.dynamic_sampling=true: {type(built).__name__} would draw more prompts until "
+        "enough groups have unequal rewards, which only a single-track run does (a chained track trains on "
+        "what its parent's samples made); set algorithm.config.dynamic_sampling: false"
+    )
+
+
 def check_sde(cfg: DictConfig, sampling: DiffusionSamplingParams, problems: list[str]) -> None:
     """`stage.sde` names a strategy that takes the sampling's eta and has noise on every step
     the SDE-step scheduler may pick (CPS has none on the last step)."""

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from unirl.config.algorithm import (
     check_advantage,
     check_algorithm,
+    check_chained_algorithm,
     check_ema_use,
     check_keep_graph,
     check_reward_backprop,
@@ -79,6 +80,8 @@ def check_track(
     check_algorithm(algorithm, sampling, stack, train, ev, problems)
     check_supervised(cfg, algorithm, sampling, run is None, problems)
     check_ema_use(built, train, problems)
+    if run is None:  # a track of a chain
+        check_chained_algorithm(built, problems)
     check_keep_graph(cfg, passed, modality, problems)
     check_reward_backprop(cfg, algorithm, built, sampling, problems)
     check_distillation(cfg, passed, algorithm, sampling, problems)

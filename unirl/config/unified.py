@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
+from unirl.config.algorithm import check_chained_algorithm
 from unirl.config.distributed import check_transport, meta_module
 from unirl.config.engines import check_rollout
 from unirl.config.references import (
@@ -201,6 +202,9 @@ def _check_segments(cfg: DictConfig, passed: dict[str, Any], problems: list[str]
                     f"{key}.algorithm: {node.algorithm._target_} is a {algorithm.modality} algorithm; both segments "
                     "are token sequences, use a text algorithm (e.g. unirl.algorithms.grpo.GRPO)"
                 )
+            chained: list[str] = []
+            check_chained_algorithm(passed.get(f"{key}.algorithm"), chained)
+            problems.extend(f"{key}.{p}" for p in chained)
             stack = passed.get("train.stack")
             if (
                 algorithm is not None
