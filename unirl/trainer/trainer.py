@@ -61,7 +61,7 @@ from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, TrainsideR
 from unirl.trainer.graph import LINEAGE_FIELDS, PARENT_FIELDS, RunGraph, track_recipe
 from unirl.trainer.modality import ImageModality, TextModality, modality_for
 from unirl.trainer.step_record import StepRecord
-from unirl.trainer.unified import UnifiedEngineWorker, UnifiedWorker, unified_eval
+from unirl.trainer.unified import UnifiedEngineWorker, unified_eval
 from unirl.trainer.worker import RLWorker, build
 from unirl.types.lineage import aggregate_children, child_request
 from unirl.types.rollout_resp import RolloutTrack
@@ -162,12 +162,12 @@ class Trainer:
         self.restore_s: float | None = None
         self.transport = make_transport(cfg.transport)
         if self.graph.shared:
-            self.worker_class, self.engine_class = UnifiedWorker, UnifiedEngineWorker
+            self.engine_class = UnifiedEngineWorker
         ev = cfg.get("eval")
         self.eval_every = int(ev.get("every_n_steps", 0) or 0) if ev else 0
         self.evaluator = self._evaluator(ev) if ev else None
 
-    worker_class: type = RLWorker  # a train rank (a shared backbone's: `UnifiedWorker`)
+    worker_class: type = RLWorker  # a train rank, of every kind of run
     engine_class: type = EngineWorker  # a dedicated engine's actor (a shared backbone's: `UnifiedEngineWorker`)
 
     def _evaluator(self, ev: DictConfig) -> PolicyEval | ComposedEval:

@@ -18,6 +18,7 @@ module is called on all ranks at once by the driver.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import resource
 import socket
@@ -36,11 +37,13 @@ from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
 from unirl.models.kept import KeptGraphs
 from unirl.rollout.dedicated import is_dedicated
 from unirl.rollout.trainside import TrainsideEngine
+from unirl.rollout.unified import UnifiedEngine
 from unirl.sync import SyncPlan, SyncTicket, WeightSyncConfig, WeightSyncSender, make_sender, plan_for
 from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.critic import Critic
 from unirl.train.ema import EMAConfig
+from unirl.train.joint import JointTrainStack
 from unirl.train.sequence_parallel import sequence_parallel_degree
 from unirl.train.stack import TrainStack, keep_graph_problems
 from unirl.types.rollout_req import RolloutReq
@@ -276,16 +279,87 @@ def sampler_of(node: dict[str, Any] | None, stage: Any, name: str | None) -> Any
     return build(node, stage=stage, **named)
 
 
+class SegmentAlgorithms:
+    """The trained tracks' algorithms of a shared backbone as one checkpointable state (name -> state)."""
+
+    def __init__(self, algorithms: dict) -> None:
+        self.algorithms = algorithms
+
+    def state_dict(self) -> dict[str, Any]:
+        return {n: a.state_dict() for n, a in self.algorithms.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for n, a in self.algorithms.items():
+            a.load_state_dict(state.get(n, {}))
+
+
+@dataclass
+class Backbone:
+    """Tracks sharing one model (a unified recipe's plan and image segments, Janus): one bundle,
+    one `TrainBackend`, a `JointTrainStack` over the trained tracks (their weighted losses, one
+    optimizer step), their algorithms' state, and the engine that samples every track in one
+    call (`UnifiedEngine`: a plan, then an image after prompt + plan)."""
+
+    bundle: Any
+    backend: TrainBackend
+    joint: JointTrainStack
+    algorithms: SegmentAlgorithms
+    engine: UnifiedEngine
+
+
+def build_backbone(
+    cfg: dict[str, Any], total_optimizer_steps: int, base_dir: str | None, rank: int, device: torch.device
+) -> tuple[Backbone, dict[str, TrackParts]]:
+    """Build a unified recipe's backbone on `device` (rank 0 writes the untrained bundle to
+    `base_dir` first) and a `TrackParts` per `tracks.<name>` on it: its stage on the shared
+    module, the shared backend and its algorithm when trained, the shared engine as sampler."""
+    bundle = build_bundle(build(cfg["model"]), device)
+    if base_dir and rank == 0:
+        bundle.save_pretrained(base_dir)
+    order, tracks = list(cfg["rollout"]["tracks"]), cfg["tracks"]
+    stages = {n: build(tracks[n]["stage"], bundle=bundle) for n in order}
+    trained = [n for n in order if tracks[n].get("trained", True)]
+    algorithms = {n: build(tracks[n]["algorithm"]) for n in trained}
+    train = cfg["train"]
+    backend = TrainBackend(
+        bundle.model,
+        build(train.get("lora")),
+        build(train["optim"]),
+        total_optimizer_steps,
+        fsdp=build(train.get("fsdp")),
+        ema=build(train.get("ema")),
+        keep_reference=any(a.needs_reference_policy for a in algorithms.values()),
+        writer=bundle.write_weights,
+        frozen=tuple(getattr(bundle, "frozen_modules", ())),
+        roots=tuple(getattr(bundle, "fsdp_roots", ())),
+    )
+    for stage in stages.values():
+        stage.module = backend.module
+    segments = SegmentAlgorithms(algorithms)
+    weights = {n: float(tracks[n].get("weight", 1.0)) for n in trained}
+    joint = JointTrainStack(stages, backend, algorithms, weights, build(train["stack"]))
+    node = cfg["rollout"]
+    engine = UnifiedEngine(order, node.get("forward_batch_size"), node.get("prompt_key", "user_prompt"))
+    engine.bind(stages, {n: build(tracks[n]["sampling"]) for n in order})
+    parts = {
+        n: TrackParts(n, bundle, stages[n], backend if n in algorithms else None, algorithms.get(n), sampler=engine)
+        for n in order
+    }
+    return Backbone(bundle, backend, joint, segments, engine), parts
+
+
 class RLWorker(ProcessWorker):
-    """A train rank of an RL run of any modality, single-track or composed; it also samples the
-    tracks whose rollouts are trainside.
+    """A train rank of an RL run of any kind and modality; it also samples the tracks whose
+    rollouts are trainside.
 
     A single-track recipe is one track, built from the recipe's root and named by its engine
     ("diffusion" or "text"); a composed recipe (`tracks`) one per `tracks.<name>`, in the order
-    of `rollout.tracks`, with the composed engine (`rollout`) for chained evaluation. Methods that
-    act on one track take its name (`track`; None: a single-track run's only one). A single-track
-    run's checkpoint and export keep their flat layout (`path/weights`, `path/<files>`); a composed
-    run's are one directory per track.
+    of `rollout.tracks`, with the composed engine (`rollout`) for chained evaluation; a unified
+    recipe (`tracks` sharing the one `model`) one per `tracks.<name>` on one `Backbone`, sampled
+    together (`rollout` returns every track's meta by name) and trained in one joint step
+    (`train_joint`). Methods that act on one track take its name (`track`; None: a single-track
+    run's only one). A single-track or unified run's checkpoint and export keep their flat layout
+    (`path/weights`, `path/<files>`); a composed run's are one directory per track.
 
     Args:
         rank_info: this rank.
@@ -311,11 +385,15 @@ class RLWorker(ProcessWorker):
     ) -> None:
         super().__init__(rank_info)
         self.start_process(cfg, device)
-        self.composed = "tracks" in cfg
+        self.composed = "tracks" in cfg  # named tracks: a composed or unified recipe
         self.num_steps = int(cfg["num_steps"])
         self.sequence_parallel = 1
+        self.backbone: Backbone | None = None
         rank = rank_info.rank
-        if self.composed:
+        if self.composed and "model" in cfg:  # the tracks share one model
+            self.backbone, self.tracks = build_backbone(cfg, total_optimizer_steps, base_model_dir, rank, self.device)
+            self.engine = self.backbone.engine
+        elif self.composed:
             order = list(cfg["rollout"]["tracks"])
             self.tracks = {
                 n: build_track(
@@ -377,8 +455,10 @@ class RLWorker(ProcessWorker):
         return {n: t.sampler for n, t in self.tracks.items()}
 
     def sync_source(self, track: str | None) -> tuple[TrainBackend, bool]:
-        """A dedicated engine of `track` (None: the single track) is fed that track's weights (its
-        EMA weights when its algorithm samples from them)."""
+        """A dedicated engine of `track` (None: the single track, or a shared backbone) is fed that
+        track's weights (its EMA weights when its algorithm samples from them)."""
+        if self.backbone is not None:
+            return self.backbone.backend, False
         parts = self.track(track)
         if not parts.trained:
             raise ValueError(f"track {track!r} is frozen: it has no train backend to sync from")
@@ -389,10 +469,11 @@ class RLWorker(ProcessWorker):
         """The stage's `model_info()` (what the driver's modality needs, e.g. the latent geometry
         that pins a sigma schedule), its trainable parameter count and the device; a composed
         run's per track."""
+        shared = self.backbone.backend if self.backbone is not None else None
         info = {
             n: {
                 **t.stage.model_info(),
-                "num_trainable": t.backend.num_trainable if t.trained else 0,
+                "num_trainable": (shared or t.backend).num_trainable if shared or t.trained else 0,
                 "device": str(self.device),
             }
             for n, t in self.tracks.items()
@@ -401,10 +482,12 @@ class RLWorker(ProcessWorker):
 
     # ---- rollout ------------------------------------------------------------------------------
     @dispatch(Dispatch.DP_SCATTER)
-    def rollout(self, req: RolloutReq, partition: str, track: str | None = None) -> BatchMeta:
+    def rollout(self, req: RolloutReq, partition: str, track: str | None = None) -> BatchMeta | dict:
         """Sample this rank's shard of the track's request (from EMA weights when the algorithm
         asks for it) and put it into the transport under `partition`; returns its meta
-        (gathered in rank order by the driver, which walks a composed run's chain).
+        (gathered in rank order by the driver, which walks a composed run's chain). A shared
+        backbone samples every track of the root request `req`, each put under
+        `track_partition(partition, name)`, and returns their metas by name.
 
         With kept graphs (`keep_graph`) the graphs of the trained SDE steps stay on this worker
         for `train` of the same partition (graphs of another partition are dropped first;
@@ -413,6 +496,9 @@ class RLWorker(ProcessWorker):
         Of a sequence-parallel group only the first rank puts the samples it generated with the
         others."""
         apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
+        if self.backbone is not None:
+            resp = self.engine.generate(req)
+            return {n: put_batch(self.transport, track_partition(partition, n), t) for n, t in resp.tracks.items()}
         parts = self.track(track)
         kept = parts.kept
         if kept is not None and kept.partition != partition:
@@ -479,7 +565,9 @@ class RLWorker(ProcessWorker):
         H, W] uint8 on the CPU) of the deterministic request `req` with the child `samplings`.
         `feed`: what the image model renders: "rewrite" (the root stage's texts), "user" (the
         user prompt itself, without a closing full stop: the floor) or "canonical"
-        (`metadata["canonical"]`: the ceiling)."""
+        (`metadata["canonical"]`: the ceiling). A shared backbone's: `_sample_backbone`."""
+        if self.backbone is not None:
+            return self._sample_backbone(req, samplings, feed)
         root = self.engine.tracks[0]
         override = None
         if feed == "user":  # as written, less surrounding blanks and a closing full stop (not content)
@@ -492,7 +580,42 @@ class RLWorker(ProcessWorker):
         leaf = resp.track(self.engine.tracks[-1])
         return {"texts": list(resp.track(root).texts), "images": leaf.media.cpu()}
 
+    def _sample_backbone(self, req: RolloutReq, samplings: dict, feed: str) -> dict[str, Any]:
+        """A shared backbone's evaluation shard: the plans and the images ([n, 3, H, W] uint8 on
+        the CPU) of `req` (greedy plans). `feed`: "rewrite" (think, then draw: the images after
+        prompt + plan), "user" (draw after the user prompt with no plan: the floor) or "canonical"
+        (after `metadata["canonical"]` with no plan: the ceiling)."""
+        if feed == "rewrite":
+            resp = self.engine.generate(req, samplings)
+            plan, image = (resp.track(n) for n in self.engine.tracks)
+            return {"texts": list(plan.texts), "images": image.media.cpu()}
+        if feed == "canonical":
+            req = dataclasses.replace(req, prompts=[m["canonical"] for m in req.metadata])
+        elif feed != "user":
+            raise ValueError(f"feed must be rewrite, user or canonical, got {feed!r}")
+        return {"texts": [""] * len(req), "images": self.engine.draw(req, samplings).cpu()}
+
     # ---- train --------------------------------------------------------------------------------
+    @dispatch(Dispatch.DP_SCATTER)
+    def train_joint(
+        self, metas: dict[str, BatchMeta], rewards: dict, advantages: dict, progress: float
+    ) -> dict[str, float]:
+        """A shared backbone's step: fetch this rank's shard of every trained track, attach the
+        driver's rewards and advantages, and run one joint step; returns this rank's metrics."""
+        if self.backbone is None:
+            raise ValueError("train_joint trains tracks that share one model (a unified recipe); use train")
+        batches = {}
+        for name, meta in metas.items():
+            batch = get_batch(self.transport, meta)
+            if name == self.engine.tracks[1]:  # image tokens from the transport: in the codebook, named if not
+                self.tracks[name].stage.check_tokens(batch.segment, batch.sample_ids)
+            batch.rewards = rewards[name].to(self.device)
+            batch.advantages = advantages[name].to(self.device)
+            batches[name] = batch
+        metrics = {**self.backbone.joint.train_tracks(batches, progress), **thread_metrics()}
+        self.backbone.backend.end_of_rollout()
+        return metrics
+
     @dispatch(Dispatch.DP_SCATTER)
     def train(
         self,
@@ -547,6 +670,11 @@ class RLWorker(ProcessWorker):
         """Write every trained track's sharded train state (its algorithm's and critic's included)
         and its exported weights under `path` (all ranks at once)."""
         rank = self.rank_info.rank
+        if self.backbone is not None:  # one backbone: its state, every track's algorithm state in it
+            os.makedirs(path, exist_ok=True)
+            save_train_state(path, self.backbone.backend, rank, self.backbone.algorithms)
+            self.backbone.backend.save_weights(os.path.join(path, "weights"), base_model, write=rank == 0)
+            return
         states, weights = self._layout(path), self._layout(path, "weights")
         for n, t in self.tracks.items():
             if not t.trained:
@@ -562,6 +690,9 @@ class RLWorker(ProcessWorker):
     def load_checkpoint(self, path: str) -> None:
         """Restore what `save_checkpoint` wrote (all ranks at once)."""
         rank = self.rank_info.rank
+        if self.backbone is not None:
+            load_train_state(path, self.backbone.backend, rank, self.backbone.algorithms)
+            return
         states = self._layout(path)
         for n, t in self.tracks.items():
             if t.trained:
@@ -576,6 +707,10 @@ class RLWorker(ProcessWorker):
         families, transformers / peft for causal LMs; the EMA weights with `use_ema`), a frozen
         track's whole bundle."""
         rank0 = self.rank_info.rank == 0
+        if self.backbone is not None:  # the backbone in transformers' format
+            with self.backbone.backend.ema_weights() if use_ema else contextlib.nullcontext():
+                self.backbone.backend.save_weights(path, base_model, write=rank0)
+            return
         outs = self._layout(path)
         for n, t in self.tracks.items():
             if t.trained:
