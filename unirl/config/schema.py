@@ -4,8 +4,10 @@ One mechanism for every node of a recipe, run before any Ray work:
 
 - A dataclass (a component config such as `OptimConfig`, or a schema of plain
   recipe keys such as `RunConfig`): pydantic validates the node against the
-  field types, nested dataclasses included, then runs the dataclass's
-  `__post_init__`, where its range checks live.
+  field types, nested dataclasses included, and the ranges they declare
+  (`Annotated[float, Gt(0)]`, `Literal[...]`: `unirl.types.constraints`, worded as the
+  config's own `check_fields` words them), then runs the dataclass's `__post_init__`,
+  where the checks that span several fields live.
 - Any other class: pydantic validates the keyword arguments the node gives
   against the constructor's type hints, `Annotated[int, Ge(1)]` constraints
   included. The constructor's own checks run when the validator builds the
@@ -28,6 +30,8 @@ import typing
 from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError, create_model
+
+from unirl.types.constraints import describe_error, field_problem
 
 # keys Hydra's `instantiate` reads; they are not arguments of the target
 HYDRA_KEYS = ("_target_", "_convert_", "_recursive_", "_partial_", "_args_")
@@ -132,6 +136,18 @@ def _key(path: str, values: Any, loc: tuple) -> str:
     return key
 
 
+def range_problem(cls: type, error: dict, key: str) -> str | None:
+    """A pydantic error against a range a dataclass field's type declares, worded as the config's
+    own `check_fields` words it (the whole declared range: `in (0, 1)`); None for other errors."""
+    loc = error["loc"]
+    if dataclasses.is_dataclass(cls) and len(loc) == 1 and loc[0] in {f.name for f in dataclasses.fields(cls)}:
+        hint = typing.get_type_hints(cls, include_extras=True)[loc[0]]
+        problem = field_problem(key, hint, error["input"])
+        if problem:
+            return problem
+    return describe_error(key, error)
+
+
 def _problem(path: str, cls: type, values: dict, error: dict) -> str:
     key = _key(path, values, error["loc"])
     if error["type"] == "missing":
@@ -144,6 +160,9 @@ def _problem(path: str, cls: type, values: dict, error: dict) -> str:
         if parent and message.startswith(section + "."):  # "sampling.x" checked at eval.sampling
             message = f"{parent}.{message}"
         return message if message.startswith(key) else f"{key or cls.__name__}: {message}"
+    ranged = range_problem(cls, error, key)  # a range the type declares (unirl.types.constraints)
+    if ranged:
+        return ranged
     expected = error["msg"].removeprefix("Input should be ")
     return f"{key}: expected {expected}, got {error['input']!r}"
 

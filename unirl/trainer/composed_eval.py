@@ -101,15 +101,19 @@ class ComposedEval:
             )
 
     @classmethod
-    def from_config(cls, node: Any, order: list[str], samplings: dict) -> ComposedEval:
-        """Build from the recipe's `eval` node; `order`: the chain's tracks, `samplings`: theirs."""
+    def from_config(cls, node: Any, leaf: str, leaf_sampling: Any = None) -> ComposedEval:
+        """Build from the recipe's `eval` node for a chain whose images come from track `leaf`:
+        its evaluation sampling is `eval.sampling` over `leaf_sampling` (a diffusion leaf's
+        sampling params: seeded Euler ODE steps, `eval_params`), or `eval.sampling` itself (None:
+        a shared backbone's `ImageTokenSamplingParams`)."""
         cfg = ComposedEvalConfig(**OmegaConf.to_container(node, resolve=True))
         examples = build(cfg.examples)
+        sampling = build(cfg.sampling)
         return cls(
             list(getattr(examples, "examples", examples)),
             build(cfg.scorer),
             build(cfg.text_sampling),
-            {order[-1]: eval_params(samplings[order[-1]], build(cfg.sampling))},
+            {leaf: sampling if leaf_sampling is None else eval_params(leaf_sampling, sampling)},
             cfg.intent_key,
             build(cfg.rewrite_scorer),
             cfg.group_by,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -198,14 +197,7 @@ class EngineWorker(Worker):
     @dispatch(Dispatch.BROADCAST)
     def process_info(self) -> dict[str, Any]:
         """Host and process id of this engine (recorded in the run's placement.json)."""
-        return {
-            "engine": self.rank_info.rank,
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "device": str(self.device),
-            "niceness": os.nice(0),
-            "torch_threads": torch.get_num_threads(),
-        }
+        return {"engine": self.rank_info.rank, **self.process_facts(self.device)}
 
     @dispatch(Dispatch.BROADCAST)
     def memory_mb(self) -> dict[str, float]:

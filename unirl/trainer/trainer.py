@@ -61,7 +61,7 @@ from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, TrainsideR
 from unirl.trainer.graph import LINEAGE_FIELDS, PARENT_FIELDS, RunGraph, track_recipe
 from unirl.trainer.modality import ImageModality, TextModality, modality_for
 from unirl.trainer.step_record import StepRecord
-from unirl.trainer.unified import UnifiedEngineWorker, unified_eval
+from unirl.trainer.unified import UnifiedEngineWorker
 from unirl.trainer.worker import RLWorker, build
 from unirl.types.lineage import aggregate_children, child_request
 from unirl.types.rollout_resp import RolloutTrack
@@ -174,10 +174,8 @@ class Trainer:
         """A single track's evaluation of its policy, or a chain's of prompt -> rewrite -> image."""
         if self.graph.single:
             return PolicyEval.from_config(ev)
-        if self.graph.shared:
-            return unified_eval(ev, self.graph.leaf)
-        samplings = {n: t.sampling for n, t in self.graph.tracks.items()}
-        return ComposedEval.from_config(ev, self.graph.order, samplings)
+        leaf = self.graph.leaf
+        return ComposedEval.from_config(ev, leaf, None if self.graph.shared else self.graph.tracks[leaf].sampling)
 
     def _base_models(self) -> str | dict[str, str]:
         """The directory exports load onto: the model's `pretrained_path`, or where a tiny model's

@@ -23,13 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from unirl.dataplane import BatchMeta, put_batch
 from unirl.distributed.cores import apply_thread_count
 from unirl.distributed.device import build_bundle
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
-from unirl.trainer.composed_eval import ComposedEval, ComposedEvalConfig
 from unirl.trainer.engine_worker import EngineWorker
 from unirl.trainer.worker import build, track_partition
 from unirl.types.rollout_req import RolloutReq
@@ -78,21 +75,3 @@ class UnifiedEngineWorker(EngineWorker):
             name: put_batch(self.transport, track_partition(self.partition, name), track)
             for name, track in resp.tracks.items()
         }
-
-
-def unified_eval(node: Any, image_track: str) -> ComposedEval:
-    """The composed evaluation over a unified run (`eval`, a `ComposedEvalConfig` whose `sampling`
-    is the image track's `ImageTokenSamplingParams`): held-out prompts -> greedy plans -> images
-    scored against `metadata[intent_key]`; the floor and the ceiling draw with no plan."""
-    cfg = ComposedEvalConfig(**OmegaConf.to_container(node, resolve=True))
-    examples = build(cfg.examples)
-    return ComposedEval(
-        list(getattr(examples, "examples", examples)),
-        build(cfg.scorer),
-        build(cfg.text_sampling),
-        {image_track: build(cfg.sampling)},
-        cfg.intent_key,
-        build(cfg.rewrite_scorer),
-        cfg.group_by,
-        cfg.references,
-    )

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import os
 import resource
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,14 +97,7 @@ class ProcessWorker(Worker):
     @dispatch(Dispatch.BROADCAST)
     def process_info(self) -> dict[str, Any]:
         """Host and process id of this worker (recorded in the run's placement.json)."""
-        return {
-            "rank": self.rank_info.rank,
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "device": str(self.device),
-            "niceness": os.nice(0),
-            "torch_threads": torch.get_num_threads(),
-        }
+        return {"rank": self.rank_info.rank, **self.process_facts(self.device)}
 
     @dispatch(Dispatch.BROADCAST)
     def peak_memory_mb(self) -> dict[str, float]:

@@ -62,6 +62,17 @@ class Worker:
         os.environ["WORLD_SIZE"] = str(rank_info.world_size)
         os.environ["LOCAL_RANK"] = str(rank_info.local_rank)
 
+    def process_facts(self, device: Any) -> dict[str, Any]:
+        """Where this member runs: host, process id, `device`, niceness and torch threads (what a
+        run's placement.json records of each worker and engine)."""
+        return {
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(device),
+            "niceness": os.nice(0),
+            "torch_threads": torch.get_num_threads(),
+        }
+
 
 class WorkerGroup:
     """Driver-side handle of `world_size` worker actors; build it with `remote(...)`.
