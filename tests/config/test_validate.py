@@ -316,15 +316,15 @@ def test_unmodified_recipes_validate():
         ("sampling.width=64", "sampling.width=64 exceeds model.tiny.resolution=32"),
         (
             "stage.replay_steps_per_forward=0",
-            "stage.replay_steps_per_forward: expected greater than or equal to 1, got 0",
+            "stage.replay_steps_per_forward must be >= 1, got 0",
         ),
         (
             "+stage.replay_token_budget=0",
-            "stage.replay_token_budget: expected greater than or equal to 1, got 0",
+            "stage.replay_token_budget must be >= 1, got 0",
         ),
         (
             "rollout.forward_batch_size=0",
-            "rollout.forward_batch_size: expected greater than or equal to 1, got 0",
+            "rollout.forward_batch_size must be >= 1, got 0",
         ),
         ("+num_step=3", "num_step: unknown key; RunConfig takes"),
         ("+train.loar=1", "train.loar: unknown key; TrainConfig takes"),

@@ -22,6 +22,7 @@ from unirl.algorithms.reward_backprop import (
     truncated_chain,
 )
 from unirl.models.stage import DifferentiableDiffusionStage
+from unirl.types.constraints import AtLeastOne
 from unirl.types.reward import DifferentiableReward
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.sampling import DiffusionSamplingParams
@@ -36,14 +37,12 @@ class AlignPropConfig(RewardBackpropConfig):
             uniformly per sample; max_steps null is the whole chain (T).
     """
 
-    min_steps: int = 1
+    min_steps: AtLeastOne = 1
     max_steps: int | None = None
     checkpoint: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.min_steps < 1:
-            raise ValueError(f"algorithm.config.min_steps must be >= 1, got {self.min_steps}")
         if self.max_steps is not None and self.max_steps < self.min_steps:
             raise ValueError(
                 f"algorithm.config.max_steps={self.max_steps} must be >= algorithm.config.min_steps={self.min_steps}"

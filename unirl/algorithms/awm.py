@@ -27,19 +27,27 @@ the clean-latent predictions x_s - s v, i.e. s^2 times it.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
+from annotated_types import Interval
 
-from unirl.algorithms.forward_process import ForwardProcessAlgorithm, ForwardProcessConfig
-from unirl.algorithms.kl_control import KL_SPACES
+from unirl.algorithms.forward_process import (
+    ForwardProcessAlgorithm,
+    ForwardProcessConfig,
+    TimestepDistribution,
+)
+from unirl.algorithms.kl_control import KLSpace
 from unirl.models.stage import DiffusionStage
+from unirl.types.constraints import NonNegative, OpenUnit, Positive
 from unirl.types.rollout_resp import RolloutTrack
 
 AWM_PREFIX = "awm/"
 W_OLD_KEY = AWM_PREFIX + "w_old"
-WEIGHTINGS = ("uniform", "t", "t**2", "huber", "ghuber")
+Weighting = Literal["uniform", "t", "t**2", "huber", "ghuber"]
+WEIGHTINGS = typing.get_args(Weighting)
 HUBER_EPS = 1e-10
 
 
@@ -61,36 +69,18 @@ class AWMConfig(ForwardProcessConfig):
             without a constraint; for ablations).
     """
 
-    timestep_distribution: str = "discrete"
-    weighting: str = "uniform"
-    ghuber_power: float = 0.25
-    clip_range: float | None = 1e-5
-    adv_clip: float = 5.0
-    ema_kl_beta: float = 0.0
-    beta: float = 0.0
-    kl_space: str = "velocity"
+    timestep_distribution: TimestepDistribution = "discrete"
+    weighting: Weighting = "uniform"
+    ghuber_power: Annotated[float, Interval(gt=0, le=1)] = 0.25
+    clip_range: OpenUnit | None = 1e-5
+    adv_clip: Positive = 5.0
+    ema_kl_beta: NonNegative = 0.0
+    beta: NonNegative = 0.0
+    kl_space: KLSpace = "velocity"
     allow_unconstrained: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(
-                f"algorithm.config.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}"
-            )
-        if not 0 < self.ghuber_power <= 1:
-            raise ValueError(f"algorithm.config.ghuber_power must be in (0, 1], got {self.ghuber_power}")
-        if self.clip_range is not None and not 0 < self.clip_range < 1:
-            raise ValueError(
-                f"algorithm.config.clip_range must be in (0, 1) or null (no clip), got {self.clip_range}"
-            )
-        if not self.adv_clip > 0:
-            raise ValueError(f"algorithm.config.adv_clip must be > 0, got {self.adv_clip}")
-        for key in ("ema_kl_beta", "beta"):
-            value = getattr(self, key)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"algorithm.config.{key} must be >= 0, got {value}")
-        if self.kl_space not in KL_SPACES:
-            raise ValueError(f"algorithm.config.kl_space must be one of {KL_SPACES}, got {self.kl_space!r}")
         if (
             self.clip_range is None
             and self.ema_kl_beta == 0

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from unirl.models.stage import DiffusionStage, TextStage
 from unirl.types.rollout_resp import RolloutTrack
+
+# pi_old of a policy-gradient loss: the log-probs recorded at sampling time, or recomputed ("replay")
+# under the training weights before the first update (the ratio is then exactly 1 on it)
+OldLogpSource = Literal["rollout", "replay"]
 
 
 class StageAlgorithm(ABC):

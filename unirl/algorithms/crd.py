@@ -38,9 +38,9 @@ decay_start: 0, decay_slope: 0.0075, decay: 0.999` (the live weights until step 
 
 from __future__ import annotations
 
-import math
+import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -49,19 +49,22 @@ from unirl.algorithms.awm import prediction_kl
 from unirl.algorithms.forward_process import (
     ForwardProcessAlgorithm,
     ForwardProcessConfig,
+    TimestepDistribution,
     check_guidance,
     decay_schedule,
     draw_errors,
     group_index,
 )
-from unirl.algorithms.kl_control import KL_SPACES
+from unirl.algorithms.kl_control import KLSpace
 from unirl.models.stage import DiffusionStage
+from unirl.types.constraints import NonNegative, Positive
 from unirl.types.rollout_resp import RolloutTrack
 
 CRD_PREFIX = "crd/"
 OLD_SNAPSHOT = CRD_PREFIX + "old"
-CENTERINGS = ("uniform", "hard", "softmax")
-LOSS_TYPES = ("mse", "bce")
+Centering = Literal["uniform", "hard", "softmax"]
+CENTERINGS = typing.get_args(Centering)
+LossType = Literal["mse", "bce"]
 KL_FLOOR = 1e-4  # the reward-adaptive KL weight's floor (Flow-Factory's base_beta)
 ERROR_FLOOR = 1e-5  # adaptive_logp's floor on a row's mean |v - target|
 
@@ -89,45 +92,25 @@ class CRDConfig(ForwardProcessConfig):
             (null: the rollout's).
     """
 
-    timestep_distribution: str = "discrete"
+    timestep_distribution: TimestepDistribution = "discrete"
     timestep_range: tuple[float, float] = (0.01, 1.0)
-    beta: float = 1.0
-    loss_type: str = "mse"
+    beta: Positive = 1.0
+    loss_type: LossType = "mse"
     adaptive_logp: bool = True
-    centering: str = "uniform"
-    temperature: float = 1.0
+    centering: Centering = "uniform"
+    temperature: Positive = 1.0
     old_decay: tuple[float, float, float, float] = (0, 0.25, 0.005, 0.999)
-    adv_clip: float = 5.0
-    kl_beta: float = 0.1
+    adv_clip: Positive = 5.0
+    kl_beta: NonNegative = 0.1
     kl_reward_adaptive: bool = True
-    kl_space: str = "velocity"
-    kl_guidance_scale: float | None = None
-    train_guidance_scale: float | None = None
+    kl_space: KLSpace = "velocity"
+    kl_guidance_scale: Positive | None = None
+    train_guidance_scale: Positive | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (self.beta > 0 and math.isfinite(self.beta)):
-            raise ValueError(f"algorithm.config.beta must be > 0, got {self.beta}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"algorithm.config.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.centering not in CENTERINGS:
-            raise ValueError(
-                f"algorithm.config.centering must be one of {CENTERINGS}, got {self.centering!r}"
-            )
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"algorithm.config.temperature must be > 0, got {self.temperature}")
         self.old_decay = tuple(self.old_decay)
         decay_schedule(self.old_decay, "algorithm.config.old_decay", "rollout")
-        if not self.adv_clip > 0:
-            raise ValueError(f"algorithm.config.adv_clip must be > 0, got {self.adv_clip}")
-        if not (self.kl_beta >= 0 and math.isfinite(self.kl_beta)):
-            raise ValueError(f"algorithm.config.kl_beta must be >= 0, got {self.kl_beta}")
-        if self.kl_space not in KL_SPACES:
-            raise ValueError(f"algorithm.config.kl_space must be one of {KL_SPACES}, got {self.kl_space!r}")
-        for key in ("train_guidance_scale", "kl_guidance_scale"):
-            value = getattr(self, key)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"algorithm.config.{key} must be > 0, got {value}")
 
 
 def normalised_advantages(adv: torch.Tensor, clip: float) -> torch.Tensor:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from unirl.algorithms.grpo import GRPO, GRPOConfig
+from unirl.types.constraints import AtLeastOne, Positive
 
 
 @dataclass
@@ -31,16 +32,9 @@ class DAPOConfig(GRPOConfig):
         max_num_gen_batches: cap on the batches generated per train batch (>= 1).
     """
 
-    eps_high: float = 0.28
+    eps_high: Positive = 0.28
     dynamic_sampling: bool = True
-    max_num_gen_batches: int = 10
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_num_gen_batches < 1:
-            raise ValueError(
-                f"algorithm.config.max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}"
-            )
+    max_num_gen_batches: AtLeastOne = 10
 
 
 class DAPO(GRPO):

@@ -33,9 +33,8 @@ Published modes: CFG at rollout only (sampling.guidance_scale > 1, the loss ungu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -44,19 +43,21 @@ from unirl.algorithms.awm import prediction_kl
 from unirl.algorithms.forward_process import (
     ForwardProcessAlgorithm,
     ForwardProcessConfig,
+    TimestepDistribution,
     check_guidance,
     decay_schedule,
     draw_errors,
     group_index,
 )
-from unirl.algorithms.kl_control import KL_SPACES
+from unirl.algorithms.kl_control import KLSpace
 from unirl.models.stage import DiffusionStage
+from unirl.types.constraints import NonNegative, OpenUnit, Positive
 from unirl.types.rollout_resp import RolloutTrack
 
 DGPO_PREFIX = "dgpo/"
 L_OLD_KEY = DGPO_PREFIX + "l_old"
 EMA_REFERENCE = DGPO_PREFIX + "reference"
-REFERENCES = ("frozen", "ema")
+Reference = Literal["frozen", "ema"]
 
 
 @dataclass
@@ -78,43 +79,23 @@ class DGPOConfig(ForwardProcessConfig):
         kl_guidance_scale: the CFG scale of the KL reference's forward (null: train_guidance_scale).
     """
 
-    timestep_distribution: str = "discrete"
+    timestep_distribution: TimestepDistribution = "discrete"
     timestep_range: tuple[float, float] = (0.4, 1.0)
     shared_noise: bool = True
-    beta: float = 100.0
-    reference: str = "frozen"
+    beta: Positive = 100.0
+    reference: Reference = "frozen"
     ema_decay: tuple[float, float, float, float] = (0, 0.0, 1e-3, 0.3)
-    clip_range: float | None = None
-    adv_clip: float = 5.0
-    kl_beta: float = 0.0
-    kl_space: str = "velocity"
-    train_guidance_scale: float = 1.0
-    kl_guidance_scale: float | None = None
+    clip_range: OpenUnit | None = None
+    adv_clip: Positive = 5.0
+    kl_beta: NonNegative = 0.0
+    kl_space: KLSpace = "velocity"
+    train_guidance_scale: Positive = 1.0
+    kl_guidance_scale: Positive | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (self.beta > 0 and math.isfinite(self.beta)):
-            raise ValueError(f"algorithm.config.beta must be > 0, got {self.beta}")
-        if self.reference not in REFERENCES:
-            raise ValueError(
-                f"algorithm.config.reference must be one of {REFERENCES}, got {self.reference!r}"
-            )
         self.ema_decay = tuple(self.ema_decay)
         decay_schedule(self.ema_decay, "algorithm.config.ema_decay", "optimizer_step")
-        if self.clip_range is not None and not 0 < self.clip_range < 1:
-            raise ValueError(
-                f"algorithm.config.clip_range must be in (0, 1) or null (no clip), got {self.clip_range}"
-            )
-        if not self.adv_clip > 0:
-            raise ValueError(f"algorithm.config.adv_clip must be > 0, got {self.adv_clip}")
-        if not (self.kl_beta >= 0 and math.isfinite(self.kl_beta)):
-            raise ValueError(f"algorithm.config.kl_beta must be >= 0, got {self.kl_beta}")
-        if self.kl_space not in KL_SPACES:
-            raise ValueError(f"algorithm.config.kl_space must be one of {KL_SPACES}, got {self.kl_space!r}")
-        for key in ("train_guidance_scale", "kl_guidance_scale"):
-            value = getattr(self, key)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"algorithm.config.{key} must be > 0, got {value}")
 
 
 def group_scores(adv: torch.Tensor, d: torch.Tensor, idx: torch.Tensor, beta: float) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from unirl.algorithms.base import StageAlgorithm
 from unirl.models.stage import DiffusionStage
+from unirl.types.constraints import AtLeastOne, Positive, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 
 
@@ -45,15 +46,12 @@ class DiffusionDPOConfig:
         seed: with the group id, seeds every draw.
     """
 
-    beta: float = 2000.0
-    draws_per_pair: int = 1
+    beta: Positive = 2000.0
+    draws_per_pair: AtLeastOne = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.beta > 0:
-            raise ValueError(f"algorithm.config.beta must be > 0, got {self.beta}")
-        if self.draws_per_pair < 1:
-            raise ValueError(f"algorithm.config.draws_per_pair must be >= 1, got {self.draws_per_pair}")
+        check_fields(self, "algorithm.config.")
 
 
 def preference_pairs(rewards: torch.Tensor, group_ids: list[str]) -> tuple[list[int], list[int], int]:

@@ -23,6 +23,7 @@ import torch
 
 from unirl.algorithms.forward_process import ForwardProcessAlgorithm, ForwardProcessConfig, per_row
 from unirl.models.stage import DiffusionStage
+from unirl.types.constraints import Positive
 from unirl.types.rollout_resp import RolloutTrack
 
 # per-sample entries prepare_segment adds to `track.conditions` (they travel with `select`)
@@ -44,15 +45,8 @@ class DiffusionNFTConfig(ForwardProcessConfig):
     eps per sample (`draws_per_sample` draws, each one denoiser forward).
     """
 
-    beta: float = 1.0
-    adv_clip: float = 5.0
-
-    def __post_init__(self) -> None:
-        if not self.beta > 0:
-            raise ValueError(f"algorithm.config.beta must be > 0, got {self.beta}")
-        if not self.adv_clip > 0:
-            raise ValueError(f"algorithm.config.adv_clip must be > 0, got {self.adv_clip}")
-        super().__post_init__()
+    beta: Positive = 1.0
+    adv_clip: Positive = 5.0
 
 
 def optimality(adv: torch.Tensor, clip: float) -> torch.Tensor:

@@ -44,20 +44,21 @@ import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from unirl.algorithms.base import StageAlgorithm
 from unirl.algorithms.kl_control import transition_std, velocity_scale
 from unirl.models.stage import DiffusionStage
+from unirl.types.constraints import AtLeastOne, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import LatentSegment
 
 OPD_PREFIX = "opd/"
 STEPS_KEY = OPD_PREFIX + "steps"
 TEACHER_V_KEY = OPD_PREFIX + "teacher_v"
-TARGETS = ("xt", "v", "x0")
+Target = Literal["xt", "v", "x0"]
 ODE_ONLY_TARGETS = ("v", "x0")
 LORA_FILE = "pytorch_lora_weights.safetensors"
 NORM_EPS = 1e-8  # floor of the self-normalising mean |d| (d = 0 gives loss 0, gradient 0)
@@ -81,9 +82,9 @@ class DiffusionOPDConfig:
 
     teachers: dict[str, str] = field(default_factory=dict)
     source_key: str = "source"
-    target: str = "xt"
+    target: Target = "xt"
     self_normalize: bool = False
-    steps_per_sample: int | None = None
+    steps_per_sample: AtLeastOne | None = None  # null: every visited state
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -92,13 +93,7 @@ class DiffusionOPDConfig:
             raise ValueError(
                 "algorithm.config.teachers must map at least one data source to a teacher LoRA directory"
             )
-        if self.target not in TARGETS:
-            raise ValueError(f"algorithm.config.target must be one of {TARGETS}, got {self.target!r}")
-        if self.steps_per_sample is not None and self.steps_per_sample < 1:
-            raise ValueError(
-                f"algorithm.config.steps_per_sample must be >= 1 or null (every visited state), "
-                f"got {self.steps_per_sample}"
-            )
+        check_fields(self, "algorithm.config.")
         if not self.source_key:
             raise ValueError("algorithm.config.source_key must name a prompt metadata key")
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from unirl.algorithms.flow_grpo import FlowGRPO, StepChunk, StepLossConfig
+from unirl.types.constraints import OpenUnit, Positive
 from unirl.types.rollout_resp import RolloutTrack
 
 
@@ -40,8 +41,8 @@ class DPOKConfig(StepLossConfig):
     """
 
     beta: float = 0.01
-    reward_weight: float = 1.0
-    ratio_clip: float = 1e-4
+    reward_weight: Positive = 1.0
+    ratio_clip: OpenUnit = 1e-4
 
     def __post_init__(self) -> None:
         if not self.beta > 0:  # before the shared checks: this is the error that says why
@@ -50,10 +51,6 @@ class DPOKConfig(StepLossConfig):
                 "frozen reference model (for no KL term use unirl.algorithms.ddpo.DDPO)"
             )
         super().__post_init__()
-        if not self.reward_weight > 0:
-            raise ValueError(f"algorithm.config.reward_weight must be > 0, got {self.reward_weight}")
-        if not 0 < self.ratio_clip < 1:
-            raise ValueError(f"algorithm.config.ratio_clip must be in (0, 1), got {self.ratio_clip}")
 
 
 def dpok_policy_loss(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unirl.algorithms.grpo import GRPO, GRPOConfig
+from unirl.algorithms.token_losses import LossAggMode
 from unirl.types.advantages import AdvantageConfig
 
 
@@ -21,7 +22,7 @@ class DrGRPOConfig(GRPOConfig):
     """GRPO's settings with `loss_agg_mode: seq-mean-token-sum-norm`; `norm_constant`
     (the max response length, `${sampling.max_new_tokens}`) is required."""
 
-    loss_agg_mode: str = "seq-mean-token-sum-norm"
+    loss_agg_mode: LossAggMode = "seq-mean-token-sum-norm"
 
 
 class DrGRPO(GRPO):

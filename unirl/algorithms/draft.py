@@ -17,8 +17,10 @@ use K >= 2 there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from annotated_types import Ge
 
 from unirl.algorithms.reward_backprop import (
     RewardBackprop,
@@ -27,6 +29,7 @@ from unirl.algorithms.reward_backprop import (
     truncated_chain,
 )
 from unirl.models.stage import DifferentiableDiffusionStage
+from unirl.types.constraints import AtLeastOne
 from unirl.types.reward import DifferentiableReward
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.sampling import DiffusionSamplingParams
@@ -41,17 +44,8 @@ class DRaFTConfig(RewardBackpropConfig):
         lv_draws: n > 0 selects DRaFT-LV with n re-noisings of the final sample; 0: DRaFT-K.
     """
 
-    steps: int = 1
-    lv_draws: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.steps < 1:
-            raise ValueError(
-                f"algorithm.config.steps must be >= 1 (K, the steps with gradient), got {self.steps}"
-            )
-        if self.lv_draws < 0:
-            raise ValueError(f"algorithm.config.lv_draws must be >= 0 (0: DRaFT-K), got {self.lv_draws}")
+    steps: AtLeastOne = 1  # K, the steps with gradient
+    lv_draws: Annotated[int, Ge(0)] = 0  # 0: DRaFT-K
 
 
 class DRaFT(RewardBackprop):

@@ -22,6 +22,7 @@ import torch
 
 from unirl.algorithms.grpo import GRPO, TokenLossConfig
 from unirl.algorithms.token_losses import masked_mean, ratio
+from unirl.types.constraints import Positive
 
 
 @dataclass
@@ -34,13 +35,8 @@ class DRPOConfig(TokenLossConfig):
             mu_t = exp(logp_old_t) (token-adaptive region eps / mu_t); false: mu_t = 1.
     """
 
-    drpo_epsilon: float = 12.5
+    drpo_epsilon: Positive = 12.5
     penalty_mu_weighted: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.drpo_epsilon > 0:
-            raise ValueError(f"algorithm.config.drpo_epsilon must be > 0, got {self.drpo_epsilon}")
 
 
 def drpo_token_loss(

@@ -25,6 +25,7 @@ import torch
 from unirl.algorithms.flow_grpo import FlowGRPO, StepChunk, StepLossConfig
 from unirl.algorithms.kl_control import step_kl
 from unirl.models.stage import DiffusionStage
+from unirl.types.constraints import Positive
 from unirl.types.rollout_resp import RolloutTrack
 
 OLD_MEANS_KEY = "dppo/old_means"
@@ -39,12 +40,7 @@ class FlowDPPOConfig(StepLossConfig):
             elements) from which updates moving away from pi_old are masked.
     """
 
-    kl_threshold: float = 1e-5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.kl_threshold > 0:
-            raise ValueError(f"algorithm.config.kl_threshold must be > 0, got {self.kl_threshold}")
+    kl_threshold: Positive = 1e-5
 
 
 def dppo_policy_loss(

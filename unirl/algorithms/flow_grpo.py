@@ -20,14 +20,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from unirl.algorithms.base import StageAlgorithm
+from unirl.algorithms.base import OldLogpSource, StageAlgorithm
 from unirl.algorithms.kl_control import (
-    KL_SPACES,
     KLController,
+    KLSpace,
     mean_over_ranks,
     reference_means,
     step_kl,
@@ -36,11 +36,11 @@ from unirl.algorithms.kl_control import (
 )
 from unirl.models.kept import KeptGraphs
 from unirl.models.stage import DiffusionStage
+from unirl.types.constraints import Positive, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 
-CLIP_SCHEDULES = ("constant", "linear", "cosine")
+ClipSchedule = Literal["constant", "linear", "cosine"]
 GUARD_OLD_MEANS_KEY = "guard/old_means"
-OLD_LOGP_SOURCES = ("rollout", "replay")
 
 
 @dataclass
@@ -61,19 +61,14 @@ class StepLossConfig:
             means are affine in, `kl_control.velocity_scale`).
     """
 
-    old_logp_source: str = "rollout"
+    old_logp_source: OldLogpSource = "rollout"
     beta: float = 0.0
     kl_target: float | None = None
     kl_horizon: int = 10000
-    kl_space: str = "latent"
+    kl_space: KLSpace = "latent"
 
     def __post_init__(self) -> None:
-        if self.old_logp_source not in OLD_LOGP_SOURCES:
-            raise ValueError(
-                f"algorithm.config.old_logp_source must be one of {OLD_LOGP_SOURCES}, got {self.old_logp_source!r}"
-            )
-        if self.kl_space not in KL_SPACES:
-            raise ValueError(f"algorithm.config.kl_space must be one of {KL_SPACES}, got {self.kl_space!r}")
+        check_fields(self, "algorithm.config.")
         self.kl_controller()  # range-checks beta, kl_target and kl_horizon
 
     def kl_controller(self) -> KLController:
@@ -97,26 +92,11 @@ class FlowGRPOConfig(StepLossConfig):
             (flow_grpo's, DanceGRPO's, MixGRPO's and DDPO's 5); null leaves them as they are.
     """
 
-    clip_range: float = 1e-4
-    clip_range_final: float | None = None
-    clip_schedule: str = "constant"
+    clip_range: Positive = 1e-4
+    clip_range_final: Positive | None = None
+    clip_schedule: ClipSchedule = "constant"
     guard: bool = False
-    adv_clip_max: float | None = 5.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.clip_schedule not in CLIP_SCHEDULES:
-            raise ValueError(
-                f"algorithm.config.clip_schedule must be one of {CLIP_SCHEDULES}, got {self.clip_schedule!r}"
-            )
-        if self.clip_range <= 0:
-            raise ValueError(f"algorithm.config.clip_range must be > 0, got {self.clip_range}")
-        if self.clip_range_final is not None and self.clip_range_final <= 0:
-            raise ValueError(
-                f"algorithm.config.clip_range_final must be > 0 or null, got {self.clip_range_final}"
-            )
-        if self.adv_clip_max is not None and not self.adv_clip_max > 0:
-            raise ValueError(f"algorithm.config.adv_clip_max must be > 0 or null, got {self.adv_clip_max}")
+    adv_clip_max: Positive | None = 5.0
 
     def clip_at(self, progress: float) -> float:
         """Clip epsilon at training progress in [0, 1]."""

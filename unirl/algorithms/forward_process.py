@@ -28,14 +28,15 @@ import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 from unirl.algorithms.base import StageAlgorithm
+from unirl.types.constraints import AtLeastOne, Positive, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 
-TIMESTEP_DISTRIBUTIONS = ("discrete", "discrete_with_init", "uniform", "logit_normal")
+TimestepDistribution = Literal["discrete", "discrete_with_init", "uniform", "logit_normal"]
 DISCRETE = ("discrete", "discrete_with_init")
 RANGE_TOL = 1e-6  # a schedule's fp32 sigma counts as inside [lo, hi] within this
 
@@ -58,19 +59,15 @@ class ForwardProcessConfig:
         seed: with the sample (or group) id, seeds every draw.
     """
 
-    timestep_distribution: str = "discrete_with_init"
+    timestep_distribution: TimestepDistribution = "discrete_with_init"
     timestep_range: tuple[float, float] = (0.0, 1.0)
-    timestep_shift: float = 1.0
-    draws_per_sample: int = 1
+    timestep_shift: Positive = 1.0
+    draws_per_sample: AtLeastOne = 1
     shared_noise: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.timestep_distribution not in TIMESTEP_DISTRIBUTIONS:
-            raise ValueError(
-                f"algorithm.config.timestep_distribution must be one of {TIMESTEP_DISTRIBUTIONS}, "
-                f"got {self.timestep_distribution!r}"
-            )
+        check_fields(self, "algorithm.config.")
         rng = tuple(self.timestep_range)
         if len(rng) != 2 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in rng):
             raise ValueError(f"algorithm.config.timestep_range must be [lo, hi], got {list(rng)}")
@@ -81,16 +78,12 @@ class ForwardProcessConfig:
                 f"noise level s), got {list(rng)}"
             )
         self.timestep_range = (lo, hi)
-        if not (self.timestep_shift > 0 and math.isfinite(self.timestep_shift)):
-            raise ValueError(f"algorithm.config.timestep_shift must be > 0, got {self.timestep_shift}")
         if self.timestep_distribution in DISCRETE and self.timestep_shift != 1.0:
             raise ValueError(
                 f"algorithm.config.timestep_shift={self.timestep_shift} applies to the uniform and logit_normal "
                 f"distributions; {self.timestep_distribution} draws the schedule's own (already shifted) sigmas, "
                 "so set timestep_shift: 1.0"
             )
-        if self.draws_per_sample < 1:
-            raise ValueError(f"algorithm.config.draws_per_sample must be >= 1, got {self.draws_per_sample}")
 
 
 def shift(u: torch.Tensor, k: float) -> torch.Tensor:

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
+from annotated_types import Ge, Gt
 
-from unirl.algorithms.base import StageAlgorithm
+from unirl.algorithms.base import OldLogpSource, StageAlgorithm
 from unirl.algorithms.token_losses import (
-    CORRECTION_MODES,
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
+    CorrectionMode,
+    LossAggMode,
     aggregate,
     clipped_token_loss,
     correction_weights,
@@ -33,10 +33,10 @@ from unirl.algorithms.token_losses import (
     token_advantages,
 )
 from unirl.models.stage import TextStage
+from unirl.types.advantages import KLEstimator
+from unirl.types.constraints import NonNegative, OpenUnit, Positive, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment
-
-OLD_LOGP_SOURCES = ("rollout", "replay")
 
 
 @dataclass
@@ -65,53 +65,27 @@ class TokenLossConfig:
         rollout_correction_cap: the cap C of those weights (>= 1).
     """
 
-    loss_agg_mode: str = "token-mean"
-    norm_constant: float | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "low_var_kl"
-    old_logp_source: str = "rollout"
-    rollout_correction: str | None = None
-    rollout_correction_cap: float = 2.0
+    loss_agg_mode: LossAggMode = "token-mean"
+    norm_constant: Positive | None = None
+    kl_coef: NonNegative = 0.0
+    kl_estimator: KLEstimator = "low_var_kl"
+    old_logp_source: OldLogpSource = "rollout"
+    rollout_correction: CorrectionMode | None = None
+    rollout_correction_cap: Annotated[float, Ge(1)] = 2.0  # an on-policy token has weight 1
 
     def __post_init__(self) -> None:
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(
-                f"algorithm.config.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}"
-            )
+        check_fields(self, "algorithm.config.")
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.norm_constant is None:
             raise ValueError(
                 "algorithm.config.norm_constant must be set for loss_agg_mode seq-mean-token-sum-norm: "
                 "the max response length, e.g. norm_constant: ${sampling.max_new_tokens}"
             )
-        if self.norm_constant is not None and not self.norm_constant > 0:
-            raise ValueError(f"algorithm.config.norm_constant must be > 0 or null, got {self.norm_constant}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"algorithm.config.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_estimator not in KL_ESTIMATORS:
+        if self.rollout_correction is not None and self.old_logp_source != "replay":
             raise ValueError(
-                f"algorithm.config.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
-            )
-        if self.old_logp_source not in OLD_LOGP_SOURCES:
-            raise ValueError(
-                f"algorithm.config.old_logp_source must be one of {OLD_LOGP_SOURCES}, got {self.old_logp_source!r}"
-            )
-        if self.rollout_correction is not None:
-            if self.rollout_correction not in CORRECTION_MODES:
-                raise ValueError(
-                    f"algorithm.config.rollout_correction must be null or one of {CORRECTION_MODES}, "
-                    f"got {self.rollout_correction!r}"
-                )
-            if self.old_logp_source != "replay":
-                raise ValueError(
-                    f"algorithm.config.rollout_correction={self.rollout_correction!r} weighs the engine's "
-                    "samples by pi_old / pi_rollout, which needs the trainer's own pi_old: set "
-                    "algorithm.config.old_logp_source=replay (with rollout the ratio is already taken "
-                    "against the engine's log-probs)"
-                )
-        if not self.rollout_correction_cap >= 1:
-            raise ValueError(
-                f"algorithm.config.rollout_correction_cap must be >= 1 (an on-policy token has weight 1), "
-                f"got {self.rollout_correction_cap}"
+                f"algorithm.config.rollout_correction={self.rollout_correction!r} weighs the engine's "
+                "samples by pi_old / pi_rollout, which needs the trainer's own pi_old: set "
+                "algorithm.config.old_logp_source=replay (with rollout the ratio is already taken "
+                "against the engine's log-probs)"
             )
 
 
@@ -125,18 +99,9 @@ class GRPOConfig(TokenLossConfig):
             null disables it.
     """
 
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 < self.eps_low < 1:
-            raise ValueError(f"algorithm.config.eps_low must be in (0, 1), got {self.eps_low}")
-        if not self.eps_high > 0:
-            raise ValueError(f"algorithm.config.eps_high must be > 0, got {self.eps_high}")
-        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
-            raise ValueError(f"algorithm.config.clip_ratio_c must be > 1 or null, got {self.clip_ratio_c}")
+    eps_low: OpenUnit = 0.2
+    eps_high: Positive = 0.2
+    clip_ratio_c: Annotated[float, Gt(1)] | None = 3.0
 
 
 def text_segment(track: RolloutTrack) -> TokenSegment:

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from unirl.algorithms.grpo import GRPO, TokenLossConfig
-from unirl.algorithms.token_losses import LOG_RATIO_CLAMP, clipped_token_loss, masked_mean
+from unirl.algorithms.token_losses import LOG_RATIO_CLAMP, LossAggMode, clipped_token_loss, masked_mean
 from unirl.models.stage import TextStage
 from unirl.types.advantages import TOKEN_ESTIMATORS, AdvantageConfig
+from unirl.types.constraints import OpenUnit, Positive
 from unirl.types.rollout_resp import RolloutTrack
 
 
@@ -34,16 +35,9 @@ class GSPOConfig(TokenLossConfig):
         eps_low, eps_high: the sequence ratio is clipped to [1 - eps_low, 1 + eps_high].
     """
 
-    loss_agg_mode: str = "seq-mean-token-mean"
-    eps_low: float = 3e-4
-    eps_high: float = 4e-4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 < self.eps_low < 1:
-            raise ValueError(f"algorithm.config.eps_low must be in (0, 1), got {self.eps_low}")
-        if not self.eps_high > 0:
-            raise ValueError(f"algorithm.config.eps_high must be > 0, got {self.eps_high}")
+    loss_agg_mode: LossAggMode = "seq-mean-token-mean"
+    eps_low: OpenUnit = 3e-4
+    eps_high: Positive = 4e-4
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

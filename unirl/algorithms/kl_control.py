@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from unirl.sde.strategies import make_strategy
 from unirl.types.segments import LatentSegment
 
 KL_ERROR_CLIP = 0.2  # Ziegler et al.'s bound on the proportional error
-KL_SPACES = ("latent", "velocity")
+KLSpace = Literal["latent", "velocity"]
 """Where a KL-to-another-policy term measures the distance: "latent" on the latents the
 policies produce (a step loss: the SDE step means, the Gaussian KL; a forward-process
 loss: the clean-latent predictions x_s - s v), "velocity" on the velocities themselves."""

@@ -30,18 +30,19 @@ from __future__ import annotations
 import zlib
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from unirl.algorithms.base import StageAlgorithm
-from unirl.algorithms.kl_control import KL_SPACES
+from unirl.algorithms.kl_control import KLSpace
 from unirl.models.stage import DifferentiableDiffusionStage
+from unirl.types.constraints import AtLeastOne, NonNegative, Positive, check_fields
 from unirl.types.reward import DifferentiableReward
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import LatentSegment
 
-REWARD_TRANSFORMS = ("identity", "log")
+RewardTransform = Literal["identity", "log"]
 
 
 @dataclass
@@ -63,27 +64,16 @@ class RewardBackpropConfig:
         seed: with the sample id, seeds every random choice of the loss.
     """
 
-    reward_scale: float = 1.0
-    reward_transform: str = "identity"
-    kl_coef: float = 0.0
-    kl_steps: int = 1
-    kl_space: str = "velocity"
+    reward_scale: Positive = 1.0
+    reward_transform: RewardTransform = "identity"
+    kl_coef: NonNegative = 0.0
+    kl_steps: AtLeastOne = 1
+    kl_space: KLSpace = "velocity"
     checkpoint: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.reward_scale > 0:
-            raise ValueError(f"algorithm.config.reward_scale must be > 0, got {self.reward_scale}")
-        if self.reward_transform not in REWARD_TRANSFORMS:
-            raise ValueError(
-                f"algorithm.config.reward_transform must be one of {REWARD_TRANSFORMS}, got {self.reward_transform!r}"
-            )
-        if self.kl_coef < 0:
-            raise ValueError(f"algorithm.config.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_steps < 1:
-            raise ValueError(f"algorithm.config.kl_steps must be >= 1, got {self.kl_steps}")
-        if self.kl_space not in KL_SPACES:
-            raise ValueError(f"algorithm.config.kl_space must be one of {KL_SPACES}, got {self.kl_space!r}")
+        check_fields(self, "algorithm.config.")
 
 
 def sample_generator(seed: int, sample_id: str, purpose: str) -> torch.Generator:

@@ -7,6 +7,9 @@ Log-probs are fp32. Nothing here reads a config or a stage.
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import torch
 
 from unirl.algorithms.advantages import kl_penalty
@@ -28,8 +31,10 @@ __all__ = [
 ]
 
 LOG_RATIO_CLAMP = 20.0
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES = typing.get_args(LossAggMode)
+CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+CORRECTION_MODES = typing.get_args(CorrectionMode)
 
 
 def log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:

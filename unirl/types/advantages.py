@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 ADVANTAGE_SCOPES = ("group", "global")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+KL_ESTIMATORS = typing.get_args(KLEstimator)
 MULTI_REWARD = ("sum", "gdpo")
 
 

@@ -101,5 +101,5 @@ def describe_error(key: str, error: dict[str, Any]) -> str | None:
         op = kinds[error["type"]]
         return f"{key} must be {describe({op: ctx[op]})}, got {error['input']}"
     if error["type"] == "literal_error":
-        return f"{key} must be one of {ctx['expected']}, got {error['input']!r}"
+        return f"{key} must be {ctx['expected']}, got {error['input']!r}"
     return None
