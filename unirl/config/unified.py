@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
-from unirl.config.algorithm import check_chained_algorithm
+from unirl.config.algorithm import check_algorithm, check_chained_algorithm
 from unirl.config.distributed import check_transport, meta_module
 from unirl.config.engines import check_rollout
 from unirl.config.references import (
@@ -202,20 +202,11 @@ def _check_segments(cfg: DictConfig, passed: dict[str, Any], problems: list[str]
                     f"{key}.algorithm: {node.algorithm._target_} is a {algorithm.modality} algorithm; both segments "
                     "are token sequences, use a text algorithm (e.g. unirl.algorithms.grpo.GRPO)"
                 )
-            chained: list[str] = []
-            check_chained_algorithm(passed.get(f"{key}.algorithm"), chained)
-            problems.extend(f"{key}.{p}" for p in chained)
-            stack = passed.get("train.stack")
-            if (
-                algorithm is not None
-                and stack is not None
-                and stack.num_updates_per_batch > 1
-                and not getattr(algorithm, "supports_multi_update", False)
-            ):
-                problems.append(
-                    f"train.stack.num_updates_per_batch={stack.num_updates_per_batch}: {algorithm.__name__} "
-                    "does not support several updates per rollout; set it to 1"
-                )
+            # the one-track algorithm rules; the segment's own keys under tracks.<name>, the shared train's at the root
+            found: list[str] = []
+            check_algorithm(algorithm, sampling, passed.get("train.stack"), passed.get("train"), None, found)
+            check_chained_algorithm(passed.get(f"{key}.algorithm"), found)
+            problems.extend(f"{key}.{p}" if p.startswith(("sampling", "algorithm")) else p for p in found)
         else:
             extra = [p for p in ("algorithm", "advantage") if node.get(p) is not None]
             if extra:
