@@ -25,7 +25,8 @@ from unirl.config.track import check_track, track_view
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.rollout.dedicated import is_dedicated
 from unirl.sync.config import WeightSyncConfig
-from unirl.types.lineage import AGGREGATES
+from unirl.types.constraints import check_fields
+from unirl.types.lineage import Aggregate
 from unirl.types.sampling import TextSamplingParams
 
 
@@ -76,14 +77,13 @@ class TrackConfig:
     algorithm: Any = None
     advantage: Any = None
     train: Any = None
-    aggregate: str = "mean"
+    aggregate: Aggregate = "mean"
     engine: Any = None
     weight_sync: Any = None
 
     def __post_init__(self) -> None:
         _components("tracks.<name>.", self, ("model", "stage", "sampling"), ("algorithm", "advantage"))
-        if self.aggregate not in AGGREGATES:
-            raise ValueError(f"aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
+        check_fields(self)
 
 
 def _sections(cfg: DictConfig) -> dict[str, type]:

@@ -28,6 +28,7 @@ from unirl.config.references import (
 from unirl.config.run import CheckpointConfig, LoggingConfig, RunBase, TrainConfig, _components
 from unirl.config.tree import ConfigError, check_recipe, target_class
 from unirl.sync.config import WeightSyncConfig
+from unirl.types.constraints import NonNegative, check_fields
 from unirl.types.sampling import ImageTokenSamplingParams, TextSamplingParams
 
 
@@ -73,14 +74,13 @@ class SegmentConfig:
     stage: Any
     sampling: Any
     trained: bool = True
-    weight: float = 1.0
+    weight: NonNegative = 1.0
     algorithm: Any = None
     advantage: Any = None
 
     def __post_init__(self) -> None:
         _components("tracks.<name>.", self, ("stage", "sampling"), ("algorithm", "advantage"))
-        if not self.weight >= 0:
-            raise ValueError(f"weight must be >= 0, got {self.weight}")
+        check_fields(self)
 
 
 def _sections(cfg: DictConfig) -> dict[str, type]:

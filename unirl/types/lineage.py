@@ -10,7 +10,9 @@ scores the leaf; the driver gives a parent an aggregate of its children's reward
 
 from __future__ import annotations
 
+import typing
 import zlib
+from typing import Literal
 
 import torch
 
@@ -62,7 +64,8 @@ def child_request(
     return req
 
 
-AGGREGATES = ("mean", "max", "min")  # how a parent track's reward derives from its children's
+Aggregate = Literal["mean", "max", "min"]  # how a parent track's reward derives from its children's
+AGGREGATES = typing.get_args(Aggregate)
 
 
 def aggregate_children(parent: RolloutTrack, child: RolloutTrack, how: str) -> torch.Tensor:
