@@ -29,7 +29,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from unirl.models.source import DTYPES, DType, check_source
+from unirl.types.constraints import AtLeastOne, check_fields
+
 _ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 IGNORE_INDEX = -100  # a label position no loss reads (prompt, padding)
 EOS_TOKEN = "<|endoftext|>"
@@ -56,12 +58,12 @@ class TinyLMConfig:
     """
 
     architecture: str = "qwen3"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 128
-    max_position_embeddings: int = 512
+    hidden_size: AtLeastOne = 64
+    num_layers: AtLeastOne = 2
+    num_attention_heads: AtLeastOne = 4
+    num_key_value_heads: AtLeastOne = 2
+    intermediate_size: AtLeastOne = 128
+    max_position_embeddings: AtLeastOne = 512
     tie_word_embeddings: bool = False
     seed: int = 0
 
@@ -70,12 +72,7 @@ class TinyLMConfig:
             raise ValueError(
                 f"model.tiny.architecture must be one of {sorted(_ARCHITECTURES)}, got {self.architecture!r}"
             )
-        for key in (
-            "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "max_position_embeddings",
-        ):  # fmt: skip
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        check_fields(self, "model.tiny.")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.tiny.hidden_size={self.hidden_size} must be a multiple of "
@@ -107,18 +104,10 @@ class CausalLMConfig:
 
     pretrained_path: str | None = None
     tiny: TinyLMConfig | None = None
-    dtype: str = "float32"
+    dtype: DType = "float32"
 
     def __post_init__(self) -> None:
-        if isinstance(self.tiny, dict):
-            self.tiny = TinyLMConfig(**self.tiny)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if (self.pretrained_path is None) == (self.tiny is None):
-            raise ValueError(
-                "model: set exactly one of model.pretrained_path (a local causal-LM directory) and "
-                f"model.tiny, got pretrained_path={self.pretrained_path!r} and tiny={self.tiny}"
-            )
+        check_source(self, TinyLMConfig, "causal-LM", exclusive=True)
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The LM's module tree on the meta device (no weights read): for validators
@@ -134,8 +123,8 @@ class CausalLMConfig:
 
     def build(self) -> CausalLMBundle:
         if self.pretrained_path is not None:
-            return CausalLMBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
-        return CausalLMBundle.tiny(self.tiny, dtype=_DTYPES[self.dtype])
+            return CausalLMBundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
+        return CausalLMBundle.tiny(self.tiny, dtype=DTYPES[self.dtype])
 
     def load_checkpoint(self, path: str) -> CausalLMBundle:
         """The bundle of a UniRL checkpoint of a causal-LM run, fp32 (`load_checkpoint`)."""

@@ -23,8 +23,9 @@ from typing import ClassVar
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from unirl.models.causal_lm.bundle import _DTYPES, CausalLMBundle, CausalLMConfig
+from unirl.models.causal_lm.bundle import CausalLMBundle, CausalLMConfig
 from unirl.models.causal_lm.stage import AUTOCAST_DTYPES
+from unirl.models.source import DTYPES
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment, pad_right
 
@@ -73,7 +74,7 @@ class CausalLMValueConfig(CausalLMConfig):
     def build_value_stage(self, policy: object = None) -> CausalLMValueStage:
         """The critic (backbone and head in `dtype`), on the CPU. `policy` (the policy's stage)
         is not read: this config names the architecture and weights itself."""
-        dtype = _DTYPES[self.dtype]
+        dtype = DTYPES[self.dtype]
         if self.pretrained_path is not None:
             policy = CausalLMBundle.from_pretrained(self.pretrained_path, dtype=dtype)
         else:

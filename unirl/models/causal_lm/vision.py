@@ -36,8 +36,10 @@ from typing import Any, ClassVar
 import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel
 
-from unirl.models.causal_lm.bundle import _DTYPES, CausalLMBundle, TinyLMConfig, tiny_tokenizer
+from unirl.models.causal_lm.bundle import CausalLMBundle, TinyLMConfig, tiny_tokenizer
 from unirl.models.images import load_image
+from unirl.models.source import DTYPES, DType, check_source
+from unirl.types.constraints import AtLeastOne
 
 IMAGE_PLACEHOLDER = "<image>"
 VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = (
@@ -79,16 +81,16 @@ class TinyVLMConfig(TinyLMConfig):
     """
 
     architecture: str = "qwen2_5_vl"
-    vision_depth: int = 2
-    vision_hidden_size: int = 32
-    vision_intermediate_size: int = 64
-    vision_num_heads: int = 2
-    patch_size: int = 14
-    spatial_merge_size: int = 2
-    temporal_patch_size: int = 2
-    min_pixels: int = 28 * 28
+    vision_depth: AtLeastOne = 2
+    vision_hidden_size: AtLeastOne = 32
+    vision_intermediate_size: AtLeastOne = 64
+    vision_num_heads: AtLeastOne = 2
+    patch_size: AtLeastOne = 14
+    spatial_merge_size: AtLeastOne = 2
+    temporal_patch_size: AtLeastOne = 2
+    min_pixels: AtLeastOne = 28 * 28
     max_pixels: int = 28 * 28 * 16
-    max_position_embeddings: int = 1024
+    max_position_embeddings: AtLeastOne = 1024
 
     def __post_init__(self) -> None:
         if self.architecture not in TINY_VLM_ARCHITECTURES:
@@ -101,12 +103,6 @@ class TinyVLMConfig(TinyLMConfig):
             super().__post_init__()
         finally:
             self.architecture = arch
-        for key in (
-            "vision_depth", "vision_hidden_size", "vision_intermediate_size", "vision_num_heads",
-            "patch_size", "spatial_merge_size", "temporal_patch_size", "min_pixels",
-        ):  # fmt: skip
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
         if self.vision_hidden_size % self.vision_num_heads:
             raise ValueError(
                 f"model.tiny.vision_hidden_size={self.vision_hidden_size} must be a multiple of "
@@ -343,18 +339,10 @@ class VLMConfig:
 
     pretrained_path: str | None = None
     tiny: TinyVLMConfig | None = None
-    dtype: str = "float32"
+    dtype: DType = "float32"
 
     def __post_init__(self) -> None:
-        if isinstance(self.tiny, dict):
-            self.tiny = TinyVLMConfig(**self.tiny)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if (self.pretrained_path is None) == (self.tiny is None):
-            raise ValueError(
-                "model: set exactly one of model.pretrained_path (a local VLM directory) and "
-                f"model.tiny, got pretrained_path={self.pretrained_path!r} and tiny={self.tiny}"
-            )
+        check_source(self, TinyVLMConfig, "VLM", exclusive=True)
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The VLM's module tree on the meta device (no weights read)."""
@@ -369,8 +357,8 @@ class VLMConfig:
 
     def build(self) -> VLMBundle:
         if self.pretrained_path is not None:
-            return VLMBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
-        return VLMBundle.tiny(self.tiny, dtype=_DTYPES[self.dtype])
+            return VLMBundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
+        return VLMBundle.tiny(self.tiny, dtype=DTYPES[self.dtype])
 
     def load_checkpoint(self, path: str) -> VLMBundle:
         """The bundle of a UniRL checkpoint of a VLM run, fp32."""

@@ -16,8 +16,9 @@ from typing import ClassVar
 import torch
 
 from unirl.models.flow.loading import pipeline_directory_problems
+from unirl.models.source import DTYPES, DType, check_source
+from unirl.types.constraints import AtLeastOne, check_fields
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PIPELINE_CLASS = "FluxPipeline"
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -42,33 +43,28 @@ class TinyFluxConfig:
     CLIP and T5 tokenizers.
     """
 
-    resolution: int = 32
+    resolution: AtLeastOne = 32
     pixel_space: bool = True
-    num_layers: int = 1
+    num_layers: AtLeastOne = 1
     num_single_layers: int = 1
-    attention_head_dim: int = 16
-    num_attention_heads: int = 2
+    attention_head_dim: AtLeastOne = 16
+    num_attention_heads: AtLeastOne = 2
     axes_dims_rope: list[int] = field(default_factory=lambda: [4, 6, 6])
     guidance_embeds: bool = True
-    clip_hidden_size: int = 32
-    t5_hidden_size: int = 32
-    text_layers: int = 1
-    clip_max_length: int = 77
+    clip_hidden_size: AtLeastOne = 32
+    t5_hidden_size: AtLeastOne = 32
+    text_layers: AtLeastOne = 1
+    clip_max_length: AtLeastOne = 77
     words: list[str] = field(default_factory=list)
     seed: int = 0
-    latent_channels: int = 4
+    latent_channels: AtLeastOne = 4
     vae_downsample: int = 2
     vae_scaling_factor: float = 0.3611
     vae_shift_factor: float = 0.1159
 
     def __post_init__(self) -> None:
         self.axes_dims_rope = list(self.axes_dims_rope)
-        for key in (
-            "resolution", "num_layers", "attention_head_dim", "num_attention_heads", "clip_hidden_size",
-            "t5_hidden_size", "text_layers", "clip_max_length", "latent_channels",
-        ):  # fmt: skip
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        check_fields(self, "model.tiny.")
         if self.num_single_layers < 0:
             raise ValueError(f"model.tiny.num_single_layers must be >= 0, got {self.num_single_layers}")
         if self.vae_downsample < 2 or self.vae_downsample & (self.vae_downsample - 1):
@@ -108,15 +104,10 @@ class FluxModelConfig:
 
     pretrained_path: str | None = None
     tiny: TinyFluxConfig | None = field(default_factory=TinyFluxConfig)
-    dtype: str = "float32"
+    dtype: DType = "float32"
 
     def __post_init__(self) -> None:
-        if isinstance(self.tiny, dict):
-            self.tiny = TinyFluxConfig(**self.tiny)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.pretrained_path is None and self.tiny is None:
-            raise ValueError("model: set model.pretrained_path to a FLUX.1 directory or give model.tiny")
+        check_source(self, TinyFluxConfig, "FLUX.1")
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The transformer's module tree on the meta device (no weights read)."""
@@ -135,7 +126,7 @@ class FluxModelConfig:
         from unirl.models.flux.bundle import FluxBundle
 
         if self.pretrained_path:
-            return FluxBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
+            return FluxBundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
         return FluxBundle.tiny(self.tiny)
 
     def load_checkpoint(self, path: str):

@@ -27,8 +27,9 @@ from diffusers import FluxKontextPipeline
 
 from unirl.models.flow.loading import pipeline_directory_problems
 from unirl.models.flux.bundle import FluxBundle, image_ids, load_checkpoint, pack
-from unirl.models.flux.config import _DTYPES, FluxModelConfig
+from unirl.models.flux.config import FluxModelConfig
 from unirl.models.images import load_image
+from unirl.models.source import DTYPES
 
 CONDITION_KEY = "images"
 """The default prompt-row metadata key naming a sample's condition image (one path, array or PIL
@@ -111,7 +112,7 @@ class FluxKontextModelConfig(FluxModelConfig):
 
     def build(self) -> FluxKontextBundle:
         if self.pretrained_path:
-            bundle = FluxKontextBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
+            bundle = FluxKontextBundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
         else:
             bundle = FluxKontextBundle.tiny(self.tiny)
         bundle.condition_key = self.condition_key

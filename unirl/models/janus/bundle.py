@@ -26,8 +26,9 @@ import torch
 from transformers import JanusConfig, JanusForConditionalGeneration
 
 from unirl.models.causal_lm.bundle import CausalLMBundle, load_checkpoint, tiny_tokenizer
+from unirl.models.source import DTYPES, DType, check_source
+from unirl.types.constraints import AtLeastOne, check_fields
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BOI_TOKEN = "<begin_of_image>"
 EOI_TOKEN = "<end_of_image>"
 IMAGE_TOKEN = "<image_placeholder>"
@@ -50,26 +51,21 @@ class TinyJanusConfig:
         seed: weights are drawn under it without touching the global RNG.
     """
 
-    hidden_size: int = 32
-    num_layers: int = 1
-    num_attention_heads: int = 2
-    num_key_value_heads: int = 1
-    intermediate_size: int = 64
-    max_position_embeddings: int = 256
-    num_patches: int = 4
-    codebook_size: int = 32
-    vq_levels: int = 3
-    vq_channels: int = 32
-    vq_embed_dim: int = 4
+    hidden_size: AtLeastOne = 32
+    num_layers: AtLeastOne = 1
+    num_attention_heads: AtLeastOne = 2
+    num_key_value_heads: AtLeastOne = 1
+    intermediate_size: AtLeastOne = 64
+    max_position_embeddings: AtLeastOne = 256
+    num_patches: AtLeastOne = 4
+    codebook_size: AtLeastOne = 32
+    vq_levels: AtLeastOne = 3
+    vq_channels: AtLeastOne = 32
+    vq_embed_dim: AtLeastOne = 4
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for key in (
-            "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "max_position_embeddings", "num_patches", "codebook_size", "vq_levels", "vq_channels", "vq_embed_dim",
-        ):  # fmt: skip
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        check_fields(self, "model.tiny.")
         if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 2:
             raise ValueError(
                 f"model.tiny.hidden_size={self.hidden_size} / num_attention_heads={self.num_attention_heads} "
@@ -208,18 +204,10 @@ class JanusModelConfig:
 
     pretrained_path: str | None = None
     tiny: TinyJanusConfig | None = None
-    dtype: str = "float32"
+    dtype: DType = "float32"
 
     def __post_init__(self) -> None:
-        if isinstance(self.tiny, dict):
-            self.tiny = TinyJanusConfig(**self.tiny)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if (self.pretrained_path is None) == (self.tiny is None):
-            raise ValueError(
-                "model: set exactly one of model.pretrained_path (a local Janus directory) and model.tiny, "
-                f"got pretrained_path={self.pretrained_path!r} and tiny={self.tiny}"
-            )
+        check_source(self, TinyJanusConfig, "Janus", exclusive=True)
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The model's module tree on the meta device (no weights read), for name checks."""
@@ -232,8 +220,8 @@ class JanusModelConfig:
 
     def build(self) -> JanusBundle:
         if self.pretrained_path is not None:
-            return JanusBundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
-        return JanusBundle.tiny(self.tiny, dtype=_DTYPES[self.dtype])
+            return JanusBundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
+        return JanusBundle.tiny(self.tiny, dtype=DTYPES[self.dtype])
 
     def load_checkpoint(self, path: str) -> JanusBundle:
         """The bundle of a UniRL checkpoint of a unified run, fp32 (LoRA merged or full weights)."""

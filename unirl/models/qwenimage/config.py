@@ -17,8 +17,9 @@ from typing import ClassVar
 import torch
 
 from unirl.models.flow.loading import pipeline_directory_problems
+from unirl.models.source import DTYPES, DType, check_source
+from unirl.types.constraints import AtLeastOne, check_fields
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PIPELINE_CLASS = "QwenImagePipeline"
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -45,29 +46,24 @@ class TinyQwenImageConfig:
     Qwen2.5-VL's own tokenizer.
     """
 
-    resolution: int = 32
+    resolution: AtLeastOne = 32
     pixel_space: bool = True
-    num_layers: int = 2
-    attention_head_dim: int = 16
-    num_attention_heads: int = 2
+    num_layers: AtLeastOne = 2
+    attention_head_dim: AtLeastOne = 16
+    num_attention_heads: AtLeastOne = 2
     axes_dims_rope: list[int] = field(default_factory=lambda: [4, 6, 6])
-    text_hidden_size: int = 32
-    text_layers: int = 1
+    text_hidden_size: AtLeastOne = 32
+    text_layers: AtLeastOne = 1
     words: list[str] = field(default_factory=list)
     seed: int = 0
-    latent_channels: int = 4
+    latent_channels: AtLeastOne = 4
     vae_downsample: int = 2
-    vae_base_dim: int = 8
+    vae_base_dim: AtLeastOne = 8
 
     def __post_init__(self) -> None:
         self.axes_dims_rope = list(self.axes_dims_rope)
         self.words = list(self.words)
-        for key in (
-            "resolution", "num_layers", "attention_head_dim", "num_attention_heads", "text_hidden_size",
-            "text_layers", "latent_channels", "vae_base_dim",
-        ):  # fmt: skip
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        check_fields(self, "model.tiny.")
         if self.vae_downsample < 2 or self.vae_downsample & (self.vae_downsample - 1):
             raise ValueError(
                 f"model.tiny.vae_downsample must be a power of 2 >= 2, got {self.vae_downsample}"
@@ -109,16 +105,11 @@ class QwenImageModelConfig:
 
     pretrained_path: str | None = None
     tiny: TinyQwenImageConfig | None = field(default_factory=TinyQwenImageConfig)
-    dtype: str = "float32"
+    dtype: DType = "float32"
     negative_prompt: str | None = " "
 
     def __post_init__(self) -> None:
-        if isinstance(self.tiny, dict):
-            self.tiny = TinyQwenImageConfig(**self.tiny)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.pretrained_path is None and self.tiny is None:
-            raise ValueError("model: set model.pretrained_path to a Qwen-Image directory or give model.tiny")
+        check_source(self, TinyQwenImageConfig, "Qwen-Image")
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The transformer's module tree on the meta device (no weights read)."""
@@ -140,7 +131,7 @@ class QwenImageModelConfig:
 
         if self.pretrained_path:
             return QwenImageBundle.from_pretrained(
-                self.pretrained_path, dtype=_DTYPES[self.dtype], negative_prompt=self.negative_prompt
+                self.pretrained_path, dtype=DTYPES[self.dtype], negative_prompt=self.negative_prompt
             )
         return QwenImageBundle.tiny(self.tiny, negative_prompt=self.negative_prompt)
 

@@ -42,8 +42,8 @@ from unirl.models.flow.loading import (
     vae_pixels,
     write_diffusers_weights,
 )
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from unirl.models.source import DTYPES, DType, check_source
+from unirl.types.constraints import AtLeastOne, check_fields
 
 
 @dataclass
@@ -62,31 +62,26 @@ class TinySD3Config:
     text encoder learns words far more easily, and prompts get much shorter.
     """
 
-    resolution: int = 32
+    resolution: AtLeastOne = 32
     pixel_space: bool = True
-    patch_size: int = 2
-    num_layers: int = 2
-    attention_head_dim: int = 32
-    num_attention_heads: int = 4
-    clip_hidden_size: int = 32
-    t5_hidden_size: int = 64
-    text_layers: int = 2
-    clip_max_length: int = 77
+    patch_size: AtLeastOne = 2
+    num_layers: AtLeastOne = 2
+    attention_head_dim: AtLeastOne = 32
+    num_attention_heads: AtLeastOne = 4
+    clip_hidden_size: AtLeastOne = 32
+    t5_hidden_size: AtLeastOne = 64
+    text_layers: AtLeastOne = 2
+    clip_max_length: AtLeastOne = 77
     words: list[str] = field(default_factory=list)
     seed: int = 0
-    latent_channels: int = 4
+    latent_channels: AtLeastOne = 4
     vae_downsample: int = 2
     qk_norm: str | None = None
     dual_attention_layers: list[int] = field(default_factory=list)
     pos_embed_max_size: int | None = None
 
     def __post_init__(self) -> None:
-        for key in (
-            "resolution", "patch_size", "num_layers", "attention_head_dim", "num_attention_heads",
-            "clip_hidden_size", "t5_hidden_size", "text_layers", "clip_max_length", "latent_channels",
-        ):  # fmt: skip
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        check_fields(self, "model.tiny.")
         if self.vae_downsample < 2 or self.vae_downsample & (self.vae_downsample - 1):
             raise ValueError(
                 f"model.tiny.vae_downsample must be a power of 2 >= 2, got {self.vae_downsample}"
@@ -132,15 +127,10 @@ class SD3ModelConfig:
 
     pretrained_path: str | None = None
     tiny: TinySD3Config | None = field(default_factory=TinySD3Config)
-    dtype: str = "float32"
+    dtype: DType = "float32"
 
     def __post_init__(self) -> None:
-        if isinstance(self.tiny, dict):
-            self.tiny = TinySD3Config(**self.tiny)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.pretrained_path is None and self.tiny is None:
-            raise ValueError("model: set model.pretrained_path to an SD3 directory or give model.tiny")
+        check_source(self, TinySD3Config, "SD3")
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The denoiser's module tree on the meta device (no weights read): for
@@ -153,7 +143,7 @@ class SD3ModelConfig:
 
     def build(self) -> SD3Bundle:
         if self.pretrained_path:
-            return SD3Bundle.from_pretrained(self.pretrained_path, dtype=_DTYPES[self.dtype])
+            return SD3Bundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
         return SD3Bundle.tiny(self.tiny)
 
     def load_checkpoint(self, path: str) -> SD3Bundle:

@@ -18,8 +18,9 @@ from typing import ClassVar
 import torch
 
 from unirl.models.flow.loading import pipeline_directory_problems
+from unirl.models.source import DTYPES, DType, check_source
+from unirl.types.constraints import AtLeastOne, check_fields
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PIPELINE_CLASS = "WanPipeline"
 PATCH = (1, 2, 2)
 """The transformer's (frame, height, width) patch: Wan 2.1's, and the tiny model's."""
@@ -49,31 +50,26 @@ class TinyWanConfig:
     The transformer patches (1, 2, 2). `words` become whole-word tokens of the tiny UMT5 tokenizer.
     """
 
-    resolution: int = 16
+    resolution: AtLeastOne = 16
     pixel_space: bool = True
-    num_layers: int = 2
-    attention_head_dim: int = 12
-    num_attention_heads: int = 2
-    ffn_dim: int = 48
-    freq_dim: int = 32
-    text_hidden_size: int = 32
-    text_layers: int = 1
+    num_layers: AtLeastOne = 2
+    attention_head_dim: AtLeastOne = 12
+    num_attention_heads: AtLeastOne = 2
+    ffn_dim: AtLeastOne = 48
+    freq_dim: AtLeastOne = 32
+    text_hidden_size: AtLeastOne = 32
+    text_layers: AtLeastOne = 1
     words: list[str] = field(default_factory=list)
     seed: int = 0
-    latent_channels: int = 4
+    latent_channels: AtLeastOne = 4
     vae_spatial: int = 2
     vae_temporal: int = 2
-    vae_base_dim: int = 8
-    vae_res_blocks: int = 1
+    vae_base_dim: AtLeastOne = 8
+    vae_res_blocks: AtLeastOne = 1
 
     def __post_init__(self) -> None:
         self.words = list(self.words)
-        for key in (
-            "resolution", "num_layers", "attention_head_dim", "num_attention_heads", "ffn_dim", "freq_dim",
-            "text_hidden_size", "text_layers", "latent_channels", "vae_base_dim", "vae_res_blocks",
-        ):  # fmt: skip
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.tiny.{key} must be >= 1, got {getattr(self, key)}")
+        check_fields(self, "model.tiny.")
         if self.attention_head_dim % 2 or self.attention_head_dim < 6:
             raise ValueError(
                 f"model.tiny.attention_head_dim must be even and >= 6 (Wan's rotary embedding splits it "
@@ -114,17 +110,12 @@ class WanModelConfig:
     pretrained_path: str | None = None
     tiny: TinyWanConfig | None = field(default_factory=TinyWanConfig)
     num_frames: int = 81
-    dtype: str = "float32"
+    dtype: DType = "float32"
 
     def __post_init__(self) -> None:
-        if isinstance(self.tiny, dict):
-            self.tiny = TinyWanConfig(**self.tiny)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check_source(self, TinyWanConfig, "Wan 2.1")
         if self.num_frames < 1:
             raise ValueError(f"model.num_frames must be >= 1, got {self.num_frames}")
-        if self.pretrained_path is None and self.tiny is None:
-            raise ValueError("model: set model.pretrained_path to a Wan 2.1 directory or give model.tiny")
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The transformer's module tree on the meta device (no weights read)."""
@@ -143,7 +134,7 @@ class WanModelConfig:
         from unirl.models.wan.bundle import WanBundle
 
         if self.pretrained_path:
-            return WanBundle.from_pretrained(self.pretrained_path, self.num_frames, dtype=_DTYPES[self.dtype])
+            return WanBundle.from_pretrained(self.pretrained_path, self.num_frames, dtype=DTYPES[self.dtype])
         return WanBundle.tiny(self.tiny, self.num_frames)
 
     def load_checkpoint(self, path: str):
