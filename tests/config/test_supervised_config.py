@@ -77,3 +77,37 @@ def test_demonstrations_are_checked_against_the_rows_and_the_model(tmp_path):
     )
     text = problems(tmp_path, "rollout.target_key=completion")
     assert "rollout.target_key='completion'" in text and "their metadata keys are ['answer', 'digits'" in text
+
+
+OFFLINE_DPO = "diffusion/shapes_diffusiondpo_offline_smoke"
+
+
+def test_an_offline_preference_track_pairs_a_group_loss_with_a_group_of_demonstrations(tmp_path):
+    """DiffusionDPO may train on replayed demonstrations when a row names one per sample of its group
+    (`[chosen, rejected]`); a single key, a group of another size, a supervised loss on a group, or a
+    row without one of the keys are refused naming the key."""
+    for name in (OFFLINE_DPO, "diffusion/shapes_diffusiondpo_offline"):
+        validate_rl_config(composed(name, tmp_path), expect="diffusion")
+
+    def refused(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as info:
+            validate_rl_config(composed(OFFLINE_DPO, tmp_path, *overrides), expect="diffusion")
+        return str(info.value)
+
+    assert "or for a preference loss that compares a group's samples (DiffusionDPO) name a row's" in refused(
+        "rollout.target_key=chosen", "sampling.samples_per_prompt=1"
+    )
+    assert (
+        "sampling.samples_per_prompt=3: a row's group is its 2 demonstrations (rollout.target_key=['chosen', "
+        "'rejected']); set it to 2" in refused("sampling.samples_per_prompt=3")
+    )
+    flow_sft = [
+        "algorithm={_target_: unirl.algorithms.sft.FlowSFT, config: {_target_: unirl.algorithms.sft.FlowSFTConfig}}",
+        "reward=null",
+        "advantage=null",
+    ]
+    found = refused(*flow_sft)
+    assert "rollout.target_key=['chosen', 'rejected']: FlowSFT learns from one demonstration a row" in found
+    assert "rollout.target_key" in refused("rollout.target_key=[chosen,missing]") and "missing" in refused(
+        "rollout.target_key=[chosen,missing]"
+    )

@@ -330,6 +330,9 @@ def test_path_keys_resolve_other_image_lists_against_the_prompt_file(tmp_path) -
     assert ex.metadata["source"] == [str(tmp_path / "a.png")]
     (plain,) = load_prompts(str(path))
     assert plain.metadata["source"] == ["a.png"]  # not a path key: left as written
-    path.write_text('{"prompt": "make it red", "source": "a.png"}\n')
-    with pytest.raises(PromptFileError, match=r"line 1: 'source' must be a list of image file paths"):
+    path.write_text('{"prompt": "make it red", "source": "a.png"}\n')  # one file: resolved as one
+    (one,) = load_prompts(str(path), path_keys=("source",))
+    assert one.metadata["source"] == str(tmp_path / "a.png")
+    path.write_text('{"prompt": "make it red", "source": ["a.png", 3]}\n')
+    with pytest.raises(PromptFileError, match=r"line 1: 'source' must be an image file path or a list of them"):
         load_prompts(str(path), path_keys=("source",))

@@ -3,11 +3,13 @@ and `diffusion/shapes_sft_smoke` (flow-matching SFT) train their demonstrations 
 with FSDP2, learn, evaluate by sampling the policy, and the run resumed from its step-2
 checkpoint writes the uninterrupted run's rows and weights; one in-process worker gives the 2
 workers' losses (each loss is the whole batch's, whatever the split). `vlm/shapes_vqa_sft` trains
-a VLM's answers after its images in process."""
+a VLM's answers after its images in process. `diffusion/shapes_diffusiondpo_offline_smoke` trains
+DiffusionDPO on a file's preference pairs replayed as groups, on the same machinery."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -60,3 +62,26 @@ def test_vlm_sft_trains_its_answers_in_process(tmp_path):
     assert [r["step"] for r in train] == [1, 2] and train[1]["loss"] < train[0]["loss"]
     assert all(r["response_length/mean"] >= 2 for r in train)  # a one-word answer + EOS
     assert [r["step"] for r in rows if "eval/accuracy/greedy" in r] == [0, 2]
+
+
+@pytest.mark.ray
+def test_offline_dpo_trains_the_files_pairs_on_two_fsdp_workers_and_resumes_exactly(ray_cluster, tmp_path):
+    """Each row's chosen and rejected images are one group, the chosen one rewarded 1: the first
+    update's loss is exactly log 2 (the policy is its reference, so every margin is 0), every pair
+    counts, and the run resumed from its step-2 checkpoint, and one in-process worker, give the 2
+    workers' rows (pairs stay whole on a rank)."""
+    recipe = "diffusion/shapes_diffusiondpo_offline_smoke"
+    full = run(recipe, tmp_path / "full", "checkpoint.every_n_steps=2")
+    shutil.copytree(tmp_path / "full", tmp_path / "part", ignore=shutil.ignore_patterns("step_000004", "final"))
+    step_2 = tmp_path / "part" / "checkpoints" / "step_000002"
+    resumed = run(recipe, tmp_path / "part", "checkpoint.every_n_steps=2", f"resume_from={step_2}")
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    assert full[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and full[0]["dpo/margin"] == 0.0
+    assert all(r["reward/mean"] == 0.5 and r["dpo/tied_groups"] == 0 for r in full)  # one chosen a pair
+    assert full[-1]["dpo/err_chosen"] != full[-1]["dpo/err_chosen_ref"]  # the policy moved off its reference
+    assert [untimed(r) for r in resumed if r["step"] > 2] == [untimed(r) for r in full if r["step"] > 2]
+    assert same_weights(tmp_path / "full", tmp_path / "part")
+    one = run(recipe, tmp_path / "one", *IN_PROCESS, "num_steps=2")
+    for a, b in zip(one, full[:2], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)

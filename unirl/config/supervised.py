@@ -2,14 +2,17 @@
 (`learns_from_demonstrations`: `unirl.algorithms.sft.LMSFT`, `FlowSFT`) and the engine that replays them
 (`samples_policy = False`, `unirl.rollout.demonstrations.DemonstrationEngine`) come together, with
 no reward, advantage or critic and one sample a row; every other trained track has a reward and an
-advantage. And the demonstrations against the rows and the model (`check_demonstrations`)."""
+advantage. An offline preference track is the one RL loss an engine that replays may feed: a loss
+that compares the samples of a group (`compares_within_groups`: `DiffusionDPO`) on a row's group of
+demonstrations (`rollout.target_key` a list, one key per sample: `[chosen, rejected]`), ranked by a
+reward. And the demonstrations against the rows and the model (`check_demonstrations`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from unirl.config.references import check_metadata_key, examples_of
 from unirl.config.tree import target_class
@@ -29,12 +32,22 @@ def check_supervised(
     replays = engine is not None and getattr(engine, "samples_policy", True) is False
     supervised = bool(getattr(algorithm, "learns_from_demonstrations", False))
     name = getattr(algorithm, "__name__", "the algorithm")
+    keys = cfg[engine_key].get("target_key") if replays else None
+    group = isinstance(keys, list | ListConfig)  # a group of demonstrations a row (another type: phase 1's)
     if replays and not supervised and algorithm is not None:
-        problems.append(
-            f"{engine_key}: {engine.__name__} gives the data's demonstrations, not samples of the policy, and "
-            f"{name} is an RL loss that needs samples: use unirl.rollout.trainside.TrainsideEngine, or a "
-            "supervised algorithm (unirl.algorithms.sft.LMSFT or FlowSFT)"
-        )
+        if not (group and getattr(algorithm, "compares_within_groups", False)):
+            problems.append(
+                f"{engine_key}: {engine.__name__} gives the data's demonstrations, not samples of the policy, and "
+                f"{name} is an RL loss that needs samples: use unirl.rollout.trainside.TrainsideEngine, or a "
+                "supervised algorithm (unirl.algorithms.sft.LMSFT or FlowSFT), or for a preference loss that "
+                "compares a group's samples (DiffusionDPO) name a row's demonstrations as a list "
+                f"{engine_key}.target_key: [chosen, rejected]"
+            )
+        elif sampling is not None and sampling.samples_per_prompt != len(keys):
+            problems.append(
+                f"sampling.samples_per_prompt={sampling.samples_per_prompt}: a row's group is its "
+                f"{len(keys)} demonstrations ({engine_key}.target_key={list(keys)}); set it to {len(keys)}"
+            )
     if not supervised:
         for key in ("reward", "advantage"):
             if algorithm is not None and key in cfg and cfg.get(key) is None:
@@ -57,7 +70,11 @@ def check_supervised(
     for key in ("reward", "advantage", "critic"):
         if cfg.get(key) is not None:
             problems.append(f"{key}: {name} learns from demonstrations, not rewards; set {key}: null")
-    if sampling is not None and getattr(sampling, "samples_per_prompt", 1) != 1:
+    if group:
+        problems.append(
+            f"rollout.target_key={list(keys)}: {name} learns from one demonstration a row; name one key"
+        )
+    elif sampling is not None and getattr(sampling, "samples_per_prompt", 1) != 1:
         problems.append(
             f"sampling.samples_per_prompt={sampling.samples_per_prompt}: a row has one demonstration, so "
             f"{name} takes one sample a row; set it to 1"
@@ -73,8 +90,10 @@ def check_demonstrations(cfg: DictConfig, passed: dict[str, Any], problems: list
     if engine is None or getattr(engine, "samples_policy", True) is not False:
         return
     key = cfg.rollout.get("target_key", "answer")
+    keys = list(key) if isinstance(key, list | ListConfig) else [key]
     examples = examples_of(passed.get("data_source"))
-    check_metadata_key("rollout.target_key", key, examples, "data_source", problems)
+    for k in keys:
+        check_metadata_key("rollout.target_key", k, examples, "data_source", problems)
     sampling = passed.get("sampling")
     if not isinstance(sampling, DiffusionSamplingParams):
         return
@@ -85,11 +104,11 @@ def check_demonstrations(cfg: DictConfig, passed: dict[str, Any], problems: list
             "model's x0 (the bundles expose no VAE encoder); set model.tiny.pixel_space: true"
         )
     want = (sampling.height, sampling.width, 3)
-    for ex in examples or []:
-        image = ex.metadata.get(key)
+    for ex, k in ((ex, k) for ex in examples or [] for k in keys):
+        image = ex.metadata.get(k)
         if isinstance(image, np.ndarray) and image.shape != want:
             problems.append(
-                f"data_source: row {ex.prompt_id!r} has a {list(image.shape)} image under metadata[{key!r}], but "
+                f"data_source: row {ex.prompt_id!r} has a {list(image.shape)} image under metadata[{k!r}], but "
                 f"the track samples sampling.height x width = {sampling.height} x {sampling.width}; give "
                 f"[{sampling.height}, {sampling.width}, 3] images or change the sampling size"
             )

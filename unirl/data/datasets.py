@@ -41,7 +41,8 @@ def load_prompts(
 
     A vision-language row names its images in metadata `images`: a list of file paths,
     relative ones resolved against the prompt file's directory (so is every metadata key of
-    `path_keys`: an edit row's `source` for a model whose `condition_key` it is, say) (the prompt holds one
+    `path_keys`, a list or one path: an edit row's `source` for a model whose `condition_key` it
+    is, a preference pair's `chosen` and `rejected`) (the prompt holds one
     `<image>` per image; the model's stage reads them and names a bad one with its sample).
 
     Prompt text is stripped of surrounding whitespace. A row without a
@@ -91,12 +92,14 @@ def load_prompts(
             images = ex.metadata.get(key)
             if images is None:
                 continue
-            if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
-                raise PromptFileError(
-                    f"{path}, {where}: {key!r} must be a list of image file paths, got {images!r}"
-                )
+            # `images` (a VLM's inputs) is a list; another key may name one file (a preference pair's `chosen`)
+            one = key != "images" and isinstance(images, str) and bool(images)
+            if not one and (not isinstance(images, list) or not all(isinstance(i, str) and i for i in images)):
+                what = "a list of image file paths" if key == "images" else "an image file path or a list of them"
+                raise PromptFileError(f"{path}, {where}: {key!r} must be {what}, got {images!r}")
             base = os.path.dirname(os.path.abspath(path))
-            ex.metadata[key] = [i if os.path.isabs(i) else os.path.join(base, i) for i in images]
+            resolved = [i if os.path.isabs(i) else os.path.join(base, i) for i in ([images] if one else images)]
+            ex.metadata[key] = resolved[0] if one else resolved
         if ex.prompt_id in first_seen:
             raise PromptFileError(
                 f"{path}, {where}: duplicate prompt_id {ex.prompt_id!r} (first used at {first_seen[ex.prompt_id]}); "

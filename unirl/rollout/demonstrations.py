@@ -4,7 +4,11 @@ A supervised objective (`unirl.algorithms.sft`) trains on the same machinery as 
 worker's train backend with FSDP2, LoRA, EMA, exact resume, trackers); only its batch
 differs: each sample's output is the demonstration its prompt row carries
 (`metadata[target_key]`: a text for a text stage, an image for a diffusion stage), not a sample
-of the policy. This engine builds that track.
+of the policy. This engine builds that track. With a list of keys a row carries a group of
+demonstrations (preference pairs: `[chosen, rejected]`), one per sample of its group, each sample
+labelled with its key (`metadata["demonstration"]`): a preference loss that compares the samples of
+a group (`unirl.algorithms.diffusion_dpo.DiffusionDPO`) then trains offline on the data's pairs,
+ranked by a reward that reads the label (`unirl.reward.local.preference.PreferredDemonstration`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from unirl.models.stage import TextStage
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutResp, RolloutTrack
 
+DEMONSTRATION = "demonstration"  # a sample's metadata key naming which of its row's demonstrations it is
+
 
 class DemonstrationEngine:
     """Builds each request's track from its rows' demonstrations.
@@ -25,7 +31,9 @@ class DemonstrationEngine:
             stage (texts) or a flow-matching stage (images of a pixel-space model).
         target_key: the prompt rows' metadata key holding the demonstration (the arithmetic
             world's rows carry the correct completion as "answer"; the shapes world's
-            demonstration rows their rendered scene as "image").
+            demonstration rows their rendered scene as "image"); or a list of keys, one per sample
+            of a row's group in order (`sampling.samples_per_prompt` of them: a preference pair's
+            `[chosen, rejected]`).
         track_name: name of the produced track (default "text" or "diffusion").
 
     A text track is the one a `TrainsideEngine` would give for the same request with the
@@ -41,7 +49,9 @@ class DemonstrationEngine:
     samples_policy: ClassVar[bool] = False
     kept = None  # no sampling graphs: nothing was sampled
 
-    def __init__(self, stage: Any, target_key: str = "answer", track_name: str | None = None) -> None:
+    def __init__(
+        self, stage: Any, target_key: str | list[str] = "answer", track_name: str | None = None
+    ) -> None:
         if not callable(getattr(stage, "teacher_forced", None)):
             raise TypeError(
                 f"rollout: DemonstrationEngine teacher-forces demonstrations; {type(stage).__name__} has no "
@@ -52,16 +62,32 @@ class DemonstrationEngine:
         self.target_key = target_key
         self.track_name = track_name or ("text" if self.text else "diffusion")
 
+    def keys(self, req: RolloutReq) -> list[str]:
+        """The metadata key of every sample's demonstration: `target_key`, or with a list the j-th
+        key for the j-th sample of its group (a group of another size is named)."""
+        if isinstance(self.target_key, str):
+            return [self.target_key] * len(req)
+        out, seen = [], {}
+        for sid, gid in zip(req.sample_ids, req.group_ids, strict=True):
+            j = seen[gid] = seen.get(gid, -1) + 1
+            if j >= len(self.target_key):
+                raise ValueError(
+                    f"sample {sid!r}: its group {gid!r} has more samples than rollout.target_key names "
+                    f"demonstrations ({list(self.target_key)}); set sampling.samples_per_prompt to {len(self.target_key)}"
+                )
+            out.append(self.target_key[j])
+        return out
+
     def demonstrations(self, req: RolloutReq) -> list:
         """The demonstration of every sample of `req`, in order (a missing one is named)."""
         out = []
-        for sid, meta in zip(req.sample_ids, req.metadata, strict=True):
-            if self.target_key not in meta:
+        for sid, meta, key in zip(req.sample_ids, req.metadata, self.keys(req), strict=True):
+            if key not in meta:
                 raise ValueError(
-                    f"sample {sid!r}: its prompt row has no demonstration under metadata[{self.target_key!r}] "
+                    f"sample {sid!r}: its prompt row has no demonstration under metadata[{key!r}] "
                     f"(it has {sorted(meta)}); set rollout.target_key to the key that holds it"
                 )
-            out.append(str(meta[self.target_key]) if self.text else meta[self.target_key])
+            out.append(str(meta[key]) if self.text else meta[key])
         return out
 
     def generate(self, req: RolloutReq, keep: bool = False) -> RolloutResp:
@@ -79,4 +105,6 @@ class DemonstrationEngine:
             cond.update(self.stage.encode_conditions(req))
             extra = {"conditions": cond, "media": self.stage.decode(segment.final)}
         track = RolloutTrack.of_request(self.track_name, req, segment, **extra)
+        if not isinstance(self.target_key, str):  # each sample says which of its row's demonstrations it is
+            track.metadata = [{**m, DEMONSTRATION: k} for m, k in zip(track.metadata, self.keys(req), strict=True)]
         return RolloutResp(tracks={self.track_name: track})

@@ -10,6 +10,7 @@ from unirl.reward.local.imagereward import ImageReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.ocr import OCRReward
 from unirl.reward.local.pickscore import CLIPScore, PickScore, PickScoreRank
+from unirl.reward.local.preference import PreferredDemonstration
 from unirl.reward.local.text import ExactAnswer, FormatCheck, OverlongPenalty, TargetCharFraction
 from unirl.reward.local.video import ColorMotion, FrameMean
 
@@ -28,6 +29,7 @@ __all__ = [
     "OCRReward",
     "PickScore",
     "PickScoreRank",
+    "PreferredDemonstration",
     "OverlongPenalty",
     "RandomDirectionReward",
     "RandomReward",
