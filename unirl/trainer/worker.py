@@ -320,6 +320,8 @@ def build_backbone(
         total_optimizer_steps,
         fsdp=build(train.get("fsdp")),
         ema=build(train.get("ema")),
+        # every segment's EMA snapshots of the one backbone (the algorithms name them apart)
+        snapshots={n: EMAConfig(**spec) for a in algorithms.values() for n, spec in a.snapshots.items()},
         keep_reference=any(a.needs_reference_policy for a in algorithms.values()),
         writer=bundle.write_weights,
         frozen=tuple(getattr(bundle, "frozen_modules", ())),
