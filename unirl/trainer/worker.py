@@ -198,6 +198,33 @@ class TrackParts:
         return getattr(self.sampler, "kept", None)
 
 
+def train_backend(
+    module: torch.nn.Module,
+    train: dict[str, Any],
+    total_optimizer_steps: int,
+    bundle: Any,
+    algorithms: list[StageAlgorithm],
+    keep_reference: bool,
+    **extra: Any,
+) -> TrainBackend:
+    """The `TrainBackend` of `module` from a recipe's `train` node (LoRA, optimizer, FSDP2, EMA),
+    keeping the EMA snapshots `algorithms` name (one backend may serve several: a shared
+    backbone's segments) and exporting through `bundle.write_weights`; `extra` goes to the backend
+    (`groups_share_samples`, `frozen`, `roots`)."""
+    return TrainBackend(
+        module,
+        build(train.get("lora")),
+        build(train["optim"]),
+        total_optimizer_steps,
+        fsdp=build(train.get("fsdp")),
+        ema=build(train.get("ema")),
+        snapshots={n: EMAConfig(**spec) for a in algorithms for n, spec in a.snapshots.items()},
+        keep_reference=keep_reference,
+        writer=bundle.write_weights,
+        **extra,
+    )
+
+
 def build_track(
     name: str,
     cfg: dict[str, Any],
@@ -223,16 +250,13 @@ def build_track(
     # KL folded into the reward: the rollout records the reference policy's token log-probs
     kl_in_reward = float((cfg.get("advantage") or {}).get("kl_coef", 0) or 0) > 0
     train = cfg["train"]
-    backend = TrainBackend(
+    backend = train_backend(
         stage.module,
-        build(train.get("lora")),
-        build(train["optim"]),
+        train,
         total_optimizer_steps,
-        fsdp=build(train.get("fsdp")),
-        ema=build(train.get("ema")),
-        snapshots={n: EMAConfig(**spec) for n, spec in algorithm.snapshots.items()},
+        bundle,
+        [algorithm],
         keep_reference=algorithm.needs_reference_policy or kl_in_reward,
-        writer=bundle.write_weights,
         groups_share_samples=shares_samples,
     )
     stage.module = backend.module
@@ -313,17 +337,13 @@ def build_backbone(
     trained = [n for n in order if tracks[n].get("trained", True)]
     algorithms = {n: build(tracks[n]["algorithm"]) for n in trained}
     train = cfg["train"]
-    backend = TrainBackend(
+    backend = train_backend(
         bundle.model,
-        build(train.get("lora")),
-        build(train["optim"]),
+        train,
         total_optimizer_steps,
-        fsdp=build(train.get("fsdp")),
-        ema=build(train.get("ema")),
-        # every segment's EMA snapshots of the one backbone (the algorithms name them apart)
-        snapshots={n: EMAConfig(**spec) for a in algorithms.values() for n, spec in a.snapshots.items()},
+        bundle,
+        list(algorithms.values()),  # every segment's EMA snapshots (the algorithms name them apart)
         keep_reference=any(a.needs_reference_policy for a in algorithms.values()),
-        writer=bundle.write_weights,
         frozen=tuple(getattr(bundle, "frozen_modules", ())),
         roots=tuple(getattr(bundle, "fsdp_roots", ())),
     )
