@@ -108,6 +108,7 @@ def test_an_offline_preference_track_pairs_a_group_loss_with_a_group_of_demonstr
     ]
     found = refused(*flow_sft)
     assert "rollout.target_key=['chosen', 'rejected']: FlowSFT learns from one demonstration a row" in found
+    assert "rollout.target_key is an empty list" in refused("rollout.target_key=[]")
     assert "rollout.target_key" in refused("rollout.target_key=[chosen,missing]") and "missing" in refused(
         "rollout.target_key=[chosen,missing]"
     )

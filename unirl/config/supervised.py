@@ -34,6 +34,12 @@ def check_supervised(
     name = getattr(algorithm, "__name__", "the algorithm")
     keys = cfg[engine_key].get("target_key") if replays else None
     group = isinstance(keys, list | ListConfig)  # a group of demonstrations a row (another type: phase 1's)
+    if group and not keys:
+        problems.append(
+            f"{engine_key}.target_key is an empty list; name the metadata key of a row's demonstration, "
+            "or one key per sample of its group ([chosen, rejected])"
+        )
+        return
     if replays and not supervised and algorithm is not None:
         if not (group and getattr(algorithm, "compares_within_groups", False)):
             problems.append(

@@ -97,6 +97,11 @@ class EngineUnit:
     tracks: list[str | None]
     settings: RolloutSettings
 
+    @property
+    def prefix(self) -> str:
+        """The prefix of its engine's metric keys: "" for the run's own engine, else `<key>/`."""
+        return "" if self.key is None else f"{self.key}/"
+
 
 @dataclass
 class RunGraph:

@@ -150,7 +150,6 @@ class Trainer:
         self.num_steps = int(cfg.num_steps)
         self.engines: dict[str | None, TrainsideRollouts | DedicatedRollouts] = {}  # per engine unit
         self.modalities: dict[str | None, Any] = {}
-        self.keep_graph = self.graph.keep_graph
         ckpt = cfg.get("checkpoint") or {}
         self.every_n = int(ckpt.get("every_n_steps", 0) or 0)
         self.base_model = self._base_models()
@@ -574,8 +573,7 @@ class Trainer:
             where = partition if unit.key is None else graph.tracks[unit.key].partition(partition)
             if unit.settings.dedicated:
                 stats = self._guard(step, labelled("weight sync", unit.key), engines.prepare, step)
-                prefix = "" if unit.key is None else f"{unit.key}/"
-                row.update({prefix + k: v for k, v in stats.items()})
+                row.update({unit.prefix + k: v for k, v in stats.items()})
             flight = self._guard(step, labelled("rollout", unit.key), engines.submit, req, where)
             got = self._guard(step, labelled("rollout", unit.key), flight.wait)
             metas.update(got if isinstance(got, dict) else {first: got})
@@ -675,7 +673,7 @@ class Trainer:
         for unit in self.graph.units:
             if not unit.settings.dedicated:
                 continue
-            prefix = "" if unit.key is None else f"{unit.key}/"
+            prefix = unit.prefix
             if f"{prefix}ratio/first_update_mean" in row:
                 row[f"{prefix}off_policy/ratio_mean"] = row[f"{prefix}ratio/first_update_mean"]
             engines = self._guard(step, labelled("memory_mb", unit.key), self.engines[unit.key].memory_mb)
@@ -721,7 +719,7 @@ class Trainer:
                 finally:  # a failed step leaks nothing: its partitions and kept graphs go either way
                     for track in graph.tracks.values():
                         self.transport.clear(track.partition(partition))
-                    if self.keep_graph and not trained:  # graphs kept by rollout for a train that never ran
+                    if self.graph.keep_graph and not trained:  # graphs kept by rollout for a train that never ran
                         self._release_kept(group, partition)
                 engine_stats = [s for e in self.engines.values() for s in self._guard(step, "dataplane_stats", e.stats)]
                 dataplane = self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
