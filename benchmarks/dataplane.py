@@ -158,7 +158,7 @@ def throughput(name: str, sizes: list[int], repeats: int, emit) -> None:
 def step_times(names: list[str], steps: int, emit) -> None:
     from hydra import compose, initialize_config_dir
 
-    from unirl.config.validate import validate_rl_config
+    from unirl.config.validate import validate_recipe
     from unirl.trainer.trainer import Trainer
 
     medians = {}
@@ -176,7 +176,7 @@ def step_times(names: list[str], steps: int, emit) -> None:
                         "logging.save_images_every=0",
                     ],
                 )
-            validate_rl_config(cfg)
+            validate_recipe(cfg)
             rows = Trainer(cfg).run()
         step = statistics.median(r["time/step_s"] for r in rows[1:])
         dp = statistics.median(

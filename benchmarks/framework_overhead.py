@@ -170,9 +170,9 @@ def compose_recipe(num_steps: int, output_dir: str) -> DictConfig:
             config_name=RECIPE,
             overrides=[f"num_steps={num_steps}", f"output_dir={output_dir}", "logging.progress=false"],
         )
-    from unirl.config.validate import validate_rl_config
+    from unirl.config.validate import validate_recipe
 
-    validate_rl_config(cfg)
+    validate_recipe(cfg)
     return cfg
 
 

@@ -43,7 +43,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from unirl.algorithms.advantages import track_advantages
-from unirl.config.validate import validate_rl_config  # noqa: E402
+from unirl.config.validate import validate_recipe  # noqa: E402
 from unirl.distributed.group import RankInfo  # noqa: E402
 from unirl.evaluate import EXAMPLES  # noqa: E402
 from unirl.sde.schedules import sigmas_for  # noqa: E402
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 2 (cosines are between pairs of estimates)")
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
         cfg = compose(args.recipe, overrides=[*args.overrides, "transport=inband"])
-    validate_rl_config(cfg)
+    validate_recipe(cfg)
     grads, rewards, seconds = gradient_estimates(cfg, args.repeats)
     cos = [
         float(torch.nn.functional.cosine_similarity(grads[i], grads[j], dim=0))

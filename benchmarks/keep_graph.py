@@ -59,7 +59,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from unirl.algorithms.advantages import track_advantages  # noqa: E402
-from unirl.config.validate import validate_rl_config  # noqa: E402
+from unirl.config.validate import validate_recipe  # noqa: E402
 from unirl.dataplane import get_batch, make_transport  # noqa: E402
 from unirl.distributed.group import in_process  # noqa: E402
 from unirl.trainer.modality import modality_for  # noqa: E402
@@ -86,7 +86,7 @@ def compose_side(recipe: str, overrides: list[str], side: str) -> DictConfig:
                 f"++rollout.keep_graph={side == 'keep_graph'}",
             ],
         )
-    validate_rl_config(cfg, expect="diffusion")
+    validate_recipe(cfg, expect="diffusion")
     return cfg
 
 

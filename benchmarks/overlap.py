@@ -42,7 +42,7 @@ if REPO not in sys.path:
 import ray  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from unirl.config.validate import validate_rl_config  # noqa: E402
+from unirl.config.validate import validate_recipe  # noqa: E402
 from unirl.trainer.trainer import Trainer  # noqa: E402
 
 SEPARATE = "diffusion/tiny_sd3_dedicated_separate"
@@ -68,7 +68,7 @@ def run(name: str, steps: int) -> list[dict]:
                     "logging.save_images_every=0",
                 ],
             )
-        validate_rl_config(cfg)
+        validate_recipe(cfg)
         return Trainer(cfg).run()
 
 

@@ -27,7 +27,7 @@ from hydra import compose, initialize_config_dir
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from unirl.config.validate import validate_rl_config  # noqa: E402
+from unirl.config.validate import validate_recipe  # noqa: E402
 from unirl.trainer.checkpoints import read_driver_state  # noqa: E402
 from unirl.trainer.trainer import Trainer  # noqa: E402
 
@@ -38,7 +38,7 @@ def recipe(out: str, *overrides: str):
             "diffusion/tiny_sd3_flowgrpo",
             overrides=[f"output_dir={out}", "logging.progress=false", *overrides],
         )
-    validate_rl_config(cfg)
+    validate_recipe(cfg)
     return cfg
 
 

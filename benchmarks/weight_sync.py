@@ -148,7 +148,7 @@ def recipe_step_s(steps: int) -> float:
     """Median `time/step_s` of the tiny recipe (1 worker) after the first step."""
     from hydra import compose, initialize_config_dir
 
-    from unirl.config.validate import validate_rl_config
+    from unirl.config.validate import validate_recipe
     from unirl.trainer.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
@@ -162,7 +162,7 @@ def recipe_step_s(steps: int) -> float:
                     "logging.save_images_every=0",
                 ],
             )
-        validate_rl_config(cfg)
+        validate_recipe(cfg)
         rows = Trainer(cfg).run()
     ray.shutdown()  # the trainer joined the private instance RAY_ADDRESS names and leaves it up
     return statistics.median(r["time/step_s"] for r in rows[1:])

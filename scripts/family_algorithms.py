@@ -29,7 +29,7 @@ from omegaconf import OmegaConf, open_dict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's tests/
 
 from tests.conftest import EXAMPLES  # noqa: E402
-from unirl.config.validate import validate_rl_config  # noqa: E402
+from unirl.config.validate import validate_recipe  # noqa: E402
 from unirl.trainer.trainer import Trainer  # noqa: E402
 
 RECIPES = [
@@ -137,7 +137,7 @@ def run(family: str, name: str, out: str) -> list[dict]:
         if cfg.train.get("lora") is not None:
             cfg.train.lora.target_modules = lora_targets
         cfg.pop("eval", None)
-    validate_rl_config(cfg, expect="diffusion")
+    validate_recipe(cfg, expect="diffusion")
     Trainer(cfg).run()
     with open(f"{out}/metrics.jsonl") as f:
         return [json.loads(line) for line in f]

@@ -66,21 +66,12 @@ def composed(name: str, out, *overrides: str) -> DictConfig:
 
 
 def recipe(name: str, out, *overrides: str, expect: str | None = None) -> DictConfig:
-    """`composed(name, out, *overrides)`, validated: a `pe/` recipe by the composed validator, a
-    `unified/` one by the unified validator, any other as a recipe of modality `expect` (None: either)."""
+    """`composed(name, out, *overrides)`, validated by the one validator (a single-track recipe as
+    one of modality `expect`; None: either)."""
+    from unirl.config.validate import validate_recipe
+
     cfg = composed(name, out, *overrides)
-    if name.startswith("pe/"):
-        from unirl.config.composed import validate_composed_config
-
-        validate_composed_config(cfg)
-    elif name.startswith("unified/"):
-        from unirl.config.unified import validate_unified_config
-
-        validate_unified_config(cfg)
-    else:
-        from unirl.config.validate import validate_rl_config
-
-        validate_rl_config(cfg, expect=expect)
+    validate_recipe(cfg, expect=expect)
     return cfg
 
 

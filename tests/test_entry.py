@@ -9,7 +9,7 @@ import pytest
 
 from tests.config.test_recipe_overrides import RECIPES, compose_recipe
 from tests.conftest import run_module
-from unirl.entry import KINDS, recipe_kind, validator
+from unirl.config.validate import KINDS, recipe_kind, validate_recipe
 
 BY_FOLDER = {"pe": "composed", "unified": "unified", "sft": "sft"}  # every other folder: single-track
 
@@ -22,7 +22,7 @@ def test_every_recipe_is_of_its_folders_kind(name: str) -> None:
 def test_an_unknown_kind_is_refused() -> None:
     assert set(KINDS) == {"single", "composed", "unified", "sft"}
     with pytest.raises(ValueError, match=r"recipe kind must be one of \['single', 'composed', 'unified', 'sft'\]"):
-        validator("chain")
+        validate_recipe(compose_recipe("pe/tiny_pe_smoke", []), kind="chain")
 
 
 def test_python_m_unirl_train_runs_a_single_track_recipe(tmp_path) -> None:

@@ -1,9 +1,10 @@
 """What every RL entry point does with a recipe: tell its kind, validate it, then train.
 
-A recipe is one of three kinds (`recipe_kind`): a single-track run (one model: no `tracks`),
+A recipe is one of three RL kinds (`unirl.config.validate.recipe_kind`): a single-track run (one model: no `tracks`),
 a composed run (`tracks.<name>`, each with its own model: a prompt enhancer feeding a diffusion
 model) or a unified run (`tracks.<name>` sharing the recipe's one `model`: Janus's plan and image
-segments). `run` validates a recipe with its kind's validator before any Ray work and runs the
+segments). `run` validates a recipe (`unirl.config.validate.validate_recipe`, one validator
+walking every kind's tracks) before any Ray work and runs the
 one `Trainer` (`unirl.trainer.trainer`), which sees every kind as a graph of tracks.
 `python -m unirl.train` runs any recipe (the kind read from the recipe); the four names users know pass the kind (and a single-track run's modality) they expect:
 `unirl.train_diffusion` and `unirl.train_vlm` (single-track, diffusion / text), `unirl.train_pe`
@@ -18,35 +19,7 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig
 
-from unirl.config.validate import ConfigError, validate_rl_config
-
-KINDS = ("single", "composed", "unified", "sft")
-
-
-def recipe_kind(cfg: DictConfig) -> str:
-    """sft (an `sft` node: supervised, `unirl.train_sft`), single (no `tracks`), unified
-    (`tracks` and one top-level `model` they share) or composed (`tracks`, each with its own model)."""
-    if "sft" in cfg:
-        return "sft"
-    if "tracks" not in cfg:
-        return "single"
-    return "unified" if "model" in cfg else "composed"
-
-
-def validator(kind: str, modality: str | None = None) -> Callable[[DictConfig], None]:
-    """The validator of a recipe kind; a single-track one checks the recipe is of `modality`
-    when given (a recipe of the other modality is a problem naming its entry point)."""
-    if kind == "single":
-        return lambda c: validate_rl_config(c, expect=modality)
-    if kind == "composed":
-        from unirl.config.composed import validate_composed_config
-
-        return validate_composed_config
-    if kind == "unified":
-        from unirl.config.unified import validate_unified_config
-
-        return validate_unified_config
-    raise ValueError(f"recipe kind must be one of {list(KINDS)}, got {kind!r}")
+from unirl.config.validate import ConfigError, recipe_kind, validate_recipe
 
 
 def run(cfg: DictConfig, kind: str | None = None, modality: str | None = None) -> None:
@@ -58,7 +31,7 @@ def run(cfg: DictConfig, kind: str | None = None, modality: str | None = None) -
 
         run_sft(cfg)
         return
-    validate_then_run(cfg, validator(kind, modality))
+    validate_then_run(cfg, lambda c: validate_recipe(c, kind, expect=modality))
 
 
 def run_recipe(cfg: DictConfig, expect: str) -> None:

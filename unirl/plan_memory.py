@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from unirl.config.validate import ConfigError, validate_rl_config
+    from unirl.config.validate import ConfigError, validate_recipe
 
     examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
     with initialize_config_dir(config_dir=examples, version_base=None):
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.devices is not None and args.devices < 1:
         sys.exit(f"error: --devices must be >= 1, got {args.devices}")
     try:
-        validate_rl_config(cfg, expect="diffusion", on_this_machine=False)
+        validate_recipe(cfg, expect="diffusion", on_this_machine=False)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

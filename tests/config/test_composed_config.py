@@ -8,8 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import EXAMPLES
-from unirl.config.composed import validate_composed_config
-from unirl.config.validate import ConfigError
+from unirl.config.validate import ConfigError, validate_recipe
 
 
 def recipe(*overrides: str):
@@ -19,7 +18,7 @@ def recipe(*overrides: str):
 
 def problems(*overrides: str) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        validate_composed_config(recipe(*overrides))
+        validate_recipe(recipe(*overrides))
     return info.value.problems
 
 
@@ -29,12 +28,12 @@ def problems(*overrides: str) -> list[str]:
 )
 def test_every_pe_recipe_is_valid(name: str) -> None:
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        validate_composed_config(compose(f"pe/{name}"))
+        validate_recipe(compose(f"pe/{name}"))
 
 
 def test_smoke_recipe_is_valid() -> None:
-    validate_composed_config(recipe())
-    validate_composed_config(
+    validate_recipe(recipe())
+    validate_recipe(
         recipe(
             "tracks.diffusion.trained=false",
             "~tracks.diffusion.algorithm",
@@ -109,7 +108,7 @@ def test_a_tracks_model_path_and_stop_tokens_are_checked() -> None:
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
         cfg = compose("pe/shapes_pe_grpo", overrides=["tracks.ar.model.pretrained_path=/no/such/lm"])
     with pytest.raises(ConfigError) as info:
-        validate_composed_config(cfg)
+        validate_recipe(cfg)
     assert any(
         p.startswith("tracks.ar.model.pretrained_path: '/no/such/lm' is not a directory")
         for p in info.value.problems
@@ -128,7 +127,7 @@ def test_metadata_keys_the_prompts_lack() -> None:
             ],
         )
     with pytest.raises(ConfigError) as info:
-        validate_composed_config(cfg)
+        validate_recipe(cfg)
     for key, value in [
         ("eval.group_by", "nope1"),
         ("eval.intent_key", "nope2"),
@@ -153,7 +152,7 @@ def test_every_single_track_rule_runs_on_every_track() -> None:
     """The rules the composed validator once skipped (issue 41), each named under the track's key:
     guidance the model refuses, an advantage that needs siblings, an algorithm that needs an
     EMA, a critic the recipe lacks, a reward-backprop algorithm without its trajectory."""
-    assert validate_composed_config(recipe(*FLUX_TRACK)) is None  # FLUX, guidance 1.0: fine
+    assert validate_recipe(recipe(*FLUX_TRACK)) is None  # FLUX, guidance 1.0: fine
     found = problems(*FLUX_TRACK, "tracks.diffusion.sampling.guidance_scale=4.0")
     assert any(
         p.startswith("tracks.diffusion.sampling.guidance_scale=4.0: this FLUX model has no guidance embedding")
@@ -183,7 +182,7 @@ def dedicated_problems(*overrides: str) -> list[str]:
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
         cfg = compose("pe/tiny_pe_dedicated", overrides=list(overrides))
     with pytest.raises(ConfigError) as info:
-        validate_composed_config(cfg)
+        validate_recipe(cfg)
     return info.value.problems
 
 
@@ -233,4 +232,4 @@ def test_dynamic_sampling_on_a_chained_track_is_refused() -> None:
     ]
     found = problems(*dapo)
     assert any(p.startswith("tracks.ar.algorithm.config.dynamic_sampling=true: DAPO") for p in found)
-    validate_composed_config(recipe(*dapo, "+tracks.ar.algorithm.config.dynamic_sampling=false"))
+    validate_recipe(recipe(*dapo, "+tracks.ar.algorithm.config.dynamic_sampling=false"))

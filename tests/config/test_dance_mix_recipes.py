@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import EXAMPLES
-from unirl.config.validate import ConfigError, validate_rl_config
+from unirl.config.validate import ConfigError, validate_recipe
 
 
 def recipe(name: str, overrides: list[str] | None = None):
@@ -17,7 +17,7 @@ def recipe(name: str, overrides: list[str] | None = None):
 
 def problems(name: str, overrides: list[str]) -> str:
     with pytest.raises(ConfigError) as info:
-        validate_rl_config(recipe(name, overrides), expect="diffusion")
+        validate_recipe(recipe(name, overrides), expect="diffusion")
     return str(info.value)
 
 
@@ -32,8 +32,8 @@ def test_recipes_keep_flowgrpos_budget_and_change_only_the_sampling() -> None:
     mix = recipe("diffusion/shapes_mixgrpo")
     assert mix.stage.sde == "flow" and mix.sampling.sde_scheduler == "sliding"
     for name in ("dancegrpo", "mixgrpo"):  # the shapes recipes read the committed base's config
-        validate_rl_config(recipe(f"diffusion/shapes_{name}"), expect="diffusion")
-        validate_rl_config(recipe(f"diffusion/shapes_{name}_smoke"), expect="diffusion")
+        validate_recipe(recipe(f"diffusion/shapes_{name}"), expect="diffusion")
+        validate_recipe(recipe(f"diffusion/shapes_{name}_smoke"), expect="diffusion")
 
 
 @pytest.mark.parametrize(
@@ -61,6 +61,6 @@ def test_sampling_mistakes_are_named_before_ray(overrides: list[str], message: s
 
 
 def test_cps_is_accepted_where_the_window_keeps_off_the_last_step() -> None:
-    validate_rl_config(recipe("diffusion/shapes_mixgrpo_smoke", ["stage.sde=cps"]), expect="diffusion")
+    validate_recipe(recipe("diffusion/shapes_mixgrpo_smoke", ["stage.sde=cps"]), expect="diffusion")
     msg = problems("diffusion/shapes_dancegrpo_smoke", ["stage.sde=cps", "sampling.sde_scheduler=all"])
     assert "stage.sde=cps has no noise on step(s) [5]" in msg

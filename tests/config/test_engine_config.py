@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.config.test_validate import problems_of, recipe
-from unirl.config.validate import validate_rl_config
+from unirl.config.validate import validate_recipe
 from unirl.trainer.engines import RolloutSettings
 
 COLOCATE = "diffusion/tiny_sd3_dedicated_colocate"
@@ -77,7 +77,7 @@ def test_bad_engine_settings_are_named(name, overrides, expected):
 def test_dedicated_recipes_validate_and_settle_their_layout():
     for name, devices in ((COLOCATE, 1), (SEPARATE, 2), ("llm/tiny_lm_dedicated", 1), (VLLM, 1)):
         cfg = recipe(name)
-        validate_rl_config(cfg)
+        validate_recipe(cfg)
         settings = RolloutSettings.of(cfg)
         assert settings.dedicated and settings.pool_devices(1) == devices
     assert not RolloutSettings.of(recipe("diffusion/tiny_sd3_flowgrpo")).dedicated

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.recipes import composed
-from unirl.config.composed import validate_composed_config
-from unirl.config.validate import ConfigError, validate_rl_config
+from unirl.config.validate import ConfigError, validate_recipe
 
 SFT = "llm/arith_sft_smoke"
 REWARD = (
@@ -22,13 +21,13 @@ TRAINSIDE = ["rollout._target_=unirl.rollout.trainside.TrainsideEngine", "~rollo
 
 def problems(tmp_path, *overrides: str) -> str:
     with pytest.raises(ConfigError) as info:
-        validate_rl_config(composed(SFT, tmp_path, *overrides), expect="text")
+        validate_recipe(composed(SFT, tmp_path, *overrides), expect="text")
     return str(info.value)
 
 
 def test_the_supervised_recipes_validate(tmp_path):
     for name in (SFT, "llm/arith_sft", "vlm/shapes_vqa_sft"):
-        validate_rl_config(composed(name, tmp_path), expect="text")
+        validate_recipe(composed(name, tmp_path), expect="text")
 
 
 def test_a_supervised_loss_needs_demonstrations_and_nothing_of_rl(tmp_path):
@@ -52,16 +51,16 @@ def test_an_rl_loss_needs_samples_a_reward_and_an_advantage(tmp_path):
 def test_a_composed_track_cannot_be_supervised(tmp_path):
     cfg = composed("pe/tiny_pe_smoke", tmp_path, "tracks.ar.algorithm={_target_: unirl.algorithms.sft.LMSFT}")
     with pytest.raises(ConfigError, match=r"tracks.ar.algorithm: LMSFT is a supervised loss; a composed run"):
-        validate_composed_config(cfg)
+        validate_recipe(cfg)
 
 
 def test_demonstrations_are_checked_against_the_rows_and_the_model(tmp_path):
     flow = "diffusion/shapes_sft_smoke"
-    validate_rl_config(composed(flow, tmp_path))
+    validate_recipe(composed(flow, tmp_path))
 
     def found(*overrides: str) -> str:
         with pytest.raises(ConfigError) as info:
-            validate_rl_config(composed(flow, tmp_path, *overrides))
+            validate_recipe(composed(flow, tmp_path, *overrides))
         return str(info.value)
 
     assert (
@@ -87,11 +86,11 @@ def test_an_offline_preference_track_pairs_a_group_loss_with_a_group_of_demonstr
     (`[chosen, rejected]`); a single key, a group of another size, a supervised loss on a group, or a
     row without one of the keys are refused naming the key."""
     for name in (OFFLINE_DPO, "diffusion/shapes_diffusiondpo_offline"):
-        validate_rl_config(composed(name, tmp_path), expect="diffusion")
+        validate_recipe(composed(name, tmp_path), expect="diffusion")
 
     def refused(*overrides: str) -> str:
         with pytest.raises(ConfigError) as info:
-            validate_rl_config(composed(OFFLINE_DPO, tmp_path, *overrides), expect="diffusion")
+            validate_recipe(composed(OFFLINE_DPO, tmp_path, *overrides), expect="diffusion")
         return str(info.value)
 
     assert "or for a preference loss that compares a group's samples (DiffusionDPO) name a row's" in refused(

@@ -8,8 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import EXAMPLES
-from unirl.config.unified import validate_unified_config
-from unirl.config.validate import ConfigError
+from unirl.config.validate import ConfigError, validate_recipe
 
 FREEZE_PLAN = ["tracks.plan.trained=false", "~tracks.plan.algorithm", "~tracks.plan.advantage"]
 FREEZE_IMAGE = ["tracks.image.trained=false", "~tracks.image.algorithm", "~tracks.image.advantage"]
@@ -25,7 +24,7 @@ def recipe(*overrides: str):
 
 def problems(*overrides: str) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        validate_unified_config(recipe(*overrides))
+        validate_recipe(recipe(*overrides))
     return info.value.problems
 
 
@@ -37,7 +36,7 @@ def problems(*overrides: str) -> list[str]:
 )
 def test_every_unified_recipe_is_valid(name: str) -> None:
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        validate_unified_config(compose(f"unified/{name}"))
+        validate_recipe(compose(f"unified/{name}"))
 
 
 def dedicated(*overrides: str):
@@ -76,7 +75,7 @@ def dedicated(*overrides: str):
 )
 def test_a_dedicated_engine_s_bad_input_names_its_key(overrides, expected) -> None:
     with pytest.raises(ConfigError) as err:
-        validate_unified_config(dedicated(*overrides))
+        validate_recipe(dedicated(*overrides))
     assert expected in str(err.value)
 
 
@@ -86,12 +85,12 @@ def test_a_trainside_recipe_with_a_weight_sync_is_refused() -> None:
 
 
 def test_two_ranks_with_fsdp_are_valid() -> None:
-    validate_unified_config(recipe("num_devices=2", "launcher=ray", FSDP))
+    validate_recipe(recipe("num_devices=2", "launcher=ray", FSDP))
 
 
 def test_each_ablation_is_one_segment_frozen() -> None:
-    validate_unified_config(recipe(*FREEZE_PLAN))
-    validate_unified_config(recipe(*FREEZE_IMAGE))
+    validate_recipe(recipe(*FREEZE_PLAN))
+    validate_recipe(recipe(*FREEZE_IMAGE))
 
 
 def test_both_segments_frozen_names_both_keys() -> None:
@@ -185,7 +184,7 @@ def test_every_leaf_of_the_smoke_recipe_rejects_bad_values_with_its_full_key() -
                 continue  # a negative reward weight flips a reward on purpose
             container[index] = bad
             with pytest.raises(ConfigError) as info:
-                validate_unified_config(OmegaConf.create(tree))
+                validate_recipe(OmegaConf.create(tree))
             container[index] = good
             lines = [line for line in str(info.value).splitlines() if repr(bad) in line or str(bad) in line]
             assert any(
@@ -202,3 +201,22 @@ def test_dynamic_sampling_on_a_segment_is_refused() -> None:
         "tracks.plan.algorithm.config._target_=unirl.algorithms.dapo.DAPOConfig",
     )
     assert p.startswith("tracks.plan.algorithm.config.dynamic_sampling=true: DAPO") and "false" in p
+
+
+def test_every_one_track_rule_runs_on_each_segment() -> None:
+    """The one validator walks a unified recipe's segments as tracks sharing the root's `model`
+    and `train`: a rule the unified validator once skipped (the advantage vs its group) names the
+    segment's key, and an image's group is its prompt's plans (one image each), not its own
+    samples_per_prompt of 1."""
+    assert validate_recipe(recipe("tracks.image.advantage.estimator=rloo")) is None  # 4 plans: siblings
+    found = problems(
+        "tracks.plan.sampling.samples_per_prompt=1",
+        "tracks.plan.advantage.estimator=rloo",
+        "tracks.image.advantage.estimator=rloo",
+    )
+    rloo = "advantage.estimator=rloo compares each sample with its siblings: "
+    assert f"tracks.plan.{rloo}sampling.samples_per_prompt must be >= 2, got 1" in found, found
+    assert f"tracks.image.{rloo}tracks.plan.sampling.samples_per_prompt must be >= 2, got 1" in found, found
+    # a problem of the shared backbone is named once, at the root, though both segments read it
+    found = problems("model.pretrained_path=/nonexistent/janus", "~model.tiny")
+    assert sum(p.startswith("model.pretrained_path") for p in found) == 1, found

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import EXAMPLES, run_module
-from unirl.config.validate import ConfigError, validate_rl_config, validate_sft_config
+from unirl.config.validate import ConfigError, validate_recipe, validate_sft_config
 
 RECIPES = ["diffusion/tiny_sd3_flowgrpo", "diffusion/sd3_flowgrpo"]
 
@@ -27,13 +27,13 @@ def recipe(name: str = "diffusion/tiny_sd3_flowgrpo", overrides: list[str] | Non
 
 def problems_of(overrides: list[str], name: str = "diffusion/tiny_sd3_flowgrpo") -> str:
     with pytest.raises(ConfigError) as info:
-        validate_rl_config(recipe(name, overrides))
+        validate_recipe(recipe(name, overrides))
     return str(info.value)
 
 
 def test_tiny_recipe_composes_and_validates():
     cfg = recipe()
-    validate_rl_config(cfg)
+    validate_recipe(cfg)
     assert cfg.num_devices == 1 and cfg.num_steps == 30
     assert cfg.sampling.samples_per_prompt * cfg.prompts_per_rollout == 32
 
@@ -126,7 +126,7 @@ def test_vlm_cli_cfg_job_resolve_works_offline(name):
 @pytest.mark.parametrize("name", ["inband", "ray", "tq_simple", "tq_mooncake"])
 def test_every_transport_composes_and_validates(name):
     cfg = recipe(overrides=[f"transport={name}"])
-    validate_rl_config(cfg)
+    validate_recipe(cfg)
     assert cfg.transport.name == name
 
 
@@ -209,7 +209,7 @@ def mutations(value, key):
 
 def rejection(tree, key, value) -> str:
     with pytest.raises(ConfigError) as info:
-        validate_rl_config(OmegaConf.create(tree))
+        validate_recipe(OmegaConf.create(tree))
     return str(info.value)
 
 
@@ -294,7 +294,7 @@ def leaves_rejected(tree, keys: frozenset[str]) -> int:
 def test_unmodified_recipes_validate():
     for name in RL_RECIPES:
         if name not in NEEDS_MODEL_DIR:
-            validate_rl_config(recipe(name))
+            validate_recipe(recipe(name))
     for name in ("sft/shapes_pretrain", "sft/shapes_pretrain_continue"):
         validate_sft_config(recipe(name))
 
@@ -388,7 +388,7 @@ def test_checks_after_a_failed_component_still_run():
 def test_eval_from_ema_needs_train_ema():
     msg = problems_of(["eval.use_ema=true"], name="diffusion/shapes_flowgrpo_smoke")
     assert "eval.use_ema=true" in msg and "train.ema is null" in msg
-    validate_rl_config(
+    validate_recipe(
         recipe(
             "diffusion/shapes_flowgrpo_smoke",
             ["eval.use_ema=true", "+train.ema._target_=unirl.train.ema.EMAConfig"],
@@ -432,12 +432,12 @@ def test_one_rank_bf16_fsdp_policy_without_autocast_and_in_process_geometry_are_
     launcher=in_process has one worker and no Ray, so it needs num_devices=1 and the inband transport."""
     msg = problems_of(["train.fsdp.param_dtype=bfloat16"])
     assert "train.fsdp.param_dtype=bfloat16" in msg and "stage.autocast_dtype" in msg
-    validate_rl_config(
+    validate_recipe(
         recipe(overrides=["train.fsdp.param_dtype=bfloat16", "+stage.autocast_dtype=bfloat16"])
     )
     msg = problems_of(["launcher=in_process", "num_devices=2", "prompts_per_rollout=4"])
     assert "launcher=in_process" in msg and "num_devices=2" in msg
-    validate_rl_config(recipe(overrides=["launcher=in_process", "transport=inband"]))
+    validate_recipe(recipe(overrides=["launcher=in_process", "transport=inband"]))
 
 
 # ---- text recipes ---------------------------------------------------------------------------
@@ -463,11 +463,11 @@ def test_one_modality_per_recipe_and_the_right_entry_point():
     with pytest.raises(
         ConfigError, match="run it with `python -m unirl.train_vlm`, not unirl.train_diffusion"
     ):
-        validate_rl_config(recipe(LM), expect="diffusion")
+        validate_recipe(recipe(LM), expect="diffusion")
     with pytest.raises(
         ConfigError, match="run it with `python -m unirl.train_diffusion`, not unirl.train_vlm"
     ):
-        validate_rl_config(recipe(), expect="text")
+        validate_recipe(recipe(), expect="text")
     res = run_module("unirl.train_vlm", "--config-name=diffusion/tiny_sd3_flowgrpo", timeout=120)
     assert res.returncode == 2 and "python -m unirl.train_diffusion" in res.stderr
 
@@ -530,7 +530,7 @@ def test_pretrained_lm_directory_checks(tmp_path, monkeypatch):
     good = tmp_path / "qwen3"
     CausalLMBundle.tiny(TinyLMConfig(max_position_embeddings=2048)).save_pretrained(str(good))
     monkeypatch.setenv("PRETRAINED_MODEL", str(good))
-    validate_rl_config(recipe("llm/qwen3_grpo"), expect="text")
+    validate_recipe(recipe("llm/qwen3_grpo"), expect="text")
     msg = problems_of(["sampling.max_new_tokens=4000"], name="llm/qwen3_grpo")
     assert "exceeds the model's max_position_embeddings=2048" in msg
     # the vLLM variant reads the directory's head size (16 here: no CPU kernel for it)

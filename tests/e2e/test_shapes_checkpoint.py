@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO, run_module
 from tests.recipes import IN_PROCESS, run
-from unirl.config.validate import validate_rl_config
+from unirl.config.validate import validate_recipe
 from unirl.evaluate import main as evaluate_main
 from unirl.models.sd3 import SD3Bundle
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 def test_shapes_recipe_validates_with_the_committed_model():
     with initialize_config_dir(config_dir=str(Path(REPO) / "examples"), version_base=None):
         cfg = compose("diffusion/shapes_flowgrpo")
-    validate_rl_config(cfg)
+    validate_recipe(cfg)
     assert (Path(REPO) / cfg.model.pretrained_path / "model_index.json").is_file()
 
 

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO
 from tests.recipes import IN_PROCESS, QUIET, run
-from unirl.config.validate import validate_rl_config
+from unirl.config.validate import validate_recipe
 from unirl.evaluate import main as evaluate_main
 
 pytestmark = pytest.mark.e2e
@@ -22,7 +22,7 @@ RECIPE = "diffusion/squares_wan_flowgrpo"
 def test_recipe_validates_with_the_committed_base():
     with initialize_config_dir(config_dir=str(Path(REPO) / "examples"), version_base=None):
         cfg = compose(RECIPE)
-    validate_rl_config(cfg)
+    validate_recipe(cfg)
     assert (Path(REPO) / cfg.model.pretrained_path / "model_index.json").is_file()
     assert not (Path(REPO) / cfg.model.pretrained_path / "vae").exists()  # pixel space
 

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from tests.conftest import EXAMPLES
 from tests.reward.tiny_clip import save_tiny_clip
-from unirl.config.validate import ConfigError, validate_rl_config
+from unirl.config.validate import ConfigError, validate_recipe
 from unirl.reward import LocalRewardBackend
 from unirl.reward.batching import merge_requests
 from unirl.reward.local import PickScore, PickScoreRank
@@ -111,22 +111,22 @@ def compose_with_rank(recipe: str, checkpoint: str, tmp_path, *overrides: str):
 
 def test_recipes_that_cannot_keep_groups_are_refused_before_ray(checkpoint, tmp_path) -> None:
     ok = compose_with_rank("diffusion/tiny_sd3_flowgrpo", checkpoint, tmp_path)
-    validate_rl_config(ok, expect="diffusion")
+    validate_recipe(ok, expect="diffusion")
     one = compose_with_rank(
         "diffusion/tiny_sd3_flowgrpo", checkpoint, tmp_path, "sampling.samples_per_prompt=1",
         "train.stack.micro_batch_size=1", "algorithm._target_=unirl.algorithms.flow_grpo.FlowGRPO",
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"components.rank scores each sample against its group's"):
-        validate_rl_config(one, expect="diffusion")
+        validate_recipe(one, expect="diffusion")
     split = compose_with_rank(
         "diffusion/tiny_sd3_dedicated_colocate", checkpoint, tmp_path, "rollout.forward_batch_size=4"
     )
     with pytest.raises(
         ConfigError, match=r"rollout.forward_batch_size=4 .* splits groups of sampling.samples_per_prompt=8"
     ):
-        validate_rl_config(split, expect="diffusion")
+        validate_recipe(split, expect="diffusion")
     whole = compose_with_rank("diffusion/tiny_sd3_dedicated_colocate", checkpoint, tmp_path)
-    validate_rl_config(whole, expect="diffusion")
+    validate_recipe(whole, expect="diffusion")
 
 
 def test_the_reward_service_scores_a_track_by_its_groups(checkpoint) -> None:

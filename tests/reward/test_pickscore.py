@@ -94,7 +94,7 @@ def test_a_recipe_naming_a_missing_checkpoint_fails_validation_before_ray(tmp_pa
     from hydra import compose, initialize_config_dir
 
     from tests.conftest import EXAMPLES
-    from unirl.config.validate import ConfigError, validate_rl_config
+    from unirl.config.validate import ConfigError, validate_recipe
 
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
         cfg = compose(
@@ -108,7 +108,7 @@ def test_a_recipe_naming_a_missing_checkpoint_fails_validation_before_ray(tmp_pa
             ],
         )
     with pytest.raises(ConfigError, match=r"PickScore: missing .*none/config\.json"):
-        validate_rl_config(cfg, expect="diffusion")
+        validate_recipe(cfg, expect="diffusion")
 
 
 def test_clipscore_is_the_clipped_cosine_times_w(checkpoint) -> None:

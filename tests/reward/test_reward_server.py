@@ -22,7 +22,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import EXAMPLES, REPO
-from unirl.config.validate import ConfigError, validate_rl_config
+from unirl.config.validate import ConfigError, validate_recipe
 from unirl.reward import (
     ColorTarget,
     ExactAnswer,
@@ -573,7 +573,7 @@ def test_remote_recipes_are_validated_before_ray(name, tmp_path):
         with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
             cfg = compose(name, overrides=list(overrides))
         with pytest.raises(ConfigError) as info:
-            validate_rl_config(cfg)
+            validate_recipe(cfg)
         return str(info.value)
 
     msg = problems("reward.backend.url=ftp://reward-host:8765")

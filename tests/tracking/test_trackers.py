@@ -15,7 +15,7 @@ import torch
 
 from tests.recipes import composed
 from unirl.config.tree import ConfigError
-from unirl.config.validate import validate_rl_config
+from unirl.config.validate import validate_recipe
 from unirl.tracking.metrics import JsonlWriter, save_image_grid
 from unirl.tracking.trackers import ConsoleTracker, TrackerError, Tracking, tracker_problems
 
@@ -202,7 +202,7 @@ def test_tracker_problems(spec, problem: str) -> None:
 def test_validator_rejects_unknown_tracker_names_and_options_before_ray(tmp_path: Path) -> None:
     bad = "++tracking=[tensorbord,{name:console,every_n_steps:0},{name:wandb,colour:red}]"
     with pytest.raises(ConfigError) as err:
-        validate_rl_config(composed("diffusion/tiny_sd3_flowgrpo", tmp_path, bad))
+        validate_recipe(composed("diffusion/tiny_sd3_flowgrpo", tmp_path, bad))
     assert [p for p in err.value.problems if p.startswith("tracking")] == [
         "tracking[0].name: unknown tracker 'tensorbord'; choose from ['console', 'tensorboard', 'wandb'] "
         "(metrics.jsonl is always written)",

@@ -170,12 +170,12 @@ def test_a_flux_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster
 )
 def test_bad_sequence_parallel_settings_are_refused_before_ray(overrides, message, tmp_path):
     from tests.recipes import IN_PROCESS, composed
-    from unirl.config.validate import ConfigError, validate_rl_config
+    from unirl.config.validate import ConfigError, validate_recipe
 
     launch = list(IN_PROCESS) if "+train.fsdp.sp=2" in overrides and len(overrides) == 1 else ["launcher=ray"]
     cfg = composed("diffusion/tiny_flux_flowgrpo", tmp_path, *FLUX_SMALL, *launch, *overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_rl_config(cfg, expect="diffusion")
+        validate_recipe(cfg, expect="diffusion")
 
 
 def test_sd3_has_no_context_parallel_plan():

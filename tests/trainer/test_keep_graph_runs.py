@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import EXAMPLES, untimed
 from tests.recipes import IN_PROCESS, composed
-from unirl.config.validate import ConfigError, validate_rl_config
+from unirl.config.validate import ConfigError, validate_recipe
 from unirl.dataplane import make_transport
 from unirl.distributed.group import RankInfo
 from unirl.sde.schedules import sigmas_for
@@ -32,7 +32,7 @@ def test_a_kept_graph_run_trains_as_the_replay_run(tmp_path):
         recipe(tmp_path / "replay", "num_steps=3"),
         recipe(tmp_path / "keep", "num_steps=3", *KEEP),
     )
-    validate_rl_config(keep_cfg, expect="diffusion")
+    validate_recipe(keep_cfg, expect="diffusion")
     replay = [untimed(r) for r in Trainer(replay_cfg).run()]
     keep = [untimed(r) for r in Trainer(keep_cfg).run()]
     for r, k in zip(replay, keep, strict=True):
@@ -132,11 +132,11 @@ def test_a_step_that_fails_before_train_releases_its_graphs(tmp_path, monkeypatc
 def test_validation_refuses_what_cannot_keep_graphs(tmp_path, overrides, message):
     cfg = recipe(tmp_path, "num_steps=1", *KEEP, *overrides)
     with pytest.raises(ConfigError, match=message):
-        validate_rl_config(cfg, expect="diffusion")
+        validate_recipe(cfg, expect="diffusion")
 
 
 def test_validation_accepts_keep_graph_on_several_ranks(tmp_path):
-    validate_rl_config(recipe(tmp_path, *KEEP, "num_devices=2", "launcher=ray", "transport=ray"))
+    validate_recipe(recipe(tmp_path, *KEEP, "num_devices=2", "launcher=ray", "transport=ray"))
 
 
 def test_validation_refuses_keep_graph_on_text_and_nft(tmp_path):
@@ -144,6 +144,6 @@ def test_validation_refuses_keep_graph_on_text_and_nft(tmp_path):
         text = compose("llm/tiny_lm_grpo", overrides=KEEP)
         nft = compose("diffusion/shapes_nft", overrides=KEEP)
     with pytest.raises(ConfigError, match="diffusion rollouts, but this is a text recipe"):
-        validate_rl_config(text)
+        validate_recipe(text)
     with pytest.raises(ConfigError, match="DiffusionNFT cannot train from graphs kept"):
-        validate_rl_config(nft)
+        validate_recipe(nft)

@@ -184,11 +184,11 @@ def check_reward_backprop(
 
 
 def check_advantage(
-    built: Any, advantage: Any, sampling: Any, modality: str | None, problems: list[str]
+    built: Any, advantage: Any, group: tuple[int, str] | None, modality: str | None, problems: list[str]
 ) -> None:
     """The advantage estimator vs the algorithm (its `check_advantage`), the modality (token-level
     estimators need text, but gae without KL runs over a diffusion track's SDE steps) and the
-    group size (RLOO needs siblings)."""
+    group size (RLOO needs siblings). `group`: (samples a group holds, the key that sets it)."""
     check = getattr(built, "check_advantage", None)
     if callable(check) and advantage is not None:
         try:
@@ -207,9 +207,9 @@ def check_advantage(
             "data that diffusion tracks do not have; use estimator grpo or rloo (or gae with a critic) "
             "with kl_coef 0"
         )
-    if advantage is not None and getattr(advantage, "estimator", "grpo") == "rloo" and sampling is not None:
-        if sampling.samples_per_prompt < 2:
+    if advantage is not None and getattr(advantage, "estimator", "grpo") == "rloo" and group is not None:
+        size, key = group
+        if size < 2:
             problems.append(
-                f"advantage.estimator=rloo compares each sample with its siblings: sampling.samples_per_prompt "
-                f"must be >= 2, got {sampling.samples_per_prompt}"
+                f"advantage.estimator=rloo compares each sample with its siblings: {key} must be >= 2, got {size}"
             )

@@ -1,11 +1,13 @@
-"""Validation of a composed (multi-track) recipe, run before any Ray work: `unirl.train_pe`.
+"""A composed (multi-track) recipe's shape, for the one validator (`unirl.config.validate`).
 
 A composed recipe has `tracks.<name>` nodes (each a model, stage and sampling, and when
 `trained` an algorithm, advantage and train stack), a `rollout` whose `tracks` list is the
 chain (root first), and `rewards.<name>` scoring tracks (the leaf's is required; a parent's
-own reward is optional and adds to the aggregate of its children's). Phase 1 type-checks
-every node (`check_recipe`); phase 2 checks the tracks against each other and each track on
-its own with the single-track rules, every problem naming its key (`tracks.<name>....`).
+own reward is optional and adds to the aggregate of its children's). `sections` types its
+nodes; `tracks` checks that the chain and the nodes agree and each track's own model, stack and
+engine, and returns the tracks the validator runs every one-track rule on (keys under
+`tracks.<name>.`, a track's reward under `rewards.<name>`); `graph` checks the batch down the
+chain and the metadata keys of the rewards and the evaluation.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from unirl.config.distributed import check_transport, meta_module
+from unirl.config.distributed import meta_module
 from unirl.config.engines import check_rollout
 from unirl.config.modality import modality_of
-from unirl.config.references import check_metadata_key, check_scorer_keys, check_tracking, examples_of
+from unirl.config.references import check_metadata_key, check_scorer_keys, examples_of
 from unirl.config.run import CheckpointConfig, LoggingConfig, RunBase, TrainConfig, _components
-from unirl.config.track import check_track, track_view
-from unirl.config.tree import ConfigError, check_recipe, target_class
+from unirl.config.track import TrackCheck, own_group, track_view
+from unirl.config.tree import target_class
 from unirl.rollout.dedicated import is_dedicated
 from unirl.sync.config import WeightSyncConfig
 from unirl.types.constraints import check_fields
@@ -86,7 +88,9 @@ class TrackConfig:
         check_fields(self)
 
 
-def _sections(cfg: DictConfig) -> dict[str, type]:
+def sections(cfg: DictConfig) -> dict[str, type]:
+    """The plain sections of a composed recipe: the top level, checkpoint, logging, eval, and each
+    track's node, train stack and weight sync."""
     from unirl.trainer.composed_eval import ComposedEvalConfig  # its consumer's schema
 
     sections: dict[str, type] = {
@@ -110,19 +114,27 @@ def _prefixed(prefix: str, found: list[str]) -> list[str]:
     return [f"{prefix}{p}" for p in found]
 
 
-def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+def _chain(cfg: DictConfig) -> list:
+    return list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
+
+
+def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list[TrackCheck]:
+    """The chain's tracks, root first, after the rules that make them a chain (every track named
+    once, the leaf scored, only text feeds a child, a trained track's parts, a frozen track's
+    absence of them) and each track's own model, LoRA, FSDP, engine and conditions."""
     run = passed.get("")
     tracks = cfg.get("tracks")
-    chain = list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
+    chain = _chain(cfg)
     if not isinstance(tracks, DictConfig) or not chain:
-        return
+        return []
     names = list(tracks.keys())
     if sorted(names) != sorted(chain):
         problems.append(
             f"rollout.tracks {chain} and the tracks.<name> nodes {names} disagree: name every track once in the "
             "chain (root first) and give each a tracks.<name> node"
         )
-        return
+        return []
+    walked: list[TrackCheck] = []
     rewards = cfg.get("rewards") or {}
     for name in rewards:
         if name not in names:
@@ -176,11 +188,13 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
                 f"is a {modality} track; use a {modality} algorithm"
             )
         train = passed.get(f"{key}.train")
-        # the single-track rules on this track; its batch geometry is the chain's (_check_batches)
-        found: list[str] = []
+        # every one-track rule runs on this track (the validator's walk); its batch is the chain's (`graph`)
         view = track_view(passed, key, {f"rewards.{name}": "reward"})
-        check_track(node, view, modality, found, trained=trained)
-        problems.extend(_prefixed(f"{key}.", found))
+        walked.append(
+            TrackCheck(
+                name, node, view, modality, trained, renames={"reward": f"rewards.{name}"}, group=own_group(sampling)
+            )
+        )
         lora = passed.get(f"{key}.train.lora")
         if trained and lora is not None and model is not None and hasattr(model, "trainable_on_meta"):
             from unirl.train.backend import lora_target_problem
@@ -205,7 +219,16 @@ def _check_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) 
         examples = examples_of(passed.get("data_source"))
         if conditions is not None and examples:
             problems.extend(_prefixed(f"{key}.model: ", conditions(examples, "data_source")))
-    _check_batches(run, chain, samplings, passed, problems)
+    return walked
+
+
+def graph(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    """The batch down the chain and the metadata keys the rewards and the evaluation read."""
+    chain = _chain(cfg)
+    if isinstance(cfg.get("tracks"), DictConfig) and chain and sorted(cfg.tracks.keys()) == sorted(chain):
+        samplings = {name: passed.get(f"tracks.{name}.sampling") for name in chain}
+        _check_batches(passed.get(""), chain, samplings, passed, problems)
+    _check_prompt_keys(passed, problems)
 
 
 def _check_engine(
@@ -306,27 +329,11 @@ def _check_prompt_keys(passed: dict[str, Any], problems: list[str]) -> None:
             check_metadata_key("eval.group_by", name, held_out, "eval.examples", problems)
 
 
-def validate_composed_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` listing every problem of a composed (`unirl.train_pe`) recipe."""
-    from unirl.trainer.checkpoints import resolve_resume_path
-
-    problems: list[str] = []
-    if "tracks" not in cfg:
-        raise ConfigError(
-            [
-                "tracks: missing; a composed recipe names its tracks (tracks.<name>: model, stage, sampling, ...). "
-                "A single-model recipe runs with unirl.train_diffusion or unirl.train_vlm"
-            ]
-        )
-    passed = check_recipe(cfg, _sections(cfg), problems)
-    check_transport(cfg, problems)
-    _check_tracks(cfg, passed, problems)
-    _check_prompt_keys(passed, problems)
-    check_tracking(cfg, problems)
-    if "" in passed:
-        try:
-            resolve_resume_path(cfg)
-        except (ValueError, OSError, KeyError) as exc:
-            problems.append(str(exc))
-    if problems:
-        raise ConfigError(problems)
+def missing(cfg: DictConfig) -> str | None:
+    """A recipe run as composed without `tracks`: what a composed recipe names."""
+    if "tracks" in cfg:
+        return None
+    return (
+        "tracks: missing; a composed recipe names its tracks (tracks.<name>: model, stage, sampling, ...). "
+        "A single-model recipe runs with unirl.train_diffusion or unirl.train_vlm"
+    )

@@ -111,10 +111,8 @@ def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, pr
 
 
 def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
-    """World size vs sharding, FSDP block names vs the model, resume keys."""
+    """World size vs sharding, FSDP block names vs the model."""
     from unirl.train.fsdp import unmatched_block_classes
-    from unirl.trainer.checkpoints import resolve_resume_path
-
     run, train, model, fsdp = (passed.get(k) for k in ("", "train", "model", "train.fsdp"))
     if run is None or train is None:
         return
@@ -175,8 +173,3 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
                     f"train.fsdp.block_classes {missing} match no module of {type(denoiser).__name__} "
                     f"(block classes present: {present}); sharding would silently not happen"
                 )
-    if "model" in passed:
-        try:
-            resolve_resume_path(cfg)
-        except (ValueError, OSError, KeyError) as exc:
-            problems.append(str(exc))

@@ -30,14 +30,9 @@ def modality_of(sampling: Any) -> str | None:
 
 
 def check_modality(
-    cfg: DictConfig,
-    sampling: Any,
-    model: Any,
-    algorithm: type | None,
-    expect: str | None,
-    problems: list[str],
+    cfg: DictConfig, sampling: Any, model: Any, algorithm: type | None, problems: list[str]
 ) -> str | None:
-    """One modality across sampling, model and algorithm (and the entry point); returns it."""
+    """One modality across sampling, model and algorithm; returns it."""
     modality = modality_of(sampling)
     if modality is None:
         return None
@@ -49,12 +44,18 @@ def check_modality(
                 f"{key}: {target} is a {other} component but sampling ({type(sampling).__name__}) makes this a "
                 f"{modality} recipe; use a {modality} {key}"
             )
-    if expect is not None and modality != expect:
+    return modality
+
+
+def check_entry_point(sampling: Any, expect: str, problems: list[str]) -> None:
+    """A single-track recipe run by the entry point of its modality (`expect`: "diffusion" for
+    `unirl.train_diffusion`, "text" for `unirl.train_vlm`)."""
+    modality = modality_of(sampling)
+    if modality is not None and modality != expect:
         problems.append(
             f"sampling: this is a {modality} recipe ({type(sampling).__name__}); run it with "
             f"`python -m {ENTRY_POINTS[modality]}`, not {ENTRY_POINTS[expect]}"
         )
-    return modality
 
 
 def check_text(
@@ -62,7 +63,11 @@ def check_text(
 ) -> None:
     """Text recipes: the token budget fits the model's context, a pretrained directory's tokenizer
     fits its embedding, and every stop token (`sampling.stop_tokens`, and `eval.sampling.stop_tokens`
-    of a built `eval_sampling`) is one token of the model's tokenizer."""
+    of a built `eval_sampling`) is one token of the model's tokenizer. A model that states its own
+    text rules (`text_problems`: a unified model's language head) is asked instead."""
+    if hasattr(model, "text_problems"):
+        problems.extend(model.text_problems(sampling))
+        return
     tiny = getattr(model, "tiny", None) if model is not None else None
     context = getattr(tiny, "max_position_embeddings", None)
     if context is not None and sampling.max_prompt_length + sampling.max_new_tokens > context:

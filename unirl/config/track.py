@@ -1,16 +1,20 @@
 """The rules of one track, run on every track of every kind of recipe.
 
 A track is a model with its stage and sampling and, when trained, its algorithm, advantage and
-train stack. `check_track` runs every rule that concerns one track alone, on keys written
-relative to the track (`sampling.guidance_scale`, `advantage.estimator`, `train.stack...`): a
-single-track recipe is one track at the root (`validate_rl_config`); a composed recipe runs it on
-each `tracks.<name>` through `track_view` and prefixes what it finds with `tracks.<name>.`
-(`validate_composed_config`). A rule that needs what a track view lacks (the run's geometry, a
-critic section) skips, and the recipe kind's own validator checks those keys.
+train stack. The validator (`unirl.config.validate.validate_recipe`) asks the recipe's kind for
+its tracks as `TrackCheck`s and runs `check_track` on each: every rule that concerns one track
+alone, on keys written relative to the track (`sampling.guidance_scale`, `advantage.estimator`,
+`train.stack...`), each problem then named by its recipe key (`TrackCheck.recipe_key`). A
+single-track recipe is one track at the root; a composed recipe's `tracks.<name>` each own their
+model and train stack; a unified recipe's segments share the root's `model` and `train` (one
+backbone). A rule that needs what a track lacks (the run's geometry for a track of a chain, a
+critic section) skips, and the recipe kind's graph rules check those keys.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig
@@ -45,22 +49,70 @@ def track_view(passed: dict[str, Any], prefix: str, renames: dict[str, str] | No
     return view
 
 
-def check_track(
-    cfg: DictConfig,
-    passed: dict[str, Any],
-    modality: str | None,
-    problems: list[str],
-    *,
-    trained: bool = True,
-    run: Any = None,
-    eval_sampling: Any = None,
-    ev: Any = None,
-) -> None:
-    """Every one-track rule on `cfg` (the track's node) and `passed` (phase 1's results, keyed
-    relative to the track): the model's path, image size and guidance, the text settings, the SDE;
-    for a trained track the algorithm against sampling, updates, EMA, kept graphs, reward
-    backprop, distillation, the advantage and the critic. `run`: the run's top level, when the
-    track's batch is the run's (a single-track recipe); `eval_sampling` / `ev`: its evaluation."""
+@dataclass
+class TrackCheck:
+    """One track as the validator walks it.
+
+    Attributes:
+        name: the track's name (None: a single-track recipe's one track, at the root).
+        node: the track's config, keyed relative to it (`model`, `sampling`, `algorithm`, ...;
+            a unified segment's node holds the shared `model` and `train` too).
+        view: phase 1's built objects, keyed the same way (`track_view`).
+        modality: "diffusion", "text" or None (sampling not built, or image tokens).
+        trained: the track trains (its algorithm, advantage and stack are checked).
+        run: the run's top level when the track's batch is the run's (a single track); None for a
+            track of a chain, whose batch the graph rules check.
+        eval_sampling, ev: the built evaluation, when it evaluates this track's samples.
+        renames: track-relative first key -> recipe key, for keys the track reads from elsewhere
+            (`reward` -> `rewards.<name>`, a shared `model` -> `model`); every other key is
+            written under `tracks.<name>.`.
+        group: (samples of one group, the key that sets it): a track's own
+            `sampling.samples_per_prompt` (`own_group`), or for a unified image its prompt's plans;
+            None when that sampling failed phase 1 (the group rules then skip).
+    """
+
+    name: str | None
+    node: DictConfig
+    view: dict[str, Any]
+    modality: str | None
+    trained: bool = True
+    run: Any = None
+    eval_sampling: Any = None
+    ev: Any = None
+    renames: dict[str, str] = field(default_factory=dict)
+    group: tuple[int, str] | None = None
+
+    def recipe_key(self, problem: str) -> str:
+        """`problem`, written with track-relative keys, named by the recipe's keys."""
+        if self.name is None:
+            return problem
+        word = re.match(r"[A-Za-z_]*", problem).group(0)
+        if word in self.renames:
+            return self.renames[word] + problem[len(word) :]
+        return f"tracks.{self.name}.{problem}"
+
+
+def own_group(sampling: Any) -> tuple[int, str] | None:
+    """A track whose group is its own samples of one prompt: `TrackCheck.group` from its built
+    sampling (None when it failed phase 1)."""
+    if sampling is None:
+        return None
+    return sampling.samples_per_prompt, "sampling.samples_per_prompt"
+
+
+def check_track(track: TrackCheck, problems: list[str]) -> None:
+    """Every one-track rule on `track`: the model's path, image size and guidance, the text
+    settings, the SDE; for a trained track the algorithm against sampling, updates, EMA, kept
+    graphs, reward backprop, distillation, the advantage and the critic. Appends each problem
+    under its recipe key."""
+    found: list[str] = []
+    _one_track_rules(track, found)
+    problems.extend(track.recipe_key(p) for p in found)
+
+
+def _one_track_rules(track: TrackCheck, problems: list[str]) -> None:
+    cfg, passed, modality, run = track.node, track.view, track.modality, track.run
+    eval_sampling = track.eval_sampling
     model, sampling, stack, train = (passed.get(k) for k in ("model", "sampling", "train.stack", "train"))
     algorithm = target_class(cfg, "algorithm") if cfg.get("algorithm") is not None else None
     built = passed.get("algorithm")
@@ -75,9 +127,9 @@ def check_track(
         check_text(cfg, sampling, model, problems, eval_sampling)
     if modality == "diffusion":
         check_sde(cfg, sampling, problems)
-    if not trained:
+    if not track.trained:
         return
-    check_algorithm(algorithm, sampling, stack, train, ev, problems)
+    check_algorithm(algorithm, sampling, stack, train, track.ev, problems)
     check_supervised(cfg, algorithm, sampling, run is None, problems)
     check_ema_use(built, train, problems)
     if run is None:  # a track of a chain
@@ -85,11 +137,12 @@ def check_track(
     check_keep_graph(cfg, passed, modality, problems)
     check_reward_backprop(cfg, algorithm, built, sampling, problems)
     check_distillation(cfg, passed, algorithm, sampling, problems)
-    check_advantage(built, passed.get("advantage"), sampling, modality, problems)
+    group = track.group
+    check_advantage(built, passed.get("advantage"), group, modality, problems)
     check_critic(cfg, passed, algorithm, modality, problems)
     grouped = group_scorers(passed.get("reward"))
-    if grouped and sampling is not None and sampling.samples_per_prompt < 2:
+    if grouped and group is not None and group[0] < 2:
         problems.append(
             f"reward.backend.components.{grouped[0]} scores each sample against its group's, but "
-            f"sampling.samples_per_prompt={sampling.samples_per_prompt}; set it to >= 2"
+            f"{group[1]}={group[0]}; set it to >= 2"
         )

@@ -1,10 +1,13 @@
-"""Validation of a unified-model recipe, run before any Ray work: `unirl.train_unified_model`.
+"""A unified-model recipe's shape, for the one validator (`unirl.config.validate`).
 
 A unified recipe has one `model` (a family whose config has `modality: "unified"`), one
 `train` node (the backbone's optimizer, LoRA, stack), a `rollout` (`UnifiedEngine`) whose
 `tracks` are [plan, image], and `tracks.<name>` nodes (each a stage and sampling, a `weight`,
 `trained`, and when trained an algorithm and advantage); `rewards.<image>` scores the images
-(the plan's reward is its image's, plus `rewards.<plan>` when set). Every problem names its key.
+(the plan's reward is its image's, plus `rewards.<plan>` when set). Its two tracks share one
+backbone: the validator runs every one-track rule on each with the shared `model` and `train`
+named at the root (`tracks`); `graph` checks the engine, the backbone's batch, LoRA and FSDP,
+the rewards' metadata keys and the evaluation. Every problem names its key.
 """
 
 from __future__ import annotations
@@ -13,20 +16,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from unirl.config.algorithm import check_algorithm, check_chained_algorithm
-from unirl.config.distributed import check_transport, meta_module
+from unirl.config.distributed import meta_module
 from unirl.config.engines import check_rollout
-from unirl.config.references import (
-    check_metadata_key,
-    check_model_path,
-    check_scorer_keys,
-    check_tracking,
-    examples_of,
-)
+from unirl.config.references import check_metadata_key, check_scorer_keys, examples_of
 from unirl.config.run import CheckpointConfig, LoggingConfig, RunBase, TrainConfig, _components
-from unirl.config.tree import ConfigError, check_recipe, target_class
+from unirl.config.track import TrackCheck, own_group, track_view
+from unirl.config.tree import target_class
 from unirl.sync.config import WeightSyncConfig
 from unirl.types.constraints import NonNegative, check_fields
 from unirl.types.sampling import ImageTokenSamplingParams, TextSamplingParams
@@ -83,7 +80,9 @@ class SegmentConfig:
         check_fields(self)
 
 
-def _sections(cfg: DictConfig) -> dict[str, type]:
+def sections(cfg: DictConfig) -> dict[str, type]:
+    """The plain sections of a unified recipe: the top level, checkpoint, logging, the backbone's
+    train stack, eval, weight sync and each segment's node."""
     from unirl.trainer.composed_eval import ComposedEvalConfig  # its consumer's schema
 
     sections: dict[str, type] = {
@@ -128,19 +127,49 @@ def _check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str])
             )
 
 
-def _check_segments(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
-    tracks = cfg.get("tracks")
-    chain = list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
+def _chain(cfg: DictConfig) -> list:
+    return list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
+
+
+def _segments(cfg: DictConfig) -> list[str] | None:
+    """[plan, image] when the chain and the tracks.<name> nodes agree on them."""
+    tracks, chain = cfg.get("tracks"), _chain(cfg)
+    if not isinstance(tracks, DictConfig) or len(chain) != 2 or not all(isinstance(t, str) for t in chain):
+        return None
+    return chain if sorted(tracks.keys()) == sorted(chain) else None
+
+
+def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list[TrackCheck]:
+    """The plan and image segments, after the rules that make them one model's two tracks (the
+    model is unified, the chain names both, the image is scored, something trains with a weight
+    > 0, each segment's sampling and stage are of its kind, a trained one has an algorithm);
+    each segment's node holds the shared `model` and `train`, named at the root."""
+    model = passed.get("model")
+    if model is not None and getattr(model, "modality", None) != "unified":
+        problems.append(
+            f"model: {cfg.model._target_} is not a unified model (modality {getattr(model, 'modality', None)!r}); "
+            "use one that writes text and draws images, e.g. unirl.models.janus.JanusModelConfig"
+        )
+        passed.pop("model")
+    tracks, chain = cfg.get("tracks"), _chain(cfg)
     if not isinstance(tracks, DictConfig) or len(chain) != 2 or not all(isinstance(t, str) for t in chain):
         problems.append(f"rollout.tracks: name the plan track then the image track, got {chain}")
-        return
-    if sorted(tracks.keys()) != sorted(chain):
+        return []
+    if _segments(cfg) is None:
         problems.append(
             f"rollout.tracks {chain} and the tracks.<name> nodes {list(tracks.keys())} disagree: give each of "
             "the plan and image tracks one tracks.<name> node"
         )
-        return
+        return []
     plan, image = chain
+    plan_sampling = passed.get(f"tracks.{plan}.sampling")
+    plan_group = (  # an image's group is its prompt's plans, one image each
+        (plan_sampling.samples_per_prompt, f"tracks.{plan}.sampling.samples_per_prompt")
+        if isinstance(plan_sampling, TextSamplingParams)
+        else None
+    )
+    walked: list[TrackCheck] = []
+    shared = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "train") if cfg.get(k) is not None}
     rewards = cfg.get("rewards") or {}
     if image not in rewards:
         problems.append(f"rewards.{image}: the image track needs a reward (the plan's reward is its image's)")
@@ -171,7 +200,6 @@ def _check_segments(cfg: DictConfig, passed: dict[str, Any], problems: list[str]
         plan: (TextSamplingParams, "TextSamplingParams"),
         image: (ImageTokenSamplingParams, "ImageTokenSamplingParams"),
     }
-    model = passed.get("model")
     for n in chain:
         key, node = f"tracks.{n}", tracks[n]
         sampling = passed.get(f"{key}.sampling")
@@ -202,26 +230,32 @@ def _check_segments(cfg: DictConfig, passed: dict[str, Any], problems: list[str]
                     f"{key}.algorithm: {node.algorithm._target_} is a {algorithm.modality} algorithm; both segments "
                     "are token sequences, use a text algorithm (e.g. unirl.algorithms.grpo.GRPO)"
                 )
-            # the one-track algorithm rules; the segment's own keys under tracks.<name>, the shared train's at the root
-            found: list[str] = []
-            check_algorithm(algorithm, sampling, passed.get("train.stack"), passed.get("train"), None, found)
-            check_chained_algorithm(passed.get(f"{key}.algorithm"), found)
-            problems.extend(f"{key}.{p}" if p.startswith(("sampling", "algorithm")) else p for p in found)
         else:
             extra = [p for p in ("algorithm", "advantage") if node.get(p) is not None]
             if extra:
                 problems.append(
                     f"{key}: segment {n!r} is frozen (trained: false) but sets {extra}; remove them or set trained: true"
                 )
-        if model is not None and n == plan and isinstance(sampling, TextSamplingParams):
-            problems.extend(f"{key}.{p}" for p in model.text_problems(sampling))
+        # the segment's own keys under tracks.<name>; the backbone it shares (model, train) at the root
+        view = track_view(passed, key, {"model": "model", "train": "train", f"rewards.{n}": "reward"})
+        walked.append(
+            TrackCheck(
+                n,
+                OmegaConf.create(OmegaConf.to_container(node, resolve=True) | shared),
+                view,
+                "text" if isinstance(sampling, TextSamplingParams) else None,
+                trained[n],
+                renames={"model": "model", "train": "train", "reward": f"rewards.{n}"},
+                group=own_group(sampling) if n == plan else plan_group,
+            )
+        )
     image_sampling = passed.get(f"tracks.{image}.sampling")
     if isinstance(image_sampling, ImageTokenSamplingParams) and image_sampling.samples_per_prompt != 1:
         problems.append(
             f"tracks.{image}.sampling.samples_per_prompt={image_sampling.samples_per_prompt}: a unified run draws one "
             f"image per plan (the group is the prompt's plans: set tracks.{plan}.sampling.samples_per_prompt); set it to 1"
         )
-    _check_geometry(cfg, passed, plan, problems)
+    return walked
 
 
 def _check_geometry(cfg: DictConfig, passed: dict[str, Any], plan: str, problems: list[str]) -> None:
@@ -302,30 +336,13 @@ def _check_eval(passed: dict[str, Any], problems: list[str]) -> None:
         check_metadata_key("eval.group_by", name, held_out, "eval.examples", problems)
 
 
-def validate_unified_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` listing every problem of a unified (`unirl.train_unified_model`) recipe."""
-    from unirl.trainer.checkpoints import resolve_resume_path
-
-    problems: list[str] = []
-    if "tracks" not in cfg or "model" not in cfg:
-        raise ConfigError(
-            [
-                "model / tracks: a unified recipe names one model and its plan and image tracks "
-                "(tracks.<name>: stage, sampling, weight, ...); see examples/unified/"
-            ]
-        )
-    passed = check_recipe(cfg, _sections(cfg), problems)
-    model = passed.get("model")
-    if model is not None and getattr(model, "modality", None) != "unified":
-        problems.append(
-            f"model: {cfg.model._target_} is not a unified model (modality {getattr(model, 'modality', None)!r}); "
-            "use one that writes text and draws images, e.g. unirl.models.janus.JanusModelConfig"
-        )
-        passed.pop("model")
-    check_model_path(passed.get("model"), problems)
-    check_transport(cfg, problems)
+def graph(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
+    """The engine, the backbone's batch, LoRA and FSDP, the rewards' metadata keys (what the
+    engine adds to every image's metadata included) and the evaluation."""
     _check_rollout(cfg, passed, problems)
-    _check_segments(cfg, passed, problems)
+    segments = _segments(cfg)
+    if segments is not None:
+        _check_geometry(cfg, passed, segments[0], problems)
     train_examples = examples_of(passed.get("data_source"))
     if train_examples is not None:  # what the engine adds to every image's metadata
         key = (
@@ -343,11 +360,13 @@ def validate_unified_config(cfg: DictConfig) -> None:
         if path.startswith("rewards.") and path.count(".") == 1:
             check_scorer_keys(passed, path, train_examples, "data_source", problems)
     _check_eval(passed, problems)
-    check_tracking(cfg, problems)
-    if "" in passed:
-        try:
-            resolve_resume_path(cfg)
-        except (ValueError, OSError, KeyError) as exc:
-            problems.append(str(exc))
-    if problems:
-        raise ConfigError(problems)
+
+
+def missing(cfg: DictConfig) -> str | None:
+    """A recipe run as unified without its model or tracks: what a unified recipe names."""
+    if "tracks" in cfg and "model" in cfg:
+        return None
+    return (
+        "model / tracks: a unified recipe names one model and its plan and image tracks "
+        "(tracks.<name>: stage, sampling, weight, ...); see examples/unified/"
+    )
