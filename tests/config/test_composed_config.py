@@ -171,6 +171,37 @@ def test_every_single_track_rule_runs_on_every_track() -> None:
     assert any(p.startswith("tracks.ar.advantage.estimator=gae computes advantages from a critic's values") for p in found)
 
 
+def ppo_problems(*overrides: str) -> list[str]:
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        cfg = compose("pe/tiny_pe_ppo", overrides=list(overrides))
+    with pytest.raises(ConfigError) as info:
+        validate_recipe(cfg)
+    return info.value.problems
+
+
+def test_a_tracks_critic_is_checked_under_its_own_keys() -> None:
+    """`tracks.<name>.critic` (pe/tiny_pe_ppo): PPO without it, a critic beside an algorithm that
+    ignores it, one that warms up for the whole run, one on a dedicated engine or on more devices
+    without FSDP, and one on a frozen track are refused, each naming the track's key."""
+    found = ppo_problems("~tracks.ar.critic")
+    assert any(p.startswith("tracks.ar.algorithm: PPO trains on a critic's values") for p in found), found
+    found = ppo_problems("tracks.ar.critic.warmup_steps=2")
+    assert any(p.startswith("tracks.ar.critic.warmup_steps=2 must be < num_steps=2") for p in found), found
+    found = ppo_problems("tracks.diffusion.algorithm._target_=unirl.algorithms.flow_grpo.FlowGRPO",
+                         "tracks.diffusion.algorithm.config._target_=unirl.algorithms.flow_grpo.FlowGRPOConfig",
+                         "tracks.diffusion.advantage.estimator=grpo")  # fmt: skip
+    assert any(p.startswith("tracks.diffusion.critic: FlowGRPO ignores a critic's values") for p in found), found
+    found = ppo_problems("num_devices=2")  # the diffusion critic has no fsdp node
+    assert any(p.startswith("tracks.diffusion.critic.fsdp: num_devices=2 needs FSDP2 settings") for p in found), found
+    found = ppo_problems(
+        "+tracks.ar.engine={_target_: unirl.rollout.dedicated.DedicatedEngine, placement: colocate}",
+        "+tracks.ar.weight_sync={_target_: unirl.sync.WeightSyncConfig}",
+    )
+    assert any(p.startswith("tracks.ar.critic: the train workers record the critic's values") for p in found), found
+    found = ppo_problems("tracks.ar.trained=false", "~tracks.ar.algorithm", "~tracks.ar.advantage", "~tracks.ar.train")
+    assert any(p.startswith("tracks.ar: track 'ar' is frozen (trained: false) but sets ['critic']") for p in found)
+
+
 def test_a_frozen_track_is_checked_as_a_model_only() -> None:
     found = problems("tracks.diffusion.trained=false", "~tracks.diffusion.algorithm", "~tracks.diffusion.advantage",
                      "~tracks.diffusion.train", *FLUX_TRACK[:2], *FLUX_TRACK[3:],

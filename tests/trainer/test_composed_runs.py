@@ -205,3 +205,21 @@ def test_an_edit_model_renders_the_rewrites_over_each_rows_source(tmp_path) -> N
         and "'source'" in p
         for p in info.value.problems
     )
+
+
+def test_each_track_trains_with_its_own_critic(tmp_path) -> None:
+    """pe/tiny_pe_ppo: PPO on the prompt enhancer and Flow-PPO on the diffusion track, each valued
+    by its own critic (`tracks.<name>.critic`) on the track's workers. The driver fetches each
+    track's values for its GAE (per token, per SDE step); the enhancer's critic warms up alone for
+    its `warmup_steps` (no policy update) while the diffusion track trains from step 1; the first
+    update of every step is on-policy (ratio exactly 1); each critic's state is in its track's
+    checkpoint directory."""
+    rows = run("pe/tiny_pe_ppo", tmp_path, *IN_PROCESS, "checkpoint.every_n_steps=2", "tracks.ar.critic.warmup_steps=1")
+    assert [r["ar/critic/warmup"] for r in rows] == [1.0, 0.0]
+    assert [r["diffusion/critic/warmup"] for r in rows] == [0.0, 0.0]
+    assert "ar/loss" not in rows[0] and "ar/loss" in rows[1]
+    assert all("diffusion/loss" in r for r in rows)
+    for name in ("ar", "diffusion"):
+        assert all(r[f"{name}/critic/vf_loss"] > 0 for r in rows)
+        assert all(r[f"{name}/ratio/first_update_mean"] == 1.0 for r in rows if f"{name}/loss" in r)
+        assert (tmp_path / "checkpoints" / "step_000002" / name / "critic" / "train").is_dir()

@@ -70,6 +70,8 @@ class TrackConfig:
             `unirl.rollout.vllm.VLLMEngine` for a text track).
         weight_sync: how the track's trained weights reach its engine (`WeightSyncConfig`);
             only with `engine`.
+        critic: PPO's value model of this track (`unirl.train.critic.CriticConfig`, as a
+            single-track recipe's `critic`), colocated with it on its workers; trained tracks only.
     """
 
     model: Any
@@ -82,9 +84,10 @@ class TrackConfig:
     aggregate: Aggregate = "mean"
     engine: Any = None
     weight_sync: Any = None
+    critic: Any = None
 
     def __post_init__(self) -> None:
-        _components("tracks.<name>.", self, ("model", "stage", "sampling"), ("algorithm", "advantage"))
+        _components("tracks.<name>.", self, ("model", "stage", "sampling"), ("algorithm", "advantage", "critic"))
         check_fields(self)
 
 
@@ -172,7 +175,7 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
                         f"{key}.{part}: track {name!r} is trained (tracks.{name}.trained: true) and needs {what}"
                     )
         else:
-            extra = [p for p in ("algorithm", "advantage", "train") if node.get(p) is not None]
+            extra = [p for p in ("algorithm", "advantage", "train", "critic") if node.get(p) is not None]
             if extra:
                 problems.append(
                     f"{key}: track {name!r} is frozen (trained: false) but sets {extra}: a frozen track holds no "
@@ -189,7 +192,7 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
             )
         train = passed.get(f"{key}.train")
         # every one-track rule runs on this track (the validator's walk); its batch is the chain's (`graph`)
-        view = track_view(passed, key, {f"rewards.{name}": "reward"})
+        view = track_view(passed, key, {f"rewards.{name}": "reward"}) | {"": run}  # run-wide: steps, devices
         walked.append(
             TrackCheck(
                 name, node, view, modality, trained, renames={"reward": f"rewards.{name}"}, group=own_group(sampling)

@@ -61,16 +61,20 @@ def check_critic(
         )
     from unirl.rollout.dedicated import is_dedicated
 
-    if isinstance(cfg.get("rollout"), DictConfig) and is_dedicated(cfg.rollout):
+    key = "rollout" if "rollout" in cfg else "engine"  # a composed track's engine
+    if isinstance(cfg.get(key), DictConfig) and is_dedicated(cfg[key]):
         problems.append(
             "critic: the train workers record the critic's values of the rollouts they sample, but "
-            "rollout names a dedicated engine; use unirl.rollout.trainside.TrainsideEngine"
+            f"{key} names a dedicated engine; use unirl.rollout.trainside.TrainsideEngine"
         )
     if critic is None:
         return
     lora, fsdp = passed.get("critic.lora"), passed.get("critic.fsdp")
     if run is not None and run.num_devices > 1 and cfg.critic.get("fsdp") is None:
-        problems.append(f"num_devices={run.num_devices} needs critic.fsdp (FSDP2 settings of the critic)")
+        problems.append(
+            f"critic.fsdp: num_devices={run.num_devices} needs FSDP2 settings of the critic "
+            "(e.g. {_target_: unirl.train.fsdp.FSDPConfig})"
+        )
     if model is None or (lora is None and fsdp is None):
         return
     from unirl.config.distributed import meta_module

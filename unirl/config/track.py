@@ -13,6 +13,7 @@ critic section) skips, and the recipe kind's graph rules check those keys.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +35,11 @@ from unirl.config.engines import group_scorers
 from unirl.config.geometry import check_eval_size, check_geometry, check_guidance
 from unirl.config.modality import check_text
 from unirl.config.references import check_model_path
+from unirl.config.run import RunBase
 from unirl.config.supervised import check_supervised
 from unirl.config.tree import target_class
+
+RUN_KEYS = frozenset(f.name for f in dataclasses.fields(RunBase))
 
 
 def track_view(passed: dict[str, Any], prefix: str, renames: dict[str, str] | None = None) -> dict[str, Any]:
@@ -87,6 +91,8 @@ class TrackCheck:
         if self.name is None:
             return problem
         word = re.match(r"[A-Za-z_]*", problem).group(0)
+        if word in RUN_KEYS:  # a run-wide key (`num_devices=2: ...`) is the recipe's own
+            return problem
         if word in self.renames:
             return self.renames[word] + problem[len(word) :]
         return f"tracks.{self.name}.{problem}"

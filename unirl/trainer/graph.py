@@ -86,6 +86,13 @@ class Track:
     def text(self) -> bool:
         return isinstance(self.sampling, TextSamplingParams)
 
+    def score_fields(self, reward_fields: list[str]) -> list[str]:
+        """What the driver fetches of the track's samples to score them and compute their
+        advantages: its modality's `reward_fields`, and a critic's per-step values for GAE."""
+        if self.advantage is not None and self.advantage.estimator == "gae" and "segment" not in reward_fields:
+            return [*reward_fields, "segment.values"]
+        return list(reward_fields)
+
 
 @dataclass
 class EngineUnit:

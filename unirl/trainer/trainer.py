@@ -515,9 +515,7 @@ class Trainer:
                 if not stale:
                     self.step_stats.update(self._guard(step, "weight sync", engines.prepare, step))
                 flight = self._guard(step, "rollout", engines.submit, req, partition)
-            fields = modality.reward_fields
-            if track.advantage is not None and track.advantage.estimator == "gae" and "segment" not in fields:
-                fields = [*fields, "segment.values"]  # GAE's per-step values
+            fields = track.score_fields(modality.reward_fields)
             meta, view, t_done = self._guard(step, "rollout", flight.collect, self.transport, fields, score)
             t_first = t_first or t_done
             if k == 0:
@@ -582,9 +580,11 @@ class Trainer:
         return metas
 
     def _fields(self, name: str) -> list[str]:
-        """What scoring fetches of a chain's track: its modality's reward fields, and a child's lineage."""
-        modality = TextModality if self.graph.tracks[name].text else ImageModality
-        return modality.reward_fields + (LINEAGE_FIELDS if name != self.graph.root else [])
+        """What scoring fetches of a chain's track: its modality's reward fields (a critic's values
+        for GAE), and a child's lineage."""
+        track = self.graph.tracks[name]
+        modality = TextModality if track.text else ImageModality
+        return track.score_fields(modality.reward_fields) + (LINEAGE_FIELDS if name != self.graph.root else [])
 
     def _score(self, step: int, metas: dict[str, BatchMeta], row: dict[str, Any]) -> dict[str, RolloutTrack]:
         """Fetch what scoring needs of every track of a chain and set its rewards, leaf first: the
