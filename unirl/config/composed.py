@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from unirl.config.distributed import meta_module
 from unirl.config.engines import check_rollout
 from unirl.config.modality import modality_of
 from unirl.config.references import check_metadata_key, check_scorer_keys, examples_of
@@ -198,20 +197,6 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
                 name, node, view, modality, trained, renames={"reward": f"rewards.{name}"}, group=own_group(sampling)
             )
         )
-        lora = passed.get(f"{key}.train.lora")
-        if trained and lora is not None and model is not None and hasattr(model, "trainable_on_meta"):
-            from unirl.train.backend import lora_target_problem
-
-            try:
-                problem = lora_target_problem(
-                    meta_module(model), lora.target_modules, f"{key}.train.lora.target_modules"
-                )
-            except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
-                problem = (
-                    f"{key}.model: cannot read the trainable model's config ({type(exc).__name__}: {exc})"
-                )
-            if problem:
-                problems.append(problem)
         if run is not None and trained and train is not None and run.num_devices > 1 and train.fsdp is None:
             problems.append(
                 f"{key}.train.fsdp: num_devices={run.num_devices} needs FSDP2 settings for a trained track"

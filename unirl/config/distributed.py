@@ -111,9 +111,8 @@ def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, pr
 
 
 def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
-    """World size vs sharding, FSDP block names vs the model."""
-    from unirl.train.fsdp import unmatched_block_classes
-    run, train, model, fsdp = (passed.get(k) for k in ("", "train", "model", "train.fsdp"))
+    """World size vs sharding (the module tree vs LoRA and FSDP is a track rule: `check_module_tree`)."""
+    run, train, fsdp = (passed.get(k) for k in ("", "train", "train.fsdp"))
     if run is None or train is None:
         return
     if run.num_devices > 1 and train.fsdp is None:
@@ -139,37 +138,42 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
             "(num_devices > 1); one rank trains the plain module in its own dtype. Set stage.autocast_dtype="
             f"{fsdp.param_dtype} for low-precision compute on one rank, or train.fsdp.param_dtype=float32"
         )
-    model_readable = model is not None and (not model.pretrained_path or os.path.isdir(model.pretrained_path))
-    lora = passed.get("train.lora")
-    if (fsdp is not None or lora is not None) and model_readable and hasattr(model, "trainable_on_meta"):
-        try:
-            denoiser = meta_module(model)
-        except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
-            problems.append(f"model: cannot read the trainable model's config ({type(exc).__name__}: {exc})")
-            denoiser = None
-        if denoiser is not None and lora is not None:
-            from unirl.train.backend import lora_target_problem
 
-            problem = lora_target_problem(denoiser, lora.target_modules)
-            if problem:
-                problems.append(problem)
-        if denoiser is not None and fsdp is not None and fsdp.sp > 1:
-            from unirl.train.sequence_parallel import cp_plan_problem
 
-            problem = cp_plan_problem(denoiser, fsdp.sp)
-            if problem:
-                problems.append(problem)
-        if denoiser is not None and fsdp is not None:
-            missing = unmatched_block_classes(denoiser, fsdp.block_classes)
-            if missing:
-                present = sorted(
-                    {
-                        type(m).__name__
-                        for m in denoiser.modules()
-                        if "Block" in type(m).__name__ or "Layer" in type(m).__name__
-                    }
-                )
-                problems.append(
-                    f"train.fsdp.block_classes {missing} match no module of {type(denoiser).__name__} "
-                    f"(block classes present: {present}); sharding would silently not happen"
-                )
+def check_module_tree(model: Any, lora: Any, fsdp: Any, problems: list[str]) -> None:
+    """A trained track's LoRA target modules, FSDP block classes and sequence-parallel plan vs the
+    module tree it trains (`model.trainable_on_meta()`, built on the meta device: no weights
+    read); keys relative to the track (`train.lora...`, `train.fsdp...`)."""
+    readable = model is not None and (
+        not getattr(model, "pretrained_path", None) or os.path.isdir(model.pretrained_path)
+    )
+    if (fsdp is None and lora is None) or not readable or not hasattr(model, "trainable_on_meta"):
+        return
+    from unirl.train.backend import lora_target_problem
+    from unirl.train.fsdp import unmatched_block_classes
+
+    try:
+        tree = meta_module(model)
+    except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
+        problems.append(f"model: cannot read the trainable model's config ({type(exc).__name__}: {exc})")
+        return
+    if lora is not None:
+        problem = lora_target_problem(tree, lora.target_modules)
+        if problem:
+            problems.append(problem)
+    if fsdp is not None and fsdp.sp > 1:
+        from unirl.train.sequence_parallel import cp_plan_problem
+
+        problem = cp_plan_problem(tree, fsdp.sp)
+        if problem:
+            problems.append(problem)
+    if fsdp is not None:
+        missing = unmatched_block_classes(tree, fsdp.block_classes)
+        if missing:
+            present = sorted(
+                {type(m).__name__ for m in tree.modules() if "Block" in type(m).__name__ or "Layer" in type(m).__name__}
+            )
+            problems.append(
+                f"train.fsdp.block_classes {missing} match no module of {type(tree).__name__} "
+                f"(block classes present: {present}); sharding would silently not happen"
+            )

@@ -31,6 +31,7 @@ from unirl.config.algorithm import (
 )
 from unirl.config.critic import check_critic
 from unirl.config.distill import check_distillation
+from unirl.config.distributed import check_module_tree
 from unirl.config.engines import group_scorers
 from unirl.config.geometry import check_eval_size, check_geometry, check_guidance
 from unirl.config.modality import check_text
@@ -108,9 +109,9 @@ def own_group(sampling: Any) -> tuple[int, str] | None:
 
 def check_track(track: TrackCheck, problems: list[str]) -> None:
     """Every one-track rule on `track`: the model's path, image size and guidance, the text
-    settings, the SDE; for a trained track the algorithm against sampling, updates, EMA, kept
-    graphs, reward backprop, distillation, the advantage and the critic. Appends each problem
-    under its recipe key."""
+    settings, the SDE; for a trained track its LoRA and FSDP vs the module tree it trains, the
+    algorithm against sampling, updates, EMA, kept graphs, reward backprop, distillation, the
+    advantage and the critic. Appends each problem under its recipe key."""
     found: list[str] = []
     _one_track_rules(track, found)
     problems.extend(track.recipe_key(p) for p in found)
@@ -135,6 +136,7 @@ def _one_track_rules(track: TrackCheck, problems: list[str]) -> None:
         check_sde(cfg, sampling, problems)
     if not track.trained:
         return
+    check_module_tree(model, passed.get("train.lora"), fsdp, problems)
     check_algorithm(algorithm, sampling, stack, train, track.ev, problems)
     check_supervised(cfg, algorithm, sampling, run is None, problems)
     check_ema_use(built, train, problems)

@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from unirl.config.distributed import meta_module
 from unirl.config.engines import check_rollout
 from unirl.config.references import check_metadata_key, check_scorer_keys, examples_of
 from unirl.config.run import CheckpointConfig, LoggingConfig, RunBase, TrainConfig, _components
@@ -288,25 +287,6 @@ def _check_geometry(cfg: DictConfig, passed: dict[str, Any], plan: str, problems
                 f"{total // world} samples (prompts_per_rollout x tracks.{plan}.sampling.samples_per_prompt / "
                 "num_devices)"
             )
-    model, lora = passed.get("model"), passed.get("train.lora")
-    if model is not None and (lora is not None or fsdp is not None):
-        from unirl.train.backend import lora_target_problem
-        from unirl.train.fsdp import unmatched_block_classes
-
-        try:
-            tree = meta_module(model)
-            problem = lora_target_problem(tree, lora.target_modules, "train.lora.target_modules") if lora else None
-            missing = unmatched_block_classes(tree, fsdp.block_classes) if fsdp else []
-            if missing:
-                present = sorted({type(m).__name__ for m in tree.modules() if type(m).__name__.endswith("Layer")})
-                problems.append(
-                    f"train.fsdp.block_classes {missing} match no module of {type(tree).__name__} "
-                    f"(layer classes present: {present})"
-                )
-        except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
-            problem = f"model: cannot read the model's config ({type(exc).__name__}: {exc})"
-        if problem:
-            problems.append(problem)
 
 
 def _check_eval(passed: dict[str, Any], problems: list[str]) -> None:
