@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from unirl.algorithms.advantages import track_advantages
+from unirl.trainer.graph import aggregate_children
 from unirl.types import (
     AdvantageConfig,
     DiffusionSamplingParams,
@@ -14,7 +15,7 @@ from unirl.types import (
     RolloutReq,
     TextSamplingParams,
 )
-from unirl.types.lineage import aggregate_children, child_request
+from unirl.types.lineage import child_request
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment
 

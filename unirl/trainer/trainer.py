@@ -58,12 +58,12 @@ from unirl.trainer.checkpoints import (
 from unirl.trainer.composed_eval import ComposedEval
 from unirl.trainer.engine_worker import EngineWorker
 from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, TrainsideRollouts
-from unirl.trainer.graph import LINEAGE_FIELDS, PARENT_FIELDS, RunGraph, track_recipe
+from unirl.trainer.graph import LINEAGE_FIELDS, PARENT_FIELDS, RunGraph, aggregate_children, track_recipe
 from unirl.trainer.modality import ImageModality, TextModality, modality_for
 from unirl.trainer.step_record import StepRecord
 from unirl.trainer.unified import UnifiedEngineWorker
 from unirl.trainer.worker import RLWorker, build
-from unirl.types.lineage import aggregate_children, child_request
+from unirl.types.lineage import child_request
 from unirl.types.rollout_resp import RolloutTrack
 
 # exported in every worker. THP_MEM_ALLOC_ENABLE: PyTorch's CPU allocator backs large allocations

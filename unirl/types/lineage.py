@@ -5,7 +5,7 @@ track (the rewrites, one group per user prompt) and a child track (the images,
 one group per rewrite). Each child sample names its parent sample
 (`RolloutTrack.parent_ids`) and the root user prompt (`root_ids`). The reward
 scores the leaf; the driver gives a parent an aggregate of its children's rewards
-(`aggregate_children`).
+(`unirl.trainer.graph.aggregate_children`, by an `Aggregate`).
 """
 
 from __future__ import annotations
@@ -66,36 +66,3 @@ def child_request(
 
 Aggregate = Literal["mean", "max", "min"]  # how a parent track's reward derives from its children's
 AGGREGATES = typing.get_args(Aggregate)
-
-
-def aggregate_children(parent: RolloutTrack, child: RolloutTrack, how: str) -> torch.Tensor:
-    """[Bp] fp32: for each parent sample, the `how` ("mean" | "max" | "min") of its children's
-    `rewards`.
-
-    Raises ValueError naming the ids when a child's parent is not in `parent` (naming both),
-    when a parent has no child, or when the child track has no rewards or no lineage.
-    """
-    if how not in AGGREGATES:
-        raise ValueError(f"parent reward aggregate must be one of {AGGREGATES}, got {how!r}")
-    if child.rewards is None:
-        raise ValueError(f"track {child.name!r} has no rewards to propagate to track {parent.name!r}")
-    if child.parent_ids is None:
-        raise ValueError(f"track {child.name!r} has no parent_ids: it is not a child of {parent.name!r}")
-    index = {sid: i for i, sid in enumerate(parent.sample_ids)}
-    rows: list[list[int]] = [[] for _ in parent.sample_ids]
-    for j, pid in enumerate(child.parent_ids):
-        if pid not in index:
-            raise ValueError(
-                f"sample {child.sample_ids[j]!r} of track {child.name!r} names parent {pid!r}, which is not in "
-                f"the batch of track {parent.name!r}"
-            )
-        rows[index[pid]].append(j)
-    empty = [parent.sample_ids[i] for i, r in enumerate(rows) if not r]
-    if empty:
-        raise ValueError(
-            f"sample(s) {empty[:3]}{' ...' if len(empty) > 3 else ''} of track {parent.name!r} have no child "
-            f"in track {child.name!r}"
-        )
-    rewards = child.rewards.float().cpu()
-    reduce = {"mean": torch.mean, "max": torch.amax, "min": torch.amin}[how]
-    return torch.stack([reduce(rewards[torch.tensor(r)]) for r in rows]).to(child.rewards.device)
