@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from unirl.config.engines import check_rollout
 from unirl.config.modality import modality_of
 from unirl.config.references import check_metadata_key, check_scorer_keys, examples_of
-from unirl.config.run import CheckpointConfig, LoggingConfig, RunBase, TrainConfig, _components
-from unirl.config.track import TrackCheck, own_group, track_view
+from unirl.config.run import RunBase, TrainConfig, _components
+from unirl.config.track import TrackCheck, chain_of, chain_sections, own_group, track_view
 from unirl.config.tree import target_class
 from unirl.rollout.dedicated import is_dedicated
 from unirl.sync.config import WeightSyncConfig
@@ -93,31 +93,13 @@ class TrackConfig:
 def sections(cfg: DictConfig) -> dict[str, type]:
     """The plain sections of a composed recipe: the top level, checkpoint, logging, eval, and each
     track's node, train stack and weight sync."""
-    from unirl.trainer.composed_eval import ComposedEvalConfig  # its consumer's schema
-
-    sections: dict[str, type] = {
-        "": ComposedRunConfig,
-        "checkpoint": CheckpointConfig,
-        "logging": LoggingConfig,
-        "eval": ComposedEvalConfig,
-    }
-    tracks = cfg.get("tracks")
-    if isinstance(tracks, DictConfig):
-        for name, node in tracks.items():
-            sections[f"tracks.{name}"] = TrackConfig
-            if isinstance(node, DictConfig) and node.get("train") is not None:
-                sections[f"tracks.{name}.train"] = TrainConfig
-            if isinstance(node, DictConfig) and node.get("weight_sync") is not None:
-                sections[f"tracks.{name}.weight_sync"] = WeightSyncConfig
-    return sections
+    return chain_sections(
+        cfg, ComposedRunConfig, TrackConfig, {}, {"train": TrainConfig, "weight_sync": WeightSyncConfig}
+    )
 
 
 def _prefixed(prefix: str, found: list[str]) -> list[str]:
     return [f"{prefix}{p}" for p in found]
-
-
-def _chain(cfg: DictConfig) -> list:
-    return list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
 
 
 def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list[TrackCheck]:
@@ -126,7 +108,7 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
     absence of them) and each track's own model, LoRA, FSDP, engine and conditions."""
     run = passed.get("")
     tracks = cfg.get("tracks")
-    chain = _chain(cfg)
+    chain = chain_of(cfg)
     if not isinstance(tracks, DictConfig) or not chain:
         return []
     names = list(tracks.keys())
@@ -212,7 +194,7 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
 
 def graph(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     """The batch down the chain and the metadata keys the rewards and the evaluation read."""
-    chain = _chain(cfg)
+    chain = chain_of(cfg)
     if isinstance(cfg.get("tracks"), DictConfig) and chain and sorted(cfg.tracks.keys()) == sorted(chain):
         samplings = {name: passed.get(f"tracks.{name}.sampling") for name in chain}
         _check_batches(passed.get(""), chain, samplings, passed, problems)

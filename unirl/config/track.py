@@ -43,6 +43,32 @@ from unirl.config.tree import target_class
 RUN_KEYS = frozenset(f.name for f in dataclasses.fields(RunBase))
 
 
+def chain_of(cfg: DictConfig) -> list:
+    """The chain a recipe with tracks names (`rollout.tracks`, root first); [] without one."""
+    return list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
+
+
+def chain_sections(
+    cfg: DictConfig, top: type, track: type, shared: dict[str, type], own: dict[str, type]
+) -> dict[str, type]:
+    """The plain sections of a recipe with tracks: its `top` level, checkpoint, logging, a chain's
+    evaluation (`ComposedEvalConfig`), the `shared` sections (a backbone's `train`), every
+    `tracks.<name>` node as `track`, and each of a track's `own` sections it sets."""
+    from unirl.config.run import CheckpointConfig, LoggingConfig
+    from unirl.trainer.composed_eval import ComposedEvalConfig  # its consumer's schema
+
+    sections = {"": top, "checkpoint": CheckpointConfig, "logging": LoggingConfig, "eval": ComposedEvalConfig}
+    sections |= shared
+    tracks = cfg.get("tracks")
+    if isinstance(tracks, DictConfig):
+        for name, node in tracks.items():
+            sections[f"tracks.{name}"] = track
+            for key, schema in own.items():
+                if isinstance(node, DictConfig) and node.get(key) is not None:
+                    sections[f"tracks.{name}.{key}"] = schema
+    return sections
+
+
 def track_view(passed: dict[str, Any], prefix: str, renames: dict[str, str] | None = None) -> dict[str, Any]:
     """What phase 1 passed under `prefix` (e.g. `tracks.ar`), keyed relative to it, plus each
     `renames` source key (and its subkeys) under its track-relative name (`rewards.ar` -> `reward`)."""

@@ -20,8 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from unirl.config.engines import check_rollout
 from unirl.config.references import check_metadata_key, check_scorer_keys, examples_of
-from unirl.config.run import CheckpointConfig, LoggingConfig, RunBase, TrainConfig, _components
-from unirl.config.track import TrackCheck, own_group, track_view
+from unirl.config.run import RunBase, TrainConfig, _components
+from unirl.config.track import TrackCheck, chain_of, chain_sections, own_group, track_view
 from unirl.config.tree import target_class
 from unirl.sync.config import WeightSyncConfig
 from unirl.types.constraints import NonNegative, check_fields
@@ -82,21 +82,9 @@ class SegmentConfig:
 def sections(cfg: DictConfig) -> dict[str, type]:
     """The plain sections of a unified recipe: the top level, checkpoint, logging, the backbone's
     train stack, eval, weight sync and each segment's node."""
-    from unirl.trainer.composed_eval import ComposedEvalConfig  # its consumer's schema
-
-    sections: dict[str, type] = {
-        "": UnifiedRunConfig,
-        "checkpoint": CheckpointConfig,
-        "logging": LoggingConfig,
-        "train": TrainConfig,
-        "eval": ComposedEvalConfig,
-        "weight_sync": WeightSyncConfig,
-    }
-    tracks = cfg.get("tracks")
-    if isinstance(tracks, DictConfig):
-        for name in tracks:
-            sections[f"tracks.{name}"] = SegmentConfig
-    return sections
+    return chain_sections(
+        cfg, UnifiedRunConfig, SegmentConfig, {"train": TrainConfig, "weight_sync": WeightSyncConfig}, {}
+    )
 
 
 def _check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
@@ -126,13 +114,9 @@ def _check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str])
             )
 
 
-def _chain(cfg: DictConfig) -> list:
-    return list(cfg.rollout.get("tracks") or []) if isinstance(cfg.get("rollout"), DictConfig) else []
-
-
 def _segments(cfg: DictConfig) -> list[str] | None:
     """[plan, image] when the chain and the tracks.<name> nodes agree on them."""
-    tracks, chain = cfg.get("tracks"), _chain(cfg)
+    tracks, chain = cfg.get("tracks"), chain_of(cfg)
     if not isinstance(tracks, DictConfig) or len(chain) != 2 or not all(isinstance(t, str) for t in chain):
         return None
     return chain if sorted(tracks.keys()) == sorted(chain) else None
@@ -150,7 +134,7 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
             "use one that writes text and draws images, e.g. unirl.models.janus.JanusModelConfig"
         )
         passed.pop("model")
-    tracks, chain = cfg.get("tracks"), _chain(cfg)
+    tracks, chain = cfg.get("tracks"), chain_of(cfg)
     if not isinstance(tracks, DictConfig) or len(chain) != 2 or not all(isinstance(t, str) for t in chain):
         problems.append(f"rollout.tracks: name the plan track then the image track, got {chain}")
         return []
