@@ -118,8 +118,8 @@ def test_all_segment_weights_zero_names_the_keys() -> None:
             ["tracks.plan.sampling.max_new_tokens=100"],
             "tracks.plan.sampling.max_prompt_length (64) + max_new_tokens",
         ),
-        (["tracks.plan.trained=false"], "tracks.plan: segment 'plan' is frozen (trained: false) but sets"),
-        (["~tracks.image.advantage"], "tracks.image.advantage: segment 'image' is trained"),
+        (["tracks.plan.trained=false"], "tracks.plan: track 'plan' is frozen (trained: false) but sets"),
+        (["~tracks.image.advantage"], "tracks.image.advantage: track 'image' is trained"),
         (
             ["num_devices=2", "launcher=ray"],
             "train.fsdp: num_devices=2 needs FSDP2 settings for the backbone",

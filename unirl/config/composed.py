@@ -22,7 +22,14 @@ from unirl.config.engines import check_rollout
 from unirl.config.modality import modality_of
 from unirl.config.references import check_metadata_key, check_scorer_keys, examples_of
 from unirl.config.run import RunBase, TrainConfig, _components
-from unirl.config.track import TrackCheck, chain_of, chain_sections, own_group, track_view
+from unirl.config.track import (
+    TrackCheck,
+    chain_of,
+    chain_sections,
+    check_trained_parts,
+    own_group,
+    track_view,
+)
 from unirl.config.tree import target_class
 from unirl.rollout.dedicated import is_dedicated
 from unirl.sync.config import WeightSyncConfig
@@ -144,24 +151,8 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
             problems.append(f"{key}.aggregate: the leaf track has no children to aggregate; remove it")
         if model is not None and modality is not None and getattr(model, "modality", modality) != modality:
             problems.append(f"{key}.model: a {model.modality} model under {modality} sampling; pair them")
-        trained = bool(node.get("trained", True))
+        trained = check_trained_parts(name, node, ("algorithm", "advantage", "train"), ("critic",), problems)
         algorithm = target_class(node, "algorithm") if node.get("algorithm") is not None else None
-        if trained:
-            for part in ("algorithm", "advantage", "train"):
-                if node.get(part) is None:
-                    what = (
-                        "exactly one algorithm of its modality" if part == "algorithm" else f"a {part} node"
-                    )
-                    problems.append(
-                        f"{key}.{part}: track {name!r} is trained (tracks.{name}.trained: true) and needs {what}"
-                    )
-        else:
-            extra = [p for p in ("algorithm", "advantage", "train", "critic") if node.get(p) is not None]
-            if extra:
-                problems.append(
-                    f"{key}: track {name!r} is frozen (trained: false) but sets {extra}: a frozen track holds no "
-                    "optimizer; remove them or set trained: true"
-                )
         if (
             algorithm is not None
             and modality is not None

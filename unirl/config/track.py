@@ -69,6 +69,30 @@ def chain_sections(
     return sections
 
 
+def check_trained_parts(
+    name: str, node: DictConfig, needs: tuple[str, ...], optional: tuple[str, ...], problems: list[str]
+) -> bool:
+    """A track of a recipe with tracks (`tracks.<name>`, its `node`) is trained (the default) and sets
+    every part of `needs` (its algorithm, advantage, and its own train stack where it has one), or
+    is frozen (`trained: false`) and sets none of `needs` nor `optional` (a critic): a frozen track
+    holds no optimizer. Returns whether it is trained."""
+    key = f"tracks.{name}"
+    trained = bool(node.get("trained", True))
+    if trained:
+        for part in needs:
+            if node.get(part) is None:
+                what = "exactly one algorithm of its modality" if part == "algorithm" else f"a {part} node"
+                problems.append(f"{key}.{part}: track {name!r} is trained ({key}.trained: true) and needs {what}")
+        return True
+    extra = [p for p in needs + optional if node.get(p) is not None]
+    if extra:
+        problems.append(
+            f"{key}: track {name!r} is frozen (trained: false) but sets {extra}: a frozen track holds no "
+            "optimizer; remove them or set trained: true"
+        )
+    return False
+
+
 def track_view(passed: dict[str, Any], prefix: str, renames: dict[str, str] | None = None) -> dict[str, Any]:
     """What phase 1 passed under `prefix` (e.g. `tracks.ar`), keyed relative to it, plus each
     `renames` source key (and its subkeys) under its track-relative name (`rewards.ar` -> `reward`)."""

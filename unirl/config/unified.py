@@ -21,7 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 from unirl.config.engines import check_rollout
 from unirl.config.references import check_metadata_key, check_scorer_keys, examples_of
 from unirl.config.run import RunBase, TrainConfig, _components
-from unirl.config.track import TrackCheck, chain_of, chain_sections, own_group, track_view
+from unirl.config.track import (
+    TrackCheck,
+    chain_of,
+    chain_sections,
+    check_trained_parts,
+    own_group,
+    track_view,
+)
 from unirl.config.tree import target_class
 from unirl.sync.config import WeightSyncConfig
 from unirl.types.constraints import NonNegative, check_fields
@@ -201,23 +208,12 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
                 f"{key}.stage: {node.stage._target_} is not {what}; the {'plan' if n == plan else 'image'} "
                 f"track needs one (see unirl/rollout/unified.py)"
             )
-        if trained[n]:
-            for part in ("algorithm", "advantage"):
-                if node.get(part) is None:
-                    problems.append(
-                        f"{key}.{part}: segment {n!r} is trained (tracks.{n}.trained: true) and needs one"
-                    )
+        if check_trained_parts(n, node, ("algorithm", "advantage"), (), problems):
             algorithm = target_class(node, "algorithm") if node.get("algorithm") is not None else None
             if algorithm is not None and getattr(algorithm, "modality", "text") != "text":
                 problems.append(
                     f"{key}.algorithm: {node.algorithm._target_} is a {algorithm.modality} algorithm; both segments "
                     "are token sequences, use a text algorithm (e.g. unirl.algorithms.grpo.GRPO)"
-                )
-        else:
-            extra = [p for p in ("algorithm", "advantage") if node.get(p) is not None]
-            if extra:
-                problems.append(
-                    f"{key}: segment {n!r} is frozen (trained: false) but sets {extra}; remove them or set trained: true"
                 )
         # the segment's own keys under tracks.<name>; the backbone it shares (model, train) at the root
         view = track_view(passed, key, {"model": "model", "train": "train", f"rewards.{n}": "reward"})
