@@ -21,6 +21,7 @@ from worlds.shapes import (
     GenEvalMini,
     RewriteMatchesScene,
     ShapesPEDataset,
+    ShapesPEDemonstrations,
     ShapesPESFTSource,
     is_eval_scene,
     parse_prompt,
@@ -345,3 +346,23 @@ def test_canonical_format_rewards_only_the_grammar() -> None:
     texts = ["a red circle", " two blue squares ", "a red trianglue abo", "a blue square right of a red circle", ""]
     req = RewardRequest(sample_ids=[str(i) for i in range(5)], prompts=[""] * 5, texts=texts, metadata=[{}] * 5)
     assert CanonicalFormat()(req).tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
+
+
+def test_demonstrations_are_the_loops_pairs_as_rows() -> None:
+    """`ShapesPEDemonstrations` (the LM SFT track's data, llm/shapes_pe_sft) holds exactly the
+    pairs `ShapesPESFTSource` draws from the same seed, each prompt with its rewrite under
+    "canonical" (what `DemonstrationEngine(target_key=canonical)` teacher-forces), visited in
+    shuffled epochs that a resumed run repeats."""
+    rows = ShapesPEDemonstrations(seed=3, size=200)
+    pairs = ShapesPESFTSource(seed=3).sample_batch(200, np.random.default_rng(3))
+    assert [(e.prompt, e.metadata["canonical"]) for e in rows.examples] == pairs
+    assert len({e.prompt_id for e in rows.examples}) == 200
+    first = rows.next_batch(64)
+    state = rows.state_dict()
+    after = [e.prompt_id for e in rows.next_batch(64)]
+    again = ShapesPEDemonstrations(seed=3, size=200)
+    again.load_state_dict(state)
+    assert [e.prompt_id for e in again.next_batch(64)] == after
+    assert sorted(e.prompt_id for e in first) != sorted(after)
+    with pytest.raises(ValueError, match="ShapesPEDemonstrations size must be >= 1, got 0"):
+        ShapesPEDemonstrations(size=0)

@@ -15,6 +15,7 @@ from worlds.shapes.paraphrase import (
     SHAPE_FORMS,
     TEMPLATES,
     ShapesPEDataset,
+    ShapesPEDemonstrations,
     ShapesPESFTSource,
     paraphrase,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "CanonicalFormat",
     "RewriteMatchesScene",
     "ShapesPEDataset",
+    "ShapesPEDemonstrations",
     "ShapesPESFTSource",
     "Detection",
     "MovingSquares",

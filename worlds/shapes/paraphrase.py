@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from unirl.data.data_source import ListDataSource
 from unirl.types.rollout_req import PromptExample
 from worlds.shapes.world import CATEGORIES, SceneSpec, scene_to_prompt, split_scenes
 
@@ -401,3 +402,29 @@ class ShapesPESFTSource:
             text, meta = paraphrase(scene, py_rng, nonce_rate=self.nonce_rate)
             pairs.append((text, meta["canonical"]))
         return pairs
+
+
+class ShapesPEDemonstrations(ListDataSource):
+    """`ShapesPESFTSource`'s pairs as supervised rows (recipe: `_target_:
+    worlds.shapes.ShapesPEDemonstrations`): each user prompt with its canonical rewrite under
+    metadata "canonical", the demonstrations an LM SFT track learns from
+    (`unirl.algorithms.sft.LMSFT` with `rollout: unirl.rollout.demonstrations.DemonstrationEngine`,
+    `target_key: canonical`).
+
+    The `size` pairs are `ShapesPESFTSource(seed, nonce_rate).sample_batch(size, rng)` with `rng =
+    np.random.default_rng(seed)`, drawn once (the single-process loop draws fresh pairs every
+    step; the default `size` is what its 600 steps of 64 draw); epochs, shuffling and resume are
+    `ListDataSource`'s.
+    """
+
+    def __init__(self, seed: int = 0, nonce_rate: float = NONCE_RATE, size: int = 38_400) -> None:
+        if size < 1:
+            raise ValueError(f"ShapesPEDemonstrations size must be >= 1, got {size}")
+        pairs = ShapesPESFTSource(seed, nonce_rate).sample_batch(size, np.random.default_rng(seed))
+        rows = [
+            PromptExample(prompt, f"pe-sft-{seed}-{i}", {"canonical": canonical})
+            for i, (prompt, canonical) in enumerate(pairs)
+        ]
+        super().__init__(
+            rows, shuffle=True, seed=seed, source=f"<shapes PE demonstrations seed={seed} size={size}>"
+        )
