@@ -1,6 +1,7 @@
-"""`python -m worlds.shapes.train_reward_model` end to end at a tiny size: data from the committed base and
-renders, training, export, agreement, and resuming from the cached data and train state (the
-second call and the bad arguments in this process, through the same `main`)."""
+"""`python -m worlds.shapes.train_reward_model --config-name=shapes_reward_model` end to end at a tiny
+size: data from the committed base and renders, training, export, agreement, and resuming from the
+cached data and train state (the second call and the bad recipes in this process, through the same
+`run`); a bad recipe is refused before any work, every problem named by its key."""
 
 from __future__ import annotations
 
@@ -10,31 +11,33 @@ import os
 import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO, run_module
 from worlds.shapes.reward_model import CLASSES, ShapesRewardModel
-from worlds.shapes.train_reward_model import main
+from worlds.shapes.train_reward_model import run
+
+RECIPES = os.path.join(REPO, "worlds", "shapes", "recipes")
 
 pytestmark = pytest.mark.e2e
 
 TINY = [
-    "--synth", "200", "--chunk", "8", "--base-train", "8", "--base-heldout", "8",
-    "--eval-prompts", "4", "--eval-seeds", "1", "--batch", "16", "--save-every", "10", "--threads", "2",
+    "synth=200", "chunk=8", "base_train=8", "base_heldout=8",
+    "eval_prompts=4", "eval_seeds=1", "batch=16", "save_every=10", "threads=2",
 ]  # fmt: skip
+
+
+def recipe(*overrides: str):
+    with initialize_config_dir(config_dir=RECIPES, version_base=None):
+        return compose("shapes_reward_model", overrides=list(overrides))
 
 
 def test_train_export_and_resume(tmp_path, capsys):
     out, work = tmp_path / "model", tmp_path / "work"
-    args = [
-        "--out",
-        str(out),
-        "--work",
-        str(work),
-        "--base",
-        os.path.join(REPO, "checkpoints", "shapes_sd3"),
-        *TINY,
-    ]
-    first = run_module("worlds.shapes.train_reward_model", *args, "--steps", "20", timeout=600)
+    args = [f"out={out}", f"work={work}", f"base={os.path.join(REPO, 'checkpoints', 'shapes_sd3')}", *TINY]
+    first = run_module(
+        "worlds.shapes.train_reward_model", "--config-name=shapes_reward_model", *args, "steps=20", timeout=600
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     cached = sorted(os.listdir(work))
     assert cached == [
@@ -61,7 +64,7 @@ def test_train_export_and_resume(tmp_path, capsys):
     assert state["step"] == 20
 
     capsys.readouterr()
-    assert main([*args, "--steps", "30"]) == 0  # again, in this process
+    assert run(recipe(*args, "steps=30")) == 0  # again, in this process
     assert "resuming reward-model training at step 20" in capsys.readouterr().err
     assert sorted(os.listdir(work)) == cached  # no data made twice
     assert torch.load(work / "train_state.pt")["step"] == 30
@@ -70,11 +73,15 @@ def test_train_export_and_resume(tmp_path, capsys):
     assert score.shape == (2,) and ((score >= 0) & (score <= 1)).all()
 
 
-def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
-    for argv, message in (
-        (["--base-train", "10"], "--base-train must be a positive multiple of --chunk 64"),
-        (["--base", str(tmp_path / "no")], "is not a directory"),
+def test_a_bad_recipe_is_refused_before_any_work(tmp_path, capsys):
+    """Every problem is named by its key before any data is made (exit 2)."""
+    for overrides, messages in (
+        (["base_train=10"], ["base_train=10 must be a multiple of chunk=64"]),
+        ([f"base={tmp_path / 'no'}"], ["is not a directory"]),
+        (["steps=0", "lr=abc"], ["steps must be >= 1, got 0", "lr: expected a valid number, got 'abc'"]),
     ):
         with pytest.raises(SystemExit) as exit_:
-            main(["--out", str(tmp_path), *argv])
-        assert exit_.value.code == 2 and message in capsys.readouterr().err
+            run(recipe(f"out={tmp_path / 'model'}", f"work={tmp_path / 'work'}", *overrides))
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and all(m in err for m in messages), err
+    assert not (tmp_path / "work").exists()

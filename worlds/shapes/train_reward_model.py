@@ -1,20 +1,23 @@
-"""Train the learned shapes reward (`worlds.shapes.reward_model`): one command, resumable.
+"""Train the learned shapes reward (`worlds.shapes.reward_model`): one Hydra recipe, resumable.
 
-    python -m worlds.shapes.train_reward_model --out checkpoints/shapes_reward [--work DIR] [options]
+    python -m worlds.shapes.train_reward_model --config-name=shapes_reward_model [key=value ...]
 
-1. Data (cached under `--work`, chunk by chunk, so a stopped run resumes where it was):
-   `--synth` renders and perturbed renders of training scenes (`worlds.shapes.reward_data`, each
-   paired with its own, a near-miss or a random training prompt); `--base-train` samples of the
-   committed base (`--base`) on training prompts (ODE, CFG 3, 10 or 20 steps alternately), each
-   also paired with a near-miss prompt; and two held-out sets never trained on: `--base-heldout`
+The recipe (`worlds/shapes/recipes/shapes_reward_model.yaml`) sets every field of `RewardModelRun`; it is
+validated before any work (every problem named by its key, exit 2).
+
+1. Data (cached under `work`, chunk by chunk, so a stopped run resumes where it was):
+   `synth` renders and perturbed renders of training scenes (`worlds.shapes.reward_data`, each
+   paired with its own, a near-miss or a random training prompt); `base_train` samples of the
+   committed base (`base`) on training prompts (ODE, CFG 3, 10 or 20 steps alternately), each
+   also paired with a near-miss prompt; and two held-out sets never trained on: `base_heldout`
    base samples of training prompts from other seeds, and base samples of the held-out (eval)
    prompts. Every (image, prompt) pair gets `GenEvalMini`'s verdicts (for the agreement).
 2. Training: the detector (`SceneNet`) learns `GenEvalMini`'s detections of the images (cell
    classes and centre heat, `reward_data.targets`; prompts are not used), AdamW with a cosine
-   learning rate, `--steps` steps of `--batch` images drawn with a generator seeded by (seed,
-   step), small Gaussian input noise; the state is saved every `--save-every` steps and a rerun
+   learning rate, `steps` steps of `batch` images drawn with a generator seeded by (seed,
+   step), small Gaussian input noise; the state is saved every `save_every` steps and a rerun
    continues from it.
-3. Export to `--out`: `model.safetensors`, `config.json` (widths, classes, data sizes, seed,
+3. Export to `out`: `model.safetensors`, `config.json` (widths, classes, data sizes, seed,
    wall clock), `agreement.json` (the model's verdicts vs the scorer's on both held-out sets and
    the training pool: accuracy per verdict, AUC of the differentiable score for strict, strict
    accuracy per category, exact object counts) and `heldout.npz` (the held-out images and
@@ -25,20 +28,24 @@ Prints the agreement as JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
+import hydra
 import numpy as np
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from unirl.types import PromptExample  # noqa: E402
+from unirl.types.constraints import AtLeastOne, Positive, check_fields  # noqa: E402
 from worlds.shapes import CATEGORIES, ShapesDataset, parse_prompt  # noqa: E402
 from worlds.shapes.reward_data import detection_labels, label, pair_prompts, synth_batch, targets  # noqa: E402
 from worlds.shapes.reward_model import (  # noqa: E402
@@ -81,7 +88,7 @@ def _base_prompts(n: int, rng: np.random.Generator, ds: ShapesDataset) -> list[P
 
 
 BASE_MODEL = "unirl.models.sd3.SD3ModelConfig"
-"""The model config (`_target_`) of the committed shapes base (`--base`)."""
+"""The model config (`_target_`) of the committed shapes base (`base`)."""
 
 
 class BaseSampler:
@@ -258,40 +265,76 @@ def train(args, pool: dict[str, np.ndarray]) -> tuple[SceneNet, float]:
     return net.eval(), time.perf_counter() - t0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for the trained model")
-    parser.add_argument(
-        "--work", default="outputs/shapes_reward_work", help="cache of data chunks and train state"
-    )
-    parser.add_argument("--base", default="checkpoints/shapes_sd3", help="the pretrained base to sample")
-    parser.add_argument("--synth", type=int, default=24_000, help="rendered / perturbed pairs")
-    parser.add_argument(
-        "--base-train", type=int, default=640, help="base samples to train on (x2 with near misses)"
-    )
-    parser.add_argument(
-        "--base-heldout", type=int, default=256, help="held-out base samples of training prompts"
-    )
-    parser.add_argument("--eval-seeds", type=int, default=4, help="held-out base samples per eval prompt")
-    parser.add_argument(
-        "--eval-prompts", type=int, default=51, help="held-out (eval) prompts sampled, in order"
-    )
-    parser.add_argument("--chunk", type=int, default=64, help="base samples per cached chunk")
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--save-every", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    for key in ("synth", "steps", "batch", "save_every", "eval_seeds", "eval_prompts", "chunk", "threads"):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    for key in ("base_train", "base_heldout"):
-        if getattr(args, key) < args.chunk or getattr(args, key) % args.chunk:
-            parser.error(f"--{key.replace('_', '-')} must be a positive multiple of --chunk {args.chunk}")
-    if not os.path.isdir(args.base):
-        parser.error(f"--base {args.base!r} is not a directory (the pretrained shapes model)")
+@dataclass(kw_only=True)
+class RewardModelRun:
+    """The recipe of one reward-model training (`worlds/shapes/recipes/shapes_reward_model.yaml`).
+
+    Attributes:
+        out: directory for the trained model.
+        work: cache of data chunks and the train state (a rerun resumes from it).
+        base: the pretrained shapes model whose samples join the data.
+        synth: rendered / perturbed (image, prompt) pairs.
+        base_train: base samples to train on (each also with a near-miss prompt); a multiple of `chunk`.
+        base_heldout: held-out base samples of training prompts; a multiple of `chunk`.
+        eval_prompts: held-out (eval) prompts sampled, in order.
+        eval_seeds: held-out base samples per eval prompt.
+        chunk: base samples per cached chunk.
+        steps, batch, lr, save_every, seed: the training (AdamW, cosine learning rate).
+        threads: torch threads.
+        hydra: Hydra's own settings.
+    """
+
+    out: str
+    work: str = "outputs/shapes_reward_work"
+    base: str = "checkpoints/shapes_sd3"
+    synth: AtLeastOne = 24_000
+    base_train: AtLeastOne = 640
+    base_heldout: AtLeastOne = 256
+    eval_prompts: AtLeastOne = 51
+    eval_seeds: AtLeastOne = 4
+    chunk: AtLeastOne = 64
+    steps: AtLeastOne = 3000
+    batch: AtLeastOne = 64
+    lr: Positive = 2e-3
+    save_every: AtLeastOne = 200
+    seed: int = 0
+    threads: AtLeastOne = 1
+    hydra: Any = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for key in ("base_train", "base_heldout"):
+            if getattr(self, key) % self.chunk:
+                raise ValueError(f"{key}={getattr(self, key)} must be a multiple of chunk={self.chunk}")
+        if not os.path.isdir(self.base):
+            raise ValueError(f"base={self.base!r} is not a directory (the pretrained shapes model)")
+
+
+def validated(cfg: DictConfig) -> RewardModelRun:
+    """The recipe as a `RewardModelRun`, or `ConfigError` listing every problem, named by its key."""
+    from unirl.config.schema import check_node
+    from unirl.config.tree import ConfigError
+
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:  # noqa: BLE001 - an interpolation that does not resolve stops everything
+        raise ConfigError([f"the recipe does not resolve: {type(exc).__name__}: {exc}"]) from exc
+    run, problems = check_node("", RewardModelRun, plain)
+    if problems:
+        raise ConfigError(problems)
+    return run
+
+
+def run(cfg: DictConfig) -> int:
+    """Validate the recipe (exit 2 listing every problem), then make the data, train, export and
+    print the agreement; 0 when done."""
+    from unirl.config.tree import ConfigError
+
+    try:
+        args = validated(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     pool, heldout = build_data(args)
@@ -320,5 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@hydra.main(config_path="recipes", config_name=None, version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
