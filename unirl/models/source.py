@@ -5,11 +5,14 @@ tiny-model config built from random weights; a dict from a recipe becomes the fa
 config class) and `dtype` (`DType`, the frozen components' parameter dtype, or the whole
 model's for a causal LM). `check_source` runs in every family's `__post_init__`: the typed
 ranges (`unirl.types.constraints.check_fields`, keys under `model.`), then which of the two
-sources is set.
+sources is set. `missing_directory_problems` is every family's first answer to the validator about
+`pretrained_path`, `read_checkpoint_meta` the first step of every family's `load_checkpoint`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Literal
 
 import torch
@@ -34,3 +37,31 @@ def check_source(config: Any, tiny_class: type, what: str, exclusive: bool = Fal
         )
     if config.pretrained_path is None and config.tiny is None:
         raise ValueError(f"model: set model.pretrained_path to a local {what} directory or give model.tiny")
+
+
+def missing_directory_problems(path: str | None, what: str) -> list[str]:
+    """The validator's first question about `model.pretrained_path`, the same for every family:
+    one problem naming the key when it is set but not a directory (pointing it at "a local `what`
+    directory", e.g. "diffusers FLUX.1" or "Hugging Face VLM (Qwen2.5-VL / Qwen3-VL)", or at
+    model.tiny), else [] (unset, or a directory: the family checks what it holds)."""
+    if path and not os.path.isdir(path):
+        return [
+            f"model.pretrained_path: {path!r} is not a directory; point it (or PRETRAINED_MODEL) at "
+            f"a local {what} directory, or set it to null to use model.tiny"
+        ]
+    return []
+
+
+def read_checkpoint_meta(path: str) -> dict[str, Any]:
+    """The `unirl_checkpoint.json` of a UniRL checkpoint directory (written by the train backend:
+    `base_model`, the directory the weights were trained from, and `kind`, "lora" or "full"), the
+    first step of every family's `load_checkpoint`.
+
+    Raises:
+        FileNotFoundError: `path` holds no `unirl_checkpoint.json` (not a UniRL checkpoint).
+    """
+    meta_path = os.path.join(path, "unirl_checkpoint.json")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
+    with open(meta_path) as f:
+        return json.load(f)

@@ -18,6 +18,38 @@ from unirl.models.kept import KeptGraphs
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment, TokenSegment
 
+AUTOCAST_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The `autocast_dtype` names a stage takes: the dtype its forwards run under `torch.autocast` in
+(None: no autocast, the parameters' dtype)."""
+
+
+def autocast_dtype_of(name: str | None, key: str = "stage.autocast_dtype") -> torch.dtype | None:
+    """The torch dtype of an `autocast_dtype` name (`AUTOCAST_DTYPES`); a ValueError naming the
+    recipe key `key` and the names it takes for any other."""
+    if name not in AUTOCAST_DTYPES:
+        raise ValueError(f"{key} must be one of {list(AUTOCAST_DTYPES)}, got {name!r}")
+    return AUTOCAST_DTYPES[name]
+
+
+class ModuleDevice:
+    """Mixin of a stage that calls one `module` (the train backend may replace it with its wrapped
+    module): `device`, where that module's parameters live."""
+
+    module: torch.nn.Module
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+
+class ModuleOwner(ModuleDevice):
+    """A `ModuleDevice` that is moved as its module (the value stages): `to(device)` moves
+    `module` and returns the stage."""
+
+    def to(self, device: str | torch.device):
+        self.module.to(device)
+        return self
+
 
 @runtime_checkable
 class DiffusionStage(Protocol):

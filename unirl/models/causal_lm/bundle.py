@@ -14,6 +14,7 @@ Two ways to build one, same code path afterwards:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,7 +30,13 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from unirl.models.source import DTYPES, DType, check_source
+from unirl.models.source import (
+    DTYPES,
+    DType,
+    check_source,
+    missing_directory_problems,
+    read_checkpoint_meta,
+)
 from unirl.types.constraints import AtLeastOne, check_fields
 
 _ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -112,14 +119,11 @@ class CausalLMConfig:
     def trainable_on_meta(self) -> torch.nn.Module:
         """The LM's module tree on the meta device (no weights read): for validators
         that check names (FSDP blocks, LoRA targets) before any work starts."""
-        if self.pretrained_path is not None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(self.pretrained_path, local_files_only=True)
-            with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(config)
-        with torch.device("meta"):
-            return CausalLMBundle.tiny(self.tiny).model
+        return model_on_meta(
+            self.pretrained_path,
+            AutoModelForCausalLM.from_config,
+            lambda: CausalLMBundle.tiny(self.tiny).model,
+        )
 
     def build(self) -> CausalLMBundle:
         if self.pretrained_path is not None:
@@ -133,13 +137,9 @@ class CausalLMConfig:
     def directory_problems(self) -> list[str]:
         """`pretrained_path`, when set, is a directory (its files are checked when read)."""
         path = self.pretrained_path
-        if not path:
-            return []
-        if not os.path.isdir(path):
-            return [
-                f"model.pretrained_path: {path!r} is not a directory; point it (or PRETRAINED_MODEL) at a local "
-                "Hugging Face causal-LM (Qwen3 / Qwen2) directory, or set it to null to use model.tiny"
-            ]
+        problems = missing_directory_problems(path, "Hugging Face causal-LM (Qwen3 / Qwen2)")
+        if problems or not path:
+            return problems
         from unirl.models.causal_lm.vision import is_vlm_directory
 
         if is_vlm_directory(path):
@@ -151,17 +151,37 @@ class CausalLMConfig:
         return []
 
 
-def tiny_tokenizer(extra_special: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer built in code: every byte is one token (printable ASCII
-    characters map to themselves), then `<|endoftext|>` (EOS and pad),
-    `<|im_start|>`, `<|im_end|>` and `extra_special` (e.g. a VLM's vision tokens), each
-    one token; a ChatML chat template. Decoding gives the text back."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def model_on_meta(
+    pretrained_path: str | None,
+    from_config: Callable[[Any], torch.nn.Module],
+    tiny_model: Callable[[], torch.nn.Module],
+    config_cls: Any = None,
+) -> torch.nn.Module:
+    """A text or unified family's `trainable_on_meta`: the model's module tree on the meta device,
+    no weights read (validators check FSDP block and LoRA target names against it). With
+    `pretrained_path`, `from_config(config)` of its config (read by `config_cls.from_pretrained`,
+    transformers' `AutoConfig` when None, local files only) under the meta device; else
+    `tiny_model()` (the tiny config's model) under the meta device."""
+    if pretrained_path is not None:
+        if config_cls is None:
+            from transformers import AutoConfig
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+            config_cls = AutoConfig
+        config = config_cls.from_pretrained(pretrained_path, local_files_only=True)
+        with torch.device("meta"):
+            return from_config(config)
+    with torch.device("meta"):
+        return tiny_model()
+
+
+def fast_tokenizer(tok, extra_special: tuple[str, ...] = (), **options) -> PreTrainedTokenizerFast:
+    """The `PreTrainedTokenizerFast` over a `tokenizers.Tokenizer` built in code (the tiny
+    tokenizers): `SPECIAL_TOKENS` (`<|endoftext|>`, EOS and pad, `<|im_start|>`, `<|im_end|>`) and
+    `extra_special` (e.g. a VLM's vision tokens) added to `tok` as special tokens, each one token,
+    the ones after EOS as `additional_special_tokens`; no clean-up of tokenization spaces.
+    `options` are further `PreTrainedTokenizerFast` arguments (e.g. `chat_template`)."""
+    from tokenizers import AddedToken
+
     special = (*SPECIAL_TOKENS, *extra_special)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     return PreTrainedTokenizerFast(
@@ -169,9 +189,23 @@ def tiny_tokenizer(extra_special: tuple[str, ...] = ()) -> PreTrainedTokenizerFa
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         additional_special_tokens=list(special[1:]),
-        chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
+        **options,
     )
+
+
+def tiny_tokenizer(extra_special: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer built in code: every byte is one token (printable ASCII
+    characters map to themselves), then `<|endoftext|>` (EOS and pad),
+    `<|im_start|>`, `<|im_end|>` and `extra_special` (e.g. a VLM's vision tokens), each
+    one token; a ChatML chat template. Decoding gives the text back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return fast_tokenizer(tok, extra_special, chat_template=CHAT_TEMPLATE)
 
 
 class CausalLMBundle:
@@ -361,13 +395,7 @@ def load_checkpoint(
     merged into the base through peft (`PeftModel.from_pretrained(...).merge_and_unload()`),
     or the full model directory itself.
     """
-    import json
-
-    meta_path = os.path.join(path, "unirl_checkpoint.json")
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    meta = read_checkpoint_meta(path)
     base = bundle_cls.from_pretrained(meta["base_model"], dtype=dtype)
     if meta["kind"] == "lora":
         from peft import PeftModel

@@ -15,11 +15,11 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from unirl.models.causal_lm.bundle import CausalLMBundle
+from unirl.models.stage import AUTOCAST_DTYPES as AUTOCAST_DTYPES
+from unirl.models.stage import ModuleDevice, autocast_dtype_of
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.sampling import TextSamplingParams
 from unirl.types.segments import TokenSegment, pad_right
-
-AUTOCAST_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def token_log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -74,7 +74,7 @@ def done_on_every_rank(done: bool, sharded: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-class CausalLMStage:
+class CausalLMStage(ModuleDevice):
     """Sampling and replay of a causal LM.
 
     Args:
@@ -89,11 +89,7 @@ class CausalLMStage:
     """
 
     def __init__(self, bundle: CausalLMBundle, autocast_dtype: str | None = None) -> None:
-        if autocast_dtype not in AUTOCAST_DTYPES:
-            raise ValueError(
-                f"stage.autocast_dtype must be one of {list(AUTOCAST_DTYPES)}, got {autocast_dtype!r}"
-            )
-        self.autocast_dtype = AUTOCAST_DTYPES[autocast_dtype]
+        self.autocast_dtype = autocast_dtype_of(autocast_dtype)
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.model
         self.tokenizer = bundle.tokenizer
@@ -102,10 +98,6 @@ class CausalLMStage:
         self.vocab_rows: int = bundle.model.get_input_embeddings().num_embeddings
         # a VLM's vision placeholders mean "an image goes here": a response must not hold them
         self.unsampled_ids: list[int] = list(getattr(bundle, "vision_token_ids", ()))
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.module.parameters()).device
 
     def model_info(self) -> dict[str, Any]:
         params = list(self.module.parameters())

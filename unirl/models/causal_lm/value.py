@@ -24,8 +24,8 @@ import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
 from unirl.models.causal_lm.bundle import CausalLMBundle, CausalLMConfig
-from unirl.models.causal_lm.stage import AUTOCAST_DTYPES
 from unirl.models.source import DTYPES
+from unirl.models.stage import AUTOCAST_DTYPES, ModuleOwner, autocast_dtype_of
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment, pad_right
 
@@ -56,10 +56,7 @@ class CausalLMValueConfig(CausalLMConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.autocast_dtype not in AUTOCAST_DTYPES:
-            raise ValueError(
-                f"critic.model.autocast_dtype must be one of {list(AUTOCAST_DTYPES)}, got {self.autocast_dtype!r}"
-            )
+        autocast_dtype_of(self.autocast_dtype, "critic.model.autocast_dtype")
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The critic's module tree on the meta device (validators read its names)."""
@@ -87,7 +84,7 @@ class CausalLMValueConfig(CausalLMConfig):
         return CausalLMValueStage(model.to(dtype), policy.tokenizer.pad_token_id, self.autocast_dtype)
 
 
-class CausalLMValueStage:
+class CausalLMValueStage(ModuleOwner):
     """The critic's forward. `module` is what is called; the train backend replaces it with its
     wrapped (LoRA / FSDP) module."""
 
@@ -95,14 +92,6 @@ class CausalLMValueStage:
         self.module: torch.nn.Module = model
         self.pad_token_id = pad_token_id
         self.autocast_dtype = AUTOCAST_DTYPES[autocast_dtype]
-
-    def to(self, device: str | torch.device) -> CausalLMValueStage:
-        self.module.to(device)
-        return self
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.module.parameters()).device
 
     def values(self, track: RolloutTrack) -> torch.Tensor:
         """`token_values` of the track's `TokenSegment` (the value stages' common call)."""

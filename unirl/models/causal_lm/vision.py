@@ -36,9 +36,9 @@ from typing import Any, ClassVar
 import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel
 
-from unirl.models.causal_lm.bundle import CausalLMBundle, TinyLMConfig, tiny_tokenizer
+from unirl.models.causal_lm.bundle import CausalLMBundle, TinyLMConfig, model_on_meta, tiny_tokenizer
 from unirl.models.images import load_image
-from unirl.models.source import DTYPES, DType, check_source
+from unirl.models.source import DTYPES, DType, check_source, missing_directory_problems
 from unirl.types.constraints import AtLeastOne
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -346,14 +346,11 @@ class VLMConfig:
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The VLM's module tree on the meta device (no weights read)."""
-        if self.pretrained_path is not None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(self.pretrained_path, local_files_only=True)
-            with torch.device("meta"):
-                return AutoModelForImageTextToText.from_config(config)
-        with torch.device("meta"):
-            return VLMBundle.tiny(self.tiny).model
+        return model_on_meta(
+            self.pretrained_path,
+            AutoModelForImageTextToText.from_config,
+            lambda: VLMBundle.tiny(self.tiny).model,
+        )
 
     def build(self) -> VLMBundle:
         if self.pretrained_path is not None:
@@ -369,13 +366,9 @@ class VLMConfig:
     def directory_problems(self) -> list[str]:
         """`pretrained_path`, when set, is a directory holding a vision-language model."""
         path = self.pretrained_path
-        if not path:
-            return []
-        if not os.path.isdir(path):
-            return [
-                f"model.pretrained_path: {path!r} is not a directory; point it (or PRETRAINED_MODEL) at a local "
-                "Hugging Face VLM (Qwen2.5-VL / Qwen3-VL) directory, or set it to null to use model.tiny"
-            ]
+        problems = missing_directory_problems(path, "Hugging Face VLM (Qwen2.5-VL / Qwen3-VL)")
+        if problems or not path:
+            return problems
         if is_vlm_directory(path) is False:
             return [
                 f"model.pretrained_path: {path!r} holds a text-only model (its config.json has no vision_config) "

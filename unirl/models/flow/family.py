@@ -23,8 +23,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from unirl.models.flow.guidance import NEGATIVE
+from unirl.models.flow.loading import write_diffusers_weights
 
-__all__ = ["NEGATIVE", "FlowFamily", "FlowModelConfig", "training_guidance"]
+__all__ = ["NEGATIVE", "DiffusersBundle", "FlowFamily", "FlowModelConfig", "training_guidance"]
 
 @runtime_checkable
 class FlowFamily(Protocol):
@@ -194,3 +195,63 @@ def training_guidance(bundle: FlowFamily, sigma: torch.Tensor, scale: float) -> 
             "only an 'embedded' family (FLUX.1-dev) trains at a guidance scale. Set sft.guidance_scale: 1.0"
         )
     return {}
+
+
+class DiffusersBundle:
+    """The module plumbing every bundle over a diffusers pipeline shares (SD3, FLUX.1, Qwen-Image,
+    Wan): a mixin, not part of the `FlowFamily` contract (a family may write its own).
+
+    The bundle provides `pipeline` (the diffusers pipeline that owns every module), `transformer`
+    (the trainable denoiser), `vae` (None in pixel space), `text_encoders()` and `LORA_PIPELINE`
+    (the diffusers pipeline class whose `load_lora_weights` reads the exported LoRA). This gives
+    `denoiser` (the transformer), `frozen_modules()` (the text encoders and the VAE), `device`
+    (the transformer's), `to` (moves or casts the whole pipeline, returns the bundle),
+    `save_pretrained` (the pipeline's diffusers layout, what the family's `from_pretrained`
+    reads) and `write_weights` (the train backend's exporter). `freeze_frozen_modules()`, called
+    at the end of a bundle's `__init__`, turns off the gradients of the frozen modules and puts
+    them in eval mode.
+    """
+
+    pipeline: Any
+    transformer: torch.nn.Module
+    vae: torch.nn.Module | None
+    LORA_PIPELINE: ClassVar[type]
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The trainable network (`FlowFamily.denoiser`): the transformer."""
+        return self.transformer
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """The family's `text_encoders()` and the VAE (if any): everything but the transformer."""
+        return self.text_encoders() + ([self.vae] if self.vae is not None else [])
+
+    def freeze_frozen_modules(self) -> None:
+        for module in self.frozen_modules():
+            module.requires_grad_(False)
+            module.eval()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the denoiser's parameters live (the bundle is moved as a whole by `to`)."""
+        return next(self.transformer.parameters()).device
+
+    def to(self, device: str | torch.device | torch.dtype):
+        """Move (or cast) every module of the bundle (denoiser, text encoders, VAE) to `device`
+        (or a dtype); returns self."""
+        self.pipeline.to(device)
+        return self
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the whole bundle in the diffusers layout (the family's `from_pretrained`, and its
+        pipeline class's, reads it back)."""
+        self.pipeline.save_pretrained(path)
+
+    @classmethod
+    def write_weights(
+        cls, path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module
+    ) -> None:
+        """The train backend's exporter: a LoRA as `pytorch_lora_weights.safetensors` with its
+        adapter config (alpha) in the metadata, what `LORA_PIPELINE.load_lora_weights` reads; a
+        full state as a `transformer/` directory (`unirl.models.flow.loading.write_diffusers_weights`)."""
+        write_diffusers_weights(cls.LORA_PIPELINE, path, kind, state, module)

@@ -1,17 +1,20 @@
 """What flow-matching families share to load, build and export: the scheduler options the pinned
 sigma schedules reproduce, the tiny CLIP / T5 tokenizers built in code (no files, no hub), the
 VAE decode with scaling and shift (`vae_pixels`), and the diffusers weight export
-(`write_diffusers_weights`)."""
+(`write_diffusers_weights`), and the checkpoint load (`load_diffusers_checkpoint`)."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from unirl.models.source import missing_directory_problems, read_checkpoint_meta
 from unirl.sde.schedules import NUM_TRAIN_TIMESTEPS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 
@@ -22,6 +25,47 @@ def vae_pixels(vae, latents):
         return latents.float()
     scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
     return vae.decode(scaled, return_dict=False)[0].float()
+
+
+def latents_mean_std_decode(vae, latents):
+    """The decode of a VAE that normalizes its latents per channel by a fixed mean / std (Wan's
+    `AutoencoderKLWan`, Qwen-Image's `AutoencoderKLQwenImage`): `vae.decode(latents / (1 /
+    latents_std) + latents_mean)` in the VAE's dtype, written as WanPipeline / QwenImagePipeline
+    write it (bit for bit), from video latents [B, C, f, h, w]; returns the decoder's output
+    [B, 3, F, H, W] in the VAE's dtype, differentiable (the caller picks frames and casts)."""
+    import torch
+
+    c = vae.config.z_dim
+    latents = latents.to(vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+    return vae.decode(latents / inv_std + mean, return_dict=False)[0]
+
+
+def pretrained_pipeline_options(path: str) -> dict:
+    """The checks and options every family's `from_pretrained` starts with: `path` must be a
+    directory (FileNotFoundError naming `model.pretrained_path`), and a directory without `vae/`
+    is a pixel-space model, loaded with `vae=None` (returned as the pipeline's extra
+    `from_pretrained` keywords: {} or {"vae": None})."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
+    return {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
+
+
+def load_diffusers_checkpoint(path: str, from_pretrained: Callable[[str], Any], transformer_cls: type):
+    """The bundle of a UniRL checkpoint directory of a diffusers family: `from_pretrained(base)`
+    of its `base_model` (`unirl.models.source.read_checkpoint_meta`; FileNotFoundError when `path`
+    is no checkpoint), then the trained weights: a LoRA through the pipeline's
+    `load_lora_weights(path)`, or a full `transformer/` directory of `transformer_cls`, which
+    replaces the bundle's and its pipeline's transformer."""
+    meta = read_checkpoint_meta(path)
+    bundle = from_pretrained(meta["base_model"])
+    if meta["kind"] == "lora":
+        bundle.pipeline.load_lora_weights(path)
+    else:
+        transformer = transformer_cls.from_pretrained(os.path.join(path, "transformer"))
+        bundle.pipeline.transformer = bundle.transformer = transformer
+    return bundle
 
 
 # FlowMatchEulerDiscreteScheduler options whose schedule unirl.sde.schedules does not compute
@@ -58,10 +102,7 @@ def pipeline_directory_problems(path: str | None, pipeline_class: str, family: s
     if not path:
         return []
     if not os.path.isdir(path):
-        return [
-            f"model.pretrained_path: {path!r} is not a directory; point it (or PRETRAINED_MODEL) at "
-            f"a local diffusers {family} directory, or set it to null to use model.tiny"
-        ]
+        return missing_directory_problems(path, f"diffusers {family}")
     index = os.path.join(path, "model_index.json")
     try:
         with open(index) as f:
@@ -126,6 +167,96 @@ def tiny_clip_t5_tokenizers(clip_max_length: int, t5_max_length: int, words: lis
     pieces += [("\u2581" + w, -0.5) for w in dict.fromkeys(words)]
     t5 = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=t5_max_length)
     return clip, t5
+
+
+def tiny_clip_config(tokenizer, cfg, **extra):
+    """The `CLIPTextConfig` of a tiny CLIP text encoder over `tokenizer` (`tiny_clip_t5_tokenizers`'
+    CLIP: ids 0 / 1 are its start / end, 1 pads): `cfg.clip_hidden_size` wide (2 heads, MLP twice
+    as wide), `cfg.text_layers` deep, `cfg.clip_max_length` positions; `extra` adds options (SD3's
+    `projection_dim`). A config only: no weights, no random numbers drawn."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer.get_vocab()),
+        hidden_size=cfg.clip_hidden_size,
+        intermediate_size=2 * cfg.clip_hidden_size,
+        num_hidden_layers=cfg.text_layers,
+        num_attention_heads=2,
+        max_position_embeddings=cfg.clip_max_length,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        **extra,
+    )
+
+
+def tiny_t5_config(config_cls: type, tokenizer, hidden_size: int, num_layers: int, num_heads: int):
+    """The config (`config_cls`: transformers' `T5Config`, or `UMT5Config` for Wan) of a tiny T5
+    encoder over `tokenizer`: `hidden_size` wide with 16-wide heads and an MLP twice as wide,
+    `num_layers` deep. A config only: no weights, no random numbers drawn."""
+    return config_cls(
+        vocab_size=len(tokenizer.get_vocab()),
+        d_model=hidden_size,
+        d_ff=2 * hidden_size,
+        d_kv=16,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        decoder_start_token_id=0,
+    )
+
+
+def tiny_clip_t5_text(cfg, t5_max_length: int, t5_heads: int, **clip_options):
+    """The text side of a tiny CLIP + T5 family (SD3, FLUX.1), built in code, no weights:
+    (CLIP tokenizer, T5 tokenizer, `CLIPTextConfig`, `T5Config`), from `cfg`'s `clip_max_length`,
+    `words`, `clip_hidden_size`, `t5_hidden_size` and `text_layers` (`tiny_clip_t5_tokenizers`,
+    `tiny_clip_config` with `clip_options`, `tiny_t5_config` with `t5_heads` heads); the T5
+    tokenizer's budget is `t5_max_length`. No random numbers drawn: the family builds the models
+    from the configs in its own order."""
+    from transformers import T5Config
+
+    clip_tok, t5_tok = tiny_clip_t5_tokenizers(
+        cfg.clip_max_length, t5_max_length=t5_max_length, words=cfg.words
+    )
+    clip_cfg = tiny_clip_config(clip_tok, cfg, **clip_options)
+    t5_cfg = tiny_t5_config(T5Config, t5_tok, cfg.t5_hidden_size, cfg.text_layers, num_heads=t5_heads)
+    return clip_tok, t5_tok, clip_cfg, t5_cfg
+
+
+def tiny_autoencoder_kl(downsample: int, latent_channels: int, **options):
+    """A tiny random diffusers `AutoencoderKL` (SD3's and FLUX's VAE class) that downsamples
+    `downsample`x (a power of 2 >= 2: log2 + 1 blocks, 16 then 32 channels wide) into
+    `latent_channels` channels; `options` are the family's (scaling and shift factors, quant
+    convs). Built here, so its weights draw from the global generator at the call."""
+    from diffusers import AutoencoderKL
+
+    levels = downsample.bit_length()  # 2 -> 2 blocks (one downsample), 8 -> 4 blocks
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=(16,) + (32,) * (levels - 1),
+        latent_channels=latent_channels,
+        norm_num_groups=8,
+        **options,
+    )
+
+
+def tiny_causal_vae(vae_cls: type, base_dim: int, channels: int, levels: int, **options):
+    """A tiny random Wan-style causal 3D VAE (`vae_cls`: `AutoencoderKLWan`, or Qwen-Image's
+    `AutoencoderKLQwenImage`) with `levels` spatial downsamples into `channels` latent channels,
+    `base_dim` x Wan's width multipliers (1, 2, 4, 4 at 8x), normalized per channel by a fixed
+    latents mean / std (linspace(-0.5, 0.5) and linspace(0.8, 2.0)); `options` are the family's
+    (`num_res_blocks`, `temperal_downsample`, scale factors). Built here, so its weights draw from
+    the global generator at the call."""
+    import torch
+
+    return vae_cls(
+        base_dim=base_dim,
+        z_dim=channels,
+        dim_mult=[1, 2, 4, 4, 4, 4][: levels + 1],  # Wan's / Qwen-Image's (1, 2, 4, 4) at 8x
+        latents_mean=torch.linspace(-0.5, 0.5, channels, device="cpu").tolist(),
+        latents_std=torch.linspace(0.8, 2.0, channels, device="cpu").tolist(),
+        **options,
+    )
 
 
 def write_diffusers_weights(

@@ -1,15 +1,30 @@
 """The latent geometry of families that pack 2x2 latent patches into one transformer token
-(FLUX.1, Qwen-Image): shared by their bundles as a mixin."""
+(FLUX.1, Qwen-Image): shared by their bundles as a mixin, with the packing itself (`pack`,
+`unpack`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from unirl.models.flow.family import DiffusersBundle
 
-class Packed2x2Bundle:
-    """Geometry and module plumbing of a 2x2-packing family's bundle.
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, h/2 * w/2, 4C]: each 2x2 cell one token (FluxPipeline's and
+    QwenImagePipeline's packing)."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, h/2 * w/2, 4C] -> [B, C, h, w], the inverse of `pack`."""
+    b, _, d = tokens.shape
+    return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+
+
+class Packed2x2Bundle(DiffusersBundle):
+    """Geometry of a 2x2-packing family's bundle (and, from `DiffusersBundle`, its module
+    plumbing).
 
     The bundle provides `pipeline` (the diffusers pipeline owning the modules), `transformer`,
     `vae` (None in pixel space), `latent_channels`, `vae_scale_factor` and `text_encoders()`.
@@ -17,23 +32,8 @@ class Packed2x2Bundle:
     ValueError naming `sampling.height/width`.
     """
 
-    pipeline: Any
-    transformer: torch.nn.Module
-    vae: torch.nn.Module | None
     latent_channels: int
     vae_scale_factor: int
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        """The family's `text_encoders()` and the VAE: never trained."""
-        return self.text_encoders() + ([self.vae] if self.vae is not None else [])
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    def to(self, device: str | torch.device | torch.dtype):
-        self.pipeline.to(device)
-        return self
 
     def _cell(self, height: int, width: int) -> int:
         cell = 2 * self.vae_scale_factor

@@ -22,12 +22,13 @@ from annotated_types import Ge
 from unirl.models.flow.family import FlowFamily
 from unirl.models.images import load_image
 from unirl.models.kept import KeptGraphs
+from unirl.models.stage import AUTOCAST_DTYPES as AUTOCAST_DTYPES
+from unirl.models.stage import autocast_dtype_of
 from unirl.sde.solvers import make_ode_solver
 from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment
 
-AUTOCAST_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EMPTY = "empty_"  # a demonstration track's empty-prompt conditions ride beside its own as `empty_<key>`
 
 
@@ -78,11 +79,7 @@ class FlowMatchingStage:
             raise ValueError(f"stage.replay_token_budget must be >= 1 or null, got {replay_token_budget}")
         if sde not in SDE_STRATEGIES:
             raise ValueError(f"stage.sde must be one of {sorted(SDE_STRATEGIES)}, got {sde!r}")
-        if autocast_dtype not in AUTOCAST_DTYPES:
-            raise ValueError(
-                f"stage.autocast_dtype must be one of {list(AUTOCAST_DTYPES)}, got {autocast_dtype!r}"
-            )
-        self.autocast_dtype = AUTOCAST_DTYPES[autocast_dtype]
+        self.autocast_dtype = autocast_dtype_of(autocast_dtype)
         if not callable(getattr(bundle, "guided_velocity", None)):
             raise TypeError(
                 f"{type(bundle).__name__} has no guided_velocity: a flow family inherits a guidance style "

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from unirl.models.stage import ModuleOwner
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import LatentSegment
 
@@ -127,21 +128,13 @@ class FlowValueConfig:
         return FlowValueStage(net, self.cond_key)
 
 
-class FlowValueStage:
+class FlowValueStage(ModuleOwner):
     """The critic's forward on diffusion tracks. `module` is what is called; the train backend
     replaces it with its wrapped module."""
 
     def __init__(self, model: nn.Module, cond_key: str) -> None:
         self.module: nn.Module = model
         self.cond_key = cond_key
-
-    def to(self, device: str | torch.device) -> FlowValueStage:
-        self.module.to(device)
-        return self
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.module.parameters()).device
 
     def values(self, track: RolloutTrack) -> torch.Tensor:
         """[B, K] fp32: V of the state before each SDE step of the track's `LatentSegment`

@@ -18,7 +18,6 @@ is what `FluxPipeline` samples with; mu from the packed token count).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import ClassVar
 
@@ -28,24 +27,14 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from unirl.models.flow.guidance import EmbeddedGuidance
 from unirl.models.flow.loading import (
     check_scheduler_config,
-    tiny_clip_t5_tokenizers,
+    load_diffusers_checkpoint,
+    pretrained_pipeline_options,
+    tiny_autoencoder_kl,
+    tiny_clip_t5_text,
     vae_pixels,
-    write_diffusers_weights,
 )
-from unirl.models.flow.packing import Packed2x2Bundle
+from unirl.models.flow.packing import Packed2x2Bundle, pack, unpack
 from unirl.models.flux.config import TinyFluxConfig
-
-
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, h/2 * w/2, 4C]: each 2x2 cell one token (FluxPipeline's packing)."""
-    b, c, h, w = x.shape
-    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """[B, h/2 * w/2, 4C] -> [B, C, h, w], the inverse of `pack`."""
-    b, _, d = tokens.shape
-    return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
 
 
 def image_ids(rows: int, cols: int) -> torch.Tensor:
@@ -71,6 +60,7 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
     """
 
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    LORA_PIPELINE: ClassVar[type] = FluxPipeline  # reads write_weights' LoRA
     PIPELINE: ClassVar[type] = FluxPipeline  # the diffusers pipeline class this bundle owns and saves
 
     def __init__(self, pipeline: FluxPipeline, sample_size: int) -> None:
@@ -82,13 +72,7 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
             2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         )
         self.sample_size = sample_size
-        for module in self.frozen_modules():
-            module.requires_grad_(False)
-            module.eval()
-
-    @property
-    def denoiser(self) -> FluxTransformer2DModel:
-        return self.transformer
+        self.freeze_frozen_modules()
 
     @property
     def guidance_embeds(self) -> bool:
@@ -168,9 +152,7 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> FluxBundle:
         """Load a local diffusers FLUX.1 directory; a missing vae/ means pixel space."""
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
-        extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
+        extra = pretrained_pipeline_options(path)
         pipe = cls.PIPELINE.from_pretrained(path, torch_dtype=dtype, **extra)
         check_scheduler_config(dict(pipe.scheduler.config), os.path.join(path, "scheduler"))
         pipe.transformer.to(torch.float32)
@@ -180,43 +162,17 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
     @classmethod
     def tiny(cls, cfg: TinyFluxConfig) -> FluxBundle:
         """A randomly initialized tiny FLUX.1, deterministic in `cfg.seed`."""
-        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+        from transformers import CLIPTextModel, T5EncoderModel
 
         torch.manual_seed(cfg.seed)
-        clip_tok, t5_tok = tiny_clip_t5_tokenizers(cfg.clip_max_length, t5_max_length=512, words=cfg.words)
-        clip = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(clip_tok.get_vocab()),
-                hidden_size=cfg.clip_hidden_size,
-                intermediate_size=2 * cfg.clip_hidden_size,
-                num_hidden_layers=cfg.text_layers,
-                num_attention_heads=2,
-                max_position_embeddings=cfg.clip_max_length,
-                bos_token_id=0,
-                eos_token_id=1,
-                pad_token_id=1,
-            )
-        )
-        t5 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(t5_tok.get_vocab()),
-                d_model=cfg.t5_hidden_size,
-                d_ff=2 * cfg.t5_hidden_size,
-                d_kv=16,
-                num_layers=cfg.text_layers,
-                num_heads=2,
-                decoder_start_token_id=0,
-            )
-        )
+        clip_tok, t5_tok, clip_cfg, t5_cfg = tiny_clip_t5_text(cfg, t5_max_length=512, t5_heads=2)
+        clip = CLIPTextModel(clip_cfg)
+        t5 = T5EncoderModel(t5_cfg)
         vae = None
         if not cfg.pixel_space:
-            levels = cfg.vae_downsample.bit_length()  # 2 -> 2 blocks (one downsample), 8 -> 4 blocks
-            vae = AutoencoderKL(
-                down_block_types=("DownEncoderBlock2D",) * levels,
-                up_block_types=("UpDecoderBlock2D",) * levels,
-                block_out_channels=(16,) + (32,) * (levels - 1),
-                latent_channels=cfg.latent_channels,
-                norm_num_groups=8,
+            vae = tiny_autoencoder_kl(
+                cfg.vae_downsample,
+                cfg.latent_channels,
                 scaling_factor=cfg.vae_scaling_factor,
                 shift_factor=cfg.vae_shift_factor,
                 use_quant_conv=False,
@@ -232,17 +188,6 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
             transformer=tiny_transformer(cfg),
         )
         return cls(pipe, sample_size=cfg.resolution)
-
-    def save_pretrained(self, path: str) -> None:
-        """The diffusers layout `from_pretrained` (and `FluxPipeline.from_pretrained`) reads."""
-        self.pipeline.save_pretrained(path)
-
-    @staticmethod
-    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
-        """The train backend's exporter: a LoRA as `pytorch_lora_weights.safetensors` with its
-        adapter config (alpha) in the metadata, what `FluxPipeline.load_lora_weights` reads; a
-        full state as a `transformer/` directory."""
-        write_diffusers_weights(FluxPipeline, path, kind, state, module)
 
 
 def tiny_transformer(cfg: TinyFluxConfig) -> FluxTransformer2DModel:
@@ -265,16 +210,7 @@ def tiny_transformer(cfg: TinyFluxConfig) -> FluxTransformer2DModel:
 def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, bundle_class: type = FluxBundle) -> FluxBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
     `unirl_checkpoint.json`) with the LoRA loaded by `FluxPipeline.load_lora_weights`, or the
-    full `transformer/` directory."""
-    meta_path = os.path.join(path, "unirl_checkpoint.json")
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    bundle = bundle_class.from_pretrained(meta["base_model"], dtype=dtype)
-    if meta["kind"] == "lora":
-        bundle.pipeline.load_lora_weights(path)
-    else:
-        transformer = FluxTransformer2DModel.from_pretrained(os.path.join(path, "transformer"))
-        bundle.pipeline.transformer = bundle.transformer = transformer
-    return bundle
+    full `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`)."""
+    return load_diffusers_checkpoint(
+        path, lambda base: bundle_class.from_pretrained(base, dtype=dtype), FluxTransformer2DModel
+    )

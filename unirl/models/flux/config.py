@@ -15,6 +15,12 @@ from typing import ClassVar
 
 import torch
 
+from unirl.models.flow.config import (
+    PackedTinyConfig,
+    cell_size_problems,
+    read_vae_config,
+    transformer_on_meta,
+)
 from unirl.models.flow.loading import pipeline_directory_problems
 from unirl.models.source import DTYPES, DType, check_source
 from unirl.types.constraints import AtLeastOne, check_fields
@@ -29,7 +35,7 @@ those too)."""
 
 
 @dataclass
-class TinyFluxConfig:
+class TinyFluxConfig(PackedTinyConfig):
     """A tiny FLUX.1-architecture model for CPU runs and tests (random weights).
 
     `resolution` is the image side in pixels the model is built for (FLUX's rotary position
@@ -67,26 +73,11 @@ class TinyFluxConfig:
         check_fields(self, "model.tiny.")
         if self.num_single_layers < 0:
             raise ValueError(f"model.tiny.num_single_layers must be >= 0, got {self.num_single_layers}")
-        if self.vae_downsample < 2 or self.vae_downsample & (self.vae_downsample - 1):
-            raise ValueError(
-                f"model.tiny.vae_downsample must be a power of 2 >= 2, got {self.vae_downsample}"
-            )
-        if len(self.axes_dims_rope) != 3 or sum(self.axes_dims_rope) != self.attention_head_dim:
-            raise ValueError(
-                f"model.tiny.axes_dims_rope={self.axes_dims_rope} must be 3 sizes summing to "
-                f"model.tiny.attention_head_dim={self.attention_head_dim} (the rotary embedding's axes)"
-            )
-        if any(d % 2 for d in self.axes_dims_rope):
-            raise ValueError(f"model.tiny.axes_dims_rope={self.axes_dims_rope} must be even sizes")
+        self.check_packed_geometry()
         if self.clip_hidden_size % 2:
             raise ValueError(
                 f"model.tiny.clip_hidden_size must be even (2 CLIP heads), got {self.clip_hidden_size}"
             )
-
-    @property
-    def vae_scale_factor(self) -> int:
-        """Pixels per latent cell along a side (1 in pixel space)."""
-        return 1 if self.pixel_space else self.vae_downsample
 
 
 @dataclass
@@ -115,11 +106,9 @@ class FluxModelConfig:
 
         from unirl.models.flux.bundle import tiny_transformer
 
-        with torch.device("meta"):
-            if self.pretrained_path:
-                config = FluxTransformer2DModel.load_config(os.path.join(self.pretrained_path, "transformer"))
-                return FluxTransformer2DModel.from_config(config)
-            return tiny_transformer(self.tiny)
+        return transformer_on_meta(
+            FluxTransformer2DModel, self.pretrained_path, lambda: tiny_transformer(self.tiny)
+        )
 
     def build(self):
         """The `FluxBundle`: from `pretrained_path`, else from the tiny config."""
@@ -145,12 +134,7 @@ class FluxModelConfig:
         cell = self._read("cell")
         if cell is None:
             return []
-        return [
-            f"{key}.{side}={value} must be a multiple of {cell} (FLUX packs 2x2 latent cells of "
-            f"{cell // 2} px), e.g. {max(cell, value // cell * cell)} or {(value // cell + 1) * cell}"
-            for side, value in (("height", height), ("width", width))
-            if value % cell
-        ]
+        return cell_size_problems(height, width, cell, "FLUX packs", key)
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
         """A guidance-distilled model (guidance_embeds) takes any scale >= 1 as a network input;
@@ -174,9 +158,9 @@ class FluxModelConfig:
             if what == "guidance_embeds":
                 with open(os.path.join(self.pretrained_path, "transformer", "config.json")) as f:
                     return bool(json.load(f).get("guidance_embeds", False))
-            if not os.path.isdir(os.path.join(self.pretrained_path, "vae")):
+            vae = read_vae_config(self.pretrained_path)
+            if vae is None:
                 return 2  # pixel space: the 2x2 packing of pixels
-            with open(os.path.join(self.pretrained_path, "vae", "config.json")) as f:
-                return 2 * 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+            return 2 * 2 ** (len(vae["block_out_channels"]) - 1)
         except (OSError, KeyError, ValueError):
             return None

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 from transformers import JanusConfig, JanusForConditionalGeneration
 
-from unirl.models.causal_lm.bundle import CausalLMBundle, load_checkpoint, tiny_tokenizer
+from unirl.models.causal_lm.bundle import CausalLMBundle, load_checkpoint, model_on_meta, tiny_tokenizer
 from unirl.models.source import DTYPES, DType, check_source
 from unirl.types.constraints import AtLeastOne, check_fields
 
@@ -211,12 +211,12 @@ class JanusModelConfig:
 
     def trainable_on_meta(self) -> torch.nn.Module:
         """The model's module tree on the meta device (no weights read), for name checks."""
-        if self.pretrained_path is not None:
-            config = JanusConfig.from_pretrained(self.pretrained_path, local_files_only=True)
-            with torch.device("meta"):
-                return JanusForConditionalGeneration(config)
-        with torch.device("meta"):
-            return JanusBundle.tiny(self.tiny).model
+        return model_on_meta(
+            self.pretrained_path,
+            JanusForConditionalGeneration,
+            lambda: JanusBundle.tiny(self.tiny).model,
+            config_cls=JanusConfig,
+        )
 
     def build(self) -> JanusBundle:
         if self.pretrained_path is not None:

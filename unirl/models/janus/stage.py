@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from unirl.models.causal_lm.stage import AUTOCAST_DTYPES, draw, sampling_probs, token_log_probs_of
+from unirl.models.causal_lm.stage import draw, sampling_probs, token_log_probs_of
 from unirl.models.janus.bundle import JanusBundle
+from unirl.models.stage import ModuleDevice, autocast_dtype_of
 from unirl.types.sampling import ImageTokenSamplingParams
 from unirl.types.segments import TokenSegment, pad_right
 
@@ -32,7 +33,7 @@ def janus_of(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
-class JanusImageStage:
+class JanusImageStage(ModuleDevice):
     """Sampling and replay of a Janus model's image tokens.
 
     Args:
@@ -45,11 +46,7 @@ class JanusImageStage:
     """
 
     def __init__(self, bundle: JanusBundle, autocast_dtype: str | None = None) -> None:
-        if autocast_dtype not in AUTOCAST_DTYPES:
-            raise ValueError(
-                f"stage.autocast_dtype must be one of {list(AUTOCAST_DTYPES)}, got {autocast_dtype!r}"
-            )
-        self.autocast_dtype = AUTOCAST_DTYPES[autocast_dtype]
+        self.autocast_dtype = autocast_dtype_of(autocast_dtype)
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.model
         tok = bundle.tokenizer
@@ -57,10 +54,6 @@ class JanusImageStage:
         self.keep_ids = [i for i in (tok.bos_token_id, bundle.boi_token_id) if i is not None]
         self.num_image_tokens = bundle.num_image_tokens
         self.codebook_size = bundle.codebook_size
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.module.parameters()).device
 
     def model_info(self) -> dict[str, Any]:
         params = list(self.module.parameters())

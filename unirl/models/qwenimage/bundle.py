@@ -22,8 +22,8 @@ is what `QwenImagePipeline` samples with; mu from the packed token count).
 
 from __future__ import annotations
 
-import json
 import os
+from typing import ClassVar
 
 import torch
 from diffusers import (
@@ -34,8 +34,14 @@ from diffusers import (
 )
 
 from unirl.models.flow.guidance import TrueCFGGuidance
-from unirl.models.flow.loading import check_scheduler_config, write_diffusers_weights
-from unirl.models.flow.packing import Packed2x2Bundle
+from unirl.models.flow.loading import (
+    check_scheduler_config,
+    latents_mean_std_decode,
+    load_diffusers_checkpoint,
+    pretrained_pipeline_options,
+    tiny_causal_vae,
+)
+from unirl.models.flow.packing import Packed2x2Bundle, pack, unpack
 from unirl.models.qwenimage.config import TinyQwenImageConfig
 
 TEMPLATE_WORDS = (
@@ -44,18 +50,6 @@ TEMPLATE_WORDS = (
 )
 """The words of QwenImagePipeline's prompt template (without its special tokens): whole tokens of
 the tiny tokenizer, so the template's prefix is 34 tokens as with Qwen2.5-VL's tokenizer."""
-
-
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, h/2 * w/2, 4C]: each 2x2 cell one token (QwenImagePipeline's packing)."""
-    b, c, h, w = x.shape
-    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """[B, h/2 * w/2, 4C] -> [B, C, h, w], the inverse of `pack`."""
-    b, _, d = tokens.shape
-    return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
 
 
 class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
@@ -74,6 +68,7 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
     """
 
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
+    LORA_PIPELINE: ClassVar[type] = QwenImagePipeline  # reads write_weights' LoRA
 
     def __init__(
         self, pipeline: QwenImagePipeline, sample_size: int, negative_prompt: str | None = " "
@@ -85,13 +80,7 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample) if self.vae is not None else 1
         self.sample_size = sample_size
         self.negative_prompt = negative_prompt
-        for module in self.frozen_modules():
-            module.requires_grad_(False)
-            module.eval()
-
-    @property
-    def denoiser(self) -> QwenImageTransformer2DModel:
-        return self.transformer
+        self.freeze_frozen_modules()
 
     def text_encoders(self) -> list[torch.nn.Module]:
         """The Qwen2.5-VL encoder (`Qwen2_5_VLForConditionalGeneration`)."""
@@ -167,15 +156,7 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
         or the latents themselves in pixel space."""
         if self.vae is None:
             return latents.float()
-        c = self.vae.config.z_dim
-        latents = latents.unsqueeze(2).to(self.vae.dtype)
-        mean = (
-            torch.tensor(self.vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
-        )
-        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, c, 1, 1, 1).to(
-            latents.device, latents.dtype
-        )
-        return self.vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0].float()
+        return latents_mean_std_decode(self.vae, latents.unsqueeze(2))[:, :, 0].float()
 
     # ---- building and saving ----------------------------------------------------------------
     @classmethod
@@ -183,9 +164,7 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
         cls, path: str, dtype: torch.dtype = torch.float32, negative_prompt: str | None = " "
     ) -> QwenImageBundle:
         """Load a local diffusers Qwen-Image directory; a missing vae/ means pixel space."""
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
-        extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
+        extra = pretrained_pipeline_options(path)
         pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=dtype, **extra)
         # the terminal stretch is the recipe's `sampling.shift_terminal` (Qwen-Image's 0.02), like the shift
         check_scheduler_config(
@@ -204,15 +183,13 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
         vae = None
         if not cfg.pixel_space:
             levels = cfg.vae_downsample.bit_length() - 1  # spatial downsamples
-            c = cfg.latent_channels
-            vae = AutoencoderKLQwenImage(
-                base_dim=cfg.vae_base_dim,
-                z_dim=c,
-                dim_mult=[1, 2, 4, 4, 4, 4][: levels + 1],  # Qwen-Image's (1, 2, 4, 4) at 8x
+            vae = tiny_causal_vae(
+                AutoencoderKLQwenImage,
+                cfg.vae_base_dim,
+                cfg.latent_channels,
+                levels,
                 num_res_blocks=1,
                 temperal_downsample=[False] * levels,  # one frame: no temporal compression
-                latents_mean=torch.linspace(-0.5, 0.5, c, device="cpu").tolist(),
-                latents_std=torch.linspace(0.8, 2.0, c, device="cpu").tolist(),
             )
         pipe = QwenImagePipeline(
             # Qwen-Image's scheduler: exponential time shift, dynamic mu in [0.5, 0.9] over 256..8192 tokens
@@ -231,26 +208,14 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
         )
         return cls(pipe, sample_size=cfg.resolution, negative_prompt=negative_prompt)
 
-    def save_pretrained(self, path: str) -> None:
-        """The diffusers layout `from_pretrained` (and `QwenImagePipeline.from_pretrained`) reads."""
-        self.pipeline.save_pretrained(path)
-
-    @staticmethod
-    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
-        """The train backend's exporter: a LoRA as `pytorch_lora_weights.safetensors` with its
-        adapter config (alpha) in the metadata, what `QwenImagePipeline.load_lora_weights` reads; a
-        full state as a `transformer/` directory."""
-        write_diffusers_weights(QwenImagePipeline, path, kind, state, module)
-
 
 def tiny_qwen_tokenizer(words: list[str] = ()):
     """A Qwen2-style byte-level BPE tokenizer built in code (no files): GPT-2 pre-tokenization,
     `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` and Qwen2.5-VL's vision tokens as special
     tokens, and merges under which every word of the prompt template and of `words` is one token."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from unirl.models.causal_lm.bundle import EOS_TOKEN, SPECIAL_TOKENS
+    from unirl.models.causal_lm.bundle import fast_tokenizer
     from unirl.models.causal_lm.vision import VISION_TOKENS
 
     tok = Tokenizer(models.BPE())
@@ -262,15 +227,7 @@ def tiny_qwen_tokenizer(words: list[str] = ()):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )  # fmt: skip
     tok.train_from_iterator(corpus, trainer)  # merges until every word of the corpus is one token
-    special = (*SPECIAL_TOKENS, *VISION_TOKENS)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        additional_special_tokens=list(special[1:]),
-        clean_up_tokenization_spaces=False,
-    )
+    return fast_tokenizer(tok, VISION_TOKENS)
 
 
 def tiny_text_encoder(cfg: TinyQwenImageConfig, tokenizer):
@@ -316,16 +273,9 @@ def load_checkpoint(
 ) -> QwenImageBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
     `unirl_checkpoint.json`) with the LoRA loaded by `QwenImagePipeline.load_lora_weights`, or the
-    full `transformer/` directory."""
-    meta_path = os.path.join(path, "unirl_checkpoint.json")
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    bundle = QwenImageBundle.from_pretrained(meta["base_model"], dtype=dtype, negative_prompt=negative_prompt)
-    if meta["kind"] == "lora":
-        bundle.pipeline.load_lora_weights(path)
-    else:
-        transformer = QwenImageTransformer2DModel.from_pretrained(os.path.join(path, "transformer"))
-        bundle.pipeline.transformer = bundle.transformer = transformer
-    return bundle
+    full `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`)."""
+    return load_diffusers_checkpoint(
+        path,
+        lambda base: QwenImageBundle.from_pretrained(base, dtype=dtype, negative_prompt=negative_prompt),
+        QwenImageTransformer2DModel,
+    )

@@ -9,13 +9,17 @@ a tiny random one built from configs, offline.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
+from unirl.models.flow.config import (
+    PackedTinyConfig,
+    cell_size_problems,
+    read_vae_config,
+    transformer_on_meta,
+)
 from unirl.models.flow.loading import pipeline_directory_problems
 from unirl.models.source import DTYPES, DType, check_source
 from unirl.types.constraints import AtLeastOne, check_fields
@@ -30,7 +34,7 @@ Qwen-Image Flow-GRPO example trains all twelve)."""
 
 
 @dataclass
-class TinyQwenImageConfig:
+class TinyQwenImageConfig(PackedTinyConfig):
     """A tiny Qwen-Image-architecture model for CPU runs and tests (random weights).
 
     `resolution` is the image side in pixels the model is built for (the rotary embedding takes
@@ -64,27 +68,12 @@ class TinyQwenImageConfig:
         self.axes_dims_rope = list(self.axes_dims_rope)
         self.words = list(self.words)
         check_fields(self, "model.tiny.")
-        if self.vae_downsample < 2 or self.vae_downsample & (self.vae_downsample - 1):
-            raise ValueError(
-                f"model.tiny.vae_downsample must be a power of 2 >= 2, got {self.vae_downsample}"
-            )
-        if len(self.axes_dims_rope) != 3 or sum(self.axes_dims_rope) != self.attention_head_dim:
-            raise ValueError(
-                f"model.tiny.axes_dims_rope={self.axes_dims_rope} must be 3 sizes summing to "
-                f"model.tiny.attention_head_dim={self.attention_head_dim} (the rotary embedding's axes)"
-            )
-        if any(d % 2 for d in self.axes_dims_rope):
-            raise ValueError(f"model.tiny.axes_dims_rope={self.axes_dims_rope} must be even sizes")
+        self.check_packed_geometry()
         if self.text_hidden_size % 16:
             raise ValueError(
                 "model.tiny.text_hidden_size must be a multiple of 16 (2 heads whose dim splits into "
                 f"Qwen2.5-VL's multimodal rotary sections), got {self.text_hidden_size}"
             )
-
-    @property
-    def vae_scale_factor(self) -> int:
-        """Pixels per latent cell along a side (1 in pixel space)."""
-        return 1 if self.pixel_space else self.vae_downsample
 
 
 @dataclass
@@ -117,13 +106,9 @@ class QwenImageModelConfig:
 
         from unirl.models.qwenimage.bundle import tiny_transformer
 
-        with torch.device("meta"):
-            if self.pretrained_path:
-                config = QwenImageTransformer2DModel.load_config(
-                    os.path.join(self.pretrained_path, "transformer")
-                )
-                return QwenImageTransformer2DModel.from_config(config)
-            return tiny_transformer(self.tiny)
+        return transformer_on_meta(
+            QwenImageTransformer2DModel, self.pretrained_path, lambda: tiny_transformer(self.tiny)
+        )
 
     def build(self):
         """The `QwenImageBundle`: from `pretrained_path`, else from the tiny config."""
@@ -151,12 +136,7 @@ class QwenImageModelConfig:
         cell = self._cell()
         if cell is None:
             return []
-        return [
-            f"{key}.{side}={value} must be a multiple of {cell} (Qwen-Image packs 2x2 latent cells of "
-            f"{cell // 2} px), e.g. {max(cell, value // cell * cell)} or {(value // cell + 1) * cell}"
-            for side, value in (("height", height), ("width", width))
-            if value % cell
-        ]
+        return cell_size_problems(height, width, cell, "Qwen-Image packs", key)
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
         """Qwen-Image's guidance is true CFG (`true_cfg_scale`; the sampling params already refuse
@@ -177,9 +157,9 @@ class QwenImageModelConfig:
         if not self.pretrained_path:
             return 2 * self.tiny.vae_scale_factor
         try:
-            if not os.path.isdir(os.path.join(self.pretrained_path, "vae")):
+            vae = read_vae_config(self.pretrained_path)
+            if vae is None:
                 return 2  # pixel space: the 2x2 packing of pixels
-            with open(os.path.join(self.pretrained_path, "vae", "config.json")) as f:
-                return 2 * 2 ** len(json.load(f)["temperal_downsample"])
+            return 2 * 2 ** len(vae["temperal_downsample"])
         except (OSError, KeyError, ValueError, TypeError):
             return None

@@ -34,13 +34,17 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 
+from unirl.models.flow.config import check_vae_downsample, transformer_on_meta
+from unirl.models.flow.family import DiffusersBundle
 from unirl.models.flow.guidance import ClassifierFreeGuidance
 from unirl.models.flow.loading import (
     check_scheduler_config,
+    load_diffusers_checkpoint,
     pipeline_directory_problems,
-    tiny_clip_t5_tokenizers,
+    pretrained_pipeline_options,
+    tiny_autoencoder_kl,
+    tiny_clip_t5_text,
     vae_pixels,
-    write_diffusers_weights,
 )
 from unirl.models.source import DTYPES, DType, check_source
 from unirl.types.constraints import AtLeastOne, check_fields
@@ -82,10 +86,7 @@ class TinySD3Config:
 
     def __post_init__(self) -> None:
         check_fields(self, "model.tiny.")
-        if self.vae_downsample < 2 or self.vae_downsample & (self.vae_downsample - 1):
-            raise ValueError(
-                f"model.tiny.vae_downsample must be a power of 2 >= 2, got {self.vae_downsample}"
-            )
+        check_vae_downsample(self.vae_downsample)
         if self.qk_norm not in (None, "rms_norm", "layer_norm"):
             raise ValueError(f"model.tiny.qk_norm must be null, rms_norm or layer_norm, got {self.qk_norm!r}")
         grid = self.resolution // (1 if self.pixel_space else self.vae_downsample) // self.patch_size
@@ -135,11 +136,9 @@ class SD3ModelConfig:
     def trainable_on_meta(self) -> torch.nn.Module:
         """The denoiser's module tree on the meta device (no weights read): for
         validators that check names against the model before any work starts."""
-        with torch.device("meta"):
-            if self.pretrained_path:
-                config = SD3Transformer2DModel.load_config(os.path.join(self.pretrained_path, "transformer"))
-                return SD3Transformer2DModel.from_config(config)
-            return SD3Bundle.tiny_transformer(self.tiny)
+        return transformer_on_meta(
+            SD3Transformer2DModel, self.pretrained_path, lambda: SD3Bundle.tiny_transformer(self.tiny)
+        )
 
     def build(self) -> SD3Bundle:
         if self.pretrained_path:
@@ -200,7 +199,7 @@ class SD3ModelConfig:
         return scale * patch, None
 
 
-class SD3Bundle(ClassifierFreeGuidance):
+class SD3Bundle(DiffusersBundle, ClassifierFreeGuidance):
     """The modules of one SD3 model plus the diffusers pipeline that owns them.
 
     Attributes:
@@ -214,6 +213,7 @@ class SD3Bundle(ClassifierFreeGuidance):
     """
 
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    LORA_PIPELINE: ClassVar[type] = StableDiffusion3Pipeline  # reads write_weights' LoRA
 
     def __init__(self, pipeline: StableDiffusion3Pipeline) -> None:
         self.pipeline = pipeline
@@ -224,40 +224,18 @@ class SD3Bundle(ClassifierFreeGuidance):
         self.vae_scale_factor = (
             2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         )
-        for module in self.frozen_modules():
-            module.requires_grad_(False)
-            module.eval()
-
-    @property
-    def denoiser(self) -> SD3Transformer2DModel:
-        """The trainable network (`FlowFamily.denoiser`): the transformer."""
-        return self.transformer
+        self.freeze_frozen_modules()
 
     def text_encoders(self) -> list[torch.nn.Module]:
         """CLIP-L, CLIP-G and T5, in `encode_prompt`'s order."""
         p = self.pipeline
         return [m for m in (p.text_encoder, p.text_encoder_2, p.text_encoder_3) if m is not None]
 
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        """The text encoders and the VAE (if any): everything but the transformer."""
-        return self.text_encoders() + ([self.vae] if self.vae is not None else [])
-
     @property
     def sample_size(self) -> int:
         """The image side in pixels the transformer is built for (its config's `sample_size`
         latent cells times the VAE scale)."""
         return self.transformer.config.sample_size * self.vae_scale_factor
-
-    @property
-    def device(self) -> torch.device:
-        """Where the denoiser's parameters live (the bundle is moved as a whole by `to`)."""
-        return next(self.transformer.parameters()).device
-
-    def to(self, device: str | torch.device | torch.dtype) -> SD3Bundle:
-        """Move (or cast) every module of the bundle (denoiser, text encoders, VAE) to `device`
-        (or a dtype); returns self."""
-        self.pipeline.to(device)
-        return self
 
     @property
     def pixel_space(self) -> bool:
@@ -327,9 +305,7 @@ class SD3Bundle(ClassifierFreeGuidance):
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> SD3Bundle:
         """Load a local diffusers SD3 directory; a missing vae/ means pixel space."""
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
-        extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
+        extra = pretrained_pipeline_options(path)
         pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=dtype, **extra)
         check_scheduler_config(dict(pipe.scheduler.config), os.path.join(path, "scheduler"))
         pipe.transformer.to(torch.float32)
@@ -338,42 +314,19 @@ class SD3Bundle(ClassifierFreeGuidance):
     @classmethod
     def tiny(cls, cfg: TinySD3Config) -> SD3Bundle:
         """A randomly initialized tiny SD3, deterministic in `cfg.seed`."""
-        from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+        from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
         torch.manual_seed(cfg.seed)
-        clip_tok, t5_tok = tiny_clip_t5_tokenizers(cfg.clip_max_length, t5_max_length=77, words=cfg.words)
-        clip_cfg = CLIPTextConfig(
-            vocab_size=len(clip_tok.get_vocab()),
-            hidden_size=cfg.clip_hidden_size,
-            intermediate_size=2 * cfg.clip_hidden_size,
-            num_hidden_layers=cfg.text_layers,
-            num_attention_heads=2,
-            projection_dim=cfg.clip_hidden_size,
-            max_position_embeddings=cfg.clip_max_length,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=1,
-        )
-        t5_cfg = T5Config(
-            vocab_size=len(t5_tok.get_vocab()),
-            d_model=cfg.t5_hidden_size,
-            d_ff=2 * cfg.t5_hidden_size,
-            d_kv=16,
-            num_layers=cfg.text_layers,
-            num_heads=4,
-            decoder_start_token_id=0,
+        clip_tok, t5_tok, clip_cfg, t5_cfg = tiny_clip_t5_text(
+            cfg, t5_max_length=77, t5_heads=4, projection_dim=cfg.clip_hidden_size
         )
         vae = None
         if not cfg.pixel_space:
-            levels = cfg.vae_downsample.bit_length()  # 2 -> 2 blocks (one downsample), 8 -> 4 blocks
-            vae = AutoencoderKL(
+            vae = tiny_autoencoder_kl(
+                cfg.vae_downsample,
+                cfg.latent_channels,
                 in_channels=3,
                 out_channels=3,
-                down_block_types=("DownEncoderBlock2D",) * levels,
-                up_block_types=("UpDecoderBlock2D",) * levels,
-                block_out_channels=(16,) + (32,) * (levels - 1),
-                latent_channels=cfg.latent_channels,
-                norm_num_groups=8,
                 shift_factor=0.0,
                 scaling_factor=1.0,
             )
@@ -412,37 +365,15 @@ class SD3Bundle(ClassifierFreeGuidance):
             dual_attention_layers=tuple(cfg.dual_attention_layers),
         )
 
-    def save_pretrained(self, path: str) -> None:
-        """Write the whole bundle in the diffusers layout (`from_pretrained` reads it back)."""
-        self.pipeline.save_pretrained(path)
-
-    @staticmethod
-    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
-        """The train backend's exporter: a LoRA state as `pytorch_lora_weights.safetensors`
-        (what `StableDiffusion3Pipeline.load_lora_weights` reads), a full state as a
-        `transformer/` directory of the module's diffusers class."""
-        write_diffusers_weights(StableDiffusion3Pipeline, path, kind, state, module)
-
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> SD3Bundle:
     """Load a bundle with the trained weights of a UniRL checkpoint directory.
 
     Reads `unirl_checkpoint.json` (written by the train backend), loads its
     `base_model` directory, then applies the weights: the LoRA file through
-    diffusers' `load_lora_weights`, or a full `transformer/` directory.
+    diffusers' `load_lora_weights`, or a full `transformer/` directory
+    (`unirl.models.flow.loading.load_diffusers_checkpoint`).
     """
-    import json
-
-    meta_path = os.path.join(path, "unirl_checkpoint.json")
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    bundle = SD3Bundle.from_pretrained(meta["base_model"], dtype=dtype)
-    if meta["kind"] == "lora":
-        bundle.pipeline.load_lora_weights(path)
-    else:
-        transformer = SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer"))
-        bundle.pipeline.transformer = transformer
-        bundle.transformer = transformer
-    return bundle
+    return load_diffusers_checkpoint(
+        path, lambda base: SD3Bundle.from_pretrained(base, dtype=dtype), SD3Transformer2DModel
+    )

@@ -23,16 +23,25 @@ from __future__ import annotations
 
 import json
 import os
+from typing import ClassVar
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
+from unirl.models.flow.family import DiffusersBundle
 from unirl.models.flow.guidance import ClassifierFreeGuidance
-from unirl.models.flow.loading import tiny_clip_t5_tokenizers, write_diffusers_weights
+from unirl.models.flow.loading import (
+    latents_mean_std_decode,
+    load_diffusers_checkpoint,
+    pretrained_pipeline_options,
+    tiny_causal_vae,
+    tiny_clip_t5_tokenizers,
+    tiny_t5_config,
+)
 from unirl.models.wan.config import PATCH, TinyWanConfig
 
 
-class WanBundle(ClassifierFreeGuidance):
+class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
     """The modules of one Wan 2.1 T2V model plus the `WanPipeline` that owns them.
 
     Attributes:
@@ -53,6 +62,7 @@ class WanBundle(ClassifierFreeGuidance):
     """
 
     cond_keys = ("prompt_embeds",)
+    LORA_PIPELINE: ClassVar[type] = WanPipeline  # reads write_weights' LoRA
 
     def __init__(
         self, pipeline: WanPipeline, num_frames: int, sample_size: int, any_size: bool = False
@@ -74,28 +84,11 @@ class WanBundle(ClassifierFreeGuidance):
             )
         self.num_frames = num_frames
         self.sample_size = sample_size
-        for module in self.frozen_modules():
-            module.requires_grad_(False)
-            module.eval()
-
-    @property
-    def denoiser(self) -> WanTransformer3DModel:
-        return self.transformer
+        self.freeze_frozen_modules()
 
     def text_encoders(self) -> list[torch.nn.Module]:
         """UMT5 (the encoder stack only)."""
         return [self.pipeline.text_encoder]
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        return self.text_encoders() + ([self.vae] if self.vae is not None else [])
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    def to(self, device: str | torch.device | torch.dtype) -> WanBundle:
-        self.pipeline.to(device)
-        return self
 
     # ---- geometry ---------------------------------------------------------------------------
     def _cell(self, height: int, width: int) -> int:
@@ -168,25 +161,14 @@ class WanBundle(ClassifierFreeGuidance):
         latents themselves in pixel space; frames moved before channels."""
         if self.vae is None:
             return latents.float().transpose(1, 2)
-        c = self.vae.config.z_dim
-        latents = latents.to(self.vae.dtype)
-        mean = (
-            torch.tensor(self.vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
-        )
-        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, c, 1, 1, 1).to(
-            latents.device, latents.dtype
-        )
-        video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]
-        return video.float().transpose(1, 2)
+        return latents_mean_std_decode(self.vae, latents).float().transpose(1, 2)
 
     # ---- building and saving ----------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> WanBundle:
         """Load a local diffusers Wan 2.1 T2V directory; a missing vae/ means pixel space. The
         directory's scheduler is replaced by the Euler scheduler at its flow shift (module doc)."""
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
-        extra = {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
+        extra = pretrained_pipeline_options(path)
         shift = _flow_shift(os.path.join(path, "scheduler", "scheduler_config.json"))
         pipe = WanPipeline.from_pretrained(
             path, torch_dtype=dtype, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), **extra
@@ -204,29 +186,19 @@ class WanBundle(ClassifierFreeGuidance):
         torch.manual_seed(cfg.seed)
         _, tokenizer = tiny_clip_t5_tokenizers(8, t5_max_length=512, words=cfg.words)
         text_encoder = UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=len(tokenizer.get_vocab()),
-                d_model=cfg.text_hidden_size,
-                d_ff=2 * cfg.text_hidden_size,
-                d_kv=16,
-                num_layers=cfg.text_layers,
-                num_heads=2,
-                decoder_start_token_id=0,
-            )
+            tiny_t5_config(UMT5Config, tokenizer, cfg.text_hidden_size, cfg.text_layers, num_heads=2)
         )
         vae = None
         if not cfg.pixel_space:
             levels = cfg.vae_spatial.bit_length() - 1  # spatial downsamples
             temporal = cfg.vae_temporal.bit_length() - 1
-            c = cfg.latent_channels
-            vae = AutoencoderKLWan(
-                base_dim=cfg.vae_base_dim,
-                z_dim=c,
-                dim_mult=[1, 2, 4, 4, 4, 4][: levels + 1],  # Wan's (1, 2, 4, 4) at 8x
+            vae = tiny_causal_vae(
+                AutoencoderKLWan,
+                cfg.vae_base_dim,
+                cfg.latent_channels,
+                levels,
                 num_res_blocks=cfg.vae_res_blocks,
                 temperal_downsample=[i >= levels - temporal for i in range(levels)],
-                latents_mean=torch.linspace(-0.5, 0.5, c, device="cpu").tolist(),
-                latents_std=torch.linspace(0.8, 2.0, c, device="cpu").tolist(),
                 scale_factor_temporal=cfg.vae_temporal,
                 scale_factor_spatial=cfg.vae_spatial,
             )
@@ -238,17 +210,6 @@ class WanBundle(ClassifierFreeGuidance):
             transformer=tiny_transformer(cfg),
         )
         return cls(pipe, num_frames, sample_size=cfg.resolution)
-
-    def save_pretrained(self, path: str) -> None:
-        """The diffusers layout `from_pretrained` (and `WanPipeline.from_pretrained`) reads."""
-        self.pipeline.save_pretrained(path)
-
-    @staticmethod
-    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
-        """The train backend's exporter: a LoRA as `pytorch_lora_weights.safetensors` with its
-        adapter config (alpha) in the metadata, what `WanPipeline.load_lora_weights` reads; a
-        full state as a `transformer/` directory."""
-        write_diffusers_weights(WanPipeline, path, kind, state, module)
 
 
 def _flow_shift(scheduler_config: str) -> float:
@@ -282,16 +243,7 @@ def tiny_transformer(cfg: TinyWanConfig) -> WanTransformer3DModel:
 def load_checkpoint(path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> WanBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
     `unirl_checkpoint.json`) with the LoRA loaded by `WanPipeline.load_lora_weights`, or the full
-    `transformer/` directory."""
-    meta_path = os.path.join(path, "unirl_checkpoint.json")
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{path!r} is not a UniRL checkpoint: {meta_path} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    bundle = WanBundle.from_pretrained(meta["base_model"], num_frames, dtype=dtype)
-    if meta["kind"] == "lora":
-        bundle.pipeline.load_lora_weights(path)
-    else:
-        transformer = WanTransformer3DModel.from_pretrained(os.path.join(path, "transformer"))
-        bundle.pipeline.transformer = bundle.transformer = transformer
-    return bundle
+    `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`)."""
+    return load_diffusers_checkpoint(
+        path, lambda base: WanBundle.from_pretrained(base, num_frames, dtype=dtype), WanTransformer3DModel
+    )

@@ -10,13 +10,12 @@ a latent sample is [C, f, h, w] with f = (num_frames - 1) / temporal + 1).
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
+from unirl.models.flow.config import cell_size_problems, read_vae_config, transformer_on_meta
 from unirl.models.flow.loading import pipeline_directory_problems
 from unirl.models.source import DTYPES, DType, check_source
 from unirl.types.constraints import AtLeastOne, check_fields
@@ -123,11 +122,9 @@ class WanModelConfig:
 
         from unirl.models.wan.bundle import tiny_transformer
 
-        with torch.device("meta"):
-            if self.pretrained_path:
-                config = WanTransformer3DModel.load_config(os.path.join(self.pretrained_path, "transformer"))
-                return WanTransformer3DModel.from_config(config)
-            return tiny_transformer(self.tiny)
+        return transformer_on_meta(
+            WanTransformer3DModel, self.pretrained_path, lambda: tiny_transformer(self.tiny)
+        )
 
     def build(self):
         """The `WanBundle`: from `pretrained_path`, else from the tiny config."""
@@ -156,12 +153,7 @@ class WanModelConfig:
             return []
         temporal, spatial = scales
         cell = spatial * PATCH[1]
-        problems = [
-            f"sampling.{key}={value} must be a multiple of {cell} (Wan patches 2x2 latent cells of "
-            f"{spatial} px), e.g. {max(cell, value // cell * cell)} or {(value // cell + 1) * cell}"
-            for key, value in (("height", height), ("width", width))
-            if value % cell
-        ]
+        problems = cell_size_problems(height, width, cell, "Wan patches")
         if (self.num_frames - 1) % temporal:
             below = max(1, (self.num_frames - 1) // temporal * temporal + 1)
             problems.append(
@@ -181,11 +173,10 @@ class WanModelConfig:
         (no vae/: pixel space, (1, 1)); None when unreadable (reported by the load)."""
         if not self.pretrained_path:
             return self.tiny.scales
-        if not os.path.isdir(os.path.join(self.pretrained_path, "vae")):
-            return (1, 1)
         try:
-            with open(os.path.join(self.pretrained_path, "vae", "config.json")) as f:
-                vae = json.load(f)
+            vae = read_vae_config(self.pretrained_path)
+            if vae is None:
+                return (1, 1)
             return int(vae.get("scale_factor_temporal") or 4), int(vae.get("scale_factor_spatial") or 8)
         except (OSError, KeyError, ValueError, TypeError):
             return None

@@ -1,0 +1,90 @@
+"""What flow families' recipe nodes (`FlowModelConfig`s and their tiny configs) share: the checks
+of a tiny model's VAE downsample and rotary axes, the pixels per latent cell of a 2x2-packing tiny
+model (`PackedTinyConfig`), the validator's size message (`cell_size_problems`), the read of a
+directory's VAE config (`read_vae_config`) and `trainable_on_meta`'s module tree on the meta
+device (`transformer_on_meta`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def check_vae_downsample(vae_downsample: int) -> None:
+    """A tiny model's `vae_downsample` must be a power of 2 >= 2 (ValueError naming
+    `model.tiny.vae_downsample`)."""
+    if vae_downsample < 2 or vae_downsample & (vae_downsample - 1):
+        raise ValueError(f"model.tiny.vae_downsample must be a power of 2 >= 2, got {vae_downsample}")
+
+
+def check_axes_dims_rope(axes_dims_rope: list[int], attention_head_dim: int) -> None:
+    """A tiny model's rotary axes (FLUX.1, Qwen-Image) must be 3 even sizes summing to
+    `attention_head_dim` (ValueError naming `model.tiny.axes_dims_rope`)."""
+    if len(axes_dims_rope) != 3 or sum(axes_dims_rope) != attention_head_dim:
+        raise ValueError(
+            f"model.tiny.axes_dims_rope={axes_dims_rope} must be 3 sizes summing to "
+            f"model.tiny.attention_head_dim={attention_head_dim} (the rotary embedding's axes)"
+        )
+    if any(d % 2 for d in axes_dims_rope):
+        raise ValueError(f"model.tiny.axes_dims_rope={axes_dims_rope} must be even sizes")
+
+
+class PackedTinyConfig:
+    """Mixin of a 2x2-packing family's tiny config (FLUX.1, Qwen-Image), a dataclass with
+    `pixel_space`, `vae_downsample`, `attention_head_dim` and `axes_dims_rope`."""
+
+    pixel_space: bool
+    vae_downsample: int
+    attention_head_dim: int
+    axes_dims_rope: list[int]
+
+    def check_packed_geometry(self) -> None:
+        """`__post_init__`'s shared checks: `check_vae_downsample`, then `check_axes_dims_rope`
+        (ValueErrors naming `model.tiny.<key>`)."""
+        check_vae_downsample(self.vae_downsample)
+        check_axes_dims_rope(self.axes_dims_rope, self.attention_head_dim)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent cell along a side (1 in pixel space)."""
+        return 1 if self.pixel_space else self.vae_downsample
+
+
+def cell_size_problems(height: int, width: int, cell: int, how: str, key: str = "sampling") -> list[str]:
+    """The validator's size rule of a family whose denoiser takes 2x2 latent cells per token: each
+    side must be a multiple of `cell` pixels (2 x the VAE's spatial scale). One problem per side
+    that is not, naming `{key}.height` / `{key}.width`, saying `how` the family takes the cells
+    ("FLUX packs", "Wan patches") and the nearest valid sizes below and above; [] when both fit."""
+    return [
+        f"{key}.{side}={value} must be a multiple of {cell} ({how} 2x2 latent cells of "
+        f"{cell // 2} px), e.g. {max(cell, value // cell * cell)} or {(value // cell + 1) * cell}"
+        for side, value in (("height", height), ("width", width))
+        if value % cell
+    ]
+
+
+def read_vae_config(pretrained_path: str) -> dict[str, Any] | None:
+    """The `vae/config.json` of a diffusers directory, or None when it has no `vae/` directory
+    (a pixel-space model). Raises what reading it raises (OSError, ValueError): the caller maps
+    an unreadable directory to its own "unknown" answer."""
+    if not os.path.isdir(os.path.join(pretrained_path, "vae")):
+        return None
+    with open(os.path.join(pretrained_path, "vae", "config.json")) as f:
+        return json.load(f)
+
+
+def transformer_on_meta(
+    transformer_cls: type, pretrained_path: str | None, tiny_transformer: Callable[[], torch.nn.Module]
+) -> torch.nn.Module:
+    """A family's `trainable_on_meta`: the denoiser's module tree on the meta device, no weights
+    read: `transformer_cls` from the `transformer/` config of `pretrained_path` when set, else
+    `tiny_transformer()` (the tiny config's denoiser, built under the meta device)."""
+    with torch.device("meta"):
+        if pretrained_path:
+            config = transformer_cls.load_config(os.path.join(pretrained_path, "transformer"))
+            return transformer_cls.from_config(config)
+        return tiny_transformer()
