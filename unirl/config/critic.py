@@ -75,25 +75,9 @@ def check_critic(
             f"critic.fsdp: num_devices={run.num_devices} needs FSDP2 settings of the critic "
             "(e.g. {_target_: unirl.train.fsdp.FSDPConfig})"
         )
-    if model is None or (lora is None and fsdp is None):
-        return
-    from unirl.config.distributed import meta_module
-    from unirl.train.backend import lora_target_problem
-    from unirl.train.fsdp import unmatched_block_classes
+    from unirl.config.distributed import check_module_tree
 
-    try:
-        tree = meta_module(model)
-    except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
-        problems.append(f"critic.model: cannot read the critic's config ({type(exc).__name__}: {exc})")
-        return
-    if lora is not None:
-        problem = lora_target_problem(tree, lora.target_modules, key="critic.lora.target_modules")
-        if problem:
-            problems.append(problem)
-    if fsdp is not None:
-        missing = unmatched_block_classes(tree, fsdp.block_classes)
-        if missing:
-            problems.append(f"critic.fsdp.block_classes {missing} match no module of {type(tree).__name__}")
+    check_module_tree(model, lora, fsdp, problems, section="critic", model_key="critic.model")
 
 
 def check_mini_batches(

@@ -140,10 +140,13 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
         )
 
 
-def check_module_tree(model: Any, lora: Any, fsdp: Any, problems: list[str]) -> None:
-    """A trained track's LoRA target modules, FSDP block classes and sequence-parallel plan vs the
-    module tree it trains (`model.trainable_on_meta()`, built on the meta device: no weights
-    read); keys relative to the track (`train.lora...`, `train.fsdp...`)."""
+def check_module_tree(
+    model: Any, lora: Any, fsdp: Any, problems: list[str], section: str = "train", model_key: str = "model"
+) -> None:
+    """A trained module's LoRA target modules, FSDP block classes and sequence-parallel plan vs its
+    module tree (`model.trainable_on_meta()`, built on the meta device: no weights read); keys
+    relative to the track: `<section>.lora...`, `<section>.fsdp...` (a policy's `train`, a
+    critic's `critic`) and `model_key` for a model config that cannot be read."""
     readable = model is not None and (
         not getattr(model, "pretrained_path", None) or os.path.isdir(model.pretrained_path)
     )
@@ -155,10 +158,10 @@ def check_module_tree(model: Any, lora: Any, fsdp: Any, problems: list[str]) -> 
     try:
         tree = meta_module(model)
     except Exception as exc:  # noqa: BLE001 - an unreadable model config is reported, not raised
-        problems.append(f"model: cannot read the trainable model's config ({type(exc).__name__}: {exc})")
+        problems.append(f"{model_key}: cannot read the trainable model's config ({type(exc).__name__}: {exc})")
         return
     if lora is not None:
-        problem = lora_target_problem(tree, lora.target_modules)
+        problem = lora_target_problem(tree, lora.target_modules, f"{section}.lora.target_modules")
         if problem:
             problems.append(problem)
     if fsdp is not None and fsdp.sp > 1:
@@ -174,6 +177,6 @@ def check_module_tree(model: Any, lora: Any, fsdp: Any, problems: list[str]) -> 
                 {type(m).__name__ for m in tree.modules() if "Block" in type(m).__name__ or "Layer" in type(m).__name__}
             )
             problems.append(
-                f"train.fsdp.block_classes {missing} match no module of {type(tree).__name__} "
+                f"{section}.fsdp.block_classes {missing} match no module of {type(tree).__name__} "
                 f"(block classes present: {present}); sharding would silently not happen"
             )
