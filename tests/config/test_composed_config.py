@@ -202,6 +202,18 @@ def test_a_tracks_critic_is_checked_under_its_own_keys() -> None:
     assert any(p.startswith("tracks.ar: track 'ar' is frozen (trained: false) but sets ['critic']") for p in found)
 
 
+def test_a_tracks_mini_batches_are_checked_against_its_own_batch() -> None:
+    """`tracks.<name>.train.stack.num_mini_batches` divides the micro-batches of the track's
+    per-rank batch (the diffusion track's: 2 prompts x 2 rewrites x 2 images = 8, in 2
+    micro-batches of 4), as a single track's does."""
+    assert validate_recipe(recipe("+tracks.diffusion.train.stack.num_mini_batches=2")) is None
+    found = problems("+tracks.diffusion.train.stack.num_mini_batches=3")
+    assert found == [
+        "tracks.diffusion.train.stack.num_mini_batches=3 does not divide the 2 micro-batches of a rank "
+        "(per-rank batch 8 / micro_batch_size 4)"
+    ], found
+
+
 def test_a_frozen_track_is_checked_as_a_model_only() -> None:
     found = problems("tracks.diffusion.trained=false", "~tracks.diffusion.algorithm", "~tracks.diffusion.advantage",
                      "~tracks.diffusion.train", *FLUX_TRACK[:2], *FLUX_TRACK[3:],

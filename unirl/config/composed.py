@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from unirl.config.critic import mini_batch_problem
 from unirl.config.engines import check_rollout
 from unirl.config.modality import modality_of
 from unirl.config.references import check_metadata_key, check_scorer_keys, examples_of
@@ -250,7 +251,8 @@ def _check_batches(
     run: Any, chain: list[str], samplings: dict[str, Any], passed: dict[str, Any], problems: list[str]
 ) -> None:
     """The root request (prompts x N) splits evenly over the workers; every trained track's
-    micro-batch divides its per-rank batch (a child track's is its parents' x its own fan-out)."""
+    micro-batch divides its per-rank batch (a child track's is its parents' x its own fan-out), and
+    its mini-batches divide its micro-batches."""
     if run is None or any(s is None for s in samplings.values()):
         return
     world = run.num_devices
@@ -270,6 +272,8 @@ def _check_batches(
                 f"tracks.{name}.train.stack.micro_batch_size={stack.micro_batch_size} does not divide the per-rank "
                 f"batch of track {name!r}: {total // world} samples ({total} over num_devices={world})"
             )
+        elif problem := mini_batch_problem(stack, total // world, f"tracks.{name}.train.stack"):
+            problems.append(problem)
 
 
 def _check_prompt_keys(passed: dict[str, Any], problems: list[str]) -> None:

@@ -80,12 +80,11 @@ def check_critic(
     check_module_tree(model, lora, fsdp, problems, section="critic", model_key="critic.model")
 
 
-def check_mini_batches(
-    cfg: DictConfig, passed: dict[str, Any], algorithm: type | None, problems: list[str]
-) -> None:
-    """`train.stack.num_mini_batches` divides the per-rank micro-batches; above 1 the algorithm
-    takes several updates per rollout and no sampling graphs are kept."""
-    stack, run, sampling = passed.get("train.stack"), passed.get(""), passed.get("sampling")
+def check_mini_batches(cfg: DictConfig, stack: Any, algorithm: type | None, problems: list[str]) -> None:
+    """A track's `train.stack.num_mini_batches` above 1: its algorithm takes several updates per
+    rollout and no sampling graphs are kept (`rollout.keep_graph`, a composed track's
+    `engine.keep_graph`). Whether it divides a rank's micro-batches is batch geometry
+    (`mini_batch_problem`, run where the kind knows a rank's batch)."""
     if stack is None or stack.num_mini_batches == 1:
         return
     n = stack.num_mini_batches
@@ -94,18 +93,24 @@ def check_mini_batches(
             f"train.stack.num_mini_batches={n}: {algorithm.__name__} does not support several updates "
             "per rollout; set it to 1"
         )
-    rollout = cfg.get("rollout")
+    key = "rollout" if "rollout" in cfg else "engine"
+    rollout = cfg.get(key)
     if isinstance(rollout, DictConfig) and rollout.get("keep_graph", False):
         problems.append(
-            f"rollout.keep_graph: a kept graph is valid for the first optimizer step only, but "
-            f"train.stack.num_mini_batches={n}; set it to 1 or rollout.keep_graph=false"
+            f"{key}.keep_graph: a kept graph is valid for the first optimizer step only, but "
+            f"train.stack.num_mini_batches={n}; set it to 1 or {key}.keep_graph=false"
         )
-    if run is None or sampling is None:
-        return
-    per_rank = run.prompts_per_rollout * sampling.samples_per_prompt // run.num_devices
+
+
+def mini_batch_problem(stack: Any, per_rank: int, key: str = "train.stack") -> str | None:
+    """`{key}.num_mini_batches` vs the micro-batches of a rank's batch of `per_rank` samples: it must
+    divide them; None when it does (or is 1)."""
+    if stack is None or stack.num_mini_batches == 1:
+        return None
     micro = per_rank // stack.micro_batch_size
-    if micro % n:
-        problems.append(
-            f"train.stack.num_mini_batches={n} does not divide the {micro} micro-batches of a rank "
-            f"(per-rank batch {per_rank} / micro_batch_size {stack.micro_batch_size})"
+    if micro % stack.num_mini_batches:
+        return (
+            f"{key}.num_mini_batches={stack.num_mini_batches} does not divide the {micro} micro-batches of a "
+            f"rank (per-rank batch {per_rank} / micro_batch_size {stack.micro_batch_size})"
         )
+    return None

@@ -29,7 +29,7 @@ from unirl.config.algorithm import (
     check_reward_backprop,
     check_sde,
 )
-from unirl.config.critic import check_critic
+from unirl.config.critic import check_critic, check_mini_batches
 from unirl.config.distill import check_distillation
 from unirl.config.distributed import check_module_tree
 from unirl.config.engines import group_scorers
@@ -188,6 +188,7 @@ def _one_track_rules(track: TrackCheck, problems: list[str]) -> None:
         return
     check_module_tree(model, passed.get("train.lora"), fsdp, problems)
     check_algorithm(algorithm, sampling, stack, train, track.ev, problems)
+    check_mini_batches(cfg, stack, algorithm, problems)
     check_supervised(cfg, algorithm, sampling, run is None, problems)
     check_ema_use(built, train, problems)
     if run is None:  # a track of a chain

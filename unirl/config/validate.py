@@ -36,7 +36,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from unirl.config.critic import check_mini_batches
+from unirl.config.critic import mini_batch_problem
 from unirl.config.distributed import check_distributed, check_this_machine, check_transport
 from unirl.config.engines import check_rollout
 from unirl.config.geometry import check_training_guidance
@@ -99,9 +99,12 @@ def _single_tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str])
 
 
 def _single_graph(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
-    algorithm = target_class(cfg, "algorithm") if "algorithm" in cfg else None
     check_eval_sampling(cfg, modality_of(passed.get("sampling")), problems)
-    check_mini_batches(cfg, passed, algorithm, problems)
+    run, sampling, stack = passed.get(""), passed.get("sampling"), passed.get("train.stack")
+    if run is not None and sampling is not None:
+        per_rank = run.prompts_per_rollout * sampling.samples_per_prompt // run.num_devices
+        if problem := mini_batch_problem(stack, per_rank):
+            problems.append(problem)
     check_distributed(cfg, passed, problems)
     check_rollout(cfg, passed, problems)
     check_prompt_keys(passed, problems)
