@@ -238,6 +238,9 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
 
 
 def _check_geometry(cfg: DictConfig, passed: dict[str, Any], plan: str, problems: list[str]) -> None:
+    """The backbone's batch: FSDP2 on more than one device, one mini-batch (the joint step), the
+    root request (prompts x plans) split evenly over the devices and into micro-batches. (Its LoRA
+    targets and FSDP blocks vs the model are the one-track module-tree rule.)"""
     run, stack, sampling = passed.get(""), passed.get("train.stack"), passed.get(f"tracks.{plan}.sampling")
     if run is None:
         return
