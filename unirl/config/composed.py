@@ -165,10 +165,9 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
             )
         train = passed.get(f"{key}.train")
         # every one-track rule runs on this track (the validator's walk); its batch is the chain's (`graph`)
-        view = track_view(passed, key, {f"rewards.{name}": "reward"}) | {"": run}  # run-wide: steps, devices
         walked.append(
-            TrackCheck(
-                name, node, view, modality, trained, renames={"reward": f"rewards.{name}"}, group=own_group(sampling)
+            TrackCheck.chained(
+                name, node, passed, modality, trained, {"reward": f"rewards.{name}"}, own_group(sampling)
             )
         )
         if run is not None and trained and train is not None and run.num_devices > 1 and train.fsdp is None:

@@ -112,7 +112,8 @@ class TrackCheck:
         name: the track's name (None: a single-track recipe's one track, at the root).
         node: the track's config, keyed relative to it (`model`, `sampling`, `algorithm`, ...;
             a unified segment's node holds the shared `model` and `train` too).
-        view: phase 1's built objects, keyed the same way (`track_view`).
+        view: phase 1's built objects, keyed the same way (`track_view`; a track of a recipe with
+            tracks derives it from `renames`: `TrackCheck.chained`).
         modality: "diffusion", "text" or None (sampling not built, or image tokens).
         trained: the track trains (its algorithm, advantage and stack are checked).
         run: the run's top level when the track's batch is the run's (a single track); None for a
@@ -136,6 +137,24 @@ class TrackCheck:
     ev: Any = None
     renames: dict[str, str] = field(default_factory=dict)
     group: tuple[int, str] | None = None
+
+    @classmethod
+    def chained(
+        cls,
+        name: str,
+        node: DictConfig,
+        passed: dict[str, Any],
+        modality: str | None,
+        trained: bool,
+        renames: dict[str, str],
+        group: tuple[int, str] | None,
+    ) -> TrackCheck:
+        """`tracks.<name>` of a recipe with tracks: its view is what phase 1 passed under it, each
+        key of `renames` read from its recipe key, and the run's top level (run-wide: steps,
+        devices); its batch is the chain's (the kind's graph rules check it)."""
+        view = track_view(passed, f"tracks.{name}", {recipe: own for own, recipe in renames.items()})
+        view[""] = passed.get("")
+        return cls(name, node, view, modality, trained, renames=renames, group=group)
 
     def recipe_key(self, problem: str) -> str:
         """`problem`, written with track-relative keys, named by the recipe's keys."""

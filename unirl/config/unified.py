@@ -27,7 +27,6 @@ from unirl.config.track import (
     chain_sections,
     check_trained_parts,
     own_group,
-    track_view,
 )
 from unirl.config.tree import target_class
 from unirl.sync.config import WeightSyncConfig
@@ -216,16 +215,15 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
                     "are token sequences, use a text algorithm (e.g. unirl.algorithms.grpo.GRPO)"
                 )
         # the segment's own keys under tracks.<name>; the backbone it shares (model, train) at the root
-        view = track_view(passed, key, {"model": "model", "train": "train", f"rewards.{n}": "reward"})
         walked.append(
-            TrackCheck(
+            TrackCheck.chained(
                 n,
                 OmegaConf.create(OmegaConf.to_container(node, resolve=True) | shared),
-                view,
+                passed,
                 "text" if isinstance(sampling, TextSamplingParams) else None,
                 trained[n],
-                renames={"model": "model", "train": "train", "reward": f"rewards.{n}"},
-                group=own_group(sampling) if n == plan else plan_group,
+                {"model": "model", "train": "train", "reward": f"rewards.{n}"},
+                own_group(sampling) if n == plan else plan_group,
             )
         )
     image_sampling = passed.get(f"tracks.{image}.sampling")
