@@ -116,9 +116,9 @@ def test_possible_sde_steps() -> None:
         ({"sde_iters_per_window": 0}, r"sampling\.sde_iters_per_window must be >= 1, got 0"),
         (
             {"sde_window_order": "backwards"},
-            r"sampling\.sde_window_order must be one of \('progressive', 'random'\)",
+            r"sampling\.sde_window_order must be one of \['progressive', 'random'\]",
         ),
-        ({"ode_solver": "rk4"}, r"sampling\.ode_solver must be one of \('euler', 'dpmpp_2m'\), got 'rk4'"),
+        ({"ode_solver": "rk4"}, r"sampling\.ode_solver must be one of \['euler', 'dpmpp_2m'\], got 'rk4'"),
         (
             {"noise_all_steps": True, "ode_solver": "dpmpp_2m"},
             r"sampling\.noise_all_steps=true .* sampling\.ode_solver='dpmpp_2m'",

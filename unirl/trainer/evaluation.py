@@ -18,9 +18,10 @@ from unirl.models.flow.stage import FlowMatchingStage
 from unirl.models.stage import DiffusionStage
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
+from unirl.types.constraints import AtLeastOne, check_fields
 from unirl.types.reward import RewardRequest
 from unirl.types.rollout_req import PromptExample, RolloutReq
-from unirl.types.sampling import DiffusionSamplingParams
+from unirl.types.sampling import DiffusionSamplingParams, Guidance
 
 
 class Scorer(Protocol):
@@ -41,23 +42,16 @@ class EvalSampling:
     geometry (`FlowModelConfig.size_problems`). The sigma schedule is pinned for the evaluation
     size (its token count sets a dynamic shift)."""
 
-    num_steps: int = 20
-    guidance_scale: float = 1.0
-    samples_per_prompt: int = 1
+    num_steps: AtLeastOne = 20
+    guidance_scale: Guidance = 1.0
+    samples_per_prompt: AtLeastOne = 1
     seed: int = 1234
-    forward_batch_size: int | None = 64
-    height: int | None = None
-    width: int | None = None
+    forward_batch_size: AtLeastOne | None = 64
+    height: AtLeastOne | None = None
+    width: AtLeastOne | None = None
 
     def __post_init__(self) -> None:
-        for key in ("num_steps", "samples_per_prompt", "forward_batch_size", "height", "width"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ValueError(f"eval.sampling.{key} must be >= 1, got {value}")
-        if self.guidance_scale < 1.0:
-            raise ValueError(
-                f"eval.sampling.guidance_scale must be >= 1.0 (1.0 disables CFG), got {self.guidance_scale}"
-            )
+        check_fields(self, "eval.sampling.")
 
 
 def eval_request(

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from annotated_types import Ge, doc
 
+from unirl.types.constraints import AtLeastOne, check_fields
 from unirl.types.reward import RewardRequest
 from unirl.types.rollout_req import PromptExample, RolloutReq
-from unirl.types.sampling import TextSamplingParams
+from unirl.types.sampling import Temperature, TextSamplingParams, TopK, TopP
 
 
 @dataclass
@@ -40,43 +42,35 @@ class TextEvalSampling:
         forward_batch_size: samples per generation forward on each worker.
     """
 
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    pass_k: int = 16
+    max_new_tokens: AtLeastOne = 16
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    pass_k: Annotated[int, Ge(0), doc("0: greedy only")] = 16
     stop_tokens: list[str] = field(default_factory=list)
-    max_prompt_length: int = 64
+    max_prompt_length: AtLeastOne = 64
     chat_template: bool = False
     seed: int = 1234
     group_by: list[str] = field(default_factory=list)
-    forward_batch_size: int | None = 256
+    forward_batch_size: AtLeastOne | None = 256
 
     def __post_init__(self) -> None:
         self.stop_tokens, self.group_by = list(self.stop_tokens), list(self.group_by)
-        if self.pass_k < 0:
-            raise ValueError(f"eval.sampling.pass_k must be >= 0 (0: greedy only), got {self.pass_k}")
-        if self.forward_batch_size is not None and self.forward_batch_size < 1:
-            raise ValueError(
-                f"eval.sampling.forward_batch_size must be >= 1 or null, got {self.forward_batch_size}"
-            )
-        self.params(self.temperature, 1)  # range checks of the shared sampling keys, named eval.sampling.*
+        check_fields(self, "eval.sampling.")
 
     def params(self, temperature: float, samples_per_prompt: int) -> TextSamplingParams:
-        try:
-            return TextSamplingParams(
-                samples_per_prompt=samples_per_prompt,
-                max_new_tokens=self.max_new_tokens,
-                temperature=temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                stop_tokens=self.stop_tokens,
-                max_prompt_length=self.max_prompt_length,
-                seed=self.seed,
-                chat_template=self.chat_template,
-            )
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("sampling.", "eval.sampling.")) from exc
+        """The sampling of `samples_per_prompt` samples per prompt at `temperature`."""
+        return TextSamplingParams(
+            samples_per_prompt=samples_per_prompt,
+            max_new_tokens=self.max_new_tokens,
+            temperature=temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_tokens=self.stop_tokens,
+            max_prompt_length=self.max_prompt_length,
+            seed=self.seed,
+            chat_template=self.chat_template,
+        )
 
 
 def eval_requests(examples: list[PromptExample], cfg: TextEvalSampling) -> dict[str, RolloutReq]:

@@ -2,7 +2,9 @@
 
 A config dataclass declares a field's range in its type, with `annotated_types`:
 `beta: Annotated[float, Gt(0)]`, `clip_range: Annotated[float, Interval(gt=0, lt=1)] | None`,
-`weighting: Literal["uniform", "t"]`. Two places read the declaration:
+`weighting: Literal["uniform", "t"]`, and a note on what a bound value means with
+`annotated_types.doc` (`Annotated[float, Ge(0), doc("0: greedy")]`, quoted after the range in
+the message). Two places read the declaration:
 
 - the recipe validator (`unirl.config.schema`): pydantic enforces it before the config is
   built, and a failure reads `<key> must be > 0, got -1.0` (`describe_error`);
@@ -19,7 +21,7 @@ import math
 import typing
 from typing import Annotated, Any, Literal
 
-from annotated_types import Ge, Gt, Interval, Le, Lt
+from annotated_types import DocInfo, Ge, Gt, Interval, Le, Lt
 
 Positive = Annotated[float, Gt(0)]
 NonNegative = Annotated[float, Ge(0)]
@@ -50,10 +52,11 @@ def describe(bounds: dict[str, Any]) -> str:
     return f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
 
 
-def _parts(hint: Any) -> tuple[dict[str, Any], tuple | None, bool]:
-    """(the bounds, the Literal choices or None, whether None is allowed) of a field's hint."""
+def _parts(hint: Any) -> tuple[dict[str, Any], tuple | None, bool, str]:
+    """(the bounds, the Literal choices or None, whether None is allowed, the doc note) of a
+    field's hint."""
     bounds: dict[str, Any] = {}
-    choices, optional = None, False
+    choices, optional, note = None, False, ""
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, type(int | None)) else (hint,)
     for arg in args:
         if arg is type(None):
@@ -61,14 +64,15 @@ def _parts(hint: Any) -> tuple[dict[str, Any], tuple | None, bool]:
         elif typing.get_origin(arg) is Annotated:
             for meta in arg.__metadata__:
                 bounds |= _bounds(meta)
+                note = f" ({meta.documentation})" if isinstance(meta, DocInfo) else note
         elif typing.get_origin(arg) is Literal:
             choices = typing.get_args(arg)
-    return bounds, choices, optional
+    return bounds, choices, optional, note
 
 
 def field_problem(name: str, hint: Any, value: Any) -> str | None:
     """Why `value` is outside the range `hint` declares for field `name`, or None."""
-    bounds, choices, optional = _parts(hint)
+    bounds, choices, optional, note = _parts(hint)
     if value is None:
         return None if optional or not (bounds or choices) else f"{name} must not be null"
     null = " or null" if optional else ""
@@ -78,7 +82,7 @@ def field_problem(name: str, hint: Any, value: Any) -> str | None:
         return None
     finite = not isinstance(value, float) or math.isfinite(value)
     if not finite or not all(_OPS[op][1](value, b) for op, b in bounds.items()):
-        return f"{name} must be {describe(bounds)}{null}, got {value}"
+        return f"{name} must be {describe(bounds)}{note}{null}, got {value}"
     return None
 
 

@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import math
 import random
+import typing
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
-SDE_SCHEDULERS = ("all", "fixed", "random", "sliding")
-WINDOW_ORDERS = ("progressive", "random")
-ODE_SOLVERS = ("euler", "dpmpp_2m")  # implemented in unirl.sde.solvers
-SIGMA_GRIDS = ("scheduler", "steps")  # implemented in unirl.sde.schedules.sigmas_for
+from annotated_types import Ge, Interval, doc
+
+from unirl.types.constraints import AtLeastOne, NonNegative, OpenUnit, Positive, check_fields
+
+SdeScheduler = Literal["all", "fixed", "random", "sliding"]
+WindowOrder = Literal["progressive", "random"]
+OdeSolver = Literal["euler", "dpmpp_2m"]  # implemented in unirl.sde.solvers
+SigmaGrid = Literal["scheduler", "steps"]  # implemented in unirl.sde.schedules.sigmas_for
+ODE_SOLVERS = typing.get_args(OdeSolver)
+Guidance = Annotated[float, Ge(1), doc("1 disables CFG")]
+Temperature = Annotated[float, Ge(0), doc("0: greedy")]
+TopP = Annotated[float, Interval(gt=0, le=1)]
+TopK = Annotated[int, Ge(0), doc("0: off")]
 
 
 @dataclass
@@ -70,30 +81,30 @@ class DiffusionSamplingParams:
             `same_latent`). Evaluation always draws one x_T per sample.
     """
 
-    num_steps: int = 10
-    samples_per_prompt: int = 4
-    height: int = 32
-    width: int = 32
-    guidance_scale: float = 4.5
-    eta: float = 0.7
-    shift: float = 3.0
+    num_steps: AtLeastOne = 10
+    samples_per_prompt: AtLeastOne = 4
+    height: AtLeastOne = 32
+    width: AtLeastOne = 32
+    guidance_scale: Guidance = 4.5
+    eta: NonNegative = 0.7
+    shift: Positive = 3.0
     dynamic_shift: bool = False
-    base_seq_len: int = 256
+    base_seq_len: AtLeastOne = 256
     max_seq_len: int = 4096
     base_shift: float = 0.5
     max_shift: float = 1.15
-    sigma_grid: str = "scheduler"
-    shift_terminal: float | None = None
-    max_sequence_length: int = 77
-    sde_scheduler: str = "all"
+    sigma_grid: SigmaGrid = "scheduler"
+    shift_terminal: OpenUnit | None = None
+    max_sequence_length: AtLeastOne = 77
+    sde_scheduler: SdeScheduler = "all"
     sde_steps: list[int] = field(default_factory=list)
     sde_num_steps: int = 1
     sde_window: tuple[float, float] = (0.0, 0.99)
-    sde_stride: int = 1
-    sde_iters_per_window: int = 1
-    sde_window_order: str = "progressive"
+    sde_stride: AtLeastOne = 1
+    sde_iters_per_window: AtLeastOne = 1
+    sde_window_order: WindowOrder = "progressive"
     sde_window_roll_back: bool = True
-    ode_solver: str = "euler"
+    ode_solver: OdeSolver = "euler"
     noise_all_steps: bool = False
     seed: int = 0
     same_initial_noise: bool = False
@@ -104,14 +115,9 @@ class DiffusionSamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending `sampling.*` key."""
-        if self.num_steps < 1:
-            raise ValueError(f"sampling.num_steps must be >= 1, got {self.num_steps}")
-        if self.samples_per_prompt < 1:
-            raise ValueError(f"sampling.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
-        for key in ("height", "width", "max_sequence_length", "base_seq_len"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"sampling.{key} must be >= 1, got {getattr(self, key)}")
+        """Raise ValueError naming the offending `sampling.*` key: the ranges the fields' types
+        declare, then the rules across fields."""
+        check_fields(self, "sampling.")
         if self.max_seq_len <= self.base_seq_len:
             raise ValueError(
                 f"sampling.max_seq_len ({self.max_seq_len}) must be > sampling.base_seq_len ({self.base_seq_len})"
@@ -121,18 +127,6 @@ class DiffusionSamplingParams:
                 f"sampling.max_shift ({self.max_shift}) must be >= sampling.base_shift ({self.base_shift}): "
                 "the dynamic shift grows with the image's token count"
             )
-        if self.eta < 0:
-            raise ValueError(f"sampling.eta must be >= 0, got {self.eta}")
-        if not self.shift > 0:
-            raise ValueError(f"sampling.shift must be > 0, got {self.shift}")
-        if self.guidance_scale < 1.0:
-            raise ValueError(
-                f"sampling.guidance_scale must be >= 1.0 (1.0 disables CFG), got {self.guidance_scale}"
-            )
-        if self.sde_scheduler not in SDE_SCHEDULERS:
-            raise ValueError(
-                f"sampling.sde_scheduler must be one of {SDE_SCHEDULERS}, got {self.sde_scheduler!r}"
-            )
         if self.sde_scheduler == "fixed":
             bad = [i for i in self.sde_steps if not 0 <= i < self.num_steps]
             if not self.sde_steps or bad:
@@ -140,13 +134,6 @@ class DiffusionSamplingParams:
                     f"sampling.sde_steps must be a non-empty list of step indices in [0, {self.num_steps}) "
                     f"for sde_scheduler=fixed, got {self.sde_steps}"
                 )
-        for key in ("sde_stride", "sde_iters_per_window"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"sampling.{key} must be >= 1, got {getattr(self, key)}")
-        if self.sde_window_order not in WINDOW_ORDERS:
-            raise ValueError(
-                f"sampling.sde_window_order must be one of {WINDOW_ORDERS}, got {self.sde_window_order!r}"
-            )
         if self.sde_scheduler in ("random", "sliding"):
             lo, hi = self.window_bounds()
             if not 1 <= self.sde_num_steps <= hi - lo:
@@ -156,20 +143,11 @@ class DiffusionSamplingParams:
                     f"must be in [1, {hi - lo}]: the window sampling.sde_window={list(self.sde_window)} covers "
                     f"steps [{lo}, {hi}) of {self.num_steps}"
                 )
-        if self.sigma_grid not in SIGMA_GRIDS:
-            raise ValueError(f"sampling.sigma_grid must be one of {SIGMA_GRIDS}, got {self.sigma_grid!r}")
-        if self.shift_terminal is not None:
-            if not 0 < self.shift_terminal < 1:
-                raise ValueError(
-                    f"sampling.shift_terminal must be in (0, 1) or null, got {self.shift_terminal}"
-                )
-            if self.sigma_grid != "steps":
-                raise ValueError(
-                    f"sampling.shift_terminal={self.shift_terminal} stretches the 'steps' grid; set "
-                    f"sampling.sigma_grid: steps (got {self.sigma_grid!r}) or shift_terminal: null"
-                )
-        if self.ode_solver not in ODE_SOLVERS:
-            raise ValueError(f"sampling.ode_solver must be one of {ODE_SOLVERS}, got {self.ode_solver!r}")
+        if self.shift_terminal is not None and self.sigma_grid != "steps":
+            raise ValueError(
+                f"sampling.shift_terminal={self.shift_terminal} stretches the 'steps' grid; set "
+                f"sampling.sigma_grid: steps (got {self.sigma_grid!r}) or shift_terminal: null"
+            )
         if self.noise_all_steps and self.ode_solver != "euler":
             raise ValueError(
                 f"sampling.noise_all_steps=true makes every step stochastic, leaving no ODE step for "
@@ -266,27 +244,19 @@ class TextSamplingParams:
             single user turn, with the generation prompt) before tokenizing.
     """
 
-    samples_per_prompt: int = 4
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    samples_per_prompt: AtLeastOne = 4
+    max_new_tokens: AtLeastOne = 16
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
     stop_tokens: list[str] = field(default_factory=list)
-    max_prompt_length: int = 64
+    max_prompt_length: AtLeastOne = 64
     seed: int = 0
     chat_template: bool = True
 
     def __post_init__(self) -> None:
         self.stop_tokens = list(self.stop_tokens)
-        for key in ("samples_per_prompt", "max_new_tokens", "max_prompt_length"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"sampling.{key} must be >= 1, got {getattr(self, key)}")
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0 (0: greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0: off), got {self.top_k}")
+        check_fields(self, "sampling.")
 
     @property
     def greedy(self) -> bool:
@@ -316,24 +286,15 @@ class ImageTokenSamplingParams:
         seed: base seed; a sample's draws derive from its id, not its batch.
     """
 
-    samples_per_prompt: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    guidance_scale: float = 5.0
+    samples_per_prompt: AtLeastOne = 1
+    temperature: Temperature = 1.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    guidance_scale: Guidance = 5.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.samples_per_prompt < 1:
-            raise ValueError(f"sampling.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0 (0: greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0: off), got {self.top_k}")
-        if not self.guidance_scale >= 1:
-            raise ValueError(f"sampling.guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
+        check_fields(self, "sampling.")
 
     @property
     def greedy(self) -> bool:
