@@ -168,10 +168,7 @@ class AWM(ForwardProcessAlgorithm):
         """ctx: `loss_scale`; `ema` (context-manager factory swapping the EMA weights in) with
         `ema_kl_beta > 0`; `reference` with `beta > 0`. Needs `prepare_segment` on `track`."""
         cfg = self.config
-        if track.advantages is None:
-            raise ValueError(f"track {track.name!r} has no advantages: compute them before training")
-        if W_OLD_KEY not in track.conditions:
-            raise ValueError(f"track {track.name!r} was not prepared: call prepare_segment before the loss")
+        self.check_prepared(track, W_OLD_KEY)
         x_t, _, sigma, cond = self.inputs(track)
         g = track.segment.guidance_scale
         others = {}

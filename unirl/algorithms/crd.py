@@ -50,7 +50,6 @@ from unirl.algorithms.forward_process import (
     ForwardProcessAlgorithm,
     ForwardProcessConfig,
     TimestepDistribution,
-    check_guidance,
     decay_schedule,
     draw_errors,
     group_index,
@@ -186,6 +185,7 @@ class CRD(ForwardProcessAlgorithm):
 
     compares_within_groups: ClassVar[bool] = True
     requires_ema_rollout: ClassVar[bool] = True
+    guidance_keys: ClassVar[tuple[str, ...]] = ("train_guidance_scale", "kl_guidance_scale")
     prefix: ClassVar[str] = CRD_PREFIX
 
     def __init__(self, config: CRDConfig | None = None) -> None:
@@ -198,14 +198,6 @@ class CRD(ForwardProcessAlgorithm):
     @property
     def snapshots(self) -> dict[str, dict[str, Any]]:
         return {OLD_SNAPSHOT: decay_schedule(self.config.old_decay, "algorithm.config.old_decay", "rollout")}
-
-    def check_sampling(self, sampling) -> None:
-        super().check_sampling(sampling)
-        check_guidance(
-            sampling,
-            train_guidance_scale=self.config.train_guidance_scale,
-            kl_guidance_scale=self.config.kl_guidance_scale,
-        )
 
     @torch.no_grad()
     def prepare_segment(self, stage: DiffusionStage, track: RolloutTrack) -> RolloutTrack:
@@ -220,10 +212,7 @@ class CRD(ForwardProcessAlgorithm):
         `policy_loss` (c / beta * mean_j M_j), `crd/match` (mean_j M_j) and the other `crd/...`
         metrics."""
         cfg = self.config
-        if track.advantages is None:
-            raise ValueError(f"track {track.name!r} has no advantages: compute them before training")
-        if self.noise_key not in track.conditions:
-            raise ValueError(f"track {track.name!r} was not prepared: call prepare_segment before the loss")
+        self.check_prepared(track, self.noise_key)
         x_t, _, sigma, cond = self.inputs(track)
         target, k = self.target(track), cfg.draws_per_sample
         seg_g = track.segment.guidance_scale

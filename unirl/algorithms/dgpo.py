@@ -44,7 +44,6 @@ from unirl.algorithms.forward_process import (
     ForwardProcessAlgorithm,
     ForwardProcessConfig,
     TimestepDistribution,
-    check_guidance,
     decay_schedule,
     draw_errors,
     group_index,
@@ -117,6 +116,7 @@ class DGPO(ForwardProcessAlgorithm):
     """Direct Group Preference Optimization on a diffusion track: final latents and advantages."""
 
     compares_within_groups: ClassVar[bool] = True
+    guidance_keys: ClassVar[tuple[str, ...]] = ("train_guidance_scale", "kl_guidance_scale")
     prefix: ClassVar[str] = DGPO_PREFIX
 
     def __init__(self, config: DGPOConfig | None = None) -> None:
@@ -136,14 +136,6 @@ class DGPO(ForwardProcessAlgorithm):
             )
         }
 
-    def check_sampling(self, sampling) -> None:
-        super().check_sampling(sampling)
-        check_guidance(
-            sampling,
-            train_guidance_scale=self.config.train_guidance_scale,
-            kl_guidance_scale=self.config.kl_guidance_scale,
-        )
-
     @torch.no_grad()
     def prepare_segment(self, stage: DiffusionStage, track: RolloutTrack) -> RolloutTrack:
         """Draw (s, eps) per group (or sample); with the clip, freeze l_old under the sampling weights."""
@@ -161,10 +153,7 @@ class DGPO(ForwardProcessAlgorithm):
         `track` holds whole prompt groups. Returns `loss` (L's value), `policy_loss` (its policy
         term), `dgpo/group_loss` (mean_Gj -log sigmoid(-S_Gj)) and the other `dgpo/...` metrics."""
         cfg = self.config
-        if track.advantages is None:
-            raise ValueError(f"track {track.name!r} has no advantages: compute them before training")
-        if self.noise_key not in track.conditions:
-            raise ValueError(f"track {track.name!r} was not prepared: call prepare_segment before the loss")
+        self.check_prepared(track, self.noise_key)
         x_t, _, sigma, cond = self.inputs(track)
         target, k, g = self.target(track), cfg.draws_per_sample, cfg.train_guidance_scale
         kl_g = g if cfg.kl_guidance_scale is None else cfg.kl_guidance_scale

@@ -104,10 +104,7 @@ class DiffusionNFT(ForwardProcessAlgorithm):
     ) -> dict[str, float]:
         """ctx: `loss_scale` (float). Needs `prepare_segment` to have run on `track`."""
         cfg = self.config
-        if track.advantages is None:
-            raise ValueError(f"track {track.name!r} has no advantages: compute them before training")
-        if V_OLD_KEY not in track.conditions:
-            raise ValueError(f"track {track.name!r} was not prepared: call prepare_segment before the loss")
+        self.check_prepared(track, V_OLD_KEY)
         x_t, x0, sigma, cond = self.inputs(track)
         v_new = stage.velocity(x_t, sigma, cond, track.segment.guidance_scale)
         v_old = track.conditions[V_OLD_KEY].flatten(0, 1)

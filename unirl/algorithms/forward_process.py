@@ -142,6 +142,8 @@ class ForwardProcessAlgorithm(StageAlgorithm):
     supports_multi_update: ClassVar[bool] = True
     requires_sde_logprobs: ClassVar[bool] = False
     prefix: ClassVar[str] = "fp/"
+    guidance_keys: ClassVar[tuple[str, ...]] = ()
+    """The config's loss-side guidance scales, held against the rollout's by `check_sampling`."""
     config: ForwardProcessConfig
 
     @property
@@ -154,12 +156,22 @@ class ForwardProcessAlgorithm(StageAlgorithm):
 
     def check_sampling(self, sampling) -> None:
         """Before Ray: a discrete distribution's range holds some sigma of the recipe's schedule
-        (computed at the schedule's base token count, as `check_sde` does)."""
-        if self.config.timestep_distribution not in DISCRETE:
-            return
-        from unirl.sde.schedules import sigmas_for
+        (computed at the schedule's base token count, as `check_sde` does); then the
+        `guidance_keys` scales (`check_guidance`)."""
+        if self.config.timestep_distribution in DISCRETE:
+            from unirl.sde.schedules import sigmas_for
 
-        discrete_candidates(sigmas_for(sampling, sampling.base_seq_len), sampling.num_steps, self.config)
+            discrete_candidates(sigmas_for(sampling, sampling.base_seq_len), sampling.num_steps, self.config)
+        check_guidance(sampling, **{key: getattr(self.config, key) for key in self.guidance_keys})
+
+    @staticmethod
+    def check_prepared(track: RolloutTrack, key: str) -> None:
+        """Before a loss: `track` has advantages and `prepare_segment` has put `key` in its
+        conditions; a ValueError naming the track otherwise."""
+        if track.advantages is None:
+            raise ValueError(f"track {track.name!r} has no advantages: compute them before training")
+        if key not in track.conditions:
+            raise ValueError(f"track {track.name!r} was not prepared: call prepare_segment before the loss")
 
     def draws(self, track: RolloutTrack) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample (sigma [B, k], noise [B, k, C, h, w]) from the sample (or group) ids."""

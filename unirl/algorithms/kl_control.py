@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from unirl.models.stage import DiffusionStage
-from unirl.sde.strategies import make_strategy
+from unirl.sde.strategies import SDEStrategy, make_strategy
 from unirl.types.segments import LatentSegment
 
 KL_ERROR_CLIP = 0.2  # Ziegler et al.'s bound on the proportional error
@@ -49,17 +49,21 @@ def step_kl(means: torch.Tensor, other: torch.Tensor, scale: torch.Tensor) -> to
     return ((means - other) ** 2).mean(dim=tuple(range(2, means.dim()))) / (2 * scale**2)
 
 
+def stage_strategy(stage: DiffusionStage, segment: LatentSegment, purpose: str) -> SDEStrategy:
+    """The stage's SDE strategy (`stage.sde`) at the segment's eta; a TypeError saying what
+    `purpose` needs of it when the stage names none."""
+    name = getattr(stage, "sde", None)
+    if name is None:
+        raise TypeError(f"{type(stage).__name__} names no SDE strategy (`sde`); {purpose}")
+    return make_strategy(name, segment.eta)
+
+
 def transition_std(stage: DiffusionStage, segment: LatentSegment, steps: list[int]) -> torch.Tensor:
     """[k] fp32 transition std of SDE steps `steps` under the stage's SDE strategy (`stage.sde`)
     and the segment's eta and sigmas: `std_dev_t * sqrt(-dt)` for the Flow-GRPO and DanceGRPO
     SDEs, `sigma' sin(eta pi/2)` for CPS. A step's std does not depend on x or v (the
     policy only moves the mean), so it is read off the strategy at x = v = 0."""
-    name = getattr(stage, "sde", None)
-    if name is None:
-        raise TypeError(
-            f"{type(stage).__name__} names no SDE strategy (`sde`); the exact step KL needs its transition std"
-        )
-    strategy = make_strategy(name, segment.eta)
+    strategy = stage_strategy(stage, segment, "the exact step KL needs its transition std")
     zero = torch.zeros(1, dtype=torch.float32, device=segment.sigmas.device)
     return torch.stack([strategy.mean_and_std(zero, zero, segment.sigmas, i)[1] for i in steps]).float()
 
@@ -69,12 +73,7 @@ def velocity_scale(stage: DiffusionStage, segment: LatentSegment, steps: list[in
     (flow, dance, CPS) is affine in the velocity, so c_t = mu(0, 1) - mu(0, 0), read off the
     stage's SDE strategy. `step_kl(means, other, |c_t| / sqrt(2))` is then
     mean((v - v_other)^2), the KL term on velocities."""
-    name = getattr(stage, "sde", None)
-    if name is None:
-        raise TypeError(
-            f"{type(stage).__name__} names no SDE strategy (`sde`); a velocity KL needs its step means"
-        )
-    strategy = make_strategy(name, segment.eta)
+    strategy = stage_strategy(stage, segment, "a velocity KL needs its step means")
     zero = torch.zeros(1, dtype=torch.float32, device=segment.sigmas.device)
     one = torch.ones_like(zero)
     return torch.stack(
