@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 
@@ -43,24 +43,6 @@ class StepOutput:
     log_prob: torch.Tensor | None = None
 
 
-class SDEStrategy(Protocol):
-    """One denoising step with its log-prob; built as `cls(eta)` by `make_strategy`."""
-
-    def step(
-        self,
-        x: torch.Tensor,
-        v: torch.Tensor,
-        sigmas: torch.Tensor,
-        i: int,
-        *,
-        sde: bool,
-        noise: torch.Tensor | None = None,
-        next_sample: torch.Tensor | None = None,
-    ) -> StepOutput: ...
-
-    def noiseless_step_error(self, sigmas: torch.Tensor, i: int) -> str: ...
-
-
 def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """[B] fp32: log N(sample; mean, std^2) averaged over non-batch dims."""
     lp = -((sample - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
@@ -69,9 +51,10 @@ def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tenso
     return lp.mean(dim=tuple(range(1, lp.dim())))
 
 
-class GaussianStepStrategy(ABC):
+class SDEStrategy(ABC):
     """One Gaussian step x' ~ N(mean(x, v), std^2) with its log-prob; a subclass gives
-    `mean_and_std` and its registered `name`. Built as `cls(eta)`."""
+    `mean_and_std` (the KL terms read it too: `unirl.algorithms.kl_control`) and its registered
+    `name`. Built as `cls(eta)` by `make_strategy`."""
 
     name: ClassVar[str]
 
@@ -130,7 +113,7 @@ class GaussianStepStrategy(ABC):
         )
 
 
-class FlowSDEStrategy(GaussianStepStrategy):
+class FlowSDEStrategy(SDEStrategy):
     """Flow-GRPO's reverse-time SDE for rectified-flow models.
 
     With sigma = sigmas[i], sigma' = sigmas[i+1], dt = sigma' - sigma < 0:
@@ -175,7 +158,7 @@ class DanceSDEStrategy(FlowSDEStrategy):
         return torch.tensor(self.eta, dtype=torch.float32, device=sigmas.device)
 
 
-class CPSStrategy(GaussianStepStrategy):
+class CPSStrategy(SDEStrategy):
     """Coefficient-preserving sampling (CPS): the next sample keeps the schedule's
     coefficients of x0 and noise, (1 - sigma') and sigma'.
 
