@@ -221,8 +221,24 @@ class DiffusionSamplingParams:
         return self.guidance_scale > 1.0
 
 
+class _TokenTemperature:
+    """What a token sampler reads of its `temperature` (0: greedy)."""
+
+    temperature: float
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logit_temperature(self) -> float:
+        """The divisor of the logits (an image-token rollout's guided logits) in sampling and
+        replay (1 when greedy)."""
+        return self.temperature or 1.0
+
+
 @dataclass
-class TextSamplingParams:
+class TextSamplingParams(_TokenTemperature):
     """How one autoregressive rollout samples.
 
     Attributes:
@@ -258,18 +274,9 @@ class TextSamplingParams:
         self.stop_tokens = list(self.stop_tokens)
         check_fields(self, "sampling.")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def logit_temperature(self) -> float:
-        """The divisor of the logits in sampling and replay (1 when greedy)."""
-        return self.temperature or 1.0
-
 
 @dataclass
-class ImageTokenSamplingParams:
+class ImageTokenSamplingParams(_TokenTemperature):
     """How an autoregressive image-token rollout samples (a unified model's `image` track).
 
     Attributes:
@@ -295,12 +302,3 @@ class ImageTokenSamplingParams:
 
     def __post_init__(self) -> None:
         check_fields(self, "sampling.")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def logit_temperature(self) -> float:
-        """The divisor of the guided logits in sampling and replay (1 when greedy)."""
-        return self.temperature or 1.0
