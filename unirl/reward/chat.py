@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from annotated_types import Ge, Gt
 from PIL import Image
 
-from unirl.reward.http import JsonHttp, check_http_url
+from unirl.reward.http import JsonHttp, check_http_url, env_secret
 from unirl.reward.service import RewardError
 from unirl.types.reward import RewardRequest
 
@@ -144,12 +144,9 @@ class ChatJudge:
             )
         headers = {}
         if api_key_env is not None:
-            key = os.environ.get(api_key_env, "").strip()
-            if not key:
-                raise ValueError(
-                    f"ChatJudge api_key_env={api_key_env!r} names an environment variable that is not set or "
-                    "empty; export the judge server's key, or set api_key_env: null"
-                )
+            key = env_secret(
+                "ChatJudge api_key_env", api_key_env, "export the judge server's key, or set api_key_env: null"
+            )
             headers["Authorization"] = f"Bearer {key}"
         self.url = check_http_url(url, "an OpenAI-style chat server (the part before /v1)")
         self.model, self.question, self.mode = model, question, mode

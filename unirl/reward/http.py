@@ -1,10 +1,12 @@
 """`JsonHttp`: JSON over HTTP(S) with kept-alive connections, timeouts and retries, for the clients
-of a reward service (`RemoteRewardBackend`, `ChatJudge`)."""
+of a reward service (`RemoteRewardBackend`, `ChatJudge`), and the checks of their settings
+(`check_http_url`, `env_secret`)."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +29,15 @@ def check_http_url(url: str, what: str) -> str:
     ):
         raise ValueError(f"url must be http(s)://host:port of {what}, got {url!r}")
     return url.rstrip("/")
+
+
+def env_secret(setting: str, name: str, fix: str) -> str:
+    """The stripped value of the environment variable `name` (a key or token the recipe names by
+    `setting`, e.g. "token_env"); a ValueError ending in `fix` when it is not set or empty."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise ValueError(f"{setting}={name!r} names an environment variable that is not set or empty; {fix}")
+    return value
 
 
 def error_of(raw: bytes) -> str:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt
 
 from unirl.reward.base import RewardBackend
-from unirl.reward.http import JsonHttp, check_http_url, error_of
+from unirl.reward.http import JsonHttp, check_http_url, env_secret, error_of
 from unirl.reward.service import RewardError
 from unirl.reward.wire import WireError, decode_response, encode_request
 from unirl.types.reward import RewardRequest, RewardResponse
@@ -64,12 +63,11 @@ class RemoteRewardBackend(RewardBackend):
             raise ValueError("give the reward server's token by token_env or token_file, not both")
         token = None
         if token_env is not None:
-            token = os.environ.get(token_env, "").strip()
-            if not token:
-                raise ValueError(
-                    f"token_env={token_env!r} names an environment variable that is not set or empty; "
-                    "export it with the reward server's token, or set token_env: null for a server without one"
-                )
+            token = env_secret(
+                "token_env",
+                token_env,
+                "export it with the reward server's token, or set token_env: null for a server without one",
+            )
         if token_file is not None:
             try:
                 with open(token_file) as f:
