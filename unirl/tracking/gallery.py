@@ -332,6 +332,16 @@ def _grid_ncols(n: int, width: int, height: int) -> int:
     return min(cands, key=lambda c: abs(math.log((width / c) / (height / math.ceil(n / c)))))
 
 
+def _read_json_list(path: str) -> list | None:
+    """The JSON list saved in `path`; None when the file cannot be read or holds something else."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return entries if isinstance(entries, list) else None
+
+
 def _section_head(path: str, css: str, label: str, id_prefix: str) -> tuple[int | None, str]:
     """The step of a sample file and its section's opening tags: id `<id_prefix>step-<n>`, heading
     `<label> · Step <n>` (label and prefix empty in a one-run gallery)."""
@@ -379,13 +389,8 @@ def image_section(png: str, label: str = "", id_prefix: str = "") -> str:
     if not os.path.isfile(cap_path):
         notes.append("No captions file for this grid.")
     else:
-        try:
-            with open(cap_path, encoding="utf-8") as f:
-                entries = json.load(f)
-            if not isinstance(entries, list):
-                raise ValueError("not a list")
-        except (OSError, ValueError):
-            entries = None
+        entries = _read_json_list(cap_path)
+        if entries is None:
             notes.append("Captions file could not be read.")
     if entries is not None:
         ncols = _grid_ncols(len(entries), *size) if size is not None else max(1, min(len(entries), 8))
@@ -415,12 +420,8 @@ def text_section(path: str, label: str = "", id_prefix: str = "") -> str:
     """One saved step of a text run: prompt, response and reward of every sample."""
     _, head = _section_head(path, "sample text", label, id_prefix)
     parts = [head]
-    try:
-        with open(path, encoding="utf-8") as f:
-            entries = json.load(f)
-        if not isinstance(entries, list):
-            raise ValueError("not a list")
-    except (OSError, ValueError):
+    entries = _read_json_list(path)
+    if entries is None:
         parts.append('<p class="note">Samples file could not be read.</p></section>')
         return "\n".join(parts)
     trs = []
