@@ -276,3 +276,24 @@ def test_dynamic_sampling_on_a_chained_track_is_refused() -> None:
     found = problems(*dapo)
     assert any(p.startswith("tracks.ar.algorithm.config.dynamic_sampling=true: DAPO") for p in found)
     validate_recipe(recipe(*dapo, "+tracks.ar.algorithm.config.dynamic_sampling=false"))
+
+
+def test_one_eval_config_with_a_chains_keys() -> None:
+    """`eval` is one `EvalConfig` for every kind: a chain must say how its root decodes, and with
+    `use_ema` every trained track must keep an EMA; a single track's eval takes none of a chain's
+    keys."""
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        chain = compose("pe/shapes_pe_grpo", overrides=["~eval.text_sampling", "+eval.use_ema=true"])
+        single = compose("llm/arith_grpo_smoke", overrides=["+eval.intent_key=canonical", "+eval.references=false"])
+    with pytest.raises(ConfigError) as info:
+        validate_recipe(chain)
+    found = info.value.problems
+    assert any(p.startswith("eval.text_sampling: missing; a chain's evaluation decodes its root") for p in found)
+    ema = [p for p in found if p.startswith("eval.use_ema=true")]  # the diffusion track is frozen
+    assert len(ema) == 1 and "but tracks.ar.train.ema is null" in ema[0]
+    with pytest.raises(ConfigError) as info:
+        validate_recipe(single)
+    assert sorted(p.split(":")[0] for p in info.value.problems if "a chain's key" in p) == [
+        "eval.intent_key",
+        "eval.references",
+    ]

@@ -113,7 +113,7 @@ def test_every_tensor_of_a_worker_is_on_its_device(tmp_path, device, case):
     assert worker.backend.optimizer_steps == 2
     assert not off_device(worker_tensors(worker), want)
 
-    eval_media = group.sample_eval(req, True)  # EMA weights swapped in; media reaches the driver on CPU
+    eval_media = group.sample_eval(req, None, "rewrite", True)  # EMA weights swapped in; media reaches the driver on CPU
     assert eval_media.device.type == "cpu" and eval_media.dtype == torch.uint8
     assert not off_device(worker_tensors(worker), want)
 

@@ -90,7 +90,7 @@ def test_evaluation_runs_at_its_own_size():
     from unirl.models.flow.stage import FlowMatchingStage
     from unirl.models.sd3 import SD3ModelConfig
     from unirl.rollout.trainside import TrainsideEngine
-    from unirl.trainer.evaluation import EvalSampling
+    from unirl.trainer.evaluation import EvalSampling, Evaluator
 
     bundle = SD3ModelConfig(
         tiny={"resolution": 32, "pixel_space": True, "patch_size": 4, "num_layers": 1, "clip_max_length": 8}
@@ -110,11 +110,11 @@ def test_evaluation_runs_at_its_own_size():
             seen["images"] = tuple(images.shape)
             return {"n": float(len(prompts))}
 
-    cfg = EvalSampling(num_steps=2, height=32, width=32)
-    assert mod.evaluate(sample, EXAMPLES, Shapes(), cfg) == {"n": 2.0}
+    evaluator = Evaluator(EXAMPLES, Shapes(), EvalSampling(num_steps=2, height=32, width=32))
+    assert evaluator.run(sample, mod) == {"n": 2.0}
     assert seen["images"] == (2, 3, 32, 32) and seen["size"] == (32, 32)
     assert torch.equal(seen["sigmas"], sigmas_for(replace(sp, height=32, width=32, eta=0.0), 64))
-    mod.evaluate(sample, EXAMPLES, Shapes(), EvalSampling(num_steps=2))  # null: the rollouts' size
+    Evaluator(EXAMPLES, Shapes(), EvalSampling(num_steps=2)).run(sample, mod)  # null: the rollouts' size
     assert seen["images"] == (2, 3, 16, 16)
     with pytest.raises(ValueError, match="eval.sampling.height must be >= 1"):
         EvalSampling(height=0)

@@ -10,7 +10,7 @@ mechanism as every component config (`unirl.config.schema.check_node`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from unirl.sync.config import WeightSyncConfig
@@ -161,18 +161,78 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
-    """`eval`: held-out evaluation every `every_n_steps` steps (0: none), from the EMA
-    weights when `use_ema`. `examples`, `scorer` and `sampling` are `_target_` nodes."""
+    """`eval` of every kind of run (run by `unirl.trainer.evaluation.Evaluator`): held-out
+    evaluation every `every_n_steps` steps (0: none) and at the end, from the EMA weights when
+    `use_ema`. `examples`, `scorer` and `sampling` are `_target_` nodes.
+
+    Attributes:
+        examples: held-out prompts (a list of `PromptExample`s, or a dataset holding them in
+            `.examples`).
+        scorer: a single track's: an image scorer (`evaluate(images, prompts) -> dict`) or a text
+            reward scorer (1 = right); a chain's: the image scorer of its leaf's images.
+        sampling: how the leaf samples (`EvalSampling`: diffusion; `TextEvalSampling`: text;
+            a shared backbone's image: `ImageTokenSamplingParams`).
+        every_n_steps, use_ema: when, and from which weights (every trained track's EMA).
+        text_sampling: a chain's: how its root decodes (`TextEvalSampling`; greedy is used);
+            null for a single track.
+        intent_key: a chain's: the metadata key of the scene the user asked for (scored against).
+        rewrite_scorer: a chain's: an optional text scorer of the root's greedy rewrites.
+        group_by: a chain's: metadata keys to break the strict accuracy down by.
+        references: a chain's: also measure the floor and the ceiling at step 0.
+    """
 
     examples: Any
     scorer: Any
     sampling: Any
     every_n_steps: int = 0
     use_ema: bool = False
+    text_sampling: Any = None
+    intent_key: str = "canonical"
+    rewrite_scorer: Any = None
+    group_by: list[str] = field(default_factory=list)
+    references: bool = True
+
+    CHAIN_KEYS: ClassVar[tuple[str, ...]] = ("text_sampling", "intent_key", "rewrite_scorer", "group_by", "references")
 
     def __post_init__(self) -> None:
+        self.group_by = list(self.group_by)
         _at_least("eval.", "every_n_steps", self.every_n_steps, 0)
-        _components("eval.", self, ("examples", "scorer", "sampling"))
+        _components("eval.", self, ("examples", "scorer", "sampling"), ("text_sampling", "rewrite_scorer"))
+
+
+def check_eval_keys(cfg: Any, chain: bool, problems: list[str]) -> None:
+    """A chain's `eval` names how its root decodes (`eval.text_sampling`) and, with `use_ema`,
+    every trained track keeps an EMA (the shared `train.ema` of a backbone, else each
+    `tracks.<name>.train.ema`); a single track's sets none of the chain's keys
+    (`EvalConfig.CHAIN_KEYS`; its own EMA rule is a track rule)."""
+    ev = cfg.get("eval")
+    if ev is None or not hasattr(ev, "keys"):
+        return
+    if chain and ev.get("text_sampling") is None:
+        problems.append(
+            "eval.text_sampling: missing; a chain's evaluation decodes its root greedily with it "
+            "(_target_: unirl.trainer.text_eval.TextEvalSampling)"
+        )
+    if chain and ev.get("use_ema") is True:
+        tracks = cfg.get("tracks") if hasattr(cfg.get("tracks"), "items") else {}
+        trains = {"train": cfg.get("train")} if cfg.get("train") is not None else {
+            f"tracks.{name}.train": node.get("train")
+            for name, node in tracks.items()
+            if hasattr(node, "get") and node.get("trained", True) is not False
+        }
+        problems.extend(
+            f"eval.use_ema=true evaluates every trained track's EMA weights, but {key}.ema is null; set "
+            "it to {_target_: unirl.train.ema.EMAConfig, decay: 0.999} or eval.use_ema: false"
+            for key, train in trains.items()
+            if hasattr(train, "get") and train.get("ema") is None
+        )
+    if not chain:
+        problems.extend(
+            f"eval.{key}: a chain's key (the root's rewrites feed the leaf); a single track's eval takes "
+            "examples, scorer, sampling, every_n_steps and use_ema"
+            for key in EvalConfig.CHAIN_KEYS
+            if key in ev
+        )
 
 
 @dataclass

@@ -52,12 +52,11 @@ def chain_sections(
     cfg: DictConfig, top: type, track: type, shared: dict[str, type], own: dict[str, type]
 ) -> dict[str, type]:
     """The plain sections of a recipe with tracks: its `top` level, checkpoint, logging, a chain's
-    evaluation (`ComposedEvalConfig`), the `shared` sections (a backbone's `train`), every
+    evaluation (`EvalConfig`), the `shared` sections (a backbone's `train`), every
     `tracks.<name>` node as `track`, and each of a track's `own` sections it sets."""
-    from unirl.config.run import CheckpointConfig, LoggingConfig
-    from unirl.trainer.composed_eval import ComposedEvalConfig  # its consumer's schema
+    from unirl.config.run import CheckpointConfig, EvalConfig, LoggingConfig
 
-    sections = {"": top, "checkpoint": CheckpointConfig, "logging": LoggingConfig, "eval": ComposedEvalConfig}
+    sections = {"": top, "checkpoint": CheckpointConfig, "logging": LoggingConfig, "eval": EvalConfig}
     sections |= shared
     tracks = cfg.get("tracks")
     if isinstance(tracks, DictConfig):

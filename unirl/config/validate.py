@@ -42,7 +42,7 @@ from unirl.config.engines import check_rollout
 from unirl.config.geometry import check_training_guidance
 from unirl.config.modality import check_entry_point, check_eval_sampling, check_modality, modality_of
 from unirl.config.references import check_conditions, check_model_path, check_prompt_keys, check_tracking
-from unirl.config.run import RL_SECTIONS, SFT_SECTIONS
+from unirl.config.run import RL_SECTIONS, SFT_SECTIONS, check_eval_keys
 from unirl.config.supervised import check_demonstrations
 from unirl.config.track import TrackCheck, check_track, own_group
 from unirl.config.tree import ConfigError, check_recipe, target_class
@@ -151,6 +151,7 @@ def validate_recipe(
         raise ConfigError([missing])
     problems: list[str] = []
     passed = check_recipe(cfg, shape.sections(cfg), problems)
+    check_eval_keys(cfg, kind != "single", problems)
     check_transport(cfg, problems)
     tracks = shape.tracks(cfg, passed, problems)
     if expect is not None and kind == "single":

@@ -1,23 +1,27 @@
-"""Deterministic evaluation of a diffusion model on held-out prompts. A causal LM's held-out
-evaluation is `text_eval.py`; each modality (`modality.py`) builds its own eval requests, and
-`unirl.evaluate` scores a checkpoint with either.
+"""Deterministic evaluation on held-out prompts: `Evaluator`, the one evaluation of every kind of
+run (a single track, a chain of tracks, a shared backbone's), and the image side's parts.
 
-Sampling is an ODE (eta = 0) from fixed per-sample seeds, so the same weights
-always give the same images and the same numbers; a scorer's `evaluate(images,
-prompts) -> dict[str, float]` turns them into accuracies.
+Sampling is deterministic: images are an ODE (eta = 0) from fixed per-sample seeds, a chain's
+root decodes greedily, a text track's pass@k draws from fixed seeds; the same weights always
+give the same numbers. A scorer's `evaluate(images, prompts) -> dict[str, float]` turns images
+into accuracies; a text track's accuracies are `unirl.trainer.text_eval.text_accuracies`.
+`unirl.evaluate` scores a checkpoint's bundle with the same requests (`BundleEvaluator`,
+`text_eval.LMEvaluator`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from omegaconf import OmegaConf
 
 from unirl.models.flow.stage import FlowMatchingStage
 from unirl.models.stage import DiffusionStage
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
+from unirl.trainer.text_eval import TextEvalSampling, eval_requests, text_accuracies
 from unirl.types.constraints import AtLeastOne, check_fields
 from unirl.types.reward import RewardRequest
 from unirl.types.rollout_req import PromptExample, RolloutReq
@@ -157,4 +161,136 @@ class RewardScorer:
                 idx = [i for i, p in enumerate(prompts) if self.sources.get(p) == source]
                 if idx:
                     out[f"{name}/{source}"] = float(scores[idx].mean())
+        return out
+
+
+FEEDS = {"rewrite": "", "user": "floor/", "canonical": "ceiling/"}
+
+
+class Evaluator:
+    """The held-out evaluation of a run (its `eval`, `unirl.config.run.EvalConfig`): the examples
+    sampled deterministically through the run's tracks on the workers, the leaf's output scored.
+
+    `run(sample, leaf, references)` asks the driver's `sample` for the workers' outputs:
+    - a single track (`chain` None): `sample(req)` -> its [n, 3, H, W] uint8 images or n texts.
+      An image track's keys are its scorer's `evaluate(images, prompts)` of the ODE images of
+      every example x `sampling.samples_per_prompt` (at `sampling`'s size, if set; `leaf` is the
+      track's `ImageModality`: its rollouts' sampling and the model's pixels per token); a text
+      track's are greedy exact match and pass@k (`text_eval.text_accuracies`).
+    - a chain (`chain` = (leaf track, its evaluation sampling)): user prompts -> the root's greedy
+      texts -> the leaf's images, `sample(req, samplings, feed)` -> (root texts, leaf images).
+      Keys: the scorer's `evaluate(images, intents)` (the intent of an image is its user prompt's
+      `metadata[intent_key]`: the scene the user asked for), `accuracy_strict/<key>=<value>` per
+      `group_by` key, `rewrite/accuracy` (and per group) when a `rewrite_scorer` (a text reward
+      scorer, 1 = right) judges the root's texts, and with `references` (the step-0 row) the same
+      keys under `floor/` (the user prompt fed straight to the leaf) and `ceiling/` (the intent
+      fed to it).
+    """
+
+    def __init__(
+        self,
+        examples: list[PromptExample],
+        scorer: Any,
+        sampling: Any,
+        use_ema: bool = False,
+        chain: tuple[str, Any] | None = None,
+        text_sampling: TextEvalSampling | None = None,
+        intent_key: str = "canonical",
+        rewrite_scorer: Any = None,
+        group_by: list[str] | None = None,
+        references: bool = True,
+    ) -> None:
+        self.examples = examples
+        self.scorer = scorer
+        self.sampling = sampling
+        self.use_ema = use_ema
+        self.chain = chain
+        self.text_sampling = text_sampling
+        self.intent_key = intent_key
+        self.rewrite_scorer = rewrite_scorer
+        self.group_by = list(group_by or [])
+        self.references = references
+        missing = [ex.prompt_id for ex in examples if intent_key not in ex.metadata]
+        if chain is not None and missing:
+            raise ValueError(
+                f"eval.examples: {len(missing)} example(s) lack metadata[{intent_key!r}] (eval.intent_key), "
+                f"e.g. {missing[:3]}"
+            )
+
+    @classmethod
+    def from_config(cls, node: Any, leaf: str | None = None, leaf_sampling: Any = None) -> Evaluator:
+        """Build from a recipe's `eval` node. A chain names its `leaf` track: its evaluation
+        sampling is `eval.sampling` over `leaf_sampling` (a diffusion leaf's sampling params: seeded
+        Euler ODE steps, `eval_params`), or `eval.sampling` itself (None: a shared backbone's
+        `ImageTokenSamplingParams`). A single track (`leaf` None) samples with `eval.sampling`."""
+        from unirl.trainer.worker import build
+
+        ev = OmegaConf.to_container(node, resolve=True)  # validated: `unirl.config.run.EvalConfig`
+        examples, sampling = build(ev["examples"]), build(ev["sampling"])
+        chain = None
+        if leaf is not None:
+            chain = (leaf, sampling if leaf_sampling is None else eval_params(leaf_sampling, sampling))
+        return cls(
+            list(getattr(examples, "examples", examples)),
+            build(ev["scorer"]),
+            sampling,
+            bool(ev.get("use_ema", False)),
+            chain,
+            build(ev.get("text_sampling")),
+            ev.get("intent_key", "canonical"),
+            build(ev.get("rewrite_scorer")),
+            ev.get("group_by", []),
+            bool(ev.get("references", True)),
+        )
+
+    def run(self, sample, leaf: Any = None, references: bool = False) -> dict[str, float]:
+        """The metrics of the class docstring (the driver prefixes `eval/`)."""
+        if self.chain is not None:
+            return self._chain(sample, references)
+        if isinstance(self.sampling, TextEvalSampling):
+            reqs = eval_requests(self.examples, self.sampling)
+            texts = {name: sample(req) for name, req in reqs.items()}
+            return text_accuracies(reqs, texts, self.examples, self.scorer, self.sampling)
+        req = eval_request(self.examples, leaf.sampling, self.sampling, leaf.cell)
+        return self.scorer.evaluate(sample(req), req.prompts)
+
+    def _groups(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for key in self.group_by:
+            for i, ex in enumerate(self.examples):
+                out.setdefault(f"{key}={ex.metadata.get(key)}", []).append(i)
+        return out
+
+    def _chain(self, sample, references: bool) -> dict[str, float]:
+        req = RolloutReq.from_prompts(self.examples, self.text_sampling.params(0.0, 1), None, rollout_id=0)
+        intents = [m[self.intent_key] for m in req.metadata]
+        groups = self._groups()
+        leaf, leaf_sampling = self.chain
+        out: dict[str, float] = {}
+        feeds = ["rewrite"] + (["user", "canonical"] if references and self.references else [])
+        for feed in feeds:
+            prefix = FEEDS[feed]
+            texts, images = sample(req, {leaf: leaf_sampling}, feed)
+            per = images.shape[0] // len(req)
+            wanted = [x for x in intents for _ in range(per)]
+            out.update({prefix + k: v for k, v in self.scorer.evaluate(images, wanted).items()})
+            for name, idx in groups.items():
+                rows = [i * per + j for i in idx for j in range(per)]
+                part = self.scorer.evaluate(images[torch.tensor(rows)], [wanted[r] for r in rows])
+                out[f"{prefix}accuracy_strict/{name}"] = part["accuracy_strict"]
+            if feed == "rewrite" and self.rewrite_scorer is not None:
+                right = (
+                    self.rewrite_scorer(
+                        RewardRequest(
+                            sample_ids=list(req.sample_ids),
+                            prompts=list(req.prompts),
+                            texts=texts,
+                            metadata=req.metadata,
+                        )
+                    )
+                    > 0.5
+                )
+                out["rewrite/accuracy"] = right.float().mean().item()
+                for name, idx in groups.items():
+                    out[f"rewrite/accuracy/{name}"] = right[torch.tensor(idx)].float().mean().item()
         return out

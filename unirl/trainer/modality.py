@@ -1,15 +1,14 @@
 """What the driver knows about a track's modality, so one driver loop serves images and text.
 
-A modality answers four questions for the `Trainer`: how to turn a batch of
+A modality answers three questions for the `Trainer`: how to turn a batch of
 prompts into a `RolloutReq` (diffusion pins a sigma schedule for the model's
 image geometry; text needs none), which fields of a rollout the driver fetches
-to score it (images, or the decoded texts and the token segment), how to
+to score it (images, or the decoded texts and the token segment), and how to
 keep a step's samples for people to look at (an image grid, or a JSON list of
-prompts and responses; both appear in the gallery), and how to evaluate on
-held-out prompts (`evaluate(sample, examples, scorer, eval_sampling)`, where
-`sample(req)` returns the workers' images or texts for a request). The modality follows from
-the recipe's sampling params (`modality_for`); the workers and the model
-family decide everything else.
+prompts and responses; both appear in the gallery). An image track's modality also tells the
+evaluation (`unirl.trainer.evaluation.Evaluator`) its rollouts' sampling and the model's
+pixels per token (`cell`). The modality follows from the recipe's sampling params
+(`modality_for`); the workers and the model family decide everything else.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from typing import Any, ClassVar
 
 from unirl.sde.schedules import sigmas_for
 from unirl.tracking.metrics import save_image_grid
-from unirl.trainer.evaluation import EvalSampling, eval_request
-from unirl.trainer.text_eval import TextEvalSampling, eval_requests, text_accuracies
 from unirl.types.rollout_req import PromptExample, RolloutReq
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
@@ -54,12 +51,6 @@ class ImageModality:
         """`<stem>.png` (the grid) and `<stem>.json` (prompts and rewards)."""
         save_image_grid(track.media, path_stem + ".png", track.prompts, track.rewards.tolist())
 
-    def evaluate(self, sample, examples: list[PromptExample], scorer, cfg: EvalSampling) -> dict[str, float]:
-        """Deterministic ODE images of the examples (at `cfg`'s size, if set), scored by
-        `scorer.evaluate(images, prompts)`."""
-        req = eval_request(examples, self.sampling, cfg, self.cell)
-        return scorer.evaluate(sample(req), req.prompts)
-
 
 class TextModality:
     """Autoregressive tracks: requests carry only the prompts and the text sampling params."""
@@ -83,13 +74,6 @@ class TextModality:
         ]
         with open(path_stem + ".json", "w") as f:
             json.dump(rows, f, indent=1)
-
-    def evaluate(
-        self, sample, examples: list[PromptExample], scorer, cfg: TextEvalSampling
-    ) -> dict[str, float]:
-        """Greedy exact match and pass@k of the examples (`unirl.trainer.text_eval`)."""
-        reqs = eval_requests(examples, cfg)
-        return text_accuracies(reqs, {name: sample(req) for name, req in reqs.items()}, examples, scorer, cfg)
 
 
 MODALITIES = {DiffusionSamplingParams: ImageModality, TextSamplingParams: TextModality}

@@ -29,7 +29,6 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,9 +54,9 @@ from unirl.trainer.checkpoints import (
     saves_base_model,
     write_driver_state,
 )
-from unirl.trainer.composed_eval import ComposedEval
 from unirl.trainer.engine_worker import EngineWorker
 from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, TrainsideRollouts
+from unirl.trainer.evaluation import Evaluator
 from unirl.trainer.graph import LINEAGE_FIELDS, PARENT_FIELDS, RunGraph, aggregate_children, track_recipe
 from unirl.trainer.modality import ImageModality, TextModality, modality_for
 from unirl.trainer.step_record import StepRecord
@@ -95,27 +94,6 @@ class TrainingError(RuntimeError):
 def labelled(what: str, name: str | None) -> str:
     """A phase's name in errors: `what`, or `what (<track>)` for a named track or engine."""
     return what if name is None else f"{what} ({name})"
-
-
-@dataclass
-class PolicyEval:
-    """A single-track run's held-out evaluation (`eval`): its examples, scorer and sampling,
-    and whether it samples the EMA weights."""
-
-    examples: list
-    scorer: Any
-    sampling: Any
-    use_ema: bool
-
-    @classmethod
-    def from_config(cls, node: Any) -> PolicyEval:
-        examples = build(node.examples)
-        return cls(
-            list(getattr(examples, "examples", examples)),
-            build(node.scorer),
-            build(node.sampling),
-            bool(node.get("use_ema", False)),
-        )
 
 
 class Trainer:
@@ -169,12 +147,13 @@ class Trainer:
     worker_class: type = RLWorker  # a train rank, of every kind of run
     engine_class: type = EngineWorker  # a dedicated engine's actor (a shared backbone's: `UnifiedEngineWorker`)
 
-    def _evaluator(self, ev: DictConfig) -> PolicyEval | ComposedEval:
-        """A single track's evaluation of its policy, or a chain's of prompt -> rewrite -> image."""
+    def _evaluator(self, ev: DictConfig) -> Evaluator:
+        """The run's evaluation: a single track's of its policy, or a chain's of prompt -> rewrite
+        -> image (its leaf's evaluation sampling over the leaf's own; a shared backbone's as given)."""
         if self.graph.single:
-            return PolicyEval.from_config(ev)
+            return Evaluator.from_config(ev)
         leaf = self.graph.leaf
-        return ComposedEval.from_config(ev, leaf, None if self.graph.shared else self.graph.tracks[leaf].sampling)
+        return Evaluator.from_config(ev, leaf, None if self.graph.shared else self.graph.tracks[leaf].sampling)
 
     def _base_models(self) -> str | dict[str, str]:
         """The directory exports load onto: the model's `pretrained_path`, or where a tiny model's
@@ -406,40 +385,30 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation and samples
 
     def _evaluate(self, group, step: int, references: bool = False) -> dict[str, float]:
-        """`eval/...` on the held-out prompts, sampled deterministically on the workers: a single
-        track's accuracies (from the EMA weights with `eval.use_ema`), scored as its modality says;
-        a chain's composed accuracies (`ComposedEval`; with `references`, the floor and the
-        ceiling: the user prompt and the canonical prompt fed straight to the image model)."""
+        """`eval/...` on the held-out prompts (`Evaluator`), sampled deterministically on the
+        workers (from every trained track's EMA weights with `eval.use_ema`); with `references`, a
+        chain's floor and ceiling too (the user prompt and the canonical prompt fed straight to the
+        image model)."""
+        world = int(self.cfg.num_devices)
         if self.graph.single:
-            world = int(self.cfg.num_devices) // sequence_parallel_degree(self.cfg)  # sample shards
-        else:
-            world = int(self.cfg.num_devices)
+            world //= sequence_parallel_degree(self.cfg)  # sample shards
+        ev = self.evaluator
 
         def pad(req):  # with copies of the last sample, so every rank gets the same count
             n = len(req)
             return req.select(list(range(n)) + [n - 1] * (world - n % world)) if n % world else req
 
-        ev = self.evaluator
-        if self.graph.single:
+        def sample(req, samplings=None, feed="rewrite"):
+            n = len(req)
+            parts = self._call(group, "sample_eval", step, pad(req), samplings, feed, ev.use_ema)
+            if ev.chain is None:  # a single track's images, or texts: one list per rank
+                flat = [t for part in parts for t in part] if isinstance(parts, list) else parts
+                return flat[:n]
+            texts = [t for p in parts for t in p["texts"]][:n]
+            per = len(parts[0]["images"]) // len(parts[0]["texts"])
+            return texts, torch.cat([p["images"] for p in parts])[: n * per]
 
-            def sample(req):
-                out = self._call(group, "sample_eval", step, pad(req), ev.use_ema)
-                if isinstance(out, list):  # texts: one list per rank
-                    out = [t for part in out for t in part]
-                return out[: len(req)]
-
-            metrics = self.modalities[None].evaluate(sample, ev.examples, ev.scorer, ev.sampling)
-        else:
-
-            def sample(req, samplings, feed):
-                n = len(req)
-                parts = self._call(group, "sample_chain", step, pad(req), samplings, feed)
-                texts = [t for p in parts for t in p["texts"]][:n]
-                per = len(parts[0]["images"]) // len(parts[0]["texts"])
-                images = torch.cat([p["images"] for p in parts])[: n * per]
-                return texts, images
-
-            metrics = ev.run(sample, references)
+        metrics = ev.run(sample, self.modalities.get(None), references)
         return {f"eval/{k}": v for k, v in metrics.items()}
 
     def _save_samples(self, views: dict[str | None, RolloutTrack], stem: str) -> None:

@@ -167,8 +167,8 @@ class TrackParts:
     """One track on one worker: its bundle and stage, and when trained its backend, algorithm and
     stack (None for a frozen track); the engine that samples its training rollouts here
     (`sampler`) and, in a single-track run, the one that samples its evaluations (`eval_sampler`:
-    the policy on this module; a composed run evaluates through its chain, `sample_chain`); PPO's colocated critic; whether its rollouts record the reference policy's token
-    log-probs (`kl_in_reward`) or sample the EMA weights, and whether the Adam moments leave the
+    the policy on this module; a chain evaluates through its engine, `RLWorker.sample_eval`);
+    PPO's colocated critic; whether its rollouts record the reference policy's token log-probs (`kl_in_reward`) or sample the EMA weights, and whether the Adam moments leave the
     device while it samples."""
 
     name: str
@@ -565,34 +565,39 @@ class RLWorker(ProcessWorker):
                 kept.clear()
 
     @dispatch(Dispatch.DP_SCATTER)
-    def sample_eval(self, req: RolloutReq, use_ema: bool = False) -> torch.Tensor | list[str]:
-        """This rank's shard of a single-track evaluation request: [n, 3, H, W] uint8 images
-        (CPU) or n response texts, from the EMA weights when `use_ema` (restored after)."""
-        parts = self.track(None)
-        with parts.backend.ema_weights() if use_ema else contextlib.nullcontext():
-            sampled = parts.eval_sampler.generate(req).track(parts.eval_sampler.track_name)
-        return sampled.media.cpu() if sampled.media is not None else list(sampled.texts)
+    def sample_eval(
+        self, req: RolloutReq, samplings: dict | None = None, feed: str = "rewrite", use_ema: bool = False
+    ) -> torch.Tensor | list[str] | dict[str, Any]:
+        """This rank's shard of an evaluation request (`unirl.trainer.evaluation.Evaluator`), from
+        every trained track's EMA weights when `use_ema` (restored after).
 
-    @dispatch(Dispatch.DP_SCATTER)
-    def sample_chain(self, req: RolloutReq, samplings: dict, feed: str = "rewrite") -> dict[str, Any]:
-        """This rank's shard of a composed evaluation: the root texts and the leaf's images ([n, 3,
-        H, W] uint8 on the CPU) of the deterministic request `req` with the child `samplings`.
-        `feed`: what the image model renders: "rewrite" (the root stage's texts), "user" (the
-        user prompt itself, without a closing full stop: the floor) or "canonical"
-        (`metadata["canonical"]`: the ceiling). A shared backbone's: `_sample_backbone`."""
-        if self.backbone is not None:
-            return self._sample_backbone(req, samplings, feed)
-        root = self.engine.tracks[0]
-        override = None
-        if feed == "user":  # as written, less surrounding blanks and a closing full stop (not content)
-            override = {root: [p.strip().removesuffix(".").strip() for p in req.prompts]}
-        elif feed == "canonical":
-            override = {root: [m["canonical"] for m in req.metadata]}
-        elif feed != "rewrite":
-            raise ValueError(f"feed must be rewrite, user or canonical, got {feed!r}")
-        resp = self.engine.generate(req, samplings=samplings, texts_override=override)
-        leaf = resp.track(self.engine.tracks[-1])
-        return {"texts": list(resp.track(root).texts), "images": leaf.media.cpu()}
+        A single track: [n, 3, H, W] uint8 images (CPU) or n response texts. A chain: the root
+        texts and the leaf's images ({"texts", "images"}) of the deterministic request `req` with
+        the child `samplings`; `feed` is what the image model renders: "rewrite" (the root's
+        texts), "user" (the user prompt itself, without a closing full stop: the floor) or
+        "canonical" (`metadata["canonical"]`: the ceiling). A shared backbone's: `_sample_backbone`."""
+        with contextlib.ExitStack() as weights:
+            if use_ema:  # a shared backbone's tracks share one backend
+                trained = {id(p.backend): p.backend for p in self.tracks.values() if p.backend is not None}
+                for backend in trained.values():
+                    weights.enter_context(backend.ema_weights())
+            if self.backbone is not None:
+                return self._sample_backbone(req, samplings, feed)
+            if not self.composed:
+                parts = self.track(None)
+                sampled = parts.eval_sampler.generate(req).track(parts.eval_sampler.track_name)
+                return sampled.media.cpu() if sampled.media is not None else list(sampled.texts)
+            root = self.engine.tracks[0]
+            override = None
+            if feed == "user":  # as written, less surrounding blanks and a closing full stop (not content)
+                override = {root: [p.strip().removesuffix(".").strip() for p in req.prompts]}
+            elif feed == "canonical":
+                override = {root: [m["canonical"] for m in req.metadata]}
+            elif feed != "rewrite":
+                raise ValueError(f"feed must be rewrite, user or canonical, got {feed!r}")
+            resp = self.engine.generate(req, samplings=samplings, texts_override=override)
+            leaf = resp.track(self.engine.tracks[-1])
+            return {"texts": list(resp.track(root).texts), "images": leaf.media.cpu()}
 
     def _sample_backbone(self, req: RolloutReq, samplings: dict, feed: str) -> dict[str, Any]:
         """A shared backbone's evaluation shard: the plans and the images ([n, 3, H, W] uint8 on
