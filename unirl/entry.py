@@ -6,20 +6,25 @@ model) or a unified run (`tracks.<name>` sharing the recipe's one `model`: Janus
 segments). `run` validates a recipe (`unirl.config.validate.validate_recipe`, one validator
 walking every kind's tracks) before any Ray work and runs the
 one `Trainer` (`unirl.trainer.trainer`), which sees every kind as a graph of tracks.
-`python -m unirl.train` runs any recipe (the kind read from the recipe); the four names users know pass the kind (and a single-track run's modality) they expect:
-`unirl.train_diffusion` and `unirl.train_vlm` (single-track, diffusion / text), `unirl.train_pe`
-(composed) and `unirl.train_unified_model` (unified). A supervised recipe (an `sft` node) runs
-`unirl.train_sft`'s loop in this process.
+`python -m unirl.train` runs any recipe (the kind read from the recipe); the four names users
+know are the same function (`entry_point`) with the kind (and a single-track run's modality)
+they expect: `unirl.train_diffusion` and `unirl.train_vlm` (single-track, diffusion / text),
+`unirl.train_pe` (composed) and `unirl.train_unified_model` (unified). A supervised recipe (an
+`sft` node) runs `unirl.train_sft`'s loop in this process.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
+import hydra
 from omegaconf import DictConfig
 
 from unirl.config.validate import ConfigError, recipe_kind, validate_recipe
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")  # the recipes
 
 
 def run(cfg: DictConfig, kind: str | None = None, modality: str | None = None) -> None:
@@ -34,9 +39,16 @@ def run(cfg: DictConfig, kind: str | None = None, modality: str | None = None) -
     validate_then_run(cfg, lambda c: validate_recipe(c, kind, expect=modality))
 
 
-def run_recipe(cfg: DictConfig, expect: str) -> None:
-    """A single-track recipe of modality `expect` ("diffusion" or "text")."""
-    run(cfg, "single", expect)
+def entry_point(kind: str | None = None, modality: str | None = None) -> Callable[[], None]:
+    """The `main` of an entry point: Hydra composes `--config-name=<domain>/<recipe>` from
+    `examples/` with the command line's overrides (`--cfg job --resolve` prints the recipe and
+    exits), then `run(cfg, kind, modality)`."""
+
+    @hydra.main(config_path=EXAMPLES, config_name=None, version_base=None)
+    def main(cfg: DictConfig) -> None:
+        run(cfg, kind, modality)
+
+    return main
 
 
 def validate_then_run(cfg: DictConfig, validate: Callable[[DictConfig], None]) -> None:

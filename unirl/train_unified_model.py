@@ -10,16 +10,9 @@ recipe before any Ray work (exit 2 listing every problem), then runs
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig
+from unirl.entry import entry_point
 
-from unirl.entry import run
-
-
-@hydra.main(config_path="../examples", config_name=None, version_base=None)
-def main(cfg: DictConfig) -> None:
-    run(cfg, "unified")
-
+main = entry_point("unified")
 
 if __name__ == "__main__":
     main()

@@ -9,16 +9,9 @@ exits without validating or starting Ray.
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig
+from unirl.entry import entry_point
 
-from unirl.entry import run_recipe
-
-
-@hydra.main(config_path="../examples", config_name=None, version_base=None)
-def main(cfg: DictConfig) -> None:
-    run_recipe(cfg, expect="text")
-
+main = entry_point("single", "text")
 
 if __name__ == "__main__":
     main()

@@ -9,16 +9,9 @@ the same function with the kind (and modality) they expect.
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig
+from unirl.entry import entry_point
 
-from unirl.entry import run
-
-
-@hydra.main(config_path="../../examples", config_name=None, version_base=None)
-def main(cfg: DictConfig) -> None:
-    run(cfg)
-
+main = entry_point()
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ into accuracies; a text track's accuracies are `unirl.trainer.text_eval.text_acc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -167,6 +167,7 @@ class RewardScorer:
 FEEDS = {"rewrite": "", "user": "floor/", "canonical": "ceiling/"}
 
 
+@dataclass
 class Evaluator:
     """The held-out evaluation of a run (its `eval`, `unirl.config.run.EvalConfig`): the examples
     sampled deterministically through the run's tracks on the workers, the leaf's output scored.
@@ -187,33 +188,23 @@ class Evaluator:
       fed to it).
     """
 
-    def __init__(
-        self,
-        examples: list[PromptExample],
-        scorer: Any,
-        sampling: Any,
-        use_ema: bool = False,
-        chain: tuple[str, Any] | None = None,
-        text_sampling: TextEvalSampling | None = None,
-        intent_key: str = "canonical",
-        rewrite_scorer: Any = None,
-        group_by: list[str] | None = None,
-        references: bool = True,
-    ) -> None:
-        self.examples = examples
-        self.scorer = scorer
-        self.sampling = sampling
-        self.use_ema = use_ema
-        self.chain = chain
-        self.text_sampling = text_sampling
-        self.intent_key = intent_key
-        self.rewrite_scorer = rewrite_scorer
-        self.group_by = list(group_by or [])
-        self.references = references
-        missing = [ex.prompt_id for ex in examples if intent_key not in ex.metadata]
-        if chain is not None and missing:
+    examples: list[PromptExample]
+    scorer: Any
+    sampling: Any
+    use_ema: bool = False
+    chain: tuple[str, Any] | None = None
+    text_sampling: TextEvalSampling | None = None
+    intent_key: str = "canonical"
+    rewrite_scorer: Any = None
+    group_by: list[str] = field(default_factory=list)
+    references: bool = True
+
+    def __post_init__(self) -> None:
+        self.group_by = list(self.group_by)
+        missing = [ex.prompt_id for ex in self.examples if self.intent_key not in ex.metadata]
+        if self.chain is not None and missing:
             raise ValueError(
-                f"eval.examples: {len(missing)} example(s) lack metadata[{intent_key!r}] (eval.intent_key), "
+                f"eval.examples: {len(missing)} example(s) lack metadata[{self.intent_key!r}] (eval.intent_key), "
                 f"e.g. {missing[:3]}"
             )
 
