@@ -13,17 +13,22 @@ import contextlib
 import json
 import math
 import os
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
+from annotated_types import Ge, Interval
 
 from unirl.train.ema import EMA, EMAConfig
 from unirl.train.fsdp import FSDPConfig, checkpoint_blocks, shard_module, swapped_weights
+from unirl.types.constraints import AtLeastOne, NonNegative, Positive, check_fields
 
-LR_SCHEDULES = ("constant", "linear", "cosine")
+LRSchedule = Literal["constant", "linear", "cosine"]
+LR_SCHEDULES = typing.get_args(LRSchedule)
+NonNegativeInt = Annotated[int, Ge(0)]
 
 
 @dataclass
@@ -32,20 +37,15 @@ class LoRAConfig:
     `modules_to_save` names modules trained whole beside the adapters (peft's key: a
     critic's new value head)."""
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: AtLeastOne = 8
+    alpha: Positive = 16.0
+    dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     init_lora_weights: bool | str = True
     modules_to_save: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"train.lora.rank must be >= 1, got {self.rank}")
-        if not self.alpha > 0:
-            raise ValueError(f"train.lora.alpha must be > 0, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"train.lora.dropout must be in [0, 1), got {self.dropout}")
+        check_fields(self, "train.lora.")
         if not self.target_modules:
             raise ValueError("train.lora.target_modules must name at least one module suffix")
 
@@ -61,32 +61,19 @@ class OptimConfig:
         max_grad_norm: clip the global grad norm; a non-finite norm skips the step.
     """
 
-    lr: float = 3e-4
+    lr: Positive = 3e-4
     betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 1e-4
-    eps: float = 1e-8
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
+    weight_decay: NonNegative = 1e-4
+    eps: Positive = 1e-8
+    lr_schedule: LRSchedule = "constant"
+    warmup_steps: NonNegativeInt = 0
+    max_grad_norm: Positive = 1.0
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(
-                f"train.optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"
-            )
-        if self.lr <= 0:
-            raise ValueError(f"train.optim.lr must be > 0, got {self.lr}")
+        check_fields(self, "train.optim.")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"train.optim.betas must both be in [0, 1), got {list(self.betas)}")
-        if self.weight_decay < 0:
-            raise ValueError(f"train.optim.weight_decay must be >= 0, got {self.weight_decay}")
-        if not self.eps > 0:
-            raise ValueError(f"train.optim.eps must be > 0, got {self.eps}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"train.optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"train.optim.max_grad_norm must be > 0, got {self.max_grad_norm}")
 
 
 def lr_factor(schedule: str, step: int, total_steps: int, warmup_steps: int) -> float:

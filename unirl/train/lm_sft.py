@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from unirl.models.causal_lm.bundle import IGNORE_INDEX, CausalLMBundle, encode_pairs  # noqa: F401 (re-exported)
+from unirl.train.backend import LRSchedule, NonNegativeInt
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
+from unirl.types.constraints import AtLeastOne
 
 
 @dataclass
@@ -28,11 +30,11 @@ class CausalLMSFTConfig(SupervisedConfig):
     """Settings of a supervised causal-LM run: `SupervisedConfig` with batch_size the
     (prompt, completion) pairs per step."""
 
-    num_steps: int = 2000
-    batch_size: int = 64
-    warmup_steps: int = 100
-    lr_schedule: str = "cosine"
-    eval_every: int = 500
+    num_steps: AtLeastOne = 2000
+    batch_size: AtLeastOne = 64
+    warmup_steps: NonNegativeInt = 100
+    lr_schedule: LRSchedule = "cosine"
+    eval_every: NonNegativeInt = 500
 
 
 class TextPairSource(Protocol):

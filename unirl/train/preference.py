@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from unirl.models.flow.family import FlowFamily, training_guidance
 from unirl.sde.schedules import check_sigma_sampling, sample_sigmas
 from unirl.train.sft import export_bundle
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
+from unirl.types.constraints import AtLeastOne, Positive
 
 
 @dataclass
@@ -42,19 +43,16 @@ class OfflineDiffusionDPOConfig(SupervisedConfig):
             (`training_guidance`); 1.0 for a family that trains unguided.
     """
 
-    num_steps: int = 200
-    batch_size: int = 16
-    lr: float = 1e-5
-    checkpoint_every: int = 50
-    log_every: int = 10
-    beta: float = 2000.0
+    num_steps: AtLeastOne = 200
+    batch_size: AtLeastOne = 16
+    lr: Positive = 1e-5
+    checkpoint_every: AtLeastOne = 50
+    log_every: AtLeastOne = 10
+    beta: Positive = 2000.0
     sigma_sampling: str = "logit_normal"
-    shift: float = 1.0
-    max_sequence_length: int = 16
-    guidance_scale: float = 1.0
-
-    AT_LEAST_ONE: ClassVar[tuple[str, ...]] = ("max_sequence_length",)
-    POSITIVE: ClassVar[tuple[str, ...]] = ("beta", "shift", "guidance_scale")
+    shift: Positive = 1.0
+    max_sequence_length: AtLeastOne = 16
+    guidance_scale: Positive = 1.0
 
     def __post_init__(self) -> None:
         check_sigma_sampling(self.sigma_sampling)

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Annotated, Protocol
 
 import numpy as np
 import torch
+from annotated_types import Interval
 
 from unirl.models.flow.family import FlowFamily, training_guidance
 from unirl.sde.schedules import check_sigma_sampling, sample_sigmas
+from unirl.train.backend import LRSchedule, NonNegativeInt
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
+from unirl.types.constraints import AtLeastOne, Positive
 
 
 @dataclass
@@ -40,24 +43,19 @@ class FlowMatchingSFTConfig(SupervisedConfig):
             a network input (`training_guidance`); 1.0 for a family that trains unguided.
     """
 
-    num_steps: int = 10000
-    warmup_steps: int = 200
-    lr_schedule: str = "cosine"
-    eval_every: int = 1000
+    num_steps: AtLeastOne = 10000
+    warmup_steps: NonNegativeInt = 200
+    lr_schedule: LRSchedule = "cosine"
+    eval_every: NonNegativeInt = 1000
     sigma_sampling: str = "logit_normal"
-    shift: float = 1.0
-    cond_dropout: float = 0.1
+    shift: Positive = 1.0
+    cond_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.1
     train_text_encoders: bool = True
-    max_sequence_length: int = 16
-    guidance_scale: float = 1.0
-
-    AT_LEAST_ONE: ClassVar[tuple[str, ...]] = ("max_sequence_length",)
-    POSITIVE: ClassVar[tuple[str, ...]] = ("shift", "guidance_scale")
+    max_sequence_length: AtLeastOne = 16
+    guidance_scale: Positive = 1.0
 
     def __post_init__(self) -> None:
         check_sigma_sampling(self.sigma_sampling)
-        if not 0 <= self.cond_dropout < 1:
-            raise ValueError(f"sft.cond_dropout must be in [0, 1), got {self.cond_dropout}")
         super().__post_init__()
 
 

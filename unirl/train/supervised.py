@@ -17,14 +17,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
 from unirl.tracking.trackers import Tracking
-from unirl.train.backend import LR_SCHEDULES, lr_factor
+from unirl.train.backend import LRSchedule, NonNegativeInt, lr_factor
+from unirl.types.constraints import AtLeastOne, NonNegative, Positive, check_fields
 
 
 @dataclass
@@ -41,37 +42,24 @@ class SupervisedConfig:
         log_every: steps between log rows.
         seed: data (and noise) seed.
 
-    A subclass names its own integer fields that must be >= 1 in `AT_LEAST_ONE` and its own
-    float fields that must be > 0 in `POSITIVE`; `__post_init__` checks them with the shared ones.
+    Ranges are declared in the fields' types (`unirl.types.constraints`); a subclass that
+    overrides a field's default restates its type, and `__post_init__` checks every field.
     """
 
-    num_steps: int = 1000
-    batch_size: int = 32
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    max_grad_norm: float = 1.0
-    checkpoint_every: int = 250
-    eval_every: int = 0
-    log_every: int = 25
+    num_steps: AtLeastOne = 1000
+    batch_size: AtLeastOne = 32
+    lr: Positive = 1e-3
+    weight_decay: NonNegative = 0.0
+    warmup_steps: NonNegativeInt = 0
+    lr_schedule: LRSchedule = "constant"
+    max_grad_norm: Positive = 1.0
+    checkpoint_every: AtLeastOne = 250
+    eval_every: NonNegativeInt = 0
+    log_every: AtLeastOne = 25
     seed: int = 0
 
-    AT_LEAST_ONE: ClassVar[tuple[str, ...]] = ()
-    POSITIVE: ClassVar[tuple[str, ...]] = ()
-
     def __post_init__(self) -> None:
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"sft.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        for key in ("num_steps", "batch_size", "checkpoint_every", "log_every", *self.AT_LEAST_ONE):
-            if getattr(self, key) < 1:
-                raise ValueError(f"sft.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("weight_decay", "warmup_steps", "eval_every"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"sft.{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("lr", "max_grad_norm", *self.POSITIVE):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"sft.{key} must be > 0, got {getattr(self, key)}")
+        check_fields(self, "sft.")
 
 
 class SupervisedRun(ABC):

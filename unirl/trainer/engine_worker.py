@@ -74,10 +74,16 @@ class EngineWorker(Worker):
     ) -> None:
         super().__init__(rank_info)
         model_cfg, bundle = self.start_engine(cfg, device)
+        self.engine = self.build_engine(cfg, bundle, lambda: build_bundle(model_cfg, self.device))
+        self.attach(cfg, transport_info)
+
+    def build_engine(self, cfg: dict[str, Any], bundle: Any, rebuild: Any) -> Any:
+        """The engine the recipe's `rollout` node names, over `bundle` with the trainer's LoRA
+        injected and frozen (`rebuild()` makes a fresh bundle after a level-2 sleep): here one
+        track's stage and `DedicatedEngine`."""
         stage = build(cfg["stage"], bundle=bundle)
         self.freeze_as_trained(stage.module, cfg)
-        self.engine = build(cfg["rollout"], stage=stage, rebuild=lambda: build_bundle(model_cfg, self.device))
-        self.attach(cfg, transport_info)
+        return build(cfg["rollout"], stage=stage, rebuild=rebuild)
         self.chunks: Iterator[RolloutTrack] = iter(())
 
     def start_engine(self, cfg: dict[str, Any], device: str | None) -> tuple[Any, Any]:

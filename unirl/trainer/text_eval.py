@@ -16,7 +16,7 @@ gives it more than 0.5. Keys (the driver prefixes `eval/`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
 
 import torch
@@ -59,18 +59,10 @@ class TextEvalSampling:
         check_fields(self, "eval.sampling.")
 
     def params(self, temperature: float, samples_per_prompt: int) -> TextSamplingParams:
-        """The sampling of `samples_per_prompt` samples per prompt at `temperature`."""
-        return TextSamplingParams(
-            samples_per_prompt=samples_per_prompt,
-            max_new_tokens=self.max_new_tokens,
-            temperature=temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            stop_tokens=self.stop_tokens,
-            max_prompt_length=self.max_prompt_length,
-            seed=self.seed,
-            chat_template=self.chat_template,
-        )
+        """The sampling of `samples_per_prompt` samples per prompt at `temperature`; every other
+        key the training sampling has is this config's own of that name."""
+        shared = {f.name: getattr(self, f.name) for f in fields(TextSamplingParams) if hasattr(self, f.name)}
+        return TextSamplingParams(**{**shared, "temperature": temperature, "samples_per_prompt": samples_per_prompt})
 
 
 def eval_requests(examples: list[PromptExample], cfg: TextEvalSampling) -> dict[str, RolloutReq]:

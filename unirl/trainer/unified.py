@@ -1,4 +1,4 @@
-"""The engine worker and evaluation of a unified run (one backbone that thinks and draws): Janus's plan and image
+"""The engine worker of a unified run (one backbone that thinks and draws): Janus's plan and image
 segments are two tracks sharing one backbone (`unirl.trainer.graph.RunGraph.shared`).
 
 Per step the driver (`unirl.trainer.trainer.Trainer`) asks for one rollout: on the workers
@@ -25,8 +25,7 @@ from typing import Any
 
 from unirl.dataplane import BatchMeta, put_batch
 from unirl.distributed.cores import apply_thread_count
-from unirl.distributed.device import build_bundle
-from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
+from unirl.distributed.group import Dispatch, dispatch
 from unirl.trainer.engine_worker import EngineWorker
 from unirl.trainer.worker import build, track_partition
 from unirl.types.rollout_req import RolloutReq
@@ -38,24 +37,18 @@ class UnifiedEngineWorker(EngineWorker):
     `DedicatedUnifiedEngine`; a rollout puts both tracks into the transport and returns their
     metas by track. Weight sync, sleep and wake-up are `EngineWorker`'s, on the backbone."""
 
-    def __init__(
-        self,
-        rank_info: RankInfo,
-        cfg: dict[str, Any],
-        transport_info: dict[str, Any] | None = None,
-        device: str | None = None,
-    ) -> None:
-        Worker.__init__(self, rank_info)
-        model_cfg, bundle = self.start_engine(cfg, device)
+    pending: RolloutReq | None = None
+
+    def build_engine(self, cfg: dict[str, Any], bundle: Any, rebuild: Any) -> Any:
+        """Both tracks' stages on the one backbone (the trainer's LoRA injected and frozen), bound
+        to the `DedicatedUnifiedEngine` with each track's sampling."""
         self.freeze_as_trained(bundle.model, cfg)
         order, tracks = list(cfg["rollout"]["tracks"]), cfg["tracks"]
         stages = {n: build(tracks[n]["stage"], bundle=bundle) for n in order}
         for stage in stages.values():
             stage.module = bundle.model
-        engine = build(cfg["rollout"], rebuild=lambda: build_bundle(model_cfg, self.device))
-        self.engine = engine.bind(stages, {n: build(tracks[n]["sampling"]) for n in order})
-        self.attach(cfg, transport_info)
-        self.pending: RolloutReq | None = None
+        engine = build(cfg["rollout"], rebuild=rebuild)
+        return engine.bind(stages, {n: build(tracks[n]["sampling"]) for n in order})
 
     @dispatch(Dispatch.DP_SCATTER)
     def rollout(self, req: RolloutReq, partition: str, chunked: bool) -> None:
