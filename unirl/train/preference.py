@@ -24,23 +24,19 @@ import torch
 
 from unirl.algorithms.diffusion_dpo import diffusion_dpo_loss, flow_matching_error
 from unirl.models.flow.family import FlowFamily, training_guidance
-from unirl.sde.schedules import check_sigma_sampling, sample_sigmas
-from unirl.train.sft import export_bundle
-from unirl.train.supervised import SupervisedConfig, SupervisedRun
+from unirl.sde.schedules import sample_sigmas
+from unirl.train.sft import FlowObjectiveConfig, export_bundle
+from unirl.train.supervised import SupervisedRun
 from unirl.types.constraints import AtLeastOne, Positive
 
 
 @dataclass
-class OfflineDiffusionDPOConfig(SupervisedConfig):
-    """Settings of an offline Diffusion-DPO run: `SupervisedConfig` (batch_size: pairs per step,
-    drawn with replacement) plus
+class OfflineDiffusionDPOConfig(FlowObjectiveConfig):
+    """Settings of an offline Diffusion-DPO run: `FlowObjectiveConfig` (batch_size: pairs per
+    step, drawn with replacement) plus
 
     Attributes:
         beta: the DPO inverse temperature on mean-reduced errors (> 0).
-        sigma_sampling: "logit_normal" or "uniform"; shift: as the sampling schedule's.
-        max_sequence_length: T5 token budget.
-        guidance_scale: the guidance scale an "embedded" family (FLUX.1-dev) is trained at
-            (`training_guidance`); 1.0 for a family that trains unguided.
     """
 
     num_steps: AtLeastOne = 200
@@ -49,14 +45,6 @@ class OfflineDiffusionDPOConfig(SupervisedConfig):
     checkpoint_every: AtLeastOne = 50
     log_every: AtLeastOne = 10
     beta: Positive = 2000.0
-    sigma_sampling: str = "logit_normal"
-    shift: Positive = 1.0
-    max_sequence_length: AtLeastOne = 16
-    guidance_scale: Positive = 1.0
-
-    def __post_init__(self) -> None:
-        check_sigma_sampling(self.sigma_sampling)
-        super().__post_init__()
 
 
 class PairSource(Protocol):

@@ -29,34 +29,44 @@ from unirl.types.constraints import AtLeastOne, Positive
 
 
 @dataclass
-class FlowMatchingSFTConfig(SupervisedConfig):
-    """Settings of a supervised flow-matching run: `SupervisedConfig` (batch_size: images per
-    step) plus
+class FlowObjectiveConfig(SupervisedConfig):
+    """`SupervisedConfig` plus what every flow-matching objective's noising reads (supervised
+    flow matching, offline Diffusion-DPO).
 
     Attributes:
         sigma_sampling: "logit_normal" (sigmoid of N(0, 1)) or "uniform".
         shift: sigma = shift*t / (1 + (shift-1)*t), matching the sampling schedule.
-        cond_dropout: probability of training on the empty prompt.
-        train_text_encoders: also train the text encoders (a tiny model's are random).
         max_sequence_length: T5 token budget.
         guidance_scale: the guidance scale an "embedded" family (FLUX.1-dev) is trained at,
             a network input (`training_guidance`); 1.0 for a family that trains unguided.
     """
 
-    num_steps: AtLeastOne = 10000
-    warmup_steps: NonNegativeInt = 200
-    lr_schedule: LRSchedule = "cosine"
-    eval_every: NonNegativeInt = 1000
     sigma_sampling: str = "logit_normal"
     shift: Positive = 1.0
-    cond_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    train_text_encoders: bool = True
     max_sequence_length: AtLeastOne = 16
     guidance_scale: Positive = 1.0
 
     def __post_init__(self) -> None:
         check_sigma_sampling(self.sigma_sampling)
         super().__post_init__()
+
+
+@dataclass
+class FlowMatchingSFTConfig(FlowObjectiveConfig):
+    """Settings of a supervised flow-matching run: `FlowObjectiveConfig` (batch_size: images per
+    step) plus
+
+    Attributes:
+        cond_dropout: probability of training on the empty prompt.
+        train_text_encoders: also train the text encoders (a tiny model's are random).
+    """
+
+    num_steps: AtLeastOne = 10000
+    warmup_steps: NonNegativeInt = 200
+    lr_schedule: LRSchedule = "cosine"
+    eval_every: NonNegativeInt = 1000
+    cond_dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.1
+    train_text_encoders: bool = True
 
 
 class ImageTextSource(Protocol):
