@@ -59,6 +59,14 @@ SMALL = {  # the shrunk set of each recipe that has one
 IN_PROCESS = ["++launcher=in_process", "transport=inband", "num_devices=1"]
 
 
+class MeanPixel:
+    """An evaluation scorer that any change of the images moves: their mean pixel value (0-255).
+    (The shapes scorer's accuracies barely move on a random model in a few steps.)"""
+
+    def evaluate(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+        return {"mean_pixel": float(images.to(torch.float64).mean())}
+
+
 def composed(name: str, out, *overrides: str) -> DictConfig:
     """`examples/<name>.yaml` with its shrunk set, `output_dir=out` and `overrides` (not validated)."""
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):

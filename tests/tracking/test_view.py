@@ -14,7 +14,7 @@ import pytest
 
 from tests.recipes import IN_PROCESS, composed, rows, run
 from tests.tracking.html_check import needs_chromium, parse, png_pixels, render_in_chromium
-from unirl.entry import run_recipe
+from unirl.entry import run as run_entry
 from unirl.tracking.report import ABSENT, config_diff
 from unirl.view import main as view
 
@@ -60,7 +60,7 @@ def test_a_required_tracker_that_cannot_start_stops_the_run(tmp_path, monkeypatc
     """Through the entry point's runner: exit 1 naming the tracker, no row written."""
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(SystemExit) as stop:
-        run_recipe(composed(RECIPE, tmp_path, *SMALL, "++tracking=[wandb]"), "diffusion")
+        run_entry(composed(RECIPE, tmp_path, *SMALL, "++tracking=[wandb]"), "single", "diffusion")
     assert stop.value.code == 1
     assert (
         "error: tracking[0]: tracker 'wandb' failed to start: ModuleNotFoundError" in capsys.readouterr().err

@@ -223,3 +223,36 @@ def test_each_track_trains_with_its_own_critic(tmp_path) -> None:
         assert all(r[f"{name}/critic/vf_loss"] > 0 for r in rows)
         assert all(r[f"{name}/ratio/first_update_mean"] == 1.0 for r in rows if f"{name}/loss" in r)
         assert (tmp_path / "checkpoints" / "step_000002" / name / "critic" / "train").is_dir()
+
+
+def test_a_chains_evaluation_samples_every_trained_tracks_ema(tmp_path) -> None:
+    """`eval.use_ema` on a chain: every trained track samples its EMA weights (the one `Evaluator`
+    and the worker's `sample_eval`). Two runs that differ only in `eval.use_ema` train alike (the
+    EMA does not touch training), evaluate alike at step 0 (the EMAs start as copies of the
+    weights), and differ after a step (decay 0.5: the EMA lags the weights), the mean pixel of
+    the leaf's images moving with any change of either track."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(
+        "".join(
+            json.dumps({"prompt": p, "prompt_id": f"h{i}", "metadata": {"canonical": p}}) + "\n"
+            for i, p in enumerate(["a red box.", "the sea at night."])
+        )
+    )
+    ema = "{_target_: unirl.train.ema.EMAConfig, decay: 0.5}"
+    evaluation = (
+        "+eval={every_n_steps: 1, references: false,"
+        f" examples: {{_target_: unirl.data.PromptDataSource, data_path: '{held_out}'}},"
+        " scorer: {_target_: tests.recipes.MeanPixel},"
+        " text_sampling: {_target_: unirl.trainer.text_eval.TextEvalSampling, max_new_tokens: 8,"
+        " max_prompt_length: 32},"
+        " sampling: {_target_: unirl.trainer.evaluation.EvalSampling, num_steps: 2}}"
+    )
+    common = ["num_steps=2", *IN_PROCESS, evaluation, f"+tracks.ar.train.ema={ema}", f"+tracks.diffusion.train.ema={ema}"]
+    live = run(PE, tmp_path / "live", *common, "+eval.use_ema=false")
+    averaged = run(PE, tmp_path / "ema", *common, "+eval.use_ema=true")
+    def trained(rows):  # the training rows, less the evaluation and the machine's measurements
+        return [{k: v for k, v in untimed(r).items() if not k.startswith("eval/")} for r in rows]
+
+    assert trained(live) == trained(averaged)
+    assert live[0]["eval/mean_pixel"] == averaged[0]["eval/mean_pixel"]
+    assert live[2]["eval/mean_pixel"] != averaged[2]["eval/mean_pixel"]

@@ -90,18 +90,10 @@ def test_resume_continues_identically(tmp_path, case, request):
 EMA = "train.ema={_target_: unirl.train.ema.EMAConfig, decay: 0.5}"
 
 
-class MeanPixel:
-    """An evaluation scorer that any change of the images moves: their mean pixel value (0-255).
-    (The shapes scorer's accuracies barely move on a random model in a few steps.)"""
-
-    def evaluate(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
-        return {"mean_pixel": float(images.to(torch.float64).mean())}
-
-
 # the mean-pixel scorer on images of 2 Euler steps without guidance (a quarter of the recipe's
 # 4 guided steps): they still move with any change of the weights
 MEAN_PIXEL = [
-    f"eval.scorer._target_={__name__}.MeanPixel",
+    "eval.scorer._target_=tests.recipes.MeanPixel",
     "~eval.scorer.mode",
     "eval.sampling.num_steps=2",
     "eval.sampling.guidance_scale=1.0",

@@ -13,7 +13,6 @@ import contextlib
 import json
 import math
 import os
-import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -27,7 +26,7 @@ from unirl.train.fsdp import FSDPConfig, checkpoint_blocks, shard_module, swappe
 from unirl.types.constraints import AtLeastOne, NonNegative, Positive, check_fields
 
 LRSchedule = Literal["constant", "linear", "cosine"]
-LR_SCHEDULES = typing.get_args(LRSchedule)
+
 NonNegativeInt = Annotated[int, Ge(0)]
 
 
