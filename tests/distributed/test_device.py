@@ -81,7 +81,7 @@ def test_a_tiny_model_built_for_the_cpu_is_the_plain_build() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_tiny_model_is_built_on_the_gpu_deterministically() -> None:
-    from unirl.models.sd3.bundle import SD3ModelConfig
+    from unirl.models.sd3 import SD3ModelConfig
 
     cfg, device = SD3ModelConfig(), resolve_device("cuda")
     first, second = build_bundle(cfg, device), build_bundle(cfg, device)

@@ -1,17 +1,84 @@
-"""What flow families' recipe nodes (`FlowModelConfig`s and their tiny configs) share: the checks
-of a tiny model's VAE downsample and rotary axes, the pixels per latent cell of a 2x2-packing tiny
+"""What flow families' recipe nodes (`FlowModelConfig`s and their tiny configs) share: the body of
+a family's model config (`FlowFamilyConfig`: where the weights come from, the bundle and the meta
+module tree from the modeling module it names), the checks of a tiny model's VAE downsample and
+rotary axes, the pixels per latent cell of a 2x2-packing tiny
 model (`PackedTinyConfig`), the validator's size message (`cell_size_problems`), the read of a
 directory's VAE config (`read_vae_config`) and `trainable_on_meta`'s module tree on the meta
 device (`transformer_on_meta`)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
+
+from unirl.models.flow.loading import pipeline_directory_problems
+from unirl.models.source import DTYPES, check_source
+
+
+class FlowFamilyConfig:
+    """The shared body of a flow family's model config, a dataclass with `pretrained_path`, `tiny`
+    and `dtype` (`unirl.models.source`). The family names its modeling module by string, so the
+    config never imports it back and building a recipe node reads no weights:
+
+    - `MODELING`: the module holding the bundle class `BUNDLE` (`from_pretrained(path, dtype=,
+      **options)`, `tiny(tiny, **options)`), `tiny_transformer(tiny)` (the tiny denoiser) and
+      `load_checkpoint(path, **options)`;
+    - `TRANSFORMER`: the diffusers class of the denoiser (`trainable_on_meta` reads its config
+      from `transformer/` of a directory);
+    - `FAMILY`: the family's name in the source error; `PIPELINE` / `DIRECTORY`: the pipeline class
+      a directory's `model_index.json` must name, and the family's name in that error.
+
+    `bundle_options()` is what a family's bundle takes beyond its weights (Wan's `num_frames`,
+    Qwen-Image's `negative_prompt`): {} by default."""
+
+    FAMILY: ClassVar[str]
+    TINY: ClassVar[type]
+    MODELING: ClassVar[str]
+    BUNDLE: ClassVar[str]
+    TRANSFORMER: ClassVar[str]
+    PIPELINE: ClassVar[str]
+    DIRECTORY: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        check_source(self, self.TINY, self.FAMILY)
+
+    def modeling(self) -> ModuleType:
+        """The family's modeling module (`MODELING`)."""
+        return importlib.import_module(self.MODELING)
+
+    def bundle_options(self) -> dict[str, Any]:
+        return {}
+
+    def build(self) -> Any:
+        """The bundle: from `pretrained_path`, else from the tiny config."""
+        bundle = getattr(self.modeling(), self.BUNDLE)
+        if self.pretrained_path:
+            return bundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype], **self.bundle_options())
+        return bundle.tiny(self.tiny, **self.bundle_options())
+
+    def load_checkpoint(self, path: str) -> Any:
+        """The bundle of a UniRL checkpoint of this family's run, fp32."""
+        return self.modeling().load_checkpoint(path, **self.bundle_options())
+
+    def trainable_on_meta(self) -> torch.nn.Module:
+        """The denoiser's module tree on the meta device (no weights read)."""
+        import diffusers
+
+        return transformer_on_meta(
+            getattr(diffusers, self.TRANSFORMER),
+            self.pretrained_path,
+            lambda: self.modeling().tiny_transformer(self.tiny),
+        )
+
+    def directory_problems(self) -> list[str]:
+        """`pretrained_path`, when set, is a directory whose `model_index.json` names `PIPELINE`."""
+        return pipeline_directory_problems(self.pretrained_path, self.PIPELINE, self.DIRECTORY)
 
 
 def check_vae_downsample(vae_downsample: int) -> None:

@@ -13,19 +13,9 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
-
-from unirl.models.flow.config import (
-    PackedTinyConfig,
-    cell_size_problems,
-    read_vae_config,
-    transformer_on_meta,
-)
-from unirl.models.flow.loading import pipeline_directory_problems
-from unirl.models.source import DTYPES, DType, check_source
+from unirl.models.flow.config import FlowFamilyConfig, PackedTinyConfig, cell_size_problems, read_vae_config
+from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
-
-PIPELINE_CLASS = "FluxPipeline"
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 """FLUX.1's attention projections, as peft name suffixes: the image and text streams of the
@@ -81,7 +71,7 @@ class TinyFluxConfig(PackedTinyConfig):
 
 
 @dataclass
-class FluxModelConfig:
+class FluxModelConfig(FlowFamilyConfig):
     """Which FLUX.1 model to build (exactly one of `pretrained_path` / `tiny`).
 
     Attributes:
@@ -92,41 +82,17 @@ class FluxModelConfig:
     """
 
     modality: ClassVar[str] = "diffusion"
+    FAMILY: ClassVar[str] = "FLUX.1"
+    TINY: ClassVar[type] = TinyFluxConfig
+    MODELING: ClassVar[str] = "unirl.models.flux.bundle"
+    BUNDLE: ClassVar[str] = "FluxBundle"
+    TRANSFORMER: ClassVar[str] = "FluxTransformer2DModel"
+    PIPELINE: ClassVar[str] = "FluxPipeline"
+    DIRECTORY: ClassVar[str] = "FLUX.1"
 
     pretrained_path: str | None = None
     tiny: TinyFluxConfig | None = field(default_factory=TinyFluxConfig)
     dtype: DType = "float32"
-
-    def __post_init__(self) -> None:
-        check_source(self, TinyFluxConfig, "FLUX.1")
-
-    def trainable_on_meta(self) -> torch.nn.Module:
-        """The transformer's module tree on the meta device (no weights read)."""
-        from diffusers import FluxTransformer2DModel
-
-        from unirl.models.flux.bundle import tiny_transformer
-
-        return transformer_on_meta(
-            FluxTransformer2DModel, self.pretrained_path, lambda: tiny_transformer(self.tiny)
-        )
-
-    def build(self):
-        """The `FluxBundle`: from `pretrained_path`, else from the tiny config."""
-        from unirl.models.flux.bundle import FluxBundle
-
-        if self.pretrained_path:
-            return FluxBundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
-        return FluxBundle.tiny(self.tiny)
-
-    def load_checkpoint(self, path: str):
-        """The bundle of a UniRL checkpoint of a FLUX run, fp32."""
-        from unirl.models.flux.bundle import load_checkpoint
-
-        return load_checkpoint(path)
-
-    def directory_problems(self) -> list[str]:
-        """`pretrained_path`, when set, is a directory whose `model_index.json` names FluxPipeline."""
-        return pipeline_directory_problems(self.pretrained_path, PIPELINE_CLASS, "FLUX.1")
 
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """height and width must be multiples of vae_scale_factor * 2 (the VAE's downsample times

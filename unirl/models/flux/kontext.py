@@ -25,11 +25,9 @@ from typing import Any, ClassVar
 import torch
 from diffusers import FluxKontextPipeline
 
-from unirl.models.flow.loading import pipeline_directory_problems
-from unirl.models.flux.bundle import FluxBundle, image_ids, load_checkpoint, pack
+from unirl.models.flux.bundle import FluxBundle, image_ids, load_checkpoint, pack, tiny_transformer  # noqa: F401 (the tiny denoiser: FLUX.1's)
 from unirl.models.flux.config import FluxModelConfig
 from unirl.models.images import load_image
-from unirl.models.source import DTYPES
 
 CONDITION_KEY = "images"
 """The default prompt-row metadata key naming a sample's condition image (one path, array or PIL
@@ -107,14 +105,14 @@ class FluxKontextModelConfig(FluxModelConfig):
     Its prompt rows each carry one condition image under `condition_key` (`condition_problems`;
     a data source resolves that key's relative paths when it is in its `path_keys`)."""
 
-    PIPELINE_CLASS: ClassVar[str] = "FluxKontextPipeline"
+    MODELING: ClassVar[str] = "unirl.models.flux.kontext"
+    BUNDLE: ClassVar[str] = "FluxKontextBundle"
+    PIPELINE: ClassVar[str] = "FluxKontextPipeline"
+    DIRECTORY: ClassVar[str] = "FLUX.1-Kontext"
     condition_key: str = CONDITION_KEY
 
     def build(self) -> FluxKontextBundle:
-        if self.pretrained_path:
-            bundle = FluxKontextBundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
-        else:
-            bundle = FluxKontextBundle.tiny(self.tiny)
+        bundle = super().build()
         bundle.condition_key = self.condition_key
         return bundle
 
@@ -122,10 +120,6 @@ class FluxKontextModelConfig(FluxModelConfig):
         bundle = load_checkpoint(path, bundle_class=FluxKontextBundle)
         bundle.condition_key = self.condition_key
         return bundle
-
-    def directory_problems(self) -> list[str]:
-        """`pretrained_path`, when set, is a directory whose `model_index.json` names FluxKontextPipeline."""
-        return pipeline_directory_problems(self.pretrained_path, self.PIPELINE_CLASS, "FLUX.1-Kontext")
 
     def condition_problems(self, examples: list, where: str) -> list[str]:
         """Every prompt row of `where` (its examples) names exactly one condition image that reads

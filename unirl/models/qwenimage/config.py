@@ -12,19 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
-
-from unirl.models.flow.config import (
-    PackedTinyConfig,
-    cell_size_problems,
-    read_vae_config,
-    transformer_on_meta,
-)
-from unirl.models.flow.loading import pipeline_directory_problems
-from unirl.models.source import DTYPES, DType, check_source
+from unirl.models.flow.config import FlowFamilyConfig, PackedTinyConfig, cell_size_problems, read_vae_config
+from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
-
-PIPELINE_CLASS = "QwenImagePipeline"
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 """Qwen-Image's attention projections, as peft name suffixes: the image stream (`to_*`) and the
@@ -77,7 +67,7 @@ class TinyQwenImageConfig(PackedTinyConfig):
 
 
 @dataclass
-class QwenImageModelConfig:
+class QwenImageModelConfig(FlowFamilyConfig):
     """Which Qwen-Image model to build (exactly one of `pretrained_path` / `tiny`).
 
     Attributes:
@@ -91,44 +81,21 @@ class QwenImageModelConfig:
     """
 
     modality: ClassVar[str] = "diffusion"
+    FAMILY: ClassVar[str] = "Qwen-Image"
+    TINY: ClassVar[type] = TinyQwenImageConfig
+    MODELING: ClassVar[str] = "unirl.models.qwenimage.bundle"
+    BUNDLE: ClassVar[str] = "QwenImageBundle"
+    TRANSFORMER: ClassVar[str] = "QwenImageTransformer2DModel"
+    PIPELINE: ClassVar[str] = "QwenImagePipeline"
+    DIRECTORY: ClassVar[str] = "Qwen-Image"
 
     pretrained_path: str | None = None
     tiny: TinyQwenImageConfig | None = field(default_factory=TinyQwenImageConfig)
     dtype: DType = "float32"
     negative_prompt: str | None = " "
 
-    def __post_init__(self) -> None:
-        check_source(self, TinyQwenImageConfig, "Qwen-Image")
-
-    def trainable_on_meta(self) -> torch.nn.Module:
-        """The transformer's module tree on the meta device (no weights read)."""
-        from diffusers import QwenImageTransformer2DModel
-
-        from unirl.models.qwenimage.bundle import tiny_transformer
-
-        return transformer_on_meta(
-            QwenImageTransformer2DModel, self.pretrained_path, lambda: tiny_transformer(self.tiny)
-        )
-
-    def build(self):
-        """The `QwenImageBundle`: from `pretrained_path`, else from the tiny config."""
-        from unirl.models.qwenimage.bundle import QwenImageBundle
-
-        if self.pretrained_path:
-            return QwenImageBundle.from_pretrained(
-                self.pretrained_path, dtype=DTYPES[self.dtype], negative_prompt=self.negative_prompt
-            )
-        return QwenImageBundle.tiny(self.tiny, negative_prompt=self.negative_prompt)
-
-    def load_checkpoint(self, path: str):
-        """The bundle of a UniRL checkpoint of a Qwen-Image run, fp32."""
-        from unirl.models.qwenimage.bundle import load_checkpoint
-
-        return load_checkpoint(path, negative_prompt=self.negative_prompt)
-
-    def directory_problems(self) -> list[str]:
-        """`pretrained_path`, when set, is a directory whose `model_index.json` names QwenImagePipeline."""
-        return pipeline_directory_problems(self.pretrained_path, PIPELINE_CLASS, "Qwen-Image")
+    def bundle_options(self) -> dict[str, str | None]:
+        return {"negative_prompt": self.negative_prompt}
 
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """Sides must be multiples of 2 x the VAE's spatial scale (the 2x2 packing of latent cells:

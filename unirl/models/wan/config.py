@@ -13,14 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
-
-from unirl.models.flow.config import cell_size_problems, read_vae_config, transformer_on_meta
-from unirl.models.flow.loading import pipeline_directory_problems
-from unirl.models.source import DTYPES, DType, check_source
+from unirl.models.flow.config import FlowFamilyConfig, cell_size_problems, read_vae_config
+from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
-PIPELINE_CLASS = "WanPipeline"
 PATCH = (1, 2, 2)
 """The transformer's (frame, height, width) patch: Wan 2.1's, and the tiny model's."""
 
@@ -91,7 +87,7 @@ class TinyWanConfig:
 
 
 @dataclass
-class WanModelConfig:
+class WanModelConfig(FlowFamilyConfig):
     """Which Wan 2.1 T2V model to build (exactly one of `pretrained_path` / `tiny`), and the clip
     length it samples.
 
@@ -105,44 +101,21 @@ class WanModelConfig:
     """
 
     modality: ClassVar[str] = "diffusion"
+    FAMILY: ClassVar[str] = "Wan 2.1"
+    TINY: ClassVar[type] = TinyWanConfig
+    MODELING: ClassVar[str] = "unirl.models.wan.bundle"
+    BUNDLE: ClassVar[str] = "WanBundle"
+    TRANSFORMER: ClassVar[str] = "WanTransformer3DModel"
+    PIPELINE: ClassVar[str] = "WanPipeline"
+    DIRECTORY: ClassVar[str] = "Wan 2.1 T2V"
 
     pretrained_path: str | None = None
     tiny: TinyWanConfig | None = field(default_factory=TinyWanConfig)
-    num_frames: int = 81
+    num_frames: AtLeastOne = 81
     dtype: DType = "float32"
 
-    def __post_init__(self) -> None:
-        check_source(self, TinyWanConfig, "Wan 2.1")
-        if self.num_frames < 1:
-            raise ValueError(f"model.num_frames must be >= 1, got {self.num_frames}")
-
-    def trainable_on_meta(self) -> torch.nn.Module:
-        """The transformer's module tree on the meta device (no weights read)."""
-        from diffusers import WanTransformer3DModel
-
-        from unirl.models.wan.bundle import tiny_transformer
-
-        return transformer_on_meta(
-            WanTransformer3DModel, self.pretrained_path, lambda: tiny_transformer(self.tiny)
-        )
-
-    def build(self):
-        """The `WanBundle`: from `pretrained_path`, else from the tiny config."""
-        from unirl.models.wan.bundle import WanBundle
-
-        if self.pretrained_path:
-            return WanBundle.from_pretrained(self.pretrained_path, self.num_frames, dtype=DTYPES[self.dtype])
-        return WanBundle.tiny(self.tiny, self.num_frames)
-
-    def load_checkpoint(self, path: str):
-        """The bundle of a UniRL checkpoint of a Wan run, fp32, sampling `num_frames`."""
-        from unirl.models.wan.bundle import load_checkpoint
-
-        return load_checkpoint(path, self.num_frames)
-
-    def directory_problems(self) -> list[str]:
-        """`pretrained_path`, when set, is a directory whose `model_index.json` names WanPipeline."""
-        return pipeline_directory_problems(self.pretrained_path, PIPELINE_CLASS, "Wan 2.1 T2V")
+    def bundle_options(self) -> dict[str, int]:
+        return {"num_frames": self.num_frames}
 
     def size_problems(self, height: int, width: int) -> list[str]:
         """Wan's geometry: height and width multiples of the VAE's spatial scale x the 2x2 patch
