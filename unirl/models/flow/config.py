@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -21,43 +22,54 @@ from unirl.models.flow.loading import pipeline_directory_problems
 from unirl.models.source import DTYPES, check_source
 
 
+@dataclass(frozen=True)
+class FamilySpec:
+    """What a flow family's model config names, as data (`FlowFamilyConfig.SPEC`).
+
+    Attributes:
+        name: the family in the source error ("a local FLUX.1 directory").
+        modeling: the module holding the bundle class `bundle` (`from_pretrained(path, dtype=,
+            **options)`, `tiny(tiny, **options)`), `tiny_transformer(tiny)` (the tiny denoiser)
+            and `load_checkpoint(path, **options)`; named, not imported, by the config.
+        bundle: the bundle class's name in `modeling`.
+        transformer: the diffusers class of the denoiser (`trainable_on_meta` reads its config
+            from `transformer/` of a directory).
+        pipeline: the pipeline class a directory's `model_index.json` must name.
+        directory: the family in the directory error ("diffusers SD3 / SD3.5").
+    """
+
+    name: str
+    modeling: str
+    bundle: str
+    transformer: str
+    pipeline: str
+    directory: str
+
+
 class FlowFamilyConfig:
     """The shared body of a flow family's model config, a dataclass with `pretrained_path`, `tiny`
-    and `dtype` (`unirl.models.source`). The family names its modeling module by string, so the
-    config never imports it back and building a recipe node reads no weights:
+    and `dtype` (`unirl.models.source`): `build`, `load_checkpoint`, `trainable_on_meta`,
+    `directory_problems` and the source check, from its `SPEC` (a `FamilySpec`), its tiny config
+    class `TINY` and `bundle_options()`, what its bundle takes beyond the weights (Wan's
+    `num_frames`, Qwen-Image's `negative_prompt`; {} by default). The config never imports its
+    modeling module, so building a recipe node reads no weights and pulls in no bundle."""
 
-    - `MODELING`: the module holding the bundle class `BUNDLE` (`from_pretrained(path, dtype=,
-      **options)`, `tiny(tiny, **options)`), `tiny_transformer(tiny)` (the tiny denoiser) and
-      `load_checkpoint(path, **options)`;
-    - `TRANSFORMER`: the diffusers class of the denoiser (`trainable_on_meta` reads its config
-      from `transformer/` of a directory);
-    - `FAMILY`: the family's name in the source error; `PIPELINE` / `DIRECTORY`: the pipeline class
-      a directory's `model_index.json` must name, and the family's name in that error.
-
-    `bundle_options()` is what a family's bundle takes beyond its weights (Wan's `num_frames`,
-    Qwen-Image's `negative_prompt`): {} by default."""
-
-    FAMILY: ClassVar[str]
+    SPEC: ClassVar[FamilySpec]
     TINY: ClassVar[type]
-    MODELING: ClassVar[str]
-    BUNDLE: ClassVar[str]
-    TRANSFORMER: ClassVar[str]
-    PIPELINE: ClassVar[str]
-    DIRECTORY: ClassVar[str]
 
     def __post_init__(self) -> None:
-        check_source(self, self.TINY, self.FAMILY)
+        check_source(self, self.TINY, self.SPEC.name)
 
     def modeling(self) -> ModuleType:
-        """The family's modeling module (`MODELING`)."""
-        return importlib.import_module(self.MODELING)
+        """The family's modeling module (`SPEC.modeling`)."""
+        return importlib.import_module(self.SPEC.modeling)
 
     def bundle_options(self) -> dict[str, Any]:
         return {}
 
     def build(self) -> Any:
         """The bundle: from `pretrained_path`, else from the tiny config."""
-        bundle = getattr(self.modeling(), self.BUNDLE)
+        bundle = getattr(self.modeling(), self.SPEC.bundle)
         if self.pretrained_path:
             return bundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype], **self.bundle_options())
         return bundle.tiny(self.tiny, **self.bundle_options())
@@ -71,14 +83,14 @@ class FlowFamilyConfig:
         import diffusers
 
         return transformer_on_meta(
-            getattr(diffusers, self.TRANSFORMER),
+            getattr(diffusers, self.SPEC.transformer),
             self.pretrained_path,
             lambda: self.modeling().tiny_transformer(self.tiny),
         )
 
     def directory_problems(self) -> list[str]:
-        """`pretrained_path`, when set, is a directory whose `model_index.json` names `PIPELINE`."""
-        return pipeline_directory_problems(self.pretrained_path, self.PIPELINE, self.DIRECTORY)
+        """`pretrained_path`, when set, is a directory whose `model_index.json` names `SPEC.pipeline`."""
+        return pipeline_directory_problems(self.pretrained_path, self.SPEC.pipeline, self.SPEC.directory)
 
 
 def check_vae_downsample(vae_downsample: int) -> None:

@@ -13,7 +13,13 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from unirl.models.flow.config import FlowFamilyConfig, PackedTinyConfig, cell_size_problems, read_vae_config
+from unirl.models.flow.config import (
+    FamilySpec,
+    FlowFamilyConfig,
+    PackedTinyConfig,
+    cell_size_problems,
+    read_vae_config,
+)
 from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
@@ -82,13 +88,11 @@ class FluxModelConfig(FlowFamilyConfig):
     """
 
     modality: ClassVar[str] = "diffusion"
-    FAMILY: ClassVar[str] = "FLUX.1"
+    SPEC: ClassVar[FamilySpec] = FamilySpec(
+        name="FLUX.1", modeling="unirl.models.flux.bundle", bundle="FluxBundle",
+        transformer="FluxTransformer2DModel", pipeline="FluxPipeline", directory="FLUX.1",
+    )
     TINY: ClassVar[type] = TinyFluxConfig
-    MODELING: ClassVar[str] = "unirl.models.flux.bundle"
-    BUNDLE: ClassVar[str] = "FluxBundle"
-    TRANSFORMER: ClassVar[str] = "FluxTransformer2DModel"
-    PIPELINE: ClassVar[str] = "FluxPipeline"
-    DIRECTORY: ClassVar[str] = "FLUX.1"
 
     pretrained_path: str | None = None
     tiny: TinyFluxConfig | None = field(default_factory=TinyFluxConfig)

@@ -19,12 +19,13 @@ gives them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 from diffusers import FluxKontextPipeline
 
+from unirl.models.flow.config import FamilySpec
 from unirl.models.flux.bundle import FluxBundle, image_ids, load_checkpoint, pack, tiny_transformer  # noqa: F401 (the tiny denoiser: FLUX.1's)
 from unirl.models.flux.config import FluxModelConfig
 from unirl.models.images import load_image
@@ -105,10 +106,13 @@ class FluxKontextModelConfig(FluxModelConfig):
     Its prompt rows each carry one condition image under `condition_key` (`condition_problems`;
     a data source resolves that key's relative paths when it is in its `path_keys`)."""
 
-    MODELING: ClassVar[str] = "unirl.models.flux.kontext"
-    BUNDLE: ClassVar[str] = "FluxKontextBundle"
-    PIPELINE: ClassVar[str] = "FluxKontextPipeline"
-    DIRECTORY: ClassVar[str] = "FLUX.1-Kontext"
+    SPEC: ClassVar[FamilySpec] = replace(
+        FluxModelConfig.SPEC,
+        modeling="unirl.models.flux.kontext",
+        bundle="FluxKontextBundle",
+        pipeline="FluxKontextPipeline",
+        directory="FLUX.1-Kontext",
+    )
     condition_key: str = CONDITION_KEY
 
     def build(self) -> FluxKontextBundle:

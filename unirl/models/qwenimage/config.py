@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from unirl.models.flow.config import FlowFamilyConfig, PackedTinyConfig, cell_size_problems, read_vae_config
+from unirl.models.flow.config import (
+    FamilySpec,
+    FlowFamilyConfig,
+    PackedTinyConfig,
+    cell_size_problems,
+    read_vae_config,
+)
 from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
@@ -81,13 +87,11 @@ class QwenImageModelConfig(FlowFamilyConfig):
     """
 
     modality: ClassVar[str] = "diffusion"
-    FAMILY: ClassVar[str] = "Qwen-Image"
+    SPEC: ClassVar[FamilySpec] = FamilySpec(
+        name="Qwen-Image", modeling="unirl.models.qwenimage.bundle", bundle="QwenImageBundle",
+        transformer="QwenImageTransformer2DModel", pipeline="QwenImagePipeline", directory="Qwen-Image",
+    )
     TINY: ClassVar[type] = TinyQwenImageConfig
-    MODELING: ClassVar[str] = "unirl.models.qwenimage.bundle"
-    BUNDLE: ClassVar[str] = "QwenImageBundle"
-    TRANSFORMER: ClassVar[str] = "QwenImageTransformer2DModel"
-    PIPELINE: ClassVar[str] = "QwenImagePipeline"
-    DIRECTORY: ClassVar[str] = "Qwen-Image"
 
     pretrained_path: str | None = None
     tiny: TinyQwenImageConfig | None = field(default_factory=TinyQwenImageConfig)

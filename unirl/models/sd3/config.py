@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from unirl.models.flow.config import FlowFamilyConfig, check_vae_downsample
+from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, check_vae_downsample
 from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
@@ -94,13 +94,11 @@ class SD3ModelConfig(FlowFamilyConfig):
     """
 
     modality: ClassVar[str] = "diffusion"
-    FAMILY: ClassVar[str] = "SD3"
+    SPEC: ClassVar[FamilySpec] = FamilySpec(
+        name="SD3", modeling="unirl.models.sd3.bundle", bundle="SD3Bundle",
+        transformer="SD3Transformer2DModel", pipeline="StableDiffusion3Pipeline", directory="SD3 / SD3.5",
+    )
     TINY: ClassVar[type] = TinySD3Config
-    MODELING: ClassVar[str] = "unirl.models.sd3.bundle"
-    BUNDLE: ClassVar[str] = "SD3Bundle"
-    TRANSFORMER: ClassVar[str] = "SD3Transformer2DModel"
-    PIPELINE: ClassVar[str] = "StableDiffusion3Pipeline"
-    DIRECTORY: ClassVar[str] = "SD3 / SD3.5"
 
     pretrained_path: str | None = None
     tiny: TinySD3Config | None = field(default_factory=TinySD3Config)

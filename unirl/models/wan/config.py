@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from unirl.models.flow.config import FlowFamilyConfig, cell_size_problems, read_vae_config
+from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, cell_size_problems, read_vae_config
 from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
@@ -101,13 +101,11 @@ class WanModelConfig(FlowFamilyConfig):
     """
 
     modality: ClassVar[str] = "diffusion"
-    FAMILY: ClassVar[str] = "Wan 2.1"
+    SPEC: ClassVar[FamilySpec] = FamilySpec(
+        name="Wan 2.1", modeling="unirl.models.wan.bundle", bundle="WanBundle",
+        transformer="WanTransformer3DModel", pipeline="WanPipeline", directory="Wan 2.1 T2V",
+    )
     TINY: ClassVar[type] = TinyWanConfig
-    MODELING: ClassVar[str] = "unirl.models.wan.bundle"
-    BUNDLE: ClassVar[str] = "WanBundle"
-    TRANSFORMER: ClassVar[str] = "WanTransformer3DModel"
-    PIPELINE: ClassVar[str] = "WanPipeline"
-    DIRECTORY: ClassVar[str] = "Wan 2.1 T2V"
 
     pretrained_path: str | None = None
     tiny: TinyWanConfig | None = field(default_factory=TinyWanConfig)
