@@ -135,8 +135,9 @@ def text_accuracies(
 
 class LMEvaluator:
     """`evaluator(bundle) -> dict`: the accuracies of a causal-LM bundle on held-out examples
-    (supervised training and `python -m unirl.evaluate` use it; RL runs evaluate on their workers
-    with the same requests and `text_accuracies`).
+    (supervised training and `python -m unirl.evaluate` use it): the run's
+    `unirl.trainer.evaluation.Evaluator` over a sampler in this process, so a checkpoint scores as
+    the run that trained it evaluated.
 
     Args:
         examples: held-out prompts (metadata holding what the scorer checks), or a dataset
@@ -154,8 +155,8 @@ class LMEvaluator:
     def __call__(self, bundle: Any) -> dict[str, float]:
         from unirl.models.causal_lm import CausalLMStage
         from unirl.rollout.trainside import TrainsideEngine
+        from unirl.trainer.evaluation import Evaluator
 
         engine = TrainsideEngine(CausalLMStage(bundle), self.eval_sampling.forward_batch_size)
-        reqs = eval_requests(self.examples, self.eval_sampling)
-        texts = {name: engine.generate(req).track(engine.track_name).texts for name, req in reqs.items()}
-        return text_accuracies(reqs, texts, self.examples, self.scorer, self.eval_sampling)
+        evaluator = Evaluator(self.examples, self.scorer, self.eval_sampling)
+        return evaluator.run(lambda req: engine.generate(req).track(engine.track_name).texts)
