@@ -48,6 +48,15 @@ def test_tracks_that_disagree() -> None:
     assert "rollout.tracks ['ar', 'image']" in p and "['ar', 'diffusion']" in p
 
 
+def test_a_chain_that_visits_a_track_twice() -> None:
+    """A cycle (the enhancer feeding the diffusion model feeding the enhancer) is a chain naming a
+    track twice: the engine refuses it before Ray, naming the key and the value."""
+    assert any(
+        "rollout.tracks must name two or more distinct tracks, root first, got ['ar', 'diffusion', 'ar']" in p
+        for p in problems("rollout.tracks=[ar,diffusion,ar]")
+    )
+
+
 def test_trained_track_without_algorithm() -> None:
     found = problems("~tracks.ar.algorithm")
     assert any(p.startswith("tracks.ar.algorithm:") and "exactly one algorithm" in p for p in found)
