@@ -19,15 +19,14 @@ from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
-from annotated_types import Ge, Interval
+from annotated_types import Interval
 
 from unirl.train.ema import EMA, EMAConfig
 from unirl.train.fsdp import FSDPConfig, checkpoint_blocks, shard_module, swapped_weights
-from unirl.types.constraints import AtLeastOne, NonNegative, Positive, check_fields
+from unirl.types.constraints import AtLeastOne, NonNegative, NonNegativeInt, Positive, check_fields
 
 LRSchedule = Literal["constant", "linear", "cosine"]
 
-NonNegativeInt = Annotated[int, Ge(0)]
 
 
 @dataclass

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from unirl.models.causal_lm.bundle import IGNORE_INDEX, CausalLMBundle, encode_pairs  # noqa: F401 (re-exported)
-from unirl.train.backend import LRSchedule, NonNegativeInt
+from unirl.train.backend import LRSchedule
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
-from unirl.types.constraints import AtLeastOne
+from unirl.types.constraints import AtLeastOne, NonNegativeInt
 
 
 @dataclass

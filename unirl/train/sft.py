@@ -23,9 +23,9 @@ from annotated_types import Interval
 
 from unirl.models.flow.family import FlowFamily, training_guidance
 from unirl.sde.schedules import check_sigma_sampling, sample_sigmas
-from unirl.train.backend import LRSchedule, NonNegativeInt
+from unirl.train.backend import LRSchedule
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
-from unirl.types.constraints import AtLeastOne, Positive
+from unirl.types.constraints import AtLeastOne, NonNegativeInt, Positive
 
 
 @dataclass

@@ -24,8 +24,8 @@ import torch
 from omegaconf import DictConfig
 
 from unirl.tracking.trackers import Tracking
-from unirl.train.backend import LRSchedule, NonNegativeInt, lr_factor
-from unirl.types.constraints import AtLeastOne, NonNegative, Positive, check_fields
+from unirl.train.backend import LRSchedule, lr_factor
+from unirl.types.constraints import AtLeastOne, NonNegative, NonNegativeInt, Positive, check_fields
 
 
 @dataclass

@@ -21,7 +21,6 @@ from unirl.models.flow.stage import FlowMatchingStage
 from unirl.models.stage import DiffusionStage
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
-from unirl.trainer.modality import ImageModality
 from unirl.trainer.text_eval import TextEvalSampling, eval_requests, text_accuracies
 from unirl.types.constraints import AtLeastOne, check_fields
 from unirl.types.reward import RewardRequest
@@ -124,13 +123,11 @@ class BundleEvaluator:
 
     @torch.no_grad()
     def __call__(self, bundle) -> dict[str, float]:
-        """Scores a flow-matching bundle (a `FlowFamily`) through the shared `FlowMatchingStage`:
-        the run's `Evaluator` over a sampler in this process."""
+        """Scores a flow-matching bundle (a `FlowFamily`) through the shared `FlowMatchingStage`,
+        with the request a run's image evaluation sends (`eval_request`)."""
         stage = FlowMatchingStage(bundle)
-        engine = TrainsideEngine(stage, self.eval_sampling.forward_batch_size)
-        leaf = ImageModality(self.sampling, stage.model_info())
-        evaluator = Evaluator(self.examples, self.scorer, self.eval_sampling)
-        return evaluator.run(lambda req: engine.generate(req).track(engine.track_name).media, leaf)
+        images, prompts = sample_eval_images(stage, self.examples, self.sampling, self.eval_sampling)
+        return self.scorer.evaluate(images, prompts)
 
 
 class RewardScorer:

@@ -26,6 +26,7 @@ from annotated_types import DocInfo, Ge, Gt, Interval, Le, Lt
 Positive = Annotated[float, Gt(0)]
 NonNegative = Annotated[float, Ge(0)]
 AtLeastOne = Annotated[int, Ge(1)]
+NonNegativeInt = Annotated[int, Ge(0)]
 OpenUnit = Annotated[float, Interval(gt=0, lt=1)]  # (0, 1)
 
 _OPS = {"gt": (">", lambda v, b: v > b), "ge": (">=", lambda v, b: v >= b)}
