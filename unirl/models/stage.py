@@ -64,6 +64,11 @@ class DiffusionStage(Protocol):
         per-sample tensors merged into `encode_prompts`' conditions; {} for text alone."""
         ...
 
+    def encode_request(self, req: RolloutReq) -> dict:
+        """Every per-sample condition of a request: its prompts' and its rows' (what a rollout
+        samples with)."""
+        ...
+
     def velocity(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance_scale: float
     ) -> torch.Tensor: ...

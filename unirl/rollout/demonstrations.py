@@ -99,10 +99,9 @@ class DemonstrationEngine:
             extra = {"texts": demos}
         else:
             sp = req.sampling
-            cond = self.stage.encode_prompts(req.prompts, sp.guidance_scale, sp.max_sequence_length)
+            cond = self.stage.encode_request(req)
             empty = self.stage.encode_prompts([""] * len(req), 1.0, sp.max_sequence_length)
             cond.update({EMPTY + k: v for k, v in empty.items()})
-            cond.update(self.stage.encode_conditions(req))
             extra = {"conditions": cond, "media": self.stage.decode(segment.final)}
         track = RolloutTrack.of_request(self.track_name, req, segment, **extra)
         if not isinstance(self.target_key, str):  # each sample says which of its row's demonstrations it is

@@ -81,9 +81,7 @@ class TrainsideEngine:
         self.stage.module.eval()
         try:
             if not self.text:
-                sp = req.sampling
-                cond = self.stage.encode_prompts(req.prompts, sp.guidance_scale, sp.max_sequence_length)
-                cond.update(self.stage.encode_conditions(req))  # an edit's reference image, say
+                cond = self.stage.encode_request(req)  # the prompts, and an edit's reference images, say
             for idx in self._chunks(len(req)):
                 part = req.select(idx)
                 if self.text:

@@ -30,9 +30,12 @@ class _Branches:
     `NEGATIVE` twins), and the uncond forward's autograd setting."""
 
     cond_keys: tuple[str, ...]
+    shared_keys: tuple[str, ...] = ()  # keys both branches read as they are (an edit's references)
 
     def branch(self, cond: dict, negative: bool = False) -> dict:
-        return {k: cond[NEGATIVE + k if negative else k] for k in self.cond_keys}
+        return {
+            k: cond[NEGATIVE + k if negative and k not in self.shared_keys else k] for k in self.cond_keys
+        }
 
     @staticmethod
     def uncond_context(detach_uncond: bool) -> contextlib.AbstractContextManager:

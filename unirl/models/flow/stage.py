@@ -114,13 +114,27 @@ class FlowMatchingStage:
     @torch.no_grad()
     def encode_conditions(self, req: RolloutReq) -> dict:
         """Per-sample condition tensors [B, ...] fp32 of what the request's rows carry besides the
-        prompt (an edit family's reference image, under its `condition_key` of the metadata), from
-        the family's `encode_conditions(metadata, sample_ids)`; {} for a family conditioned on text
+        prompt (an edit family's reference images, under its `condition_key` of the metadata),
+        from the family's `encode_conditions(req, guided)`; {} for a family conditioned on text
         alone."""
         encode = getattr(self.bundle, "encode_conditions", None)
         if encode is None:
             return {}
-        return encode(req.metadata, req.sample_ids)
+        return encode(req, self.bundle.encodes_uncond and req.sampling.guidance_scale > 1.0)
+
+    @torch.no_grad()
+    def encode_request(self, req: RolloutReq) -> dict:
+        """Every per-sample condition tensor of a request: its prompts' (`encode_prompts`) and
+        what its rows carry besides (`encode_conditions`). A family whose prompt encoder reads the
+        rows' images (`prompt_reads_conditions`: Qwen-Image-Edit-Plus, whose vision-language
+        encoder sees the references) returns the prompt keys from `encode_conditions` itself, and
+        the text-only encoding is skipped."""
+        sp = req.sampling
+        cond = {}
+        if not getattr(self.bundle, "prompt_reads_conditions", False):
+            cond = self.encode_prompts(req.prompts, sp.guidance_scale, sp.max_sequence_length)
+        cond.update(self.encode_conditions(req))
+        return cond
 
     # ---- the denoiser -----------------------------------------------------------------------
     def velocity(

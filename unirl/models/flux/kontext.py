@@ -20,7 +20,7 @@ gives them).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from diffusers import FluxKontextPipeline
@@ -29,6 +29,7 @@ from unirl.models.flow.config import FamilySpec
 from unirl.models.flux.bundle import FluxBundle, image_ids, load_checkpoint, pack, tiny_transformer  # noqa: F401 (the tiny denoiser: FLUX.1's)
 from unirl.models.flux.config import FluxModelConfig
 from unirl.models.images import load_image
+from unirl.types import RolloutReq
 
 CONDITION_KEY = "images"
 """The default prompt-row metadata key naming a sample's condition image (one path, array or PIL
@@ -50,14 +51,14 @@ class FluxKontextBundle(FluxBundle):
         return 2 * self.vae_scale_factor
 
     @torch.no_grad()
-    def encode_conditions(self, metadata: list[dict[str, Any]], sample_ids: list[str]) -> dict[str, torch.Tensor]:
-        """{"image_latents": [B, C, h', w'] fp32} from each sample's `metadata[condition_key]` (one
-        metadata dict per sample): exactly one image, sides multiples of `cell`, every reference of
+    def encode_conditions(self, req: RolloutReq, guided: bool = False) -> dict[str, torch.Tensor]:
+        """{"image_latents": [B, C, h', w'] fp32} from each sample's `metadata[condition_key]` (the
+        request's rows; `guided` changes nothing: the guidance is embedded): exactly one image, sides multiples of `cell`, every reference of
         a request one size. Encoded as `FluxKontextPipeline` encodes its `image` list: resized to
         its own size, `preprocess`ed to [-1, 1] as one batch, the VAE's mode of that batch in one
         call, shifted and scaled (the pixels themselves in pixel space). Errors name the sample."""
-        images = []
-        for sid, meta in zip(sample_ids, metadata, strict=True):
+        images, sample_ids = [], req.sample_ids
+        for sid, meta in zip(sample_ids, req.metadata, strict=True):
             entries = meta.get(self.condition_key)
             if not isinstance(entries, list | tuple) or len(entries) != 1:
                 got = "none" if not entries else f"{len(entries)}"

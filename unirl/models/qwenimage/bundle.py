@@ -69,6 +69,8 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
 
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
     LORA_PIPELINE: ClassVar[type] = QwenImagePipeline  # reads write_weights' LoRA
+    PIPELINE: ClassVar[type] = QwenImagePipeline  # the diffusers pipeline class this bundle owns
+    TEMPLATE: ClassVar[str] = TEMPLATE_WORDS  # the words of its prompt template (the tiny tokenizer's)
 
     def __init__(
         self, pipeline: QwenImagePipeline, sample_size: int, negative_prompt: str | None = " "
@@ -125,21 +127,30 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
     def predict(
         self, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict
     ) -> torch.Tensor:
-        """Velocity [B, C, h, w] at latents x [B, C, h, w] and sigma [B]: packed 2x2, with
-        `img_shapes` (1, h/2, w/2), the timestep `(sigma * 1000) / 1000` and the text mask (None
-        when every position is a real token, as QwenImagePipeline passes it)."""
+        """Velocity [B, C, h, w] at latents x [B, C, h, w] and sigma [B]: the image stream of
+        `image_tokens` with its `img_shapes`, the timestep `(sigma * 1000) / 1000` and the text
+        mask (None when every position is a real token, as QwenImagePipeline passes it); the
+        velocity is read from the sample's own h/2 * w/2 tokens."""
         dtype = next(module.parameters()).dtype
         b, _, h, w = x.shape
         mask = cond["prompt_embeds_mask"]
+        tokens, shapes = self.image_tokens(x, cond)
         out = module(
-            hidden_states=pack(x).to(dtype),
+            hidden_states=tokens.to(dtype),
             timestep=(sigma * 1000.0 / 1000).to(dtype),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             encoder_hidden_states_mask=None if bool(mask.bool().all()) else mask.to(torch.long),
-            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            img_shapes=[shapes] * b,
             return_dict=False,
         )[0]
-        return unpack(out, h, w)
+        return unpack(out[:, : (h // 2) * (w // 2)], h, w)
+
+    def image_tokens(self, x: torch.Tensor, cond: dict) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The image stream the transformer sees: the latents packed 2x2 [B, h/2 * w/2, 4C] and
+        the (frames, rows, columns) of each image in it, here the sample's (1, h/2, w/2) alone (an
+        edit family appends its references' tokens and shapes after them)."""
+        _, _, h, w = x.shape
+        return pack(x), [(1, h // 2, w // 2)]
 
     @staticmethod
     def combine_guidance(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -161,11 +172,12 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
     # ---- building and saving ----------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, path: str, dtype: torch.dtype = torch.float32, negative_prompt: str | None = " "
+        cls, path: str, dtype: torch.dtype = torch.float32, negative_prompt: str | None = " ", **options
     ) -> QwenImageBundle:
-        """Load a local diffusers Qwen-Image directory; a missing vae/ means pixel space."""
-        extra = pretrained_pipeline_options(path)
-        pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=dtype, **extra)
+        """Load a local diffusers directory of `PIPELINE`; a missing vae/ means pixel space.
+        `options` go to the bundle's constructor (an edit family's condition settings)."""
+        extra = {**pretrained_pipeline_options(path), **cls.pretrained_modules(path)}
+        pipe = cls.PIPELINE.from_pretrained(path, torch_dtype=dtype, **extra)
         # the terminal stretch is the recipe's `sampling.shift_terminal` (Qwen-Image's 0.02), like the shift
         check_scheduler_config(
             dict(pipe.scheduler.config), os.path.join(path, "scheduler"), ("shift_terminal",)
@@ -173,13 +185,25 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
         pipe.transformer.to(torch.float32)
         scale = 2 ** len(pipe.vae.temperal_downsample) if pipe.vae is not None else 1
         sample_size = pipe.default_sample_size * (scale if pipe.vae is not None else 8)
-        return cls(pipe, sample_size=sample_size, negative_prompt=negative_prompt)
+        return cls(pipe, sample_size=sample_size, negative_prompt=negative_prompt, **options)
 
     @classmethod
-    def tiny(cls, cfg: TinyQwenImageConfig, negative_prompt: str | None = " ") -> QwenImageBundle:
-        """A randomly initialized tiny Qwen-Image, deterministic in `cfg.seed`."""
+    def pretrained_modules(cls, path: str) -> dict:
+        """Modules of a directory this bundle loads itself rather than through `PIPELINE` ({})."""
+        return {}
+
+    @classmethod
+    def tiny(cls, cfg: TinyQwenImageConfig, negative_prompt: str | None = " ", **options) -> QwenImageBundle:
+        """A randomly initialized tiny model of `PIPELINE`, deterministic in `cfg.seed`."""
+        pipe = cls.PIPELINE(**cls.tiny_modules(cfg))
+        return cls(pipe, sample_size=cfg.resolution, negative_prompt=negative_prompt, **options)
+
+    @classmethod
+    def tiny_modules(cls, cfg: TinyQwenImageConfig) -> dict:
+        """The tiny pipeline's modules: scheduler, vae (None in pixel space), text_encoder,
+        tokenizer (over `TEMPLATE`'s words and `cfg.words`), transformer."""
         torch.manual_seed(cfg.seed)
-        tokenizer = tiny_qwen_tokenizer(cfg.words)
+        tokenizer = tiny_qwen_tokenizer(cfg.words, cls.TEMPLATE)
         vae = None
         if not cfg.pixel_space:
             levels = cfg.vae_downsample.bit_length() - 1  # spatial downsamples
@@ -191,7 +215,7 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
                 num_res_blocks=1,
                 temperal_downsample=[False] * levels,  # one frame: no temporal compression
             )
-        pipe = QwenImagePipeline(
+        return dict(
             # Qwen-Image's scheduler: exponential time shift, dynamic mu in [0.5, 0.9] over 256..8192 tokens
             scheduler=FlowMatchEulerDiscreteScheduler(
                 shift=1.0,
@@ -206,13 +230,13 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
             tokenizer=tokenizer,
             transformer=tiny_transformer(cfg),
         )
-        return cls(pipe, sample_size=cfg.resolution, negative_prompt=negative_prompt)
 
 
-def tiny_qwen_tokenizer(words: list[str] = ()):
+def tiny_qwen_tokenizer(words: list[str] = (), template: str = TEMPLATE_WORDS):
     """A Qwen2-style byte-level BPE tokenizer built in code (no files): GPT-2 pre-tokenization,
     `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` and Qwen2.5-VL's vision tokens as special
-    tokens, and merges under which every word of the prompt template and of `words` is one token."""
+    tokens, and merges under which every word of the prompt `template` (the words of the
+    pipeline's template) and of `words` is one token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from unirl.models.causal_lm.bundle import fast_tokenizer
@@ -221,7 +245,7 @@ def tiny_qwen_tokenizer(words: list[str] = ()):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    corpus = [TEMPLATE_WORDS, " ".join(words), " " + " ".join(words)]  # each word alone and after a space
+    corpus = [template, " ".join(words), " " + " ".join(words)]  # each word alone and after a space
     trainer = trainers.BpeTrainer(
         vocab_size=100_000, min_frequency=1, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -265,17 +289,23 @@ def tiny_transformer(cfg: TinyQwenImageConfig) -> QwenImageTransformer2DModel:
         num_attention_heads=cfg.num_attention_heads,
         joint_attention_dim=cfg.text_hidden_size,
         axes_dims_rope=tuple(cfg.axes_dims_rope),
+        zero_cond_t=cfg.zero_cond_t,
     )
 
 
 def load_checkpoint(
-    path: str, dtype: torch.dtype = torch.float32, negative_prompt: str | None = " "
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    negative_prompt: str | None = " ",
+    bundle_class: type = QwenImageBundle,
+    **options,
 ) -> QwenImageBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
-    `unirl_checkpoint.json`) with the LoRA loaded by `QwenImagePipeline.load_lora_weights`, or the
-    full `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`)."""
+    `unirl_checkpoint.json`) with the LoRA loaded by the pipeline's `load_lora_weights`, or the
+    full `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`);
+    `options` go to `bundle_class` (an edit family's condition settings)."""
     return load_diffusers_checkpoint(
         path,
-        lambda base: QwenImageBundle.from_pretrained(base, dtype=dtype, negative_prompt=negative_prompt),
+        lambda base: bundle_class.from_pretrained(base, dtype=dtype, negative_prompt=negative_prompt, **options),
         QwenImageTransformer2DModel,
     )

@@ -9,8 +9,8 @@ a tiny random one built from configs, offline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 from unirl.models.flow.config import (
     FamilySpec,
@@ -43,7 +43,8 @@ class TinyQwenImageConfig(PackedTinyConfig):
     (`unirl.models.causal_lm.vision.tiny_vlm_model`, `text_hidden_size` wide, `text_layers`
     deep); its tokenizer is byte-level BPE with the prompt template's words and `words` as whole
     tokens, so the template's system prefix is the 34 tokens QwenImagePipeline drops, as with
-    Qwen2.5-VL's own tokenizer.
+    Qwen2.5-VL's own tokenizer. `zero_cond_t` (Qwen-Image-Edit-2511's transformer) modulates an
+    edit's reference tokens at timestep 0; a model without references is unchanged by it.
     """
 
     resolution: AtLeastOne = 32
@@ -59,6 +60,7 @@ class TinyQwenImageConfig(PackedTinyConfig):
     latent_channels: AtLeastOne = 4
     vae_downsample: int = 2
     vae_base_dim: AtLeastOne = 8
+    zero_cond_t: bool = False
 
     def __post_init__(self) -> None:
         self.axes_dims_rope = list(self.axes_dims_rope)
@@ -134,3 +136,106 @@ class QwenImageModelConfig(FlowFamilyConfig):
             return 2 * 2 ** len(vae["temperal_downsample"])
         except (OSError, KeyError, ValueError, TypeError):
             return None
+
+
+CONDITION_AREA = 384 * 384
+"""Pixels of a reference as Qwen-Image-Edit-Plus's prompt encoder sees it (the pipeline's
+`CONDITION_IMAGE_SIZE`)."""
+VAE_AREA = 1024 * 1024
+"""Pixels of a reference as its VAE encodes it (the pipeline's `VAE_IMAGE_SIZE`)."""
+
+
+@dataclass
+class TinyQwenImageEditConfig(TinyQwenImageConfig):
+    """A tiny Qwen-Image-Edit-Plus: the tiny Qwen-Image in latent space (the pipeline encodes its
+    references with the VAE), its tokenizer's words the edit template's."""
+
+    pixel_space: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.pixel_space:
+            raise ValueError(
+                "model.tiny.pixel_space must be false: Qwen-Image-Edit-Plus encodes its references with the VAE"
+            )
+
+
+@dataclass
+class QwenImageEditPlusModelConfig(QwenImageModelConfig):
+    """Which Qwen-Image-Edit-Plus model to build (a local `QwenImageEditPlusPipeline` directory
+    such as Qwen-Image-Edit-2509 / 2511, or the tiny model of `tiny`), and how it reads its
+    references. Its prompt rows each carry one or more references under `condition_key`
+    (`condition_problems`; a data source resolves that key's relative paths when it is in its
+    `path_keys`).
+
+    Attributes (beyond `QwenImageModelConfig`'s):
+        condition_key: the prompt-row metadata key of the references.
+        condition_area: pixels of a reference as the prompt encoder sees it (the pipeline's
+            384 x 384; a tiny recipe lowers it with its images).
+        vae_area: pixels of a reference as the VAE encodes it (the pipeline's 1024 x 1024).
+    """
+
+    SPEC: ClassVar[FamilySpec] = replace(
+        QwenImageModelConfig.SPEC,
+        modeling="unirl.models.qwenimage.edit",
+        bundle="QwenImageEditPlusBundle",
+        pipeline="QwenImageEditPlusPipeline",
+        directory="Qwen-Image-Edit-Plus",
+    )
+    TINY: ClassVar[type] = TinyQwenImageEditConfig
+
+    tiny: TinyQwenImageEditConfig | None = field(default_factory=TinyQwenImageEditConfig)
+    condition_key: str = "images"
+    condition_area: AtLeastOne = CONDITION_AREA
+    vae_area: AtLeastOne = VAE_AREA
+
+    def bundle_options(self) -> dict[str, Any]:
+        return {
+            **super().bundle_options(),
+            "condition_key": self.condition_key,
+            "condition_area": self.condition_area,
+            "vae_area": self.vae_area,
+        }
+
+    def condition_problems(self, examples: list, where: str) -> list[str]:
+        """Every prompt row of `where` (its examples) names one or more references that read, each
+        resizing to a nonzero size for the VAE, and every row the same number of references with
+        the same packed sizes (a request batches its rows); problems name the row."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+        from unirl.models.images import load_image
+
+        key, cell = self.condition_key, self._cell()
+        problems, layouts = [], {}
+        for ex in examples:
+            entries = ex.metadata.get(key)
+            if not isinstance(entries, list | tuple) or not entries:
+                problems.append(
+                    f"{where}: prompt {ex.prompt_id!r} carries no reference image in metadata {key!r}; "
+                    f'Qwen-Image-Edit-Plus edits one or more: give the row "{key}": ["<image file>", ...]'
+                )
+                continue
+            layout = []
+            for i, entry in enumerate(entries):
+                try:
+                    image = load_image(entry, ex.prompt_id, i)
+                except ValueError as exc:
+                    problems.append(f"{where}: {exc}")
+                    break
+                w, h = calculate_dimensions(self.vae_area, image.width / image.height)
+                if not w or not h:
+                    problems.append(
+                        f"{where}: prompt {ex.prompt_id!r}: reference {i} ({image.width}x{image.height} px) resizes "
+                        f"to {w}x{h} px for the VAE (model.vae_area={self.vae_area}); give references closer to square"
+                    )
+                    break
+                layout.append((h // cell, w // cell) if cell else (h, w))
+            else:
+                layouts.setdefault(tuple(layout), ex.prompt_id)
+        if len(layouts) > 1:
+            problems.append(
+                f"{where}: rows whose references pack into different token grids {sorted(layouts)} (e.g. prompts "
+                f"{list(layouts.values())[:2]}); a request batches its rows: give every row the same number of "
+                "references with the same side ratios"
+            )
+        return problems
