@@ -44,7 +44,8 @@ from transformers.processing_utils import ProcessorMixin
 from unirl.models.causal_lm.vision import TinyVLMConfig, tiny_image_processor
 from unirl.models.flow.packing import pack
 from unirl.models.images import load_image
-from unirl.models.qwenimage.bundle import QwenImageBundle, load_checkpoint, tiny_transformer  # noqa: F401 (the tiny denoiser: Qwen-Image's)
+from unirl.models.qwenimage import bundle as qwenimage
+from unirl.models.qwenimage.bundle import QwenImageBundle, tiny_transformer  # noqa: F401 (the tiny denoiser: Qwen-Image's)
 from unirl.models.qwenimage.config import TinyQwenImageConfig
 from unirl.types import RolloutReq
 
@@ -225,3 +226,10 @@ class QwenImageEditPlusBundle(QwenImageBundle):
         vision = TinyVLMConfig(architecture="qwen2_5_vl")  # the tiny encoder's patch sizes and pixel bounds
         modules["processor"] = StillImageQwenVLProcessor(tiny_image_processor(vision), modules["tokenizer"])
         return modules
+
+
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, **options) -> QwenImageEditPlusBundle:
+    """The bundle of a UniRL checkpoint of an edit run (Qwen-Image's `load_checkpoint` into this
+    bundle: its LoRA through `QwenImageEditPlusPipeline.load_lora_weights`); `options` are the
+    bundle's (negative prompt, condition settings)."""
+    return qwenimage.load_checkpoint(path, dtype, bundle_class=QwenImageEditPlusBundle, **options)
