@@ -3,7 +3,7 @@
 the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
 recipes score 32 px images (their learned reward), the rest 16 px.
 
-    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | qwenimage
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | qwenimage | qwen_edit
 
 - flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
 - kontext: FLUX.1-Kontext, flux's settings at guidance 2.5, the prompts of datasets/tiny_edit (each
@@ -12,6 +12,9 @@ recipes score 32 px images (their learned reward), the rest 16 px.
   3.0, and every image reward component wrapped in `FrameMean` (its score averaged over frames).
 - qwenimage: true CFG 4.0 against the negative prompt " ", norm rescaled; `sigma_grid: steps`,
   dynamic shift on Qwen-Image's (256, 0.5) - (8192, 0.9) line.
+- qwen_edit: Qwen-Image-Edit-Plus (latent space: the pipeline VAE-encodes its references),
+  qwenimage's settings, the rows of datasets/tiny_edit/two_picture_prompts.jsonl (a source and a
+  red swatch each, read by the prompt encoder and riding as packed tokens), the edits' redness.
 """
 
 from __future__ import annotations
@@ -115,8 +118,26 @@ def qwenimage(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.train.fsdp.block_classes = ["QwenImageTransformerBlock"]
 
 
-FAMILIES = {"flux": flux, "kontext": kontext, "wan": wan, "qwenimage": qwenimage}
-PACKAGES = {"kontext": "flux"}  # the package whose LORA_TARGETS a family uses, when not its own
+def qwen_edit(cfg, size: int, lora_targets: list[str]) -> None:
+    qwenimage(cfg, size, lora_targets)
+    cfg.model._target_ = "unirl.models.qwenimage.QwenImageEditPlusModelConfig"
+    cfg.model.condition_area = 56 * 56
+    cfg.model.vae_area = 32 * 32
+    cfg.model.tiny.pixel_space = False
+    cfg.model.tiny.words = ["make", "the", "blue", "green", "yellow", "grey", "square", "in", "picture", "colour", "of"]
+    cfg.sampling.max_sequence_length = 48  # the instruction with both references' vision tokens
+    cfg.data_source = {
+        "_target_": "unirl.data.PromptDataSource",
+        "data_path": "datasets/tiny_edit/two_picture_prompts.jsonl",
+        "seed": cfg.seed,
+    }
+    cfg.reward = REDNESS
+    if "reward" in cfg.algorithm:
+        cfg.algorithm.reward = REDNESS
+
+
+FAMILIES = {"flux": flux, "kontext": kontext, "wan": wan, "qwenimage": qwenimage, "qwen_edit": qwen_edit}
+PACKAGES = {"kontext": "flux", "qwen_edit": "qwenimage"}  # the package whose LORA_TARGETS a family uses, when not its own
 
 
 def run(family: str, name: str, out: str) -> list[dict]:

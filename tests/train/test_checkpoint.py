@@ -133,3 +133,41 @@ def test_exported_lora_loads_back_at_the_trained_scale(tmp_path):
         torch.testing.assert_close(loaded(**kw)[0], b.module(**kw)[0], rtol=0, atol=1e-6)
         b.module.disable_adapters()
         assert not torch.allclose(loaded(**kw)[0], b.module(**kw)[0], atol=1e-4)  # the LoRA matters
+
+
+def test_a_parameter_that_never_had_a_gradient_resumes_without_optimizer_state(tmp_path):
+    """LoRA on Qwen-Image's last block's `to_add_out` (the text stream's output, which no later
+    layer reads) gets no gradient, so the saving run holds no optimizer state for it; a fresh
+    backend's load template has one. The load keeps what was saved: the resumed backend has the
+    saved optimizer state (none for that parameter) and trains on as the run that never stopped."""
+    from unirl.models.qwenimage.bundle import tiny_transformer
+    from unirl.models.qwenimage.config import TinyQwenImageConfig
+    from unirl.train.backend import LoRAConfig
+
+    def backend() -> TrainBackend:
+        torch.manual_seed(0)
+        module = tiny_transformer(TinyQwenImageConfig(num_layers=1))
+        lora = LoRAConfig(rank=2, alpha=4, target_modules=["to_q", "to_add_out"])
+        return TrainBackend(module, lora, OptimConfig(lr=1e-2), 10)
+
+    def step(b: TrainBackend) -> None:
+        out = b.module(
+            hidden_states=torch.ones(1, 16, 12), timestep=torch.tensor([0.5]),
+            encoder_hidden_states=torch.ones(1, 4, 32), img_shapes=[[(1, 4, 4)]], return_dict=False,
+        )[0]  # fmt: skip
+        out.square().mean().backward()
+        b.optimizer_step()
+
+    saved, straight = backend(), backend()
+    for b in (saved, straight):
+        step(b)
+        step(b)
+    stateless = [n for n, p in saved.named_params if p not in saved.optimizer.state]
+    assert stateless and all("to_add_out" in n for n in stateless)
+    save_train_state(str(tmp_path), saved, rank=0)
+    resumed = backend()
+    load_train_state(str(tmp_path), resumed, rank=0)
+    assert len(resumed.optimizer.state) == len(saved.optimizer.state)
+    step(resumed)
+    step(straight)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed.named_params, straight.named_params, strict=True))

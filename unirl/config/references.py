@@ -51,14 +51,15 @@ def check_conditions(passed: dict[str, Any], problems: list[str]) -> None:
     """A model conditioned on more than the prompt (an edit family: its config's
     `condition_problems`) against every prompt file it samples before the run starts: the
     training prompts (`data_source`) and the held-out ones (`eval.examples`), each problem naming
-    the key and the row."""
+    the key and the row; the sampling is passed for a family whose prompt reads its conditions
+    (the prompt's length with them)."""
     check = getattr(passed.get("model"), "condition_problems", None)
     if check is None:
         return
     for key in ("data_source", "eval.examples"):
         examples = examples_of(passed.get(key))
         if examples:
-            problems.extend(check(examples, key))
+            problems.extend(check(examples, key, passed.get("sampling")))
 
 
 def check_metadata_key(key: str, name: str, examples: list | None, where: str, problems: list[str]) -> None:

@@ -53,6 +53,21 @@ def save_train_state(
     torch.save(extra, os.path.join(path, f"rank{rank}.pt"))
 
 
+def _keep_saved_optimizer_state(tensors: dict[str, Any], checkpoint_id: str) -> None:
+    """Drop from the load template the optimizer state of parameters the checkpoint holds none
+    for. A trainable parameter that never had a gradient (Qwen-Image's last block's text-stream
+    output, whose result no later layer reads) has no optimizer state when the run saves, but a
+    fresh optimizer's template has one for every parameter (`get_state_dict` initialises them).
+    Left out, such a parameter ends the load without state, as in the run that saved; its
+    other keys, and every model key, must still be in the checkpoint."""
+    state = tensors.get("optim", {}).get("state")
+    if not state:
+        return
+    saved = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    for name in [n for n, fields in state.items() if not any(f"optim.state.{n}.{f}" in saved for f in fields)]:
+        del state[name]
+
+
 def load_train_state(
     path: str, backend: TrainBackend, rank: int, algorithm: StageAlgorithm | None = None
 ) -> None:
@@ -70,6 +85,7 @@ def load_train_state(
         )
     state = backend.state_dict()
     tensors = {k: state[k] for k in _TENSOR_KEYS if k in state}
+    _keep_saved_optimizer_state(tensors, os.path.join(path, "train"))
     dcp.load(tensors, checkpoint_id=os.path.join(path, "train"))
     # CPU: torch.set_rng_state takes a CPU ByteTensor; weights_only: the file holds only
     # tensors and plain containers, so loading it runs no pickled code

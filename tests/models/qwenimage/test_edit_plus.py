@@ -192,9 +192,15 @@ def test_condition_problems_name_the_row_before_any_run(tmp_path) -> None:
     assert config.condition_problems(rows[:1], "data_source") == []
 
 
-def test_a_pixel_space_edit_model_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"model.tiny.pixel_space must be false"):
-        edit_config(pixel_space=True)
+def test_a_pixel_space_edit_model_packs_its_references_pixels() -> None:
+    """No VAE: a reference's preprocessed pixels in [-1, 1], packed 2x2, are its tokens."""
+    bundle = edit_config(pixel_space=True).build()
+    sp = DiffusionSamplingParams(num_steps=2, samples_per_prompt=1, height=16, width=16, max_sequence_length=64)
+    image = source_image(3)
+    cond = QwenImageStage(bundle).encode_request(request(bundle, [[image], [image]], sp))
+    pixels = torch.tensor(np.asarray(image), dtype=torch.float32).permute(2, 0, 1) / 127.5 - 1
+    torch.testing.assert_close(cond["image_latents"][:1], pack(pixels[None]), rtol=0, atol=1e-6)
+    assert cond["image_shapes"][0].tolist() == [[16, 16]]
 
 
 def test_exported_lora_loads_back_through_the_edit_pipeline(tmp_path) -> None:

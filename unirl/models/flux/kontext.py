@@ -20,7 +20,7 @@ gives them).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers import FluxKontextPipeline
@@ -126,9 +126,10 @@ class FluxKontextModelConfig(FluxModelConfig):
         bundle.condition_key = self.condition_key
         return bundle
 
-    def condition_problems(self, examples: list, where: str) -> list[str]:
+    def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
         """Every prompt row of `where` (its examples) names exactly one condition image that reads
-        and whose sides are multiples of the packed cell, all of one size; problems name the row."""
+        and whose sides are multiples of the packed cell, all of one size; problems name the row.
+        (`sampling` is not read: Kontext's references do not enter its prompt.)"""
         cell = self._read("cell")
         problems, sizes = [], {}
         for ex in examples:

@@ -147,17 +147,11 @@ VAE_AREA = 1024 * 1024
 
 @dataclass
 class TinyQwenImageEditConfig(TinyQwenImageConfig):
-    """A tiny Qwen-Image-Edit-Plus: the tiny Qwen-Image in latent space (the pipeline encodes its
-    references with the VAE), its tokenizer's words the edit template's."""
+    """A tiny Qwen-Image-Edit-Plus: the tiny Qwen-Image, in latent space by default (the pipeline
+    VAE-encodes its references; a pixel-space model packs their pixels instead, which no pipeline
+    can run)."""
 
     pixel_space: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.pixel_space:
-            raise ValueError(
-                "model.tiny.pixel_space must be false: Qwen-Image-Edit-Plus encodes its references with the VAE"
-            )
 
 
 @dataclass
@@ -197,16 +191,18 @@ class QwenImageEditPlusModelConfig(QwenImageModelConfig):
             "vae_area": self.vae_area,
         }
 
-    def condition_problems(self, examples: list, where: str) -> list[str]:
+    def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
         """Every prompt row of `where` (its examples) names one or more references that read, each
         resizing to a nonzero size for the VAE, and every row the same number of references with
-        the same packed sizes (a request batches its rows); problems name the row."""
+        the same packed sizes (a request batches its rows); with `sampling`, each row's prompt
+        with its references' vision tokens fits `sampling.max_sequence_length` (counted by the
+        model's processor, no weights read). Problems name the row."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
 
         from unirl.models.images import load_image
 
         key, cell = self.condition_key, self._cell()
-        problems, layouts = [], {}
+        problems, layouts, rows = [], {}, []
         for ex in examples:
             entries = ex.metadata.get(key)
             if not isinstance(entries, list | tuple) or not entries:
@@ -232,6 +228,9 @@ class QwenImageEditPlusModelConfig(QwenImageModelConfig):
                 layout.append((h // cell, w // cell) if cell else (h, w))
             else:
                 layouts.setdefault(tuple(layout), ex.prompt_id)
+                rows.append(ex)
+        if sampling is not None and rows and not problems:
+            problems.extend(self._length_problems(rows, where, sampling.max_sequence_length))
         if len(layouts) > 1:
             problems.append(
                 f"{where}: rows whose references pack into different token grids {sorted(layouts)} (e.g. prompts "
@@ -239,3 +238,31 @@ class QwenImageEditPlusModelConfig(QwenImageModelConfig):
                 "references with the same side ratios"
             )
         return problems
+
+    def _length_problems(self, examples: list, where: str, max_sequence_length: int) -> list[str]:
+        from unirl.models.images import load_image
+        from unirl.models.qwenimage.edit import edit_processor, encoded_prompt_length
+
+        try:
+            processor = edit_processor(self.pretrained_path, self.tiny)
+        except (OSError, ValueError):
+            return []  # an unreadable directory is the directory check's problem
+        longest, row = max(
+            (
+                encoded_prompt_length(
+                    processor,
+                    ex.prompt,
+                    [load_image(e, ex.prompt_id, i) for i, e in enumerate(ex.metadata[self.condition_key])],
+                    self.condition_area,
+                ),
+                ex.prompt_id,
+            )
+            for ex in examples
+        )
+        if longest <= max_sequence_length:
+            return []
+        return [
+            f"{where}: prompt {row!r} with its references encodes to {longest} tokens (each reference's vision "
+            f"tokens count, at model.condition_area={self.condition_area}), over "
+            f"sampling.max_sequence_length={max_sequence_length}: raise it to at least {longest}"
+        ]

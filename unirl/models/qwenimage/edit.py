@@ -23,7 +23,9 @@ The references travel with the track as conditions (`image_latents` [B, T_ref, 4
 row's paths in the metadata. A request batches its rows, so every row of a prompt file gives the
 same number of references with the same packed sizes (`QwenImageEditPlusModelConfig.condition_problems`).
 
-A tiny model is latent-space only: the pipeline encodes its references with the VAE.
+A tiny pixel-space model (no VAE; the sample and its references are packed RGB) runs through the
+same code with the VAE encode the identity; the pipeline itself needs a VAE, so parity is checked
+in latent space.
 """
 
 from __future__ import annotations
@@ -69,6 +71,33 @@ def reference_size(area: int, width: int, height: int) -> tuple[int, int]:
     return calculate_dimensions(area, width / height)
 
 
+PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+"""The pipeline's label of the k-th reference in the prompt (its `_get_qwen_prompt_embeds`)."""
+
+
+def encoded_prompt_length(processor: Qwen2VLProcessor, prompt: str, images: list, condition_area: int) -> int:
+    """Tokens of the prompt encoder's conditioning for `prompt` with the references `images`: the
+    pipeline's template around a "Picture k:" label and the vision tokens of each reference
+    resized to `condition_area` pixels, less the template's dropped system tokens (what
+    `sampling.max_sequence_length` must hold). Reads no weights."""
+    pipe = QwenImageEditPlusPipeline(
+        **dict.fromkeys(("scheduler", "vae", "text_encoder", "tokenizer", "processor", "transformer"))
+    )  # only its template
+    labels = "".join(PICTURE.format(k + 1) for k in range(len(images)))
+    seen = [image.resize(reference_size(condition_area, *image.size)) for image in images]
+    ids = processor(text=[pipe.prompt_template_encode.format(labels + prompt)], images=seen).input_ids[0]
+    return len(ids) - pipe.prompt_template_encode_start_idx
+
+
+def edit_processor(pretrained_path: str | None, tiny: TinyQwenImageConfig | None) -> Qwen2VLProcessor:
+    """The processor of a model config's source, no weights read: a directory's `processor/`, or
+    the tiny model's (its tokenizer and the tiny Qwen2.5-VL's image processor)."""
+    if pretrained_path:
+        return StillImageQwenVLProcessor.from_pretrained(os.path.join(pretrained_path, "processor"))
+    tokenizer = qwenimage.tiny_qwen_tokenizer(tiny.words, EDIT_TEMPLATE_WORDS)
+    return StillImageQwenVLProcessor(tiny_image_processor(TinyVLMConfig(architecture="qwen2_5_vl")), tokenizer)
+
+
 class StillImageQwenVLProcessor(Qwen2VLProcessor):
     """`Qwen2VLProcessor` over still images only: its image processor and tokenizer, no video
     processor. transformers resolves a video processor's class through torchvision, which this
@@ -109,11 +138,6 @@ class QwenImageEditPlusBundle(QwenImageBundle):
         condition_area: int = CONDITION_IMAGE_SIZE,
         vae_area: int = VAE_IMAGE_SIZE,
     ) -> None:
-        if pipeline.vae is None:
-            raise ValueError(
-                "Qwen-Image-Edit-Plus encodes its references with the VAE: a pixel-space model cannot "
-                "take them (set model.tiny.pixel_space: false)"
-            )
         super().__init__(pipeline, sample_size, negative_prompt)
         self.condition_key = condition_key
         self.condition_area = condition_area
@@ -166,7 +190,8 @@ class QwenImageEditPlusBundle(QwenImageBundle):
                     f"sample {sid!r}: a reference of {image.width}x{image.height} px resizes to {w}x{h} px for "
                     f"the VAE (model.vae_area={self.vae_area}); give references closer to square"
                 )
-            pixels = processor.preprocess(image, h, w).unsqueeze(2).to(self.device, self.vae.dtype)
+            dtype = torch.float32 if self.vae is None else self.vae.dtype
+            pixels = processor.preprocess(image, h, w).unsqueeze(2).to(self.device, dtype)
             latents.append(pack(self._vae_latents(pixels)[:, :, 0]))
             shapes.append([h // self.vae_scale_factor // 2, w // self.vae_scale_factor // 2])
         out = {
@@ -195,9 +220,12 @@ class QwenImageEditPlusBundle(QwenImageBundle):
         return out
 
     def _vae_latents(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[1, C, 1, h, w]: the VAE's mode of [1, 3, 1, H, W] pixels, normalised by the latents'
-        per-channel mean and std (the pipeline's `_encode_vae_image`)."""
+        """[1, C, 1, h, w]: the VAE's mode of [1, 3, 1, H, W] pixels in [-1, 1], normalised by the
+        latents' per-channel mean and std (the pipeline's `_encode_vae_image`); the pixels
+        themselves in pixel space."""
         vae = self.vae
+        if vae is None:
+            return pixels
         latents = vae.encode(pixels).latent_dist.mode()
         view = (1, self.latent_channels, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(view).to(latents)
