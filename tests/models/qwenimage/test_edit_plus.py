@@ -50,13 +50,18 @@ def source_image(seed: int, width: int = 32, height: int = 32) -> Image.Image:
 
 def request(bundle, rows: list[list[Image.Image]], sp: DiffusionSamplingParams) -> RolloutReq:
     sigmas = sigmas_for(sp, bundle.image_seq_len(sp.height, sp.width))
-    examples = [PromptExample(p, str(i), {"images": refs}) for i, (p, refs) in enumerate(zip(PROMPTS, rows))]
+    examples = [
+        PromptExample(p, str(i), {"images": refs})
+        for i, (p, refs) in enumerate(zip(PROMPTS, rows, strict=True))
+    ]
     return RolloutReq.from_prompts(examples, sp, sigmas, 0)
 
 
 def encoded_length(bundle, prompt: str, refs: list[Image.Image]) -> int:
     """Tokens of `prompt` with `refs` after the template's 64 dropped ones (no padding)."""
-    sp = DiffusionSamplingParams(num_steps=1, samples_per_prompt=1, height=32, width=32, max_sequence_length=1024)
+    sp = DiffusionSamplingParams(
+        num_steps=1, samples_per_prompt=1, height=32, width=32, max_sequence_length=1024
+    )
     req = RolloutReq.from_prompts([PromptExample(prompt, "0", {"images": refs})], sp, sigmas_for(sp, 64), 0)
     return int(bundle.encode_conditions(req, guided=False)["prompt_embeds_mask"].sum())
 
@@ -64,7 +69,9 @@ def encoded_length(bundle, prompt: str, refs: list[Image.Image]) -> int:
 @pytest.mark.parametrize(
     ("num_refs", "guidance", "zero_cond_t"), [(1, 4.0, False), (2, 1.0, False), (2, 4.0, True)]
 )
-def test_ode_sampling_matches_qwenimage_edit_plus_pipeline(monkeypatch, num_refs, guidance, zero_cond_t) -> None:
+def test_ode_sampling_matches_qwenimage_edit_plus_pipeline(
+    monkeypatch, num_refs, guidance, zero_cond_t
+) -> None:
     bundle = edit_config(zero_cond_t=zero_cond_t).build()
     bundle.negative_prompt = "make it blue"  # as long as the prompts: no padding on either branch
     rows = [[source_image(10 * i + k, 32, 32 if k == 0 else 96) for k in range(num_refs)] for i in range(2)]
@@ -86,7 +93,9 @@ def test_ode_sampling_matches_qwenimage_edit_plus_pipeline(monkeypatch, num_refs
     assert cond["image_latents"].shape == (4, sum(r * c for r, c in grids), 16)
     ours = stage.diffuse(req, cond).at(sp.num_steps)
     shape = bundle.latent_shape(32, 32)
-    x_t = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds])
+    x_t = torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds]
+    )
 
     monkeypatch.setattr(edit_plus, "CONDITION_IMAGE_SIZE", AREAS["condition_area"])
     monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", AREAS["vae_area"])
@@ -134,7 +143,9 @@ def test_the_prompt_encoder_and_the_transformer_see_the_references(edit_bundle) 
     """Another reference changes the prompt embedding (the VL encoder reads it) and the velocity
     (its tokens are attended to), the same prompt, seed and noise otherwise."""
     stage = QwenImageStage(edit_bundle)
-    sp = DiffusionSamplingParams(num_steps=2, samples_per_prompt=1, height=32, width=32, eta=0.0, max_sequence_length=64)
+    sp = DiffusionSamplingParams(
+        num_steps=2, samples_per_prompt=1, height=32, width=32, eta=0.0, max_sequence_length=64
+    )
     embeds, velocities = [], []
     for seed in (0, 1):
         req = request(edit_bundle, [[source_image(seed)], [source_image(seed)]], sp)
@@ -148,7 +159,9 @@ def test_the_prompt_encoder_and_the_transformer_see_the_references(edit_bundle) 
 
 def test_bad_references_are_named_with_their_sample(edit_bundle, tmp_path) -> None:
     stage = QwenImageStage(edit_bundle)
-    sp = DiffusionSamplingParams(num_steps=2, samples_per_prompt=1, height=32, width=32, eta=0.0, max_sequence_length=64)
+    sp = DiffusionSamplingParams(
+        num_steps=2, samples_per_prompt=1, height=32, width=32, eta=0.0, max_sequence_length=64
+    )
 
     def req(*metadata):
         examples = [PromptExample("make it red", f"row{i}", m) for i, m in enumerate(metadata)]
@@ -160,7 +173,9 @@ def test_bad_references_are_named_with_their_sample(edit_bundle, tmp_path) -> No
         stage.encode_conditions(req({"images": [source_image(0), str(tmp_path / "missing.png")]}))
     with pytest.raises(ValueError, match=r"row1.*\(128, 16\).*\(64, 16\).*row0.*same number of references"):
         stage.encode_conditions(req({"images": [source_image(0)]}, {"images": [source_image(0)] * 2}))
-    short = DiffusionSamplingParams(num_steps=2, samples_per_prompt=1, height=32, width=32, max_sequence_length=8)
+    short = DiffusionSamplingParams(
+        num_steps=2, samples_per_prompt=1, height=32, width=32, max_sequence_length=8
+    )
     one = RolloutReq.from_prompts(
         [PromptExample("make it red", "row9", {"images": [source_image(0)]})], short, sigmas_for(short, 64), 0
     )
@@ -195,7 +210,9 @@ def test_condition_problems_name_the_row_before_any_run(tmp_path) -> None:
 def test_a_pixel_space_edit_model_packs_its_references_pixels() -> None:
     """No VAE: a reference's preprocessed pixels in [-1, 1], packed 2x2, are its tokens."""
     bundle = edit_config(pixel_space=True).build()
-    sp = DiffusionSamplingParams(num_steps=2, samples_per_prompt=1, height=16, width=16, max_sequence_length=64)
+    sp = DiffusionSamplingParams(
+        num_steps=2, samples_per_prompt=1, height=16, width=16, max_sequence_length=64
+    )
     image = source_image(3)
     cond = QwenImageStage(bundle).encode_request(request(bundle, [[image], [image]], sp))
     pixels = torch.tensor(np.asarray(image), dtype=torch.float32).permute(2, 0, 1) / 127.5 - 1
@@ -225,10 +242,14 @@ def test_exported_lora_loads_back_through_the_edit_pipeline(tmp_path) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     backend.save_weights(str(tmp_path / "ckpt"), base_model=str(tmp_path / "base"))
     loaded = config.load_checkpoint(str(tmp_path / "ckpt"))
-    assert isinstance(loaded, QwenImageEditPlusBundle) and isinstance(loaded.pipeline, QwenImageEditPlusPipeline)
+    assert isinstance(loaded, QwenImageEditPlusBundle) and isinstance(
+        loaded.pipeline, QwenImageEditPlusPipeline
+    )
     assert (loaded.condition_area, loaded.vae_area) == (AREAS["condition_area"], AREAS["vae_area"])
 
-    sp = DiffusionSamplingParams(num_steps=2, samples_per_prompt=1, height=32, width=32, max_sequence_length=64)
+    sp = DiffusionSamplingParams(
+        num_steps=2, samples_per_prompt=1, height=32, width=32, max_sequence_length=64
+    )
     req = request(edit_bundle, [[source_image(0)], [source_image(1)]], sp)
     cond = QwenImageStage(edit_bundle).encode_request(req)
     torch.testing.assert_close(QwenImageStage(loaded).encode_request(req), cond, rtol=0, atol=0)
@@ -236,6 +257,8 @@ def test_exported_lora_loads_back_through_the_edit_pipeline(tmp_path) -> None:
     sigma = torch.tensor([0.3, 0.8])
     with torch.no_grad():
         trained = edit_bundle.predict(backend.module, x, sigma, cond)
-        torch.testing.assert_close(loaded.predict(loaded.transformer, x, sigma, cond), trained, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            loaded.predict(loaded.transformer, x, sigma, cond), trained, rtol=0, atol=1e-6
+        )
         backend.module.disable_adapters()
         assert not torch.allclose(edit_bundle.predict(backend.module, x, sigma, cond), trained, atol=1e-4)

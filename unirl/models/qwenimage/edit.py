@@ -95,7 +95,9 @@ def edit_processor(pretrained_path: str | None, tiny: TinyQwenImageConfig | None
     if pretrained_path:
         return StillImageQwenVLProcessor.from_pretrained(os.path.join(pretrained_path, "processor"))
     tokenizer = qwenimage.tiny_qwen_tokenizer(tiny.words, EDIT_TEMPLATE_WORDS)
-    return StillImageQwenVLProcessor(tiny_image_processor(TinyVLMConfig(architecture="qwen2_5_vl")), tokenizer)
+    return StillImageQwenVLProcessor(
+        tiny_image_processor(TinyVLMConfig(architecture="qwen2_5_vl")), tokenizer
+    )
 
 
 class StillImageQwenVLProcessor(Qwen2VLProcessor):
@@ -214,7 +216,11 @@ class QwenImageEditPlusBundle(QwenImageBundle):
                     f"sample {sid!r}: the prompt with its {len(images)} reference(s) encodes to {length} tokens "
                     f"(each reference's vision tokens count), over sampling.max_sequence_length={max_len}; raise it"
                 )
-            mask = torch.ones(1, length, dtype=torch.long, device=pe.device) if mask is None else mask.to(torch.long)
+            mask = (
+                torch.ones(1, length, dtype=torch.long, device=pe.device)
+                if mask is None
+                else mask.to(torch.long)
+            )
             out[prefix + "prompt_embeds"] = torch.nn.functional.pad(pe, (0, 0, 0, max_len - length)).float()
             out[prefix + "prompt_embeds_mask"] = torch.nn.functional.pad(mask, (0, max_len - length)).float()
         return out
