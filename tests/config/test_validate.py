@@ -173,6 +173,7 @@ NEEDS_MODEL_DIR = (
     "diffusion/sd3_flowgrpo",
     "diffusion/flux_flowgrpo",
     "diffusion/kontext_flowgrpo",
+    "diffusion/qwen_edit_flowgrpo",
     "diffusion/wan_flowgrpo",
     "diffusion/qwenimage_flowgrpo",
     "llm/qwen3_grpo",
