@@ -1,9 +1,10 @@
 """`diffusion/tiny_qwen_edit_flowgrpo`: Qwen-Image-Edit-Plus edits with two references per row.
 
-In one process (no Ray) the recipe trains 2 steps (true CFG, both branches reading the references;
-`scripts/family_algorithms.py qwen_edit` runs every algorithm) and its LoRA loads into diffusers'
-`QwenImageEditPlusPipeline` and changes its edit. Through Ray and the object-store data plane a
-run stopped at a checkpoint and resumed writes the rows and weights of the run that never stopped.
+In one process (no Ray) the recipe trains (true CFG, both branches reading the references;
+`scripts/family_algorithms.py qwen_edit` runs every algorithm), a run stopped at a checkpoint and
+resumed writes the rows and weights of the run that never stopped, and its LoRA loads into
+diffusers' `QwenImageEditPlusPipeline` and changes its edit. (The references' conditions cross
+Ray's data plane as FLUX.1-Kontext's do, tested in `tests/models/flux/test_kontext_recipe.py`.)
 Rows without references, with an unreadable one, with references that pack differently, or whose
 prompt with its references' vision tokens is longer than `sampling.max_sequence_length`, are
 refused before anything runs, naming the row.
@@ -20,7 +21,7 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_p
 from PIL import Image
 
 from tests.conftest import untimed
-from tests.recipes import IN_PROCESS, QUIET, recipe, run, same_weights
+from tests.recipes import IN_PROCESS, QUIET, recipe, same_weights, stopped_and_resumed
 from unirl.config.validate import ConfigError
 from unirl.models.qwenimage.edit import StillImageQwenVLProcessor
 
@@ -38,9 +39,13 @@ SMALL = [
 ]
 
 
-def test_the_tiny_edit_recipe_trains_and_its_lora_loads_into_the_pipeline(tmp_path, monkeypatch) -> None:
-    rows = run(RECIPE, tmp_path, *SMALL, "num_steps=2")
-    assert [r["step"] for r in rows] == [1, 2]
+def test_the_tiny_edit_recipe_trains_resumes_and_its_lora_loads_into_the_pipeline(
+    tmp_path, monkeypatch
+) -> None:
+    rows, resumed = stopped_and_resumed(RECIPE, tmp_path, *SMALL, stop=2, steps=3)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in rows]
+    assert same_weights(tmp_path / "full", tmp_path / "part")
     for r in rows:
         assert 0.0 < r["reward/mean"] < 1.0 and torch.isfinite(torch.tensor(r["loss"]))
         assert 0.0 < r["reward/preservation/mean"] < 1.0  # the scorer read picture 1 from the row
@@ -48,7 +53,7 @@ def test_the_tiny_edit_recipe_trains_and_its_lora_loads_into_the_pipeline(tmp_pa
 
     monkeypatch.setattr(edit_plus, "CONDITION_IMAGE_SIZE", 56 * 56)  # the recipe's condition_area
     monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", 32 * 32)  # and vae_area
-    base = tmp_path / "base_model"
+    base = tmp_path / "full" / "base_model"
     pipe = QwenImageEditPlusPipeline.from_pretrained(
         base, processor=StillImageQwenVLProcessor.from_pretrained(base / "processor")
     )
@@ -63,7 +68,7 @@ def test_the_tiny_edit_recipe_trains_and_its_lora_loads_into_the_pipeline(tmp_pa
         ).images  # fmt: skip
 
     before = edit()
-    pipe.load_lora_weights(tmp_path / "checkpoints" / "final")
+    pipe.load_lora_weights(tmp_path / "full" / "checkpoints" / "final")
     assert (edit() - before).abs().max().item() > 0
 
 
@@ -90,18 +95,3 @@ def test_rows_the_model_cannot_read_are_refused_before_the_run(tmp_path) -> None
     (problem,) = info.value.problems
     assert problem.startswith("data_source: prompt 'pair")
     assert "sampling.max_sequence_length=16: raise it to at least 37" in problem
-
-
-@pytest.mark.ray
-def test_a_ray_run_with_its_references_resumes_exactly(tmp_path, ray_cluster) -> None:
-    """Through Ray and the object-store data plane: the references' latents, their packed shapes
-    and the reference-reading prompt embeddings ride with each track from the rollout to training;
-    stopped at a step-2 checkpoint and resumed, the run writes the rows and the final weights of
-    the run that never stopped."""
-    ray_run = [o for o in SMALL if o not in IN_PROCESS] + ["num_steps=3", "transport=ray"]
-    full = run(RECIPE, tmp_path / "full", *ray_run, "checkpoint.every_n_steps=2")
-    ckpt = tmp_path / "full" / "checkpoints" / "step_000002"
-    resumed = run(RECIPE, tmp_path / "resumed", *ray_run, f"resume_from={ckpt}")
-    assert [r["step"] for r in resumed] == [3]
-    assert untimed(resumed[0]) == untimed(full[2])
-    assert same_weights(tmp_path / "full", tmp_path / "resumed")
