@@ -37,3 +37,24 @@ def test_tiny_wan_flowgrpo_runs_two_steps(tmp_path) -> None:
     assert [c["frames"] for c in captions] == [5] * 4  # the videos saved as frame strips
     weights = exported_weights(tmp_path)
     assert weights and all(k.startswith("pytorch_lora_weights.safetensors:transformer.") for k in weights)
+
+
+def test_tiny_wan22_two_experts_train_resume_and_export_both_loras(tmp_path) -> None:
+    """`diffusion/tiny_wan22_flowgrpo`: 3 denoising steps (timesteps 1000 | 751, 9 at the 0.875
+    boundary), the SDE ones steps 0 and 1 (the window's two), so both experts' LoRAs train; a run stopped at step 2 and resumed writes the
+    rows and weights of the one that never stopped, and the export is one trained LoRA file per
+    expert."""
+    from tests.conftest import untimed
+    from tests.recipes import same_weights, stopped_and_resumed
+
+    small = [*IN_PROCESS, *SMALL[1:], "logging.save_images_every=0"]
+    full, resumed = stopped_and_resumed("diffusion/tiny_wan22_flowgrpo", tmp_path, *small, stop=2, steps=3)
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in full]
+    assert all(r["ratio/first_update_mean"] == 1.0 for r in full)
+    assert same_weights(tmp_path / "full", tmp_path / "part")
+    weights = exported_weights(tmp_path / "full")
+    high = [k for k in weights if k.startswith("pytorch_lora_weights.safetensors:")]
+    low = [k for k in weights if k.startswith("transformer_2/pytorch_lora_weights.safetensors:")]
+    assert high and len(low) == len(high) and len(weights) == 2 * len(high)
+    for expert in (high, low):  # peft starts every lora_B at zero: each expert's moved from it
+        assert any(weights[k].abs().sum() > 0 for k in expert if "lora_B" in k)

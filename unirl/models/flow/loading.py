@@ -260,18 +260,25 @@ def tiny_causal_vae(vae_cls: type, base_dim: int, channels: int, levels: int, **
 
 
 def write_diffusers_weights(
-    pipeline_cls: type, path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module
+    pipeline_cls: type,
+    path: str,
+    kind: str,
+    state: dict[str, torch.Tensor],
+    module: torch.nn.Module,
+    adapter: torch.nn.Module | None = None,
 ) -> None:
     """The train backend's exporter for a diffusers family: a LoRA as
     `pytorch_lora_weights.safetensors` with its adapter config (alpha) in the file's metadata,
     what `pipeline_cls.load_lora_weights` reads (without the metadata diffusers loads
     lora_alpha = rank and scales the update by 1 instead of alpha / rank); a full state as a
-    `transformer/` directory, written by a fresh unsharded copy of the module's own class."""
+    `transformer/` directory, written by a fresh unsharded copy of the module's own class.
+    `adapter` is the module whose `peft_config` holds the adapter (`module` by default; the
+    container of a part of several, as Wan 2.2's experts)."""
     if kind == "lora":
         pipeline_cls.save_lora_weights(
             path,
             transformer_lora_layers=state,
-            transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
+            transformer_lora_adapter_metadata=(adapter or module).peft_config["default"].to_dict(),
         )
         return
     cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))

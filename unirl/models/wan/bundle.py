@@ -37,17 +37,23 @@ from unirl.models.flow.loading import (
     tiny_causal_vae,
     tiny_clip_t5_tokenizers,
     tiny_t5_config,
+    write_diffusers_weights,
 )
+from unirl.models.source import read_checkpoint_meta
 from unirl.models.wan.config import PATCH, TinyWanConfig
+from unirl.models.wan.experts import EXPERTS, WanExperts, expert_states
+from unirl.sde.schedules import NUM_TRAIN_TIMESTEPS
 
 
 class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
-    """The modules of one Wan 2.1 T2V model plus the `WanPipeline` that owns them.
+    """The modules of one Wan 2.1 or 2.2 T2V model plus the `WanPipeline` that owns them.
 
     Attributes:
         pipeline: a `WanPipeline` (vae None in pixel space); its `encode_prompt` is the prompt
             encoder of record.
-        transformer: the `WanTransformer3DModel` (the trainable module).
+        transformer: the trainable module: the `WanTransformer3DModel`, or, when the pipeline has
+            a `transformer_2` and a `boundary_ratio` (Wan 2.2 A14B), both experts as one
+            `WanExperts` (`unirl.models.wan.experts`).
         vae: `AutoencoderKLWan` or None (pixel space).
         num_frames: frames per video (the latent clip has (num_frames - 1) / temporal + 1).
         temporal, spatial: the VAE's compression along time and along each side (1, 1 in pixel
@@ -69,9 +75,9 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
     ) -> None:
         self.pipeline = pipeline
         self.any_size = any_size
-        self.transformer: WanTransformer3DModel = pipeline.transformer
+        self.transformer: WanTransformer3DModel | WanExperts = experts_of(pipeline)
         self.vae: AutoencoderKLWan | None = pipeline.vae
-        self.latent_channels = self.transformer.config.in_channels
+        self.latent_channels = pipeline.transformer.config.out_channels
         if self.vae is None:
             self.temporal, self.spatial = 1, 1
         else:
@@ -175,7 +181,9 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
         )
         if pipe.vae is not None:
             pipe.vae.to(torch.float32)  # Wan's VAE decodes in fp32 (its reference and WanPipeline's)
-        pipe.transformer.to(torch.float32)
+        for name in EXPERTS:  # fp32 master weights (transformer_2: Wan 2.2 A14B's low-noise expert)
+            if getattr(pipe, name, None) is not None:
+                getattr(pipe, name).to(torch.float32)
         return cls(pipe, num_frames, sample_size=480, any_size=True)
 
     @classmethod
@@ -208,8 +216,25 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
             vae=vae,
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # Wan 2.1's flow shift at 480p
             transformer=tiny_transformer(cfg),
+            # Wan 2.2 A14B: the low-noise expert, built after the high-noise one
+            transformer_2=tiny_transformer(cfg) if cfg.boundary_ratio is not None else None,
+            boundary_ratio=cfg.boundary_ratio,
         )
         return cls(pipe, num_frames, sample_size=cfg.resolution)
+
+    @classmethod
+    def write_weights(
+        cls, path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module
+    ) -> None:
+        """`DiffusersBundle.write_weights`; two experts' as two of them: the high-noise expert's
+        in `path`, the low-noise one's in `path/transformer_2` (a LoRA there is what
+        `WanPipeline.load_lora_weights(..., load_into_transformer_2=True)` reads; a full state
+        is `transformer/` and `transformer_2/transformer/`)."""
+        if not any(k.startswith(EXPERTS[1] + ".") for k in state):
+            return super().write_weights(path, kind, state, module)
+        for name, part in expert_states(state).items():
+            where = path if name == EXPERTS[0] else os.path.join(path, name)
+            write_diffusers_weights(cls.LORA_PIPELINE, where, kind, part, getattr(module, name), adapter=module)
 
 
 def _flow_shift(scheduler_config: str) -> float:
@@ -243,7 +268,32 @@ def tiny_transformer(cfg: TinyWanConfig) -> WanTransformer3DModel:
 def load_checkpoint(path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> WanBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
     `unirl_checkpoint.json`) with the LoRA loaded by `WanPipeline.load_lora_weights`, or the full
-    `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`)."""
-    return load_diffusers_checkpoint(
+    `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`); for two
+    experts also the low-noise expert's, from `transformer_2/` (`WanBundle.write_weights`)."""
+    bundle = load_diffusers_checkpoint(
         path, lambda base: WanBundle.from_pretrained(base, num_frames, dtype=dtype), WanTransformer3DModel
     )
+    low = os.path.join(path, EXPERTS[1])
+    if isinstance(bundle.transformer, WanExperts) or os.path.isdir(low):
+        pipe = bundle.pipeline
+        if read_checkpoint_meta(path)["kind"] == "lora":
+            pipe.load_lora_weights(low, load_into_transformer_2=True)
+        else:
+            pipe.transformer_2 = WanTransformer3DModel.from_pretrained(os.path.join(low, "transformer"))
+        bundle.transformer = experts_of(pipe)  # the full load replaced the pipeline's modules
+    return bundle
+
+
+def experts_of(pipeline: WanPipeline) -> WanTransformer3DModel | WanExperts:
+    """The trainable module of a pipeline: its transformer, or with a `transformer_2` and a
+    `boundary_ratio` both experts as one `WanExperts` (a `transformer_2` without a boundary is an
+    error naming the directory's setting)."""
+    low, ratio = getattr(pipeline, "transformer_2", None), pipeline.config.get("boundary_ratio")
+    if low is None:
+        return pipeline.transformer
+    if ratio is None:
+        raise ValueError(
+            "this Wan pipeline has a transformer_2 (Wan 2.2's low-noise expert) but no boundary_ratio: "
+            "set boundary_ratio in its model_index.json (Wan 2.2 T2V: 0.875, I2V: 0.9)"
+        )
+    return WanExperts(pipeline.transformer, low, ratio * NUM_TRAIN_TIMESTEPS)

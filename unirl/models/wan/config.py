@@ -1,21 +1,26 @@
 """The Wan 2.1 text-to-video family's recipe node: which model to build, its clip length, and its
 answers to the validator.
 
-`WanModelConfig(pretrained_path=<dir>)` names a local diffusers Wan 2.1 T2V directory (a
+`WanModelConfig(pretrained_path=<dir>)` names a local diffusers Wan 2.1 or 2.2 T2V directory (a
 `WanPipeline`: transformer/, vae/ (AutoencoderKLWan), text_encoder/ (UMT5), tokenizer/,
-scheduler/); `WanModelConfig(tiny=TinyWanConfig(...))` a tiny random one built from configs,
-offline. `num_frames` is the clip length every sample has (the family's geometry, like the VAE:
+scheduler/; Wan 2.2 A14B adds transformer_2/ and the pipeline's `boundary_ratio`: two experts,
+`unirl.models.wan.experts`); `WanModelConfig(tiny=TinyWanConfig(...))` a tiny random one built
+from configs, offline (`tiny.boundary_ratio` set: two experts). `num_frames` is the clip length every sample has (the family's geometry, like the VAE:
 a latent sample is [C, f, h, w] with f = (num_frames - 1) / temporal + 1).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
+
 from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, cell_size_problems, read_vae_config
 from unirl.models.source import DType
-from unirl.types.constraints import AtLeastOne, check_fields
+from unirl.types.constraints import AtLeastOne, OpenUnit, check_fields
 
 PATCH = (1, 2, 2)
 """The transformer's (frame, height, width) patch: Wan 2.1's, and the tiny model's."""
@@ -43,6 +48,9 @@ class TinyWanConfig:
     a fixed latents mean / std as Wan's VAE is; its widths are `vae_base_dim` x Wan's multipliers
     (1, 2, 4, 4) with `vae_res_blocks` residual blocks per level (Wan's VAE: 96 and 2 at 8x / 4x).
     The transformer patches (1, 2, 2). `words` become whole-word tokens of the tiny UMT5 tokenizer.
+    `boundary_ratio` (in (0, 1)) makes it a Wan 2.2 A14B-style model: two experts of this
+    architecture, the high-noise one for timesteps >= boundary_ratio x 1000 (Wan 2.2 T2V: 0.875,
+    I2V: 0.9); null: one transformer, as Wan 2.1.
     """
 
     resolution: AtLeastOne = 16
@@ -61,6 +69,7 @@ class TinyWanConfig:
     vae_temporal: int = 2
     vae_base_dim: AtLeastOne = 8
     vae_res_blocks: AtLeastOne = 1
+    boundary_ratio: OpenUnit | None = None
 
     def __post_init__(self) -> None:
         self.words = list(self.words)
@@ -151,3 +160,47 @@ class WanModelConfig(FlowFamilyConfig):
             return int(vae.get("scale_factor_temporal") or 4), int(vae.get("scale_factor_spatial") or 8)
         except (OSError, KeyError, ValueError, TypeError):
             return None
+
+    def two_experts(self) -> bool:
+        """Whether the model is Wan 2.2 A14B-style (two experts): a tiny `boundary_ratio`, or a
+        directory with `transformer_2/`."""
+        if not self.pretrained_path:
+            return self.tiny.boundary_ratio is not None
+        return os.path.isdir(os.path.join(self.pretrained_path, "transformer_2"))
+
+    def trainable_on_meta(self) -> torch.nn.Module:
+        """The denoiser's module tree on the meta device: the transformer, or both experts as one
+        `WanExperts` (their LoRA targets and FSDP blocks are checked in both)."""
+        high = super().trainable_on_meta()
+        if not self.two_experts():
+            return high
+        from diffusers import WanTransformer3DModel
+
+        from unirl.models.wan.experts import WanExperts
+
+        with torch.device("meta"):
+            if self.pretrained_path:
+                config = WanTransformer3DModel.load_config(os.path.join(self.pretrained_path, "transformer_2"))
+                low = WanTransformer3DModel.from_config(config)
+            else:
+                low = self.modeling().tiny_transformer(self.tiny)
+        return WanExperts(high, low, boundary_timestep=0.0)  # the tree alone: no routing
+
+    def directory_problems(self) -> list[str]:
+        """The family's directory check, and for a Wan 2.2 A14B directory (a `transformer_2/`) a
+        `boundary_ratio` in (0, 1) in its model_index.json."""
+        problems = super().directory_problems()
+        if problems or not self.pretrained_path or not self.two_experts():
+            return problems
+        try:
+            with open(os.path.join(self.pretrained_path, "model_index.json")) as f:
+                ratio = json.load(f).get("boundary_ratio")
+        except (OSError, ValueError):
+            return problems
+        if not isinstance(ratio, int | float) or not 0 < ratio < 1:
+            problems.append(
+                f"model.pretrained_path {self.pretrained_path!r} has a transformer_2/ (Wan 2.2's low-noise expert) "
+                f"but its model_index.json sets boundary_ratio={ratio!r}; it must be in (0, 1) (Wan 2.2 T2V: 0.875, "
+                "I2V: 0.9)"
+            )
+        return problems
