@@ -3,13 +3,15 @@
 the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
 recipes score 32 px images (their learned reward), the rest 16 px.
 
-    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | qwenimage | qwen_edit
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit
 
 - flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
 - kontext: FLUX.1-Kontext, flux's settings at guidance 2.5, the prompts of datasets/tiny_edit (each
   row an edit instruction and its 16 px source image, which rides with every rollout and replay).
 - wan: 5-frame videos, classifier-free guidance with the empty prompt, the Euler grid shifted by
   3.0, and every image reward component wrapped in `FrameMean` (its score averaged over frames).
+- wan22: wan's settings with two experts (Wan 2.2 A14B-style, boundary 0.875): each expert's LoRA
+  trains on the SDE steps on its side.
 - qwenimage: true CFG 4.0 against the negative prompt " ", norm rescaled; `sigma_grid: steps`,
   dynamic shift on Qwen-Image's (256, 0.5) - (8192, 0.9) line.
 - qwen_edit: Qwen-Image-Edit-Plus (latent space: the pipeline VAE-encodes its references),
@@ -102,6 +104,11 @@ def wan(cfg, size: int, lora_targets: list[str]) -> None:
         cfg.algorithm.reward = OmegaConf.to_container(cfg.reward)
 
 
+def wan22(cfg, size: int, lora_targets: list[str]) -> None:
+    wan(cfg, size, lora_targets)
+    cfg.model.tiny.boundary_ratio = 0.875  # two experts; the 2-step runs' SDE steps fall on both sides
+
+
 def qwenimage(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.model = {
         "_target_": "unirl.models.qwenimage.QwenImageModelConfig",
@@ -136,8 +143,10 @@ def qwen_edit(cfg, size: int, lora_targets: list[str]) -> None:
         cfg.algorithm.reward = REDNESS
 
 
-FAMILIES = {"flux": flux, "kontext": kontext, "wan": wan, "qwenimage": qwenimage, "qwen_edit": qwen_edit}
-PACKAGES = {"kontext": "flux", "qwen_edit": "qwenimage"}  # the package whose LORA_TARGETS a family uses, when not its own
+FAMILIES = {
+    "flux": flux, "kontext": kontext, "wan": wan, "wan22": wan22, "qwenimage": qwenimage, "qwen_edit": qwen_edit,
+}  # fmt: skip
+PACKAGES = {"kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan"}  # the package whose LORA_TARGETS a family uses, when not its own
 
 
 def run(family: str, name: str, out: str) -> list[dict]:

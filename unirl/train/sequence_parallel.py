@@ -32,17 +32,27 @@ def sequence_parallel_degree(cfg: Any) -> int:
     return int(fsdp.get("sp", 1) or 1) if fsdp else 1
 
 
+def planned_parts(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules a context-parallel plan applies to: `module` when it has diffusers' `_cp_plan`,
+    else its children that do (Wan 2.2's two experts held as one module, `unirl.models.wan.experts`)."""
+    if getattr(module, "_cp_plan", None) is not None:
+        return [module]
+    return [child for child in module.children() if getattr(child, "_cp_plan", None) is not None]
+
+
 def cp_plan_problem(module: torch.nn.Module, sp: int) -> str | None:
-    """Why `module` cannot run with Ulysses degree `sp`, or None: it needs diffusers' context-parallel
-    plan and attention heads divisible by `sp`."""
-    if getattr(module, "_cp_plan", None) is None:
+    """Why `module` cannot run with Ulysses degree `sp`, or None: it (or each of its planned parts,
+    `planned_parts`) needs diffusers' context-parallel plan and attention heads divisible by `sp`."""
+    parts = planned_parts(module)
+    if not parts:
         return (
             f"train.fsdp.sp={sp}: {type(module).__name__} has no context-parallel plan in diffusers "
             "(`_cp_plan`); sequence parallelism runs on FLUX.1, Wan and Qwen-Image transformers"
         )
-    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
-    if heads is not None and heads % sp:
-        return f"train.fsdp.sp={sp} does not divide the transformer's {heads} attention heads"
+    for part in parts:
+        heads = getattr(getattr(part, "config", None), "num_attention_heads", None)
+        if heads is not None and heads % sp:
+            return f"train.fsdp.sp={sp} does not divide the transformer's {heads} attention heads"
     return None
 
 
@@ -55,7 +65,8 @@ def sp_mesh(device_type: str, world: int, sp: int):
 
 def enable_ulysses(module: torch.nn.Module, sp: int, device_type: str | None = None) -> None:
     """Apply diffusers' Ulysses context parallelism of degree `sp` to `module` (a diffusers
-    transformer with a `_cp_plan`), in place, before FSDP wraps it. Needs the default process
+    transformer with a `_cp_plan`, or a module of several: `planned_parts`), in place, before FSDP
+    wraps it. Needs the default process
     group; every rank of the world calls it. `device_type`: the mesh's (default: the module's
     device's; the memory planner passes "cpu" for a module on the meta device)."""
     import torch.distributed as dist
@@ -74,10 +85,10 @@ def enable_ulysses(module: torch.nn.Module, sp: int, device_type: str | None = N
     cp = ContextParallelConfig(ulysses_degree=sp, mesh=mesh)
     config = ParallelConfig(context_parallel_config=cp)
     config.setup(dist.get_rank(), world, device, mesh=mesh)
-    module._parallel_config = config
-    for sub in module.modules():
-        processor = getattr(sub, "processor", None)
-        if processor is not None and hasattr(processor, "_parallel_config"):
-            processor._parallel_config = config
-    apply_context_parallel(module, cp, module._cp_plan)
-
+    for part in planned_parts(module):
+        part._parallel_config = config
+        for sub in part.modules():
+            processor = getattr(sub, "processor", None)
+            if processor is not None and hasattr(processor, "_parallel_config"):
+                processor._parallel_config = config
+        apply_context_parallel(part, cp, part._cp_plan)

@@ -172,3 +172,14 @@ def test_a_directory_with_two_experts_needs_its_boundary(tmp_path) -> None:
     assert "transformer_2/" in problem and "boundary_ratio=None" in problem and "(0, 1)" in problem
     with pytest.raises(ValueError, match=r"transformer_2.*no boundary_ratio"):
         WanBundle.from_pretrained(str(tmp_path), num_frames=5)
+
+
+def test_sequence_parallelism_plans_each_expert() -> None:
+    """Ulysses applies diffusers' context-parallel plan to each expert (the container has none of
+    its own); a degree that does not divide the experts' heads is refused, naming it."""
+    from unirl.train.sequence_parallel import cp_plan_problem, planned_parts
+
+    meta = tiny_wan_config(boundary_ratio=BOUNDARY).trainable_on_meta()
+    assert planned_parts(meta) == [meta.transformer, meta.transformer_2]
+    assert cp_plan_problem(meta, 2) is None
+    assert "does not divide the transformer's 2 attention heads" in cp_plan_problem(meta, 4)
