@@ -45,7 +45,9 @@ def test_two_experts_are_one_module_with_both_experts_parameters(experts_bundle)
     # the experts differ (the low-noise one is built after the high-noise one) and the first is
     # the Wan 2.1 tiny model of the same seed, unchanged by the second
     single = tiny_wan_config().build().transformer
-    assert all(torch.equal(a, b) for a, b in zip(single.parameters(), experts.transformer.parameters(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(single.parameters(), experts.transformer.parameters(), strict=True)
+    )
     assert not torch.equal(experts.transformer.proj_out.weight, experts.transformer_2.proj_out.weight)
     meta = tiny_wan_config(boundary_ratio=BOUNDARY).trainable_on_meta()
     assert isinstance(meta, WanExperts) and lora_target_problem(meta, LORA_TARGETS) is None
@@ -63,7 +65,9 @@ def test_ode_sampling_across_the_boundary_matches_wan_pipeline(experts_bundle) -
     req = RolloutReq.from_prompts([PromptExample(p, str(i)) for i, p in enumerate(PROMPTS)], sp, sigmas, 0)
     ours = stage.diffuse(req, stage.encode_request(req)).at(num_steps)
     shape = experts_bundle.latent_shape(size, size)
-    x_t = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds])
+    x_t = torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds]
+    )
 
     pipe = WanPipeline(**experts_bundle.pipeline.components, boundary_ratio=BOUNDARY)
     pipe.set_progress_bar_config(disable=True)
@@ -101,20 +105,27 @@ def test_a_batch_of_rows_on_both_sides_is_routed_row_by_row(experts_bundle) -> N
     with torch.no_grad():
         mixed = experts_bundle.predict(experts, x, sigma, cond)
         for i, expert in enumerate([experts.transformer, experts.transformer_2] * 2):
-            alone = experts_bundle.predict(expert, x[i : i + 1], sigma[i : i + 1], {"prompt_embeds": cond["prompt_embeds"][i : i + 1]})
+            alone = experts_bundle.predict(
+                expert, x[i : i + 1], sigma[i : i + 1], {"prompt_embeds": cond["prompt_embeds"][i : i + 1]}
+            )
             torch.testing.assert_close(mixed[i : i + 1], alone, rtol=1e-5, atol=1e-6)
 
 
 def test_each_experts_lora_is_trained_by_its_own_steps_only() -> None:
     bundle = tiny_wan_config(boundary_ratio=BOUNDARY).build()
-    backend = TrainBackend(bundle.transformer, LoRAConfig(rank=2, alpha=4, target_modules=LORA_TARGETS), OptimConfig(), 1)
+    backend = TrainBackend(
+        bundle.transformer, LoRAConfig(rank=2, alpha=4, target_modules=LORA_TARGETS), OptimConfig(), 1
+    )
     x = torch.randn(2, *bundle.latent_shape(16, 16), generator=torch.Generator().manual_seed(0))
     cond = {"prompt_embeds": torch.randn(2, 8, 32)}
     with torch.no_grad():  # make every lora_B nonzero so that every lora_A gets a gradient
         for name, p in backend.module.named_parameters():
             if "lora_B" in name:
                 p.fill_(0.01)
-    for sigma, trained, untouched in ((0.95, "transformer.", "transformer_2."), (0.3, "transformer_2.", "transformer.")):
+    for sigma, trained, untouched in (
+        (0.95, "transformer.", "transformer_2."),
+        (0.3, "transformer_2.", "transformer."),
+    ):
         backend.module.zero_grad()
         bundle.predict(backend.module, x, torch.full((2,), sigma), cond).square().mean().backward()
         grads = {n: p.grad for n, p in backend.module.named_parameters() if p.requires_grad}
@@ -154,7 +165,9 @@ def test_exported_lora_loads_into_both_experts_of_wan_pipeline(tmp_path) -> None
         trained = bundle.predict(backend.module, x, sigma, cond)
         by_pipeline = WanExperts(pipe.transformer, pipe.transformer_2, BOUNDARY * 1000)
         torch.testing.assert_close(bundle.predict(by_pipeline, x, sigma, cond), trained, rtol=0, atol=1e-6)
-        torch.testing.assert_close(loaded.predict(loaded.transformer, x, sigma, cond), trained, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            loaded.predict(loaded.transformer, x, sigma, cond), trained, rtol=0, atol=1e-6
+        )
         backend.module.disable_adapters()
         base = bundle.predict(backend.module, x, sigma, cond)
         assert all(not torch.allclose(base[i], trained[i], atol=1e-4) for i in range(2))  # both experts moved

@@ -69,6 +69,7 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
 
     cond_keys = ("prompt_embeds",)
     LORA_PIPELINE: ClassVar[type] = WanPipeline  # reads write_weights' LoRA
+    PIPELINE: ClassVar[type] = WanPipeline  # the diffusers pipeline class this bundle owns
 
     def __init__(
         self, pipeline: WanPipeline, num_frames: int, sample_size: int, any_size: bool = False
@@ -171,12 +172,15 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
 
     # ---- building and saving ----------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> WanBundle:
-        """Load a local diffusers Wan 2.1 T2V directory; a missing vae/ means pixel space. The
-        directory's scheduler is replaced by the Euler scheduler at its flow shift (module doc)."""
+    def from_pretrained(
+        cls, path: str, num_frames: int, dtype: torch.dtype = torch.float32, **options
+    ) -> WanBundle:
+        """Load a local diffusers directory of `PIPELINE`; a missing vae/ means pixel space. The
+        directory's scheduler is replaced by the Euler scheduler at its flow shift (module doc).
+        `options` go to the bundle's constructor (an I2V model's condition key)."""
         extra = pretrained_pipeline_options(path)
         shift = _flow_shift(os.path.join(path, "scheduler", "scheduler_config.json"))
-        pipe = WanPipeline.from_pretrained(
+        pipe = cls.PIPELINE.from_pretrained(
             path, torch_dtype=dtype, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), **extra
         )
         if pipe.vae is not None:
@@ -184,11 +188,18 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
         for name in EXPERTS:  # fp32 master weights (transformer_2: Wan 2.2 A14B's low-noise expert)
             if getattr(pipe, name, None) is not None:
                 getattr(pipe, name).to(torch.float32)
-        return cls(pipe, num_frames, sample_size=480, any_size=True)
+        return cls(pipe, num_frames, sample_size=480, any_size=True, **options)
 
     @classmethod
-    def tiny(cls, cfg: TinyWanConfig, num_frames: int) -> WanBundle:
-        """A randomly initialized tiny Wan 2.1, deterministic in `cfg.seed`."""
+    def tiny(cls, cfg: TinyWanConfig, num_frames: int, **options) -> WanBundle:
+        """A randomly initialized tiny model of `PIPELINE`, deterministic in `cfg.seed`."""
+        return cls(cls.PIPELINE(**cls.tiny_modules(cfg)), num_frames, sample_size=cfg.resolution, **options)
+
+    @classmethod
+    def tiny_modules(cls, cfg: TinyWanConfig) -> dict:
+        """The tiny pipeline's modules: UMT5 and its tokenizer, the VAE (None in pixel space), the
+        Euler scheduler, the transformer (`tiny_denoiser`) and, with `cfg.boundary_ratio`, the
+        low-noise expert built after it and the boundary."""
         from transformers import UMT5Config, UMT5EncoderModel
 
         torch.manual_seed(cfg.seed)
@@ -210,17 +221,21 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
                 scale_factor_temporal=cfg.vae_temporal,
                 scale_factor_spatial=cfg.vae_spatial,
             )
-        pipe = WanPipeline(
+        return dict(
             tokenizer=tokenizer,
             text_encoder=text_encoder,
             vae=vae,
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # Wan 2.1's flow shift at 480p
-            transformer=tiny_transformer(cfg),
+            transformer=cls.tiny_denoiser(cfg),
             # Wan 2.2 A14B: the low-noise expert, built after the high-noise one
-            transformer_2=tiny_transformer(cfg) if cfg.boundary_ratio is not None else None,
+            transformer_2=cls.tiny_denoiser(cfg) if cfg.boundary_ratio is not None else None,
             boundary_ratio=cfg.boundary_ratio,
         )
-        return cls(pipe, num_frames, sample_size=cfg.resolution)
+
+    @staticmethod
+    def tiny_denoiser(cfg: TinyWanConfig) -> WanTransformer3DModel:
+        """The tiny transformer of this model (`tiny_transformer`)."""
+        return tiny_transformer(cfg)
 
     @classmethod
     def write_weights(
@@ -265,13 +280,18 @@ def tiny_transformer(cfg: TinyWanConfig) -> WanTransformer3DModel:
     )
 
 
-def load_checkpoint(path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> WanBundle:
+def load_checkpoint(
+    path: str, num_frames: int, dtype: torch.dtype = torch.float32, bundle_class: type = WanBundle, **options
+) -> WanBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
     `unirl_checkpoint.json`) with the LoRA loaded by `WanPipeline.load_lora_weights`, or the full
     `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`); for two
-    experts also the low-noise expert's, from `transformer_2/` (`WanBundle.write_weights`)."""
+    experts also the low-noise expert's, from `transformer_2/` (`WanBundle.write_weights`).
+    `options` go to `bundle_class` (an I2V model's condition key)."""
     bundle = load_diffusers_checkpoint(
-        path, lambda base: WanBundle.from_pretrained(base, num_frames, dtype=dtype), WanTransformer3DModel
+        path,
+        lambda base: bundle_class.from_pretrained(base, num_frames, dtype=dtype, **options),
+        WanTransformer3DModel,
     )
     low = os.path.join(path, EXPERTS[1])
     if isinstance(bundle.transformer, WanExperts) or os.path.isdir(low):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -203,4 +203,54 @@ class WanModelConfig(FlowFamilyConfig):
                 f"but its model_index.json sets boundary_ratio={ratio!r}; it must be in (0, 1) (Wan 2.2 T2V: 0.875, "
                 "I2V: 0.9)"
             )
+        return problems
+
+
+@dataclass
+class WanI2VModelConfig(WanModelConfig):
+    """Which Wan 2.2 image-to-video model to build: a local `WanImageToVideoPipeline` directory of
+    the Wan 2.2 I2V-A14B layout (no image encoder; two experts at `boundary_ratio` 0.9), or the
+    tiny model of `tiny` (latent space; its transformer takes the latents, the first-frame mask and
+    the frame's latents). Its prompt rows each carry one first frame under `condition_key`
+    (`condition_problems`; a data source resolves that key's relative paths when it is in its
+    `path_keys`); the frame is resized to the sampled size."""
+
+    SPEC: ClassVar[FamilySpec] = replace(
+        WanModelConfig.SPEC,
+        name="Wan 2.2 I2V",
+        modeling="unirl.models.wan.i2v",
+        bundle="WanI2VBundle",
+        pipeline="WanImageToVideoPipeline",
+        directory="Wan 2.2 I2V",
+    )
+    condition_key: str = "images"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tiny is not None and self.tiny.pixel_space:
+            raise ValueError(
+                "model.tiny.pixel_space must be false: Wan I2V encodes its first frame with the VAE"
+            )
+
+    def bundle_options(self) -> dict[str, Any]:
+        return {**super().bundle_options(), "condition_key": self.condition_key}
+
+    def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
+        """Every prompt row of `where` (its examples) names exactly one first frame that reads
+        (any size: it is resized to the sampled one); problems name the row."""
+        from unirl.models.images import load_image
+
+        problems, key = [], self.condition_key
+        for ex in examples:
+            entries = ex.metadata.get(key)
+            if not isinstance(entries, list | tuple) or len(entries) != 1:
+                problems.append(
+                    f"{where}: prompt {ex.prompt_id!r} carries {len(entries) if entries else 'no'} first frame(s) "
+                    f'in metadata {key!r}; Wan I2V animates exactly one: give the row "{key}": ["<image file>"]'
+                )
+                continue
+            try:
+                load_image(entries[0], ex.prompt_id, 0)
+            except ValueError as exc:
+                problems.append(f"{where}: {exc}")
         return problems

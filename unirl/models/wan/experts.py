@@ -33,7 +33,10 @@ class WanExperts(torch.nn.Module, PeftAdapterMixin):
     """
 
     def __init__(
-        self, transformer: WanTransformer3DModel, transformer_2: WanTransformer3DModel, boundary_timestep: float
+        self,
+        transformer: WanTransformer3DModel,
+        transformer_2: WanTransformer3DModel,
+        boundary_timestep: float,
     ) -> None:
         super().__init__()
         self.transformer = transformer
@@ -80,5 +83,6 @@ class WanExperts(torch.nn.Module, PeftAdapterMixin):
 def expert_states(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """A `WanExperts` state dict split per expert ({name: its state, prefix removed})."""
     return {
-        name: {k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(name + ".")} for name in EXPERTS
+        name: {k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(name + ".")}
+        for name in EXPERTS
     }

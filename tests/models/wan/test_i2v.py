@@ -1,0 +1,171 @@
+"""Wan 2.2 image-to-video (`unirl.models.wan.i2v`): ODE sampling through the shared stage equals
+diffusers' `WanImageToVideoPipeline` (no image encoder, two experts at boundary 0.9, or one) on a
+tiny model given the same first frames, the frame is read, and bad frames are named with their row.
+
+The pipeline resizes each row's frame to the output size, VAE-encodes it followed by black frames
+behind the first-frame mask (`prepare_latents`) and concatenates that condition after the noisy
+latents along the channels at every step; our stage encodes each row once per request with the
+pipeline's own `prepare_latents` and does the same in `predict`. The pipeline takes one image per
+call, so it runs per row with `num_videos_per_prompt` (a batch of 2, its CFG halves in two
+forwards) while our stage samples both rows in one batch of 4 with the halves batched (8): the same
+arithmetic over another batch composition, whose fp32 rounding differs. `BATCH_ATOL` bounds that
+(measured 2.9e-6 on latents of magnitude ~2.5 after 4 steps); the first step's velocity of a row,
+computed with the pipeline's batch composition, is equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanImageToVideoPipeline
+from PIL import Image
+
+from unirl.models.wan import TinyWanConfig, WanI2VModelConfig, WanStage
+from unirl.models.wan.experts import WanExperts
+from unirl.sde.schedules import sigmas_for
+from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
+
+PROMPTS = ["a red square", "a blue dot"]
+BATCH_ATOL = 1e-5
+
+
+def i2v_config(**tiny) -> WanI2VModelConfig:
+    base = dict(resolution=16, pixel_space=False, seed=0)
+    return WanI2VModelConfig(tiny=TinyWanConfig(**{**base, **tiny}), num_frames=5)
+
+
+def frame(seed: int, size: int = 24) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
+
+
+def request(sp: DiffusionSamplingParams, bundle, frames) -> RolloutReq:
+    sigmas = sigmas_for(sp, bundle.image_seq_len(sp.height, sp.width))
+    examples = [
+        PromptExample(p, str(i), {"images": [f]})
+        for i, (p, f) in enumerate(zip(PROMPTS, frames, strict=True))
+    ]
+    return RolloutReq.from_prompts(examples, sp, sigmas, 0)
+
+
+@pytest.mark.parametrize("boundary", [0.9, None])
+def test_ode_sampling_matches_wan_image_to_video_pipeline(boundary) -> None:
+    bundle = i2v_config(boundary_ratio=boundary).build()
+    assert isinstance(bundle.transformer, WanExperts) == (boundary is not None)
+    num_steps, guidance, size = 4, 5.0, 16
+    sp = DiffusionSamplingParams(
+        num_steps=num_steps, samples_per_prompt=2, height=size, width=size, guidance_scale=guidance, eta=0.0,
+        shift=3.0, max_sequence_length=8,
+    )  # fmt: skip
+    frames = [frame(0), frame(1)]  # 24 px: resized to the 16 px output, as the pipeline does
+    stage = WanStage(bundle)
+    req = request(sp, bundle, frames)
+    cond = stage.encode_request(req)
+    assert set(cond) == {"prompt_embeds", "negative_prompt_embeds", "condition"}
+    # the mask (2 channels: the VAE's temporal compression) and the 4 latent channels, 3 latent frames
+    assert cond["condition"].shape == (4, 2 + 4, 3, 8, 8)
+    assert torch.equal(cond["condition"][:, :2, 0], torch.ones(4, 2, 8, 8))  # the given first frame
+    assert not cond["condition"][:, :2, 1:].any()
+    ours = stage.diffuse(req, cond).at(num_steps)
+    shape = bundle.latent_shape(size, size)
+    x_t = torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds]
+    )
+
+    pipe = WanImageToVideoPipeline(**bundle.pipeline.components, boundary_ratio=boundary)
+    pipe.set_progress_bar_config(disable=True)
+    theirs, videos = [], []
+    for i, prompt in enumerate(PROMPTS):
+        final = {}
+
+        def keep_last(pipe, step, t, tensors, final=final):
+            final["latents"] = tensors["latents"]
+            return tensors
+
+        with torch.no_grad():
+            videos.append(
+                pipe(
+                    image=frames[i], prompt=prompt, num_videos_per_prompt=2, height=size, width=size,
+                    num_frames=bundle.num_frames, num_inference_steps=num_steps, guidance_scale=guidance,
+                    latents=x_t[2 * i : 2 * i + 2], max_sequence_length=8, output_type="pt",
+                    callback_on_step_end=keep_last,
+                ).frames
+            )  # fmt: skip
+        theirs.append(final["latents"])
+        assert torch.equal(pipe.scheduler.sigmas, req.sigmas)
+    theirs = torch.cat(theirs)
+    assert (ours - x_t).abs().max().item() > 0.1
+    err = (ours - theirs).abs().max().item()
+    assert err <= BATCH_ATOL, f"max |stage - pipeline| = {err}"
+    assert (stage.decode_float(ours) - torch.cat(videos)).abs().max().item() <= BATCH_ATOL
+
+    # the first step of row 0 with the pipeline's batch composition (its two samples; the halves
+    # in two forwards): the same velocity bit for bit
+    row = {k: v[:2] for k, v in cond.items()}
+    with torch.no_grad():
+        v_cond = bundle.predict(bundle.transformer, x_t[:2], req.sigmas[:1].expand(2), row)
+        negative = {**row, "prompt_embeds": row["negative_prompt_embeds"]}
+        v_uncond = bundle.predict(bundle.transformer, x_t[:2], req.sigmas[:1].expand(2), negative)
+        latent_input = torch.cat([x_t[:2], row["condition"]], dim=1)
+        t = pipe.scheduler.timesteps[0].expand(2)
+        model = pipe.transformer  # the high-noise expert at t = 1000 (or the one transformer)
+        c = model(
+            hidden_states=latent_input,
+            timestep=t,
+            encoder_hidden_states=row["prompt_embeds"],
+            return_dict=False,
+        )[0]
+        u = model(
+            hidden_states=latent_input,
+            timestep=t,
+            encoder_hidden_states=negative["prompt_embeds"],
+            return_dict=False,
+        )[0]
+    assert torch.equal(v_cond, c) and torch.equal(v_uncond, u)
+
+
+def test_the_first_frame_changes_the_velocity() -> None:
+    bundle = i2v_config().build()
+    stage = WanStage(bundle)
+    sp = DiffusionSamplingParams(
+        num_steps=2, samples_per_prompt=1, height=16, width=16, eta=0.0, max_sequence_length=8
+    )
+    velocities = []
+    for seed in (0, 1):
+        req = request(sp, bundle, [frame(seed), frame(seed)])
+        x = torch.zeros(2, *bundle.latent_shape(16, 16))
+        velocities.append(stage.velocity(x, req.sigmas[:1].expand(2), stage.encode_request(req), 1.0))
+    assert (velocities[0] - velocities[1]).abs().max().item() > 1e-4
+
+
+def test_bad_first_frames_are_named(tmp_path) -> None:
+    bundle = i2v_config().build()
+    stage = WanStage(bundle)
+    sp = DiffusionSamplingParams(
+        num_steps=2, samples_per_prompt=1, height=16, width=16, max_sequence_length=8
+    )
+
+    def req(metadata):
+        return RolloutReq.from_prompts(
+            [PromptExample("a red square", "row7", metadata)], sp, sigmas_for(sp, 16), 0
+        )
+
+    with pytest.raises(ValueError, match=r"row7.*one first frame.*got none"):
+        stage.encode_conditions(req({}))
+    with pytest.raises(ValueError, match=r"row7.*got 2"):
+        stage.encode_conditions(req({"images": [frame(0), frame(1)]}))
+    with pytest.raises(ValueError, match=r"row7.*no image file"):
+        stage.encode_conditions(req({"images": [str(tmp_path / "missing.png")]}))
+    good = tmp_path / "ok.png"
+    frame(0).save(good)
+    rows = [
+        PromptExample("a", "fine", {"images": [str(good)]}),
+        PromptExample("a", "bare", {}),
+        PromptExample("a", "lost", {"images": [str(tmp_path / "gone.png")]}),
+    ]
+    problems = i2v_config().condition_problems(rows, "data_source")
+    assert len(problems) == 2
+    assert "prompt 'bare' carries no first frame(s)" in problems[0] and "'lost'" in problems[1]
+    with pytest.raises(ValueError, match=r"pixel_space must be false"):
+        i2v_config(pixel_space=True)

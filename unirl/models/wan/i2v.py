@@ -1,0 +1,154 @@
+"""Wan 2.2 image-to-video: Wan that animates each row's first frame (`WanImageToVideoPipeline`
+without an image encoder, the Wan 2.2 I2V-A14B layout: two experts switched at `boundary_ratio`
+0.9, or one transformer).
+
+The same text encoder, VAE, guidance and experts as Wan T2V (`bundle.py`, `experts.py`); what
+differs is the condition. Each prompt row names its first frame (`metadata[condition_key]`, one
+image: a file resolved against the prompt file, an array or a PIL image). Once per request
+(`encode_conditions`) each row's frame is resized to the sampled size and encoded as the
+pipeline's `prepare_latents` does it (called here, so the arithmetic is the pipeline's): the frame
+followed by `num_frames - 1` black frames through the VAE (its mode, normalised by the latents'
+mean / std), behind a mask of `temporal` channels that marks the first frame's latents as given.
+That `condition` [B, temporal + C, f, h, w] rides with the track; every network call concatenates
+it after the noisy latents along the channels (the transformer takes 2C + temporal channels in, C
+out), and both CFG branches read it (`shared_keys`).
+
+Not built: Wan 2.1 I2V (its transformer also reads CLIP image embeddings, `image_dim`), Wan 2.2
+TI2V-5B (`expand_timesteps`: per-token timesteps), a last frame (`last_image`). A model of those
+is refused when built. Pixel space cannot run (the condition is VAE latents).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+from unirl.models.images import load_image
+from unirl.models.wan import bundle as wan
+from unirl.models.wan.bundle import WanBundle
+from unirl.models.wan.config import PATCH, TinyWanConfig
+from unirl.types import RolloutReq
+
+CONDITION_KEY = "images"
+"""The default prompt-row metadata key naming a sample's first frame."""
+
+
+class WanI2VBundle(WanBundle):
+    """A Wan 2.2 I2V model: `WanBundle` over a `WanImageToVideoPipeline`, conditioned on each
+    sample's row's first frame (`cond_keys` adds `condition`).
+
+    Attributes (beyond `WanBundle`'s):
+        condition_key: the metadata key of a row's first frame.
+    """
+
+    cond_keys = ("prompt_embeds", "condition")
+    shared_keys = ("condition",)
+    LORA_PIPELINE: ClassVar[type] = WanImageToVideoPipeline
+    PIPELINE: ClassVar[type] = WanImageToVideoPipeline
+
+    def __init__(
+        self,
+        pipeline: WanImageToVideoPipeline,
+        num_frames: int,
+        sample_size: int,
+        any_size: bool = False,
+        condition_key: str = CONDITION_KEY,
+    ) -> None:
+        transformer = pipeline.transformer
+        if pipeline.vae is None:
+            raise ValueError(
+                "Wan I2V encodes its first frame with the VAE: a pixel-space model cannot take it (set "
+                "model.tiny.pixel_space: false)"
+            )
+        if transformer.config.image_dim is not None or pipeline.config.get("expand_timesteps"):
+            raise ValueError(
+                "this Wan I2V model reads CLIP image embeddings (Wan 2.1 I2V: transformer image_dim) or per-token "
+                "timesteps (Wan 2.2 TI2V-5B: expand_timesteps), which UniRL does not build; Wan 2.2 I2V-A14B's "
+                "layout (no image encoder) is"
+            )
+        super().__init__(pipeline, num_frames, sample_size, any_size)
+        self.condition_key = condition_key
+
+    @torch.no_grad()
+    def encode_conditions(self, req: RolloutReq, guided: bool) -> dict[str, torch.Tensor]:
+        """{"condition": [B, temporal + C, f, h, w] fp32}: each row's first frame (one image under
+        `condition_key`; the samples of a group share their row's, encoded once) resized to the
+        sampled size, VAE-encoded behind the first-frame mask by the pipeline's own
+        `prepare_latents`. `guided` changes nothing (both branches read it). Errors name the
+        sample."""
+        sp = req.sampling
+        first: dict[str, int] = {}
+        for i, group in enumerate(req.group_ids):
+            first.setdefault(group, i)
+        rows = {
+            group: self._encode_frame(req.metadata[i], req.sample_ids[i], sp.height, sp.width)
+            for group, i in first.items()
+        }
+        return {"condition": torch.cat([rows[g] for g in req.group_ids])}
+
+    def _encode_frame(
+        self, metadata: dict[str, Any], sample_id: str, height: int, width: int
+    ) -> torch.Tensor:
+        entries = metadata.get(self.condition_key)
+        if not isinstance(entries, list | tuple) or len(entries) != 1:
+            got = "none" if not entries else f"{len(entries)}"
+            raise ValueError(
+                f"sample {sample_id!r}: Wan I2V animates one first frame (metadata {self.condition_key!r}: a list of "
+                f"one image), got {got}"
+            )
+        pipe = self.pipeline
+        image = pipe.video_processor.preprocess(
+            load_image(entries[0], sample_id, 0), height=height, width=width
+        )
+        shape = (1, *self.latent_shape(height, width))
+        _, condition = pipe.prepare_latents(
+            image.to(self.device, torch.float32), 1, self.latent_channels, height, width, self.num_frames,
+            torch.float32, self.device, None, latents=torch.zeros(shape, device=self.device),
+        )  # fmt: skip
+        return condition.float()
+
+    def predict(
+        self, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict
+    ) -> torch.Tensor:
+        """Velocity [B, C, f, h, w]: Wan's `predict` of the noisy latents with the row's
+        `condition` concatenated after them along the channels."""
+        return super().predict(module, torch.cat([x, cond["condition"].to(x.dtype)], dim=1), sigma, cond)
+
+    @staticmethod
+    def tiny_denoiser(cfg: TinyWanConfig) -> WanTransformer3DModel:
+        """`tiny_transformer`."""
+        return tiny_transformer(cfg)
+
+    @classmethod
+    def tiny_modules(cls, cfg: TinyWanConfig) -> dict:
+        """Wan's tiny modules with no image encoder (the Wan 2.2 I2V-A14B layout)."""
+        return {**super().tiny_modules(cfg), "image_encoder": None, "image_processor": None}
+
+
+def tiny_transformer(cfg: TinyWanConfig) -> WanTransformer3DModel:
+    """The tiny I2V denoiser: Wan's tiny transformer taking the latents, the first-frame mask
+    (`vae_temporal` channels) and the frame's latents (2C + temporal channels), giving C."""
+    if cfg.pixel_space:
+        raise ValueError("model.tiny.pixel_space must be false: Wan I2V encodes its first frame with the VAE")
+    c = cfg.latent_channels
+    return WanTransformer3DModel(
+        patch_size=PATCH,
+        num_attention_heads=cfg.num_attention_heads,
+        attention_head_dim=cfg.attention_head_dim,
+        in_channels=2 * c + cfg.vae_temporal,
+        out_channels=c,
+        text_dim=cfg.text_hidden_size,
+        freq_dim=cfg.freq_dim,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers,
+        rope_max_seq_len=1024,
+    )
+
+
+def load_checkpoint(
+    path: str, num_frames: int, dtype: torch.dtype = torch.float32, **options
+) -> WanI2VBundle:
+    """The bundle of a UniRL checkpoint of an I2V run (Wan's `load_checkpoint` into this bundle)."""
+    return wan.load_checkpoint(path, num_frames, dtype, bundle_class=WanI2VBundle, **options)
