@@ -169,3 +169,43 @@ def test_bad_first_frames_are_named(tmp_path) -> None:
     assert "prompt 'bare' carries no first frame(s)" in problems[0] and "'lost'" in problems[1]
     with pytest.raises(ValueError, match=r"pixel_space must be false"):
         i2v_config(pixel_space=True)
+
+
+def test_the_tiny_i2v_recipe_trains_and_both_experts_loras_load_into_the_pipeline(tmp_path) -> None:
+    """`diffusion/tiny_wan22_i2v_flowgrpo` trains 2 steps in this process (on-policy first ratio
+    1: the replay read the rollout's first frames); its two LoRA files load into
+    `WanImageToVideoPipeline` (the low-noise one with `load_into_transformer_2=True`) and change
+    the clip it makes from a row's first frame. Rows without a usable first frame are refused before
+    anything runs, naming the row."""
+    import json
+
+    from tests.recipes import IN_PROCESS, QUIET, recipe, run
+    from unirl.config.validate import ConfigError
+
+    small = [
+        *IN_PROCESS, *QUIET, "threads_per_worker=1", "prompts_per_rollout=2", "sampling.samples_per_prompt=2",
+        "sampling.num_steps=3", "sampling.max_sequence_length=8", "model.num_frames=5", "model.tiny.num_layers=1",
+        "train.stack.micro_batch_size=4",
+    ]  # fmt: skip
+    rows = run("diffusion/tiny_wan22_i2v_flowgrpo", tmp_path, *small, "num_steps=2")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["ratio/first_update_mean"] == 1.0 for r in rows)
+    pipe = WanImageToVideoPipeline.from_pretrained(tmp_path / "base_model")
+    pipe.set_progress_bar_config(disable=True)
+    first = Image.open("datasets/tiny_edit/blue_square.png")
+
+    def clip():
+        return pipe(
+            image=first, prompt="the blue square turns red and slides right", height=16, width=16, num_frames=5,
+            num_inference_steps=3, max_sequence_length=8, output_type="pt", generator=torch.Generator().manual_seed(0),
+        ).frames  # fmt: skip
+
+    before = clip()
+    final = tmp_path / "checkpoints" / "final"
+    pipe.load_lora_weights(final)
+    pipe.load_lora_weights(final / "transformer_2", load_into_transformer_2=True)
+    assert (clip() - before).abs().max().item() > 0
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "a clip", "prompt_id": "bare"}) + "\n")
+    with pytest.raises(ConfigError, match=r"prompt 'bare' carries no first frame"):
+        recipe("diffusion/tiny_wan22_i2v_flowgrpo", tmp_path / "bad", *small, f"data_source.data_path={bad}")
