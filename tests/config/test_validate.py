@@ -174,6 +174,7 @@ NEEDS_MODEL_DIR = (
     "diffusion/flux_flowgrpo",
     "diffusion/kontext_flowgrpo",
     "diffusion/qwen_edit_flowgrpo",
+    "diffusion/wan22_i2v_flowgrpo",
     "diffusion/wan_flowgrpo",
     "diffusion/qwenimage_flowgrpo",
     "llm/qwen3_grpo",
