@@ -72,13 +72,14 @@ def kontext(cfg, size: int, lora_targets: list[str]) -> None:
     flux(cfg, size, lora_targets)
     cfg.model._target_ = "unirl.models.flux.FluxKontextModelConfig"
     cfg.sampling.guidance_scale = 2.5
-    cfg.data_source = {
-        "_target_": "unirl.data.PromptDataSource",
-        "data_path": "datasets/tiny_edit/prompts.jsonl",
-        "seed": cfg.seed,
-    }
-    # the shapes scorers parse scene prompts, not edit instructions: score the edits' redness
-    # (differentiable, so the reward-backprop algorithms take it too)
+    edit_rows(cfg, "datasets/tiny_edit/prompts.jsonl")
+
+
+def edit_rows(cfg, path: str) -> None:
+    """The edit rows of `path` as the prompts, scored by the edits' redness: the shapes scorers
+    parse scene prompts, not edit instructions (redness is differentiable, so the reward-backprop
+    algorithms take it too)."""
+    cfg.data_source = {"_target_": "unirl.data.PromptDataSource", "data_path": path, "seed": cfg.seed}
     cfg.reward = REDNESS
     if "reward" in cfg.algorithm:
         cfg.algorithm.reward = REDNESS
@@ -133,14 +134,7 @@ def qwen_edit(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.model.tiny.pixel_space = False
     cfg.model.tiny.words = ["make", "the", "blue", "green", "yellow", "grey", "square", "in", "picture", "colour", "of"]
     cfg.sampling.max_sequence_length = 48  # the instruction with both references' vision tokens
-    cfg.data_source = {
-        "_target_": "unirl.data.PromptDataSource",
-        "data_path": "datasets/tiny_edit/two_picture_prompts.jsonl",
-        "seed": cfg.seed,
-    }
-    cfg.reward = REDNESS
-    if "reward" in cfg.algorithm:
-        cfg.algorithm.reward = REDNESS
+    edit_rows(cfg, "datasets/tiny_edit/two_picture_prompts.jsonl")
 
 
 FAMILIES = {

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from tests.models.lora import trained_lora_backend
 from unirl.models.flux import LORA_TARGETS, FluxBundle, load_checkpoint
-from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend, lora_target_problem
+from unirl.train.backend import lora_target_problem
 
 from .conftest import tiny_flux_config
 
@@ -21,15 +22,7 @@ def test_lora_targets_name_flux_modules() -> None:
 def test_exported_lora_loads_back_through_flux_pipeline(tmp_path) -> None:
     bundle = tiny_flux_config().build()
     bundle.save_pretrained(str(tmp_path / "base"))
-    backend = TrainBackend(
-        bundle.transformer, LoRAConfig(rank=2, alpha=8, target_modules=LORA_TARGETS), OptimConfig(), 1,
-        writer=FluxBundle.write_weights,
-    )  # fmt: skip
-    with torch.no_grad():  # a trained-looking adapter: peft starts every lora_B at zero
-        gen = torch.Generator().manual_seed(0)
-        for name, p in backend.module.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    backend = trained_lora_backend(bundle.transformer, LORA_TARGETS, FluxBundle.write_weights)
     backend.save_weights(str(tmp_path / "ckpt"), base_model=str(tmp_path / "base"))
     loaded = load_checkpoint(str(tmp_path / "ckpt"))
 

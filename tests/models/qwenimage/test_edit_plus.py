@@ -24,6 +24,7 @@ from diffusers import QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 from PIL import Image
 
+from tests.models.lora import trained_lora_backend
 from unirl.models.qwenimage import QwenImageEditPlusModelConfig, QwenImageStage
 from unirl.models.qwenimage.bundle import pack, unpack
 from unirl.sde.schedules import sigmas_for
@@ -226,20 +227,11 @@ def test_exported_lora_loads_back_through_the_edit_pipeline(tmp_path) -> None:
     the edit: the loaded model's velocity on a row with its reference is the trained one, not the
     base's."""
     from unirl.models.qwenimage import LORA_TARGETS, QwenImageEditPlusBundle
-    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
 
     config = edit_config()
     edit_bundle = config.build()
     edit_bundle.save_pretrained(str(tmp_path / "base"))
-    backend = TrainBackend(
-        edit_bundle.transformer, LoRAConfig(rank=2, alpha=8, target_modules=LORA_TARGETS), OptimConfig(), 1,
-        writer=QwenImageEditPlusBundle.write_weights,
-    )  # fmt: skip
-    with torch.no_grad():  # a trained-looking adapter: peft starts every lora_B at zero
-        gen = torch.Generator().manual_seed(0)
-        for name, p in backend.module.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    backend = trained_lora_backend(edit_bundle.transformer, LORA_TARGETS, QwenImageEditPlusBundle.write_weights)
     backend.save_weights(str(tmp_path / "ckpt"), base_model=str(tmp_path / "base"))
     loaded = config.load_checkpoint(str(tmp_path / "ckpt"))
     assert isinstance(loaded, QwenImageEditPlusBundle) and isinstance(

@@ -16,6 +16,7 @@ import pytest
 import torch
 from diffusers import WanPipeline
 
+from tests.models.lora import trained_lora_backend
 from unirl.models.wan import LORA_TARGETS, WanBundle, WanStage, load_checkpoint
 from unirl.models.wan.experts import WanExperts
 from unirl.sde.schedules import sigmas_for
@@ -140,15 +141,7 @@ def test_exported_lora_loads_into_both_experts_of_wan_pipeline(tmp_path) -> None
     both sides of the boundary."""
     bundle = tiny_wan_config(boundary_ratio=BOUNDARY).build()
     bundle.save_pretrained(str(tmp_path / "base"))
-    backend = TrainBackend(
-        bundle.transformer, LoRAConfig(rank=2, alpha=8, target_modules=LORA_TARGETS), OptimConfig(), 1,
-        writer=WanBundle.write_weights,
-    )  # fmt: skip
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(0)
-        for name, p in backend.module.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    backend = trained_lora_backend(bundle.transformer, LORA_TARGETS, WanBundle.write_weights)
     backend.save_weights(str(tmp_path / "ckpt"), base_model=str(tmp_path / "base"))
     assert (tmp_path / "ckpt" / "pytorch_lora_weights.safetensors").is_file()
     assert (tmp_path / "ckpt" / "transformer_2" / "pytorch_lora_weights.safetensors").is_file()

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
+from tests.models.lora import trained_lora_backend
 from unirl.models.wan import LORA_TARGETS, WanBundle, load_checkpoint
-from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend, lora_target_problem
+from unirl.train.backend import lora_target_problem
 
 from .conftest import tiny_wan_config
 
@@ -27,15 +28,7 @@ def test_exported_lora_loads_back_through_wan_pipeline(tmp_path) -> None:
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0
     )
     bundle.save_pretrained(str(tmp_path / "base"))
-    backend = TrainBackend(
-        bundle.transformer, LoRAConfig(rank=2, alpha=8, target_modules=LORA_TARGETS), OptimConfig(), 1,
-        writer=WanBundle.write_weights,
-    )  # fmt: skip
-    with torch.no_grad():  # a trained-looking adapter: peft starts every lora_B at zero
-        gen = torch.Generator().manual_seed(0)
-        for name, p in backend.module.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    backend = trained_lora_backend(bundle.transformer, LORA_TARGETS, WanBundle.write_weights)
     backend.save_weights(str(tmp_path / "ckpt"), base_model=str(tmp_path / "base"))
     loaded = load_checkpoint(str(tmp_path / "ckpt"), num_frames=5)
     assert loaded.num_frames == 5 and loaded.latent_shape(8, 8) == bundle.latent_shape(8, 8)

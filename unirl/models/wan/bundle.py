@@ -263,14 +263,15 @@ def _flow_shift(scheduler_config: str) -> float:
     return float(config.get("flow_shift") or config.get("shift") or 3.0)
 
 
-def tiny_transformer(cfg: TinyWanConfig) -> WanTransformer3DModel:
-    """The denoiser alone: 3 pixel channels, or `latent_channels`, in and out, patch (1, 2, 2)."""
+def tiny_transformer(cfg: TinyWanConfig, condition_channels: int = 0) -> WanTransformer3DModel:
+    """The denoiser alone: 3 pixel channels, or `latent_channels`, out, patch (1, 2, 2); in, those
+    plus `condition_channels` (an I2V model's first-frame mask and latents)."""
     channels = 3 if cfg.pixel_space else cfg.latent_channels
     return WanTransformer3DModel(
         patch_size=PATCH,
         num_attention_heads=cfg.num_attention_heads,
         attention_head_dim=cfg.attention_head_dim,
-        in_channels=channels,
+        in_channels=channels + condition_channels,
         out_channels=channels,
         text_dim=cfg.text_hidden_size,
         freq_dim=cfg.freq_dim,

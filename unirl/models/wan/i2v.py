@@ -28,7 +28,7 @@ from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
 from unirl.models.images import load_image
 from unirl.models.wan import bundle as wan
 from unirl.models.wan.bundle import WanBundle
-from unirl.models.wan.config import PATCH, TinyWanConfig
+from unirl.models.wan.config import TinyWanConfig
 from unirl.types import RolloutReq
 
 CONDITION_KEY = "images"
@@ -132,19 +132,7 @@ def tiny_transformer(cfg: TinyWanConfig) -> WanTransformer3DModel:
     (`vae_temporal` channels) and the frame's latents (2C + temporal channels), giving C."""
     if cfg.pixel_space:
         raise ValueError("model.tiny.pixel_space must be false: Wan I2V encodes its first frame with the VAE")
-    c = cfg.latent_channels
-    return WanTransformer3DModel(
-        patch_size=PATCH,
-        num_attention_heads=cfg.num_attention_heads,
-        attention_head_dim=cfg.attention_head_dim,
-        in_channels=2 * c + cfg.vae_temporal,
-        out_channels=c,
-        text_dim=cfg.text_hidden_size,
-        freq_dim=cfg.freq_dim,
-        ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers,
-        rope_max_seq_len=1024,
-    )
+    return wan.tiny_transformer(cfg, condition_channels=cfg.vae_temporal + cfg.latent_channels)
 
 
 def load_checkpoint(
