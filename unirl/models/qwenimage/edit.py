@@ -103,8 +103,8 @@ def edit_processor(pretrained_path: str | None, tiny: TinyQwenImageConfig | None
 class StillImageQwenVLProcessor(Qwen2VLProcessor):
     """`Qwen2VLProcessor` over still images only: its image processor and tokenizer, no video
     processor. transformers resolves a video processor's class through torchvision, which this
-    install leaves out (see the README's install notes); an edit's prompt encoder reads images
-    only. `from_pretrained` of a pipeline's `processor/` reads those two parts."""
+    install leaves out (the vLLM CPU build's CUDA torchvision breaks transformers' image imports on
+    torch+cpu); an edit's prompt encoder reads images only. `from_pretrained` of a pipeline's `processor/` reads those two parts."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
         self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
