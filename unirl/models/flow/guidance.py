@@ -50,6 +50,13 @@ class ClassifierFreeGuidance(_Branches):
     guidance = "cfg"
     encodes_uncond = True
 
+    @staticmethod
+    def combine_cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """The guided velocity from the two branches' velocities: v_u + s (v_c - v_u) (a family
+        whose pipeline writes the same combination another way overrides it, so that sampling
+        equals its pipeline bit for bit)."""
+        return v_uncond + scale * (v_cond - v_uncond)
+
     def guided_velocity(
         self,
         forward: Forward,
@@ -68,12 +75,12 @@ class ClassifierFreeGuidance(_Branches):
             with self.uncond_context(detach_uncond):
                 v_uncond = forward(x, sigma, negative)
             v_cond = forward(x, sigma, positive)
-            return v_uncond + scale * (v_cond - v_uncond)
+            return self.combine_cfg(v_uncond, v_cond, scale)
         both = {k: torch.cat([negative[k], positive[k]]) for k in positive}
         v_uncond, v_cond = forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
         if detach_uncond:
             v_uncond = v_uncond.detach()
-        return v_uncond + scale * (v_cond - v_uncond)
+        return self.combine_cfg(v_uncond, v_cond, scale)
 
 
 class EmbeddedGuidance(_Branches):

@@ -1,0 +1,121 @@
+"""The Z-Image family's recipe node: which model to build, and its answers to the validator.
+
+`ZImageModelConfig(pretrained_path=<dir>)` names a local diffusers Z-Image directory (a
+`ZImagePipeline`: transformer/ (ZImageTransformer2DModel), vae/ (AutoencoderKL), text_encoder/
+(a Qwen3 model), tokenizer/, scheduler/); `ZImageModelConfig(tiny=TinyZImageConfig(...))` a tiny
+random one built from configs, offline. The bundle is `unirl.models.zimage.bundle.ZImageBundle`,
+named by `SPEC`, not imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from unirl.models.flow.config import (
+    FamilySpec,
+    FlowFamilyConfig,
+    PackedTinyConfig,
+    cell_size_problems,
+    read_vae_config,
+)
+from unirl.models.source import DType
+from unirl.types.constraints import AtLeastOne, check_fields
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+"""Z-Image's attention projections, as peft name suffixes: every single-stream block's (the main
+layers and the noise / caption refiners); add "w1", "w2", "w3" to train the feed-forwards too."""
+
+
+@dataclass
+class TinyZImageConfig(PackedTinyConfig):
+    """A tiny Z-Image-architecture model for CPU runs and tests (random weights).
+
+    `resolution` is the image side in pixels the model is built for. A small random
+    `AutoencoderKL` (FLUX.1's VAE class, with its scaling and shift factors) downsamples
+    `vae_downsample`x into `latent_channels` latents, which the single-stream transformer
+    (`dim` wide, `num_heads` heads, `num_layers` main and `num_refiner_layers` noise / caption
+    refiner blocks) patchifies 2x2 itself; `axes_dims_rope` (frame, row, column) must sum to the
+    head dim `dim / num_heads`. The prompt encoder is a tiny Qwen3 (`text_hidden_size` wide,
+    `text_layers` deep; the pipeline reads its second-to-last hidden states, so at least 2) over
+    a byte-level BPE tokenizer with Qwen's chat template, the template's words and `words` whole
+    tokens. Latent space only: `ZImagePipeline` decodes with its VAE.
+    """
+
+    resolution: AtLeastOne = 16
+    pixel_space: bool = False
+    num_layers: AtLeastOne = 1
+    num_refiner_layers: AtLeastOne = 1
+    dim: AtLeastOne = 32
+    num_heads: AtLeastOne = 2
+    axes_dims_rope: list[int] = field(default_factory=lambda: [4, 6, 6])
+    text_hidden_size: AtLeastOne = 32
+    text_layers: AtLeastOne = 2
+    words: list[str] = field(default_factory=list)
+    seed: int = 0
+    latent_channels: AtLeastOne = 4
+    vae_downsample: int = 2
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    def __post_init__(self) -> None:
+        self.axes_dims_rope = list(self.axes_dims_rope)
+        self.words = list(self.words)
+        check_fields(self, "model.tiny.")
+        if self.pixel_space:
+            raise ValueError("model.tiny.pixel_space must be false: ZImagePipeline decodes with its VAE")
+        if self.dim % self.num_heads:
+            raise ValueError(
+                f"model.tiny.dim={self.dim} must be a multiple of model.tiny.num_heads={self.num_heads}"
+            )
+        if self.text_layers < 2:
+            raise ValueError(
+                "model.tiny.text_layers must be >= 2: Z-Image reads the prompt encoder's second-to-last "
+                f"hidden states, got {self.text_layers}"
+            )
+        self.check_packed_geometry()
+
+
+@dataclass
+class ZImageModelConfig(FlowFamilyConfig):
+    """Which Z-Image model to build (exactly one of `pretrained_path` / `tiny`).
+
+    Attributes:
+        pretrained_path: local diffusers directory of a Z-Image model (`ZImagePipeline`).
+        tiny: tiny-model config used when `pretrained_path` is null.
+        dtype: parameter dtype of the frozen components (text encoder, VAE); the trainable
+            transformer stays fp32 master weights unless the backend casts it.
+    """
+
+    modality: ClassVar[str] = "diffusion"
+    SPEC: ClassVar[FamilySpec] = FamilySpec(
+        name="Z-Image", modeling="unirl.models.zimage.bundle", bundle="ZImageBundle",
+        transformer="ZImageTransformer2DModel", pipeline="ZImagePipeline", directory="Z-Image",
+    )  # fmt: skip
+    TINY: ClassVar[type] = TinyZImageConfig
+
+    pretrained_path: str | None = None
+    tiny: TinyZImageConfig | None = field(default_factory=TinyZImageConfig)
+    dtype: DType = "float32"
+
+    def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
+        """Sides must be multiples of 2 x the VAE's spatial scale (the transformer's 2x2 patch of
+        latent cells: 16 px with Z-Image's 8x VAE)."""
+        cell = self._cell()
+        return [] if cell is None else cell_size_problems(height, width, cell, "Z-Image patches", key)
+
+    def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
+        """Z-Image runs classifier-free guidance against the empty prompt at any scale >= 1 (1:
+        none); the type and range checks of the key refuse the rest."""
+        return []
+
+    def _cell(self) -> int | None:
+        if not self.pretrained_path:
+            return 2 * self.tiny.vae_scale_factor
+        try:
+            vae = read_vae_config(self.pretrained_path)
+            return None if vae is None else 2 * 2 ** (len(vae["block_out_channels"]) - 1)
+        except (OSError, KeyError, ValueError, TypeError):
+            return None
