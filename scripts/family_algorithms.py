@@ -3,7 +3,7 @@
 the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
 recipes score 32 px images (their learned reward), the rest 16 px.
 
-    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage
 
 - flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
 - kontext: FLUX.1-Kontext, flux's settings at guidance 2.5, the prompts of datasets/tiny_edit (each
@@ -14,6 +14,8 @@ recipes score 32 px images (their learned reward), the rest 16 px.
   trains on the SDE steps on its side.
 - qwenimage: true CFG 4.0 against the negative prompt " ", norm rescaled; `sigma_grid: steps`,
   dynamic shift on Qwen-Image's (256, 0.5) - (8192, 0.9) line.
+- zimage: Z-Image (latent space: the pipeline decodes with its VAE), CFG 2.0 against the empty
+  prompt (the pipeline's guidance 1.0), `sigma_grid: steps` through shift 3.0.
 - qwen_edit: Qwen-Image-Edit-Plus (latent space: the pipeline VAE-encodes its references),
   qwenimage's settings, the rows of datasets/tiny_edit/two_picture_prompts.jsonl (a source and a
   red swatch each, read by the prompt encoder and riding as packed tokens), the edits' redness.
@@ -137,8 +139,24 @@ def qwen_edit(cfg, size: int, lora_targets: list[str]) -> None:
     edit_rows(cfg, "datasets/tiny_edit/two_picture_prompts.jsonl")
 
 
+def zimage(cfg, size: int, lora_targets: list[str]) -> None:
+    cfg.model = {
+        "_target_": "unirl.models.zimage.ZImageModelConfig",
+        "pretrained_path": None,
+        "tiny": {"resolution": size, "num_layers": 1},
+    }
+    cfg.stage._target_ = "unirl.models.zimage.ZImageStage"
+    cfg.sampling.guidance_scale = 2.0
+    cfg.sampling.shift = 3.0
+    cfg.sampling.dynamic_shift = False
+    cfg.sampling.sigma_grid = "steps"
+    cfg.sampling.max_sequence_length = 64  # the tiny tokenizer's bytes of a scene prompt in the chat template
+    cfg.train.fsdp.block_classes = ["ZImageTransformerBlock"]
+
+
 FAMILIES = {
     "flux": flux, "kontext": kontext, "wan": wan, "wan22": wan22, "qwenimage": qwenimage, "qwen_edit": qwen_edit,
+    "zimage": zimage,
 }  # fmt: skip
 PACKAGES = {"kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan"}  # the package whose LORA_TARGETS a family uses, when not its own
 

@@ -175,6 +175,7 @@ NEEDS_MODEL_DIR = (
     "diffusion/kontext_flowgrpo",
     "diffusion/qwen_edit_flowgrpo",
     "diffusion/wan22_i2v_flowgrpo",
+    "diffusion/zimage_flowgrpo",
     "diffusion/wan_flowgrpo",
     "diffusion/qwenimage_flowgrpo",
     "llm/qwen3_grpo",

@@ -190,7 +190,9 @@ def tiny_transformer(cfg: TinyZImageConfig) -> ZImageTransformer2DModel:
         n_kv_heads=cfg.num_heads,
         cap_feat_dim=cfg.text_hidden_size,
         axes_dims=list(cfg.axes_dims_rope),
-        axes_lens=[64, 64, 64],
+        # rotary positions: captions count along the first axis (up to 1024 tokens), the image's
+        # patches along rows and columns (up to 128 each: 256 px at the tiny VAE's 2x)
+        axes_lens=[1024, 128, 128],
     )
 
 
