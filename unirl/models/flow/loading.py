@@ -222,6 +222,29 @@ def tiny_clip_t5_text(cfg, t5_max_length: int, t5_heads: int, **clip_options):
     return clip_tok, t5_tok, clip_cfg, t5_cfg
 
 
+def tiny_qwen_tokenizer(words: list[str], template: str):
+    """A Qwen2-style byte-level BPE tokenizer built in code (no files): GPT-2 pre-tokenization,
+    `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` and Qwen2.5-VL's vision tokens as special
+    tokens, and merges under which every word of the prompt `template` (the words of the
+    pipeline's prompt template) and of `words` is one token: the tiny tokenizer of the families
+    whose prompt encoder is a Qwen model (Qwen-Image, its edit model, Z-Image)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from unirl.models.causal_lm.bundle import fast_tokenizer
+    from unirl.models.causal_lm.vision import VISION_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [template, " ".join(words), " " + " ".join(words)]  # each word alone and after a space
+    trainer = trainers.BpeTrainer(
+        vocab_size=100_000, min_frequency=1, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(corpus, trainer)  # merges until every word of the corpus is one token
+    return fast_tokenizer(tok, VISION_TOKENS)
+
+
 def tiny_autoencoder_kl(downsample: int, latent_channels: int, **options):
     """A tiny random diffusers `AutoencoderKL` (SD3's and FLUX's VAE class) that downsamples
     `downsample`x (a power of 2 >= 2: log2 + 1 blocks, 16 then 32 channels wide) into

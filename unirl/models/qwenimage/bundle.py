@@ -40,6 +40,7 @@ from unirl.models.flow.loading import (
     load_diffusers_checkpoint,
     pretrained_pipeline_options,
     tiny_causal_vae,
+    tiny_qwen_tokenizer,
 )
 from unirl.models.flow.packing import Packed2x2Bundle, pack, unpack
 from unirl.models.qwenimage.config import TinyQwenImageConfig
@@ -230,28 +231,6 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
             tokenizer=tokenizer,
             transformer=tiny_transformer(cfg),
         )
-
-
-def tiny_qwen_tokenizer(words: list[str] = (), template: str = TEMPLATE_WORDS):
-    """A Qwen2-style byte-level BPE tokenizer built in code (no files): GPT-2 pre-tokenization,
-    `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` and Qwen2.5-VL's vision tokens as special
-    tokens, and merges under which every word of the prompt `template` (the words of the
-    pipeline's template) and of `words` is one token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from unirl.models.causal_lm.bundle import fast_tokenizer
-    from unirl.models.causal_lm.vision import VISION_TOKENS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [template, " ".join(words), " " + " ".join(words)]  # each word alone and after a space
-    trainer = trainers.BpeTrainer(
-        vocab_size=100_000, min_frequency=1, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator(corpus, trainer)  # merges until every word of the corpus is one token
-    return fast_tokenizer(tok, VISION_TOKENS)
 
 
 def tiny_text_encoder(cfg: TinyQwenImageConfig, tokenizer):

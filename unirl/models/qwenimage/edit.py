@@ -44,6 +44,7 @@ from transformers import Qwen2VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from unirl.models.causal_lm.vision import TinyVLMConfig, tiny_image_processor
+from unirl.models.flow.loading import tiny_qwen_tokenizer
 from unirl.models.flow.packing import pack
 from unirl.models.images import load_image
 from unirl.models.qwenimage import bundle as qwenimage
@@ -94,7 +95,7 @@ def edit_processor(pretrained_path: str | None, tiny: TinyQwenImageConfig | None
     the tiny model's (its tokenizer and the tiny Qwen2.5-VL's image processor)."""
     if pretrained_path:
         return StillImageQwenVLProcessor.from_pretrained(os.path.join(pretrained_path, "processor"))
-    tokenizer = qwenimage.tiny_qwen_tokenizer(tiny.words, EDIT_TEMPLATE_WORDS)
+    tokenizer = tiny_qwen_tokenizer(tiny.words, EDIT_TEMPLATE_WORDS)
     return StillImageQwenVLProcessor(
         tiny_image_processor(TinyVLMConfig(architecture="qwen2_5_vl")), tokenizer
     )

@@ -35,6 +35,7 @@ from unirl.models.flow.loading import (
     load_diffusers_checkpoint,
     pretrained_pipeline_options,
     tiny_autoencoder_kl,
+    tiny_qwen_tokenizer,
     vae_pixels,
 )
 from unirl.models.flow.packing import Packed2x2Bundle
@@ -135,7 +136,6 @@ class ZImageBundle(Packed2x2Bundle, ClassifierFreeGuidance):
         from transformers import Qwen3Config, Qwen3Model
 
         from unirl.models.causal_lm.bundle import CHAT_TEMPLATE, EOS_TOKEN
-        from unirl.models.qwenimage.bundle import tiny_qwen_tokenizer
 
         torch.manual_seed(cfg.seed)
         tokenizer = tiny_qwen_tokenizer(cfg.words, CHAT_WORDS)
