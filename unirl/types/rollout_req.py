@@ -129,6 +129,14 @@ class RolloutReq:
             sde_indices=[] if text else sampling.resolve_sde_indices(rollout_id),
         )
 
+    def group_firsts(self) -> dict[str, int]:
+        """{group id: the index of its first sample}, in order of first appearance: the samples of
+        a group share its prompt and metadata, so what a row conditions on is read there once."""
+        first: dict[str, int] = {}
+        for i, group in enumerate(self.group_ids):
+            first.setdefault(group, i)
+        return first
+
     def select(self, idx: list[int]) -> RolloutReq:
         return select(self, idx)
 

@@ -211,13 +211,14 @@ class QwenImageEditPlusModelConfig(QwenImageModelConfig):
                     f'Qwen-Image-Edit-Plus edits one or more: give the row "{key}": ["<image file>", ...]'
                 )
                 continue
-            layout = []
+            layout, images = [], []
             for i, entry in enumerate(entries):
                 try:
                     image = load_image(entry, ex.prompt_id, i)
                 except ValueError as exc:
                     problems.append(f"{where}: {exc}")
                     break
+                images.append(image)
                 w, h = calculate_dimensions(self.vae_area, image.width / image.height)
                 if not w or not h:
                     problems.append(
@@ -228,7 +229,7 @@ class QwenImageEditPlusModelConfig(QwenImageModelConfig):
                 layout.append((h // cell, w // cell) if cell else (h, w))
             else:
                 layouts.setdefault(tuple(layout), ex.prompt_id)
-                rows.append(ex)
+                rows.append((ex.prompt_id, ex.prompt, images))
         if sampling is not None and rows and not problems:
             problems.extend(self._length_problems(rows, where, sampling.max_sequence_length))
         if len(layouts) > 1:
@@ -239,26 +240,16 @@ class QwenImageEditPlusModelConfig(QwenImageModelConfig):
             )
         return problems
 
-    def _length_problems(self, examples: list, where: str, max_sequence_length: int) -> list[str]:
-        from unirl.models.images import load_image
-        from unirl.models.qwenimage.edit import edit_processor, encoded_prompt_length
+    def _length_problems(self, rows: list, where: str, max_sequence_length: int) -> list[str]:
+        """`rows`: (prompt id, prompt, its references as PIL images) of every readable row."""
+        from unirl.models.qwenimage.edit import edit_processor, encoded_prompt_lengths
 
         try:
             processor = edit_processor(self.pretrained_path, self.tiny)
         except (OSError, ValueError):
             return []  # an unreadable directory is the directory check's problem
-        longest, row = max(
-            (
-                encoded_prompt_length(
-                    processor,
-                    ex.prompt,
-                    [load_image(e, ex.prompt_id, i) for i, e in enumerate(ex.metadata[self.condition_key])],
-                    self.condition_area,
-                ),
-                ex.prompt_id,
-            )
-            for ex in examples
-        )
+        lengths = encoded_prompt_lengths(processor, [(p, images) for _, p, images in rows], self.condition_area)
+        longest, row = max(zip(lengths, (pid for pid, _, _ in rows), strict=True))
         if longest <= max_sequence_length:
             return []
         return [

@@ -76,18 +76,21 @@ PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 """The pipeline's label of the k-th reference in the prompt (its `_get_qwen_prompt_embeds`)."""
 
 
-def encoded_prompt_length(processor: Qwen2VLProcessor, prompt: str, images: list, condition_area: int) -> int:
-    """Tokens of the prompt encoder's conditioning for `prompt` with the references `images`: the
+def encoded_prompt_lengths(processor: Qwen2VLProcessor, rows: list[tuple[str, list]], condition_area: int) -> list[int]:
+    """Tokens of the prompt encoder's conditioning for each (prompt, references) of `rows`: the
     pipeline's template around a "Picture k:" label and the vision tokens of each reference
     resized to `condition_area` pixels, less the template's dropped system tokens (what
     `sampling.max_sequence_length` must hold). Reads no weights."""
     pipe = QwenImageEditPlusPipeline(
         **dict.fromkeys(("scheduler", "vae", "text_encoder", "tokenizer", "processor", "transformer"))
     )  # only its template
-    labels = "".join(PICTURE.format(k + 1) for k in range(len(images)))
-    seen = [image.resize(reference_size(condition_area, *image.size)) for image in images]
-    ids = processor(text=[pipe.prompt_template_encode.format(labels + prompt)], images=seen).input_ids[0]
-    return len(ids) - pipe.prompt_template_encode_start_idx
+    lengths = []
+    for prompt, images in rows:
+        labels = "".join(PICTURE.format(k + 1) for k in range(len(images)))
+        seen = [image.resize(reference_size(condition_area, *image.size)) for image in images]
+        ids = processor(text=[pipe.prompt_template_encode.format(labels + prompt)], images=seen).input_ids[0]
+        lengths.append(len(ids) - pipe.prompt_template_encode_start_idx)
+    return lengths
 
 
 def edit_processor(pretrained_path: str | None, tiny: TinyQwenImageConfig | None) -> Qwen2VLProcessor:
@@ -165,9 +168,7 @@ class QwenImageEditPlusBundle(QwenImageBundle):
         fp32. Each row (the samples of a group share it) is encoded once, alone, as the pipeline
         encodes its one prompt: the references resized for the prompt encoder and for the VAE,
         each reference VAE-encoded on its own. Errors name the sample."""
-        first: dict[str, int] = {}
-        for i, group in enumerate(req.group_ids):
-            first.setdefault(group, i)
+        first = req.group_firsts()
         rows = {group: self._encode_row(req, i, guided) for group, i in first.items()}
         shapes = {group: row["image_latents"].shape for group, row in rows.items()}
         if len(set(shapes.values())) > 1:

@@ -79,12 +79,9 @@ class WanI2VBundle(WanBundle):
         `prepare_latents`. `guided` changes nothing (both branches read it). Errors name the
         sample."""
         sp = req.sampling
-        first: dict[str, int] = {}
-        for i, group in enumerate(req.group_ids):
-            first.setdefault(group, i)
         rows = {
             group: self._encode_frame(req.metadata[i], req.sample_ids[i], sp.height, sp.width)
-            for group, i in first.items()
+            for group, i in req.group_firsts().items()
         }
         return {"condition": torch.cat([rows[g] for g in req.group_ids])}
 
@@ -130,8 +127,6 @@ class WanI2VBundle(WanBundle):
 def tiny_transformer(cfg: TinyWanConfig) -> WanTransformer3DModel:
     """The tiny I2V denoiser: Wan's tiny transformer taking the latents, the first-frame mask
     (`vae_temporal` channels) and the frame's latents (2C + temporal channels), giving C."""
-    if cfg.pixel_space:
-        raise ValueError("model.tiny.pixel_space must be false: Wan I2V encodes its first frame with the VAE")
     return wan.tiny_transformer(cfg, condition_channels=cfg.vae_temporal + cfg.latent_channels)
 
 
