@@ -10,7 +10,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-from unirl.sde import dynamic_shift_mu, dynamic_shift_sigmas, sigmas_for, static_shift_sigmas
+from unirl.sde import dynamic_shift_mu, dynamic_shift_sigmas, empirical_mu, sigmas_for, static_shift_sigmas
 from unirl.types import DiffusionSamplingParams
 
 TOL = 1e-6
@@ -172,3 +172,27 @@ def test_steps_grid_with_shift_terminal_is_the_schedulers(num_steps: int) -> Non
         DiffusionSamplingParams(sigma_grid="scheduler", shift_terminal=0.02)
     with pytest.raises(ValueError, match=r"sampling.shift_terminal must be in \(0, 1\)"):
         DiffusionSamplingParams(sigma_grid="steps", shift_terminal=1.5)
+
+
+@pytest.mark.parametrize("num_steps", [1, 4, 28, 50])
+@pytest.mark.parametrize("seq_len", [4, 1024, 4300, 4301, 16384])
+def test_empirical_mu_is_flux2s(num_steps: int, seq_len: int) -> None:
+    """FLUX.2's schedule: `Flux2Pipeline`'s own mu (`compute_empirical_mu`) and the scheduler's
+    steps grid under it, bit for bit; mu reads the step count below 4300 tokens only."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    assert empirical_mu(seq_len, num_steps) == compute_empirical_mu(seq_len, num_steps)
+    p = DiffusionSamplingParams(num_steps=num_steps, dynamic_shift=True, mu_rule="empirical", sigma_grid="steps")
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    scheduler.set_timesteps(
+        sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=compute_empirical_mu(seq_len, num_steps)
+    )
+    assert torch.equal(sigmas_for(p, image_seq_len=seq_len), scheduler.sigmas)
+    # the hand-computed 10-step line at 1024 tokens: 8.73809524e-05 * 1024 + 1.89833333
+    assert empirical_mu(1024, 10) == pytest.approx(8.73809524e-05 * 1024 + 1.89833333, abs=1e-9)
+    assert (empirical_mu(seq_len, 10) == empirical_mu(seq_len, 200)) == (seq_len > 4300)
+
+
+def test_empirical_mu_needs_the_dynamic_shift() -> None:
+    with pytest.raises(ValueError, match=r"sampling.mu_rule='empirical' .* set dynamic_shift: true"):
+        DiffusionSamplingParams(mu_rule="empirical")

@@ -3,6 +3,7 @@
 from unirl.sde.schedules import (
     dynamic_shift_mu,
     dynamic_shift_sigmas,
+    empirical_mu,
     sigmas_for,
     static_shift_sigmas,
     steps_grid_sigmas,
@@ -31,6 +32,7 @@ __all__ = [
     "StepOutput",
     "dynamic_shift_mu",
     "dynamic_shift_sigmas",
+    "empirical_mu",
     "gaussian_log_prob",
     "make_ode_solver",
     "make_strategy",

@@ -74,6 +74,20 @@ def dynamic_shift_mu(
     return seq_len * m + b
 
 
+def empirical_mu(seq_len: int, num_steps: int) -> float:
+    """FLUX.2's mu (`Flux2Pipeline`'s `compute_empirical_mu`): from 4300 image tokens on, the line
+    `0.00016927 n + 0.45666666`; below, mu is linear in the step count T through the 10-step line
+    `8.73809524e-05 n + 1.89833333` and that 200-step line, so a short schedule shifts harder."""
+    a1, b1 = 8.73809524e-05, 1.89833333  # the 10-step line
+    a2, b2 = 0.00016927, 0.45666666  # the 200-step line
+    if seq_len > 4300:
+        return float(a2 * seq_len + b2)
+    m_200 = a2 * seq_len + b2
+    m_10 = a1 * seq_len + b1
+    slope = (m_200 - m_10) / 190.0
+    return float(slope * num_steps + (m_200 - 200.0 * slope))
+
+
 def dynamic_shift_sigmas(
     num_steps: int, mu: float, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS
 ) -> torch.Tensor:
@@ -116,10 +130,13 @@ def steps_grid_sigmas(
 
 
 def sigmas_for(sampling: DiffusionSamplingParams, image_seq_len: int) -> torch.Tensor:
-    """The schedule a request pins: dynamic shift from `image_seq_len` tokens, or static shift,
-    over the base grid `sampling.sigma_grid` names."""
+    """The schedule a request pins: dynamic shift from `image_seq_len` tokens (mu by
+    `sampling.mu_rule`: the linear `dynamic_shift_mu`, or FLUX.2's `empirical_mu`), or static
+    shift, over the base grid `sampling.sigma_grid` names."""
     mu = None
-    if sampling.dynamic_shift:
+    if sampling.dynamic_shift and sampling.mu_rule == "empirical":
+        mu = empirical_mu(image_seq_len, sampling.num_steps)
+    elif sampling.dynamic_shift:
         mu = dynamic_shift_mu(
             image_seq_len,
             sampling.base_seq_len,

@@ -20,6 +20,7 @@ from unirl.types.constraints import AtLeastOne, NonNegative, OpenUnit, Positive,
 SdeScheduler = Literal["all", "fixed", "random", "sliding"]
 WindowOrder = Literal["progressive", "random"]
 OdeSolver = Literal["euler", "dpmpp_2m"]  # implemented in unirl.sde.solvers
+MuRule = Literal["linear", "empirical"]  # implemented in unirl.sde.schedules.sigmas_for
 SigmaGrid = Literal["scheduler", "steps"]  # implemented in unirl.sde.schedules.sigmas_for
 ODE_SOLVERS = typing.get_args(OdeSolver)
 Guidance = Annotated[float, Ge(1), doc("1 disables CFG")]
@@ -43,6 +44,9 @@ class DiffusionSamplingParams:
             SD3.5 at high resolution and FLUX do.
         base_seq_len, max_seq_len, base_shift, max_shift: the (seq_len, mu)
             line of the dynamic shift.
+        mu_rule: how the dynamic shift's mu follows the token count: "linear", the line above
+            (SD3.5, FLUX.1, Qwen-Image), or "empirical", FLUX.2's rule, which also reads the
+            step count (`unirl.sde.schedules.empirical_mu`; the line keys are then unused).
         sigma_grid: the unshifted grid the shift is applied to: "scheduler", the grid of
             the scheduler's own `set_timesteps(T)` (StableDiffusion3Pipeline), or "steps",
             `linspace(1, 1/T, T)` (the grid FluxPipeline and QwenImagePipeline pass it).
@@ -93,6 +97,7 @@ class DiffusionSamplingParams:
     max_seq_len: int = 4096
     base_shift: float = 0.5
     max_shift: float = 1.15
+    mu_rule: MuRule = "linear"
     sigma_grid: SigmaGrid = "scheduler"
     shift_terminal: OpenUnit | None = None
     max_sequence_length: AtLeastOne = 77
@@ -147,6 +152,12 @@ class DiffusionSamplingParams:
             raise ValueError(
                 f"sampling.shift_terminal={self.shift_terminal} stretches the 'steps' grid; set "
                 f"sampling.sigma_grid: steps (got {self.sigma_grid!r}) or shift_terminal: null"
+            )
+        if self.mu_rule != "linear" and not self.dynamic_shift:
+            raise ValueError(
+                f"sampling.mu_rule={self.mu_rule!r} picks the dynamic shift's mu, but "
+                "sampling.dynamic_shift is false (a static shift reads no mu); set dynamic_shift: true "
+                "or mu_rule: linear"
             )
         if self.noise_all_steps and self.ode_solver != "euler":
             raise ValueError(
