@@ -1,0 +1,227 @@
+"""The FLUX.2 family's recipe nodes: which model to build, and its answers to the validator.
+
+`Flux2ModelConfig(pretrained_path=<dir>)` names a local diffusers FLUX.2-dev directory (a
+`Flux2Pipeline`: transformer/ (Flux2Transformer2DModel), vae/ (AutoencoderKLFlux2),
+text_encoder/ (Mistral3ForConditionalGeneration), tokenizer/, scheduler/);
+`Flux2KleinModelConfig` a FLUX.2-Klein one (`Flux2KleinPipeline`: a Qwen3ForCausalLM
+text_encoder/ and its tokenizer). Either takes `tiny=TinyFlux2Config(...)` for a tiny random
+model built from configs, offline. The bundles (`unirl.models.flux2.bundle`) are named by `SPEC`,
+not imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from unirl.models.flow.config import (
+    FamilySpec,
+    FlowFamilyConfig,
+    cell_size_problems,
+    check_vae_downsample,
+    read_vae_config,
+)
+from unirl.models.source import DType
+from unirl.types.constraints import AtLeastOne, check_fields
+
+LORA_TARGETS = [
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+    "to_qkv_mlp_proj",
+]  # fmt: skip
+"""FLUX.2's attention projections, as peft name suffixes: the image and text streams of the
+double-stream blocks (`to_*`, `add_*`, `to_add_out`) and the fused q/k/v + MLP input projection of
+the single-stream blocks (`to_qkv_mlp_proj`; their output projection is `attn.to_out`, a name
+the double-stream blocks' `to_out` list shares, so it is left out); add "linear_in" and
+"linear_out" to train the double-stream feed-forwards too."""
+
+TEXT_LAYERS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
+"""The prompt encoder's hidden states the pipelines stack into a caption (their
+`text_encoder_out_layers` defaults): FLUX.2-dev's Mistral 3 and Klein's Qwen3."""
+
+
+@dataclass
+class TinyFlux2Config:
+    """A tiny FLUX.2-architecture model for CPU runs and tests (random weights).
+
+    `resolution` is the image side in pixels the model is built for. A small random
+    `AutoencoderKLFlux2` downsamples `vae_downsample`x into `latent_channels` latents, normalised
+    per 2x2-patch channel by its batch-norm statistics (set here to a fixed spread, not the
+    identity, so the normalisation is exercised); the transformer (`num_layers` double-stream and
+    `num_single_layers` single-stream blocks, `num_attention_heads` x `attention_head_dim`) takes
+    each 2x2 patch of latent cells as one token, with 4-axis rotary positions (`axes_dims_rope`:
+    4 even sizes summing to the head dim). `guidance_embeds` makes the scale a network input
+    (FLUX.2-dev); Klein's transformer has none. The prompt encoder is tiny and `text_layers` deep
+    (at least the deepest hidden state the pipeline stacks: 30 for FLUX.2-dev's Mistral 3, 27
+    for Klein's Qwen3, so the tiny model is read exactly as the real one), `text_hidden_size`
+    wide, over a byte-level BPE tokenizer where the pipeline's prompt template and `words` are
+    whole tokens. Latent space only: the pipelines decode with their VAE.
+    """
+
+    resolution: AtLeastOne = 32
+    pixel_space: bool = False
+    num_layers: AtLeastOne = 1
+    num_single_layers: int = 1
+    attention_head_dim: AtLeastOne = 16
+    num_attention_heads: AtLeastOne = 2
+    axes_dims_rope: list[int] = field(default_factory=lambda: [4, 4, 4, 4])
+    guidance_embeds: bool = True
+    text_hidden_size: AtLeastOne = 16
+    text_layers: AtLeastOne = 30
+    words: list[str] = field(default_factory=list)
+    seed: int = 0
+    latent_channels: AtLeastOne = 4
+    vae_downsample: int = 2
+
+    def __post_init__(self) -> None:
+        self.axes_dims_rope = list(self.axes_dims_rope)
+        self.words = list(self.words)
+        check_fields(self, "model.tiny.")
+        if self.pixel_space:
+            raise ValueError("model.tiny.pixel_space must be false: the FLUX.2 pipelines decode with their VAE")
+        if self.num_single_layers < 0:
+            raise ValueError(f"model.tiny.num_single_layers must be >= 0, got {self.num_single_layers}")
+        check_vae_downsample(self.vae_downsample)
+        dims = self.axes_dims_rope
+        if len(dims) != 4 or sum(dims) != self.attention_head_dim or any(d % 2 for d in dims):
+            raise ValueError(
+                f"model.tiny.axes_dims_rope={dims} must be 4 even sizes summing to "
+                f"model.tiny.attention_head_dim={self.attention_head_dim} (FLUX.2's rotary axes: "
+                "reference, row, column, text position)"
+            )
+        if self.text_hidden_size % 2:
+            raise ValueError(f"model.tiny.text_hidden_size must be even (2 heads), got {self.text_hidden_size}")
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent cell along a side."""
+        return self.vae_downsample
+
+    def check_text_layers(self, encoder: str) -> None:
+        """`text_layers` reaches the deepest hidden state the `encoder`'s pipeline stacks."""
+        deepest = max(TEXT_LAYERS[encoder])
+        if self.text_layers < deepest:
+            raise ValueError(
+                f"model.tiny.text_layers={self.text_layers}: the pipeline stacks the prompt encoder's hidden "
+                f"states {TEXT_LAYERS[encoder]}, so the tiny encoder needs at least {deepest} layers"
+            )
+
+
+@dataclass
+class TinyFlux2KleinConfig(TinyFlux2Config):
+    """`TinyFlux2Config` with Klein's defaults: no guidance embedding, a 27-layer prompt encoder."""
+
+    guidance_embeds: bool = False
+    text_layers: AtLeastOne = 27
+
+
+@dataclass
+class Flux2ModelConfig(FlowFamilyConfig):
+    """Which FLUX.2-dev model to build (exactly one of `pretrained_path` / `tiny`).
+
+    Attributes:
+        pretrained_path: local diffusers directory of a FLUX.2-dev model (`Flux2Pipeline`).
+        tiny: tiny-model config used when `pretrained_path` is null.
+        dtype: parameter dtype of the frozen components (text encoder, VAE); the trainable
+            transformer stays fp32 master weights unless the backend casts it.
+    """
+
+    modality: ClassVar[str] = "diffusion"
+    SPEC: ClassVar[FamilySpec] = FamilySpec(
+        name="FLUX.2", modeling="unirl.models.flux2.bundle", bundle="Flux2Bundle",
+        transformer="Flux2Transformer2DModel", pipeline="Flux2Pipeline", directory="FLUX.2-dev",
+    )  # fmt: skip
+    TINY: ClassVar[type] = TinyFlux2Config
+    ENCODER: ClassVar[str] = "mistral3"
+
+    pretrained_path: str | None = None
+    tiny: TinyFlux2Config | None = field(default_factory=TinyFlux2Config)
+    dtype: DType = "float32"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tiny is not None:
+            self.tiny.check_text_layers(self.ENCODER)
+
+    def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
+        """Sides must be multiples of 2 x the VAE's spatial scale (a token is a 2x2 patch of latent
+        cells: 16 px with FLUX.2's 8x VAE)."""
+        cell = self._cell()
+        return [] if cell is None else cell_size_problems(height, width, cell, "FLUX.2 patches", key)
+
+    def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
+        """FLUX.2-dev embeds the scale (any value >= 1); a transformer without the guidance
+        embedding takes none, so only 1.0."""
+        embeds = self._transformer_config("guidance_embeds")
+        if embeds is None or embeds or guidance_scale == 1.0:
+            return []
+        return [
+            f"{key}={guidance_scale}: this FLUX.2 transformer has no guidance embedding (guidance_embeds "
+            f"false) and Flux2Pipeline runs no classifier-free guidance; set {key}: 1.0"
+        ]
+
+    def _cell(self) -> int | None:
+        if not self.pretrained_path:
+            return 2 * self.tiny.vae_scale_factor
+        try:
+            vae = read_vae_config(self.pretrained_path)
+            return None if vae is None else 2 * 2 ** (len(vae["block_out_channels"]) - 1)
+        except (OSError, KeyError, ValueError, TypeError):
+            return None
+
+    def _transformer_config(self, key: str) -> bool | None:
+        if not self.pretrained_path:
+            return getattr(self.tiny, key)
+        try:
+            with open(os.path.join(self.pretrained_path, "transformer", "config.json")) as f:
+                return bool(json.load(f).get(key, False))
+        except (OSError, ValueError):
+            return None
+
+
+@dataclass
+class Flux2KleinModelConfig(Flux2ModelConfig):
+    """Which FLUX.2-Klein model to build: a `Flux2KleinPipeline` directory (a Qwen3 prompt
+    encoder, no guidance embedding, classifier-free guidance against the empty prompt), or a
+    tiny one (`TinyFlux2KleinConfig`: `guidance_embeds` must stay false, `text_layers` at least 27). A
+    step-distilled Klein (`is_distilled` in its `model_index.json`) takes no guidance."""
+
+    SPEC: ClassVar[FamilySpec] = FamilySpec(
+        name="FLUX.2-Klein", modeling="unirl.models.flux2.bundle", bundle="Flux2KleinBundle",
+        transformer="Flux2Transformer2DModel", pipeline="Flux2KleinPipeline", directory="FLUX.2-Klein",
+    )  # fmt: skip
+    TINY: ClassVar[type] = TinyFlux2KleinConfig
+    ENCODER: ClassVar[str] = "qwen3"
+
+    tiny: TinyFlux2KleinConfig | None = field(default_factory=TinyFlux2KleinConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tiny is not None and self.tiny.guidance_embeds:
+            raise ValueError(
+                "model.tiny.guidance_embeds must be false for FLUX.2-Klein: Flux2KleinPipeline passes the "
+                "transformer no guidance (it guides by classifier-free guidance)"
+            )
+
+    def load_checkpoint(self, path: str):
+        """The bundle of a UniRL checkpoint of a Klein run, fp32."""
+        modeling = self.modeling()
+        return modeling.load_checkpoint(path, bundle_class=modeling.Flux2KleinBundle)
+
+    def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
+        """Klein guides by classifier-free guidance at any scale >= 1; a step-distilled Klein
+        (`is_distilled`) ignores the scale in its pipeline, so only 1.0 says what runs."""
+        if guidance_scale == 1.0 or not self.pretrained_path:
+            return []
+        try:
+            with open(os.path.join(self.pretrained_path, "model_index.json")) as f:
+                distilled = bool(json.load(f).get("is_distilled", False))
+        except (OSError, ValueError):
+            return []
+        if not distilled:
+            return []
+        return [
+            f"{key}={guidance_scale}: this FLUX.2-Klein is step-distilled (is_distilled in its "
+            f"model_index.json) and samples without guidance; set {key}: 1.0"
+        ]
