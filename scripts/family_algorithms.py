@@ -3,7 +3,7 @@
 the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
 recipes score 32 px images (their learned reward), the rest 16 px.
 
-    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage | flux2 | flux2_klein
 
 - flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
 - kontext: FLUX.1-Kontext, flux's settings at guidance 2.5, the prompts of datasets/tiny_edit (each
@@ -16,6 +16,9 @@ recipes score 32 px images (their learned reward), the rest 16 px.
   dynamic shift on Qwen-Image's (256, 0.5) - (8192, 0.9) line.
 - zimage: Z-Image (latent space: the pipeline decodes with its VAE), CFG 2.0 against the empty
   prompt (the pipeline's guidance 1.0), `sigma_grid: steps` through shift 3.0.
+- flux2: FLUX.2-dev (latent space: the pipeline decodes with its VAE), embedded guidance 4.0,
+  `sigma_grid: steps` under FLUX.2's empirical mu; flux2_klein: FLUX.2-Klein, the same schedule,
+  classifier-free guidance 4.0 against the empty prompt.
 - qwen_edit: Qwen-Image-Edit-Plus (latent space: the pipeline VAE-encodes its references),
   qwenimage's settings, the rows of datasets/tiny_edit/two_picture_prompts.jsonl (a source and a
   red swatch each, read by the prompt encoder and riding as packed tokens), the edits' redness.
@@ -154,11 +157,30 @@ def zimage(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.train.fsdp.block_classes = ["ZImageTransformerBlock"]
 
 
+def flux2(cfg, size: int, lora_targets: list[str], klein: bool = False) -> None:
+    cfg.model = {
+        "_target_": f"unirl.models.flux2.{'Flux2KleinModelConfig' if klein else 'Flux2ModelConfig'}",
+        "pretrained_path": None,
+        "tiny": {"resolution": size, "num_layers": 1},
+    }
+    cfg.stage._target_ = "unirl.models.flux2.Flux2Stage"
+    cfg.sampling.guidance_scale = 4.0
+    cfg.sampling.dynamic_shift = True
+    cfg.sampling.mu_rule = "empirical"
+    cfg.sampling.sigma_grid = "steps"
+    cfg.sampling.max_sequence_length = 32 if klein else 48  # FLUX.2-dev's system message takes 26 tokens
+    cfg.train.fsdp.block_classes = ["Flux2TransformerBlock", "Flux2SingleTransformerBlock"]
+
+
+def flux2_klein(cfg, size: int, lora_targets: list[str]) -> None:
+    flux2(cfg, size, lora_targets, klein=True)
+
+
 FAMILIES = {
     "flux": flux, "kontext": kontext, "wan": wan, "wan22": wan22, "qwenimage": qwenimage, "qwen_edit": qwen_edit,
-    "zimage": zimage,
+    "zimage": zimage, "flux2": flux2, "flux2_klein": flux2_klein,
 }  # fmt: skip
-PACKAGES = {"kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan"}  # the package whose LORA_TARGETS a family uses, when not its own
+PACKAGES = {"kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan", "flux2_klein": "flux2"}  # the package whose LORA_TARGETS a family uses, when not its own
 
 
 def run(family: str, name: str, out: str) -> list[dict]:

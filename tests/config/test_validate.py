@@ -176,6 +176,8 @@ NEEDS_MODEL_DIR = (
     "diffusion/qwen_edit_flowgrpo",
     "diffusion/wan22_i2v_flowgrpo",
     "diffusion/zimage_flowgrpo",
+    "diffusion/flux2_flowgrpo",
+    "diffusion/flux2_klein_flowgrpo",
     "diffusion/wan_flowgrpo",
     "diffusion/qwenimage_flowgrpo",
     "llm/qwen3_grpo",
