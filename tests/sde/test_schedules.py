@@ -182,7 +182,9 @@ def test_empirical_mu_is_flux2s(num_steps: int, seq_len: int) -> None:
     from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
     assert empirical_mu(seq_len, num_steps) == compute_empirical_mu(seq_len, num_steps)
-    p = DiffusionSamplingParams(num_steps=num_steps, dynamic_shift=True, mu_rule="empirical", sigma_grid="steps")
+    p = DiffusionSamplingParams(
+        num_steps=num_steps, dynamic_shift=True, mu_rule="empirical", sigma_grid="steps"
+    )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     scheduler.set_timesteps(
         sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=compute_empirical_mu(seq_len, num_steps)

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
 from tests.models.lora import trained_lora_backend
 from unirl.models.flux2 import (
     LORA_TARGETS,
-    Flux2Bundle,
-    Flux2KleinBundle,
     Flux2KleinModelConfig,
     Flux2ModelConfig,
     Flux2Stage,
@@ -65,7 +62,9 @@ def stage_and_pipeline(bundle, guidance: float, num_steps: int):
     req = RolloutReq.from_prompts([PromptExample(p, str(i)) for i, p in enumerate(PROMPTS)], sp, sigmas, 0)
     ours = stage.diffuse(req, stage.encode_request(req)).at(num_steps)
     shape = bundle.latent_shape(SIZE, SIZE)
-    x_t = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds])
+    x_t = torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds]
+    )
 
     pipe = type(bundle).PIPELINE(**bundle.pipeline.components)
     pipe.set_progress_bar_config(disable=True)
@@ -127,7 +126,9 @@ def test_lora_targets_and_export_load_back(klein_model, tmp_path) -> None:
     extra = {"guidance": torch.full_like(sigma, 4.0)} if not klein_model else {}
     with torch.no_grad():
         trained = fresh.predict(backend.module, x, sigma, cond, **extra)
-        torch.testing.assert_close(loaded.predict(loaded.transformer, x, sigma, cond, **extra), trained, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            loaded.predict(loaded.transformer, x, sigma, cond, **extra), trained, rtol=0, atol=1e-6
+        )
         backend.module.disable_adapters()
         assert not torch.allclose(fresh.predict(backend.module, x, sigma, cond, **extra), trained, atol=1e-4)
 

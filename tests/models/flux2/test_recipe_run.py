@@ -26,7 +26,9 @@ SMALL = [
     ("name", "pipeline", "length"),
     [("tiny_flux2_flowgrpo", Flux2Pipeline, 48), ("tiny_flux2_klein_flowgrpo", Flux2KleinPipeline, 32)],
 )
-def test_tiny_flux2_flowgrpo_trains_and_its_lora_loads_into_the_pipeline(tmp_path, name, pipeline, length) -> None:
+def test_tiny_flux2_flowgrpo_trains_and_its_lora_loads_into_the_pipeline(
+    tmp_path, name, pipeline, length
+) -> None:
     rows = run(f"diffusion/{name}", tmp_path, *IN_PROCESS, *SMALL)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["ratio/first_update_mean"] == 1.0 and math.isfinite(r["reward/mean"]) for r in rows)
@@ -36,7 +38,7 @@ def test_tiny_flux2_flowgrpo_trains_and_its_lora_loads_into_the_pipeline(tmp_pat
 
     def image():
         return pipe(
-            prompt="a red circle", height=32, width=32, num_inference_steps=2, guidance_scale=4.0,
+            prompt="a red circle", height=16, width=16, num_inference_steps=2, guidance_scale=4.0,
             max_sequence_length=length, text_encoder_out_layers=layers, output_type="pt",
             generator=torch.Generator().manual_seed(0),
         ).images  # fmt: skip
@@ -61,7 +63,9 @@ def test_real_size_recipes_validate_against_their_directory(tmp_path, monkeypatc
     assert "names 'Flux2KleinPipeline', not Flux2Pipeline" in problems("flux2_flowgrpo")
     index = klein / "model_index.json"
     index.write_text(json.dumps({**json.loads(index.read_text()), "is_distilled": True}))
-    assert "sampling.guidance_scale=4.0: this FLUX.2-Klein is step-distilled" in problems("flux2_klein_flowgrpo")
+    assert "sampling.guidance_scale=4.0: this FLUX.2-Klein is step-distilled" in problems(
+        "flux2_klein_flowgrpo"
+    )
     monkeypatch.setenv("PRETRAINED_MODEL", str(dev))
     validate_recipe(composed("diffusion/flux2_flowgrpo", tmp_path / "out"), expect="diffusion")
     assert "names 'Flux2Pipeline', not Flux2KleinPipeline" in problems("flux2_klein_flowgrpo")

@@ -168,7 +168,9 @@ class Flux2BundleBase(Packed2x2Bundle):
         vae = self.vae
         z = self.PIPELINE._patchify_latents(latents.to(vae.dtype))
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+            z.device, z.dtype
+        )
         z = self.PIPELINE._unpatchify_latents(z * std + mean)
         return vae.decode(z, return_dict=False)[0].float()
 
@@ -182,7 +184,9 @@ class Flux2BundleBase(Packed2x2Bundle):
         """Load a local diffusers directory of this pipeline."""
         options = {**pretrained_pipeline_options(path), **cls.pretrained_components(path)}
         if "vae" in options:  # options says vae=None for a directory without vae/
-            raise FileNotFoundError(f"model.pretrained_path {path!r} has no vae/: FLUX.2 decodes with its VAE")
+            raise FileNotFoundError(
+                f"model.pretrained_path {path!r} has no vae/: FLUX.2 decodes with its VAE"
+            )
         pipe = cls.PIPELINE.from_pretrained(path, torch_dtype=dtype, **options)
         check_scheduler_config(dict(pipe.scheduler.config), os.path.join(path, "scheduler"))
         pipe.transformer.to(torch.float32)
@@ -227,7 +231,12 @@ class Flux2Bundle(Flux2BundleBase, EmbeddedGuidance):
         """A tiny Mistral 3 (`Mistral3ForConditionalGeneration`: a 1-layer Pixtral vision tower the
         prompt never reaches, a `text_layers`-deep Mistral) over a tokenizer whose words are the
         system message's and `cfg.words`, with Mistral's markers and `MISTRAL_TEMPLATE`."""
-        from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+        from transformers import (
+            Mistral3Config,
+            Mistral3ForConditionalGeneration,
+            MistralConfig,
+            PixtralVisionConfig,
+        )
 
         tokenizer = tiny_qwen_tokenizer(cfg.words, SYSTEM_MESSAGE)
         tokenizer.add_tokens(list(MISTRAL_MARKERS) + ["[IMG]"], special_tokens=True)

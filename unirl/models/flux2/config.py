@@ -79,7 +79,9 @@ class TinyFlux2Config:
         self.words = list(self.words)
         check_fields(self, "model.tiny.")
         if self.pixel_space:
-            raise ValueError("model.tiny.pixel_space must be false: the FLUX.2 pipelines decode with their VAE")
+            raise ValueError(
+                "model.tiny.pixel_space must be false: the FLUX.2 pipelines decode with their VAE"
+            )
         if self.num_single_layers < 0:
             raise ValueError(f"model.tiny.num_single_layers must be >= 0, got {self.num_single_layers}")
         check_vae_downsample(self.vae_downsample)
@@ -91,7 +93,9 @@ class TinyFlux2Config:
                 "reference, row, column, text position)"
             )
         if self.text_hidden_size % 2:
-            raise ValueError(f"model.tiny.text_hidden_size must be even (2 heads), got {self.text_hidden_size}")
+            raise ValueError(
+                f"model.tiny.text_hidden_size must be even (2 heads), got {self.text_hidden_size}"
+            )
 
     @property
     def vae_scale_factor(self) -> int:
