@@ -49,6 +49,9 @@ ALLOWED: dict[str, str] = {
     "NodeManagerAddress": "a key of Ray's ray.nodes() records",
     "WanTransformerBlock": "diffusers' Wan block, which the Wan recipes name as a string (fsdp.block_classes)",
     "QwenImageTransformerBlock": "diffusers' Qwen-Image block, which its recipes name as a string (fsdp.block_classes)",
+    "Flux2TransformerBlock": "diffusers' FLUX.2 double-stream block, which its recipes name as a string (fsdp.block_classes)",
+    "Flux2SingleTransformerBlock": "diffusers' FLUX.2 single-stream block, named as a string like the double-stream one",
+    "PixtralProcessor": "transformers' FLUX.2-dev processor, which needs torchvision: the FLUX.2 bundle loads its tokenizer alone",
     "HunyuanVideoTransformer3DModel": "diffusers' HunyuanVideo transformer, in the note on what that family would add",
 }
 
