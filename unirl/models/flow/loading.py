@@ -222,19 +222,35 @@ def tiny_clip_t5_text(cfg, t5_max_length: int, t5_heads: int, **clip_options):
     return clip_tok, t5_tok, clip_cfg, t5_cfg
 
 
-def tiny_qwen_tokenizer(words: list[str], template: str):
-    """A Qwen2-style byte-level BPE tokenizer built in code (no files): GPT-2 pre-tokenization,
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""Qwen2's pre-tokenization pattern (its `tokenizer.json`): a word with at most one non-letter
+before it, every digit alone, punctuation runs, newlines, and whitespace runs that leave their
+last space to the next piece."""
+
+
+def tiny_qwen_tokenizer(words: list[str], template: str, qwen_split: bool = False):
+    """A Qwen2-style byte-level BPE tokenizer built in code (no files): GPT-2's pre-tokenization,
+    or with `qwen_split` Qwen2's own (`QWEN_SPLIT`: digits alone, so a template with numbers
+    tokenizes into as many pieces as with the real tokenizer; HunyuanVideo 1.5 crops a fixed
+    108-token prefix whose numbered list needs it),
     `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` and Qwen2.5-VL's vision tokens as special
     tokens, and merges under which every word of the prompt `template` (the words of the
     pipeline's prompt template) and of `words` is one token: the tiny tokenizer of the families
-    whose prompt encoder is a Qwen model (Qwen-Image, its edit model, Z-Image)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    whose prompt encoder is a Qwen model (Qwen-Image, its edit model, Z-Image, FLUX.2,
+    HunyuanVideo 1.5)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from unirl.models.causal_lm.bundle import fast_tokenizer
     from unirl.models.causal_lm.vision import VISION_TOKENS
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not qwen_split)
+    if qwen_split:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"), tok.pre_tokenizer]
+        )
     tok.decoder = decoders.ByteLevel()
     corpus = [template, " ".join(words), " " + " ".join(words)]  # each word alone and after a space
     trainer = trainers.BpeTrainer(
