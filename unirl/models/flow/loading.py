@@ -52,16 +52,23 @@ def pretrained_pipeline_options(path: str) -> dict:
     return {} if os.path.isdir(os.path.join(path, "vae")) else {"vae": None}
 
 
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+"""The file a diffusers LoRA export writes (`save_lora_weights`) and its loaders read."""
+
+
 def load_diffusers_checkpoint(path: str, from_pretrained: Callable[[str], Any], transformer_cls: type):
     """The bundle of a UniRL checkpoint directory of a diffusers family: `from_pretrained(base)`
     of its `base_model` (`unirl.models.source.read_checkpoint_meta`; FileNotFoundError when `path`
     is no checkpoint), then the trained weights: a LoRA through the pipeline's
-    `load_lora_weights(path)`, or a full `transformer/` directory of `transformer_cls`, which
+    `load_lora_weights(path)` (a pipeline without one: the transformer's `load_lora_adapter`), or a
+    full `transformer/` directory of `transformer_cls`, which
     replaces the bundle's and its pipeline's transformer."""
     meta = read_checkpoint_meta(path)
     bundle = from_pretrained(meta["base_model"])
-    if meta["kind"] == "lora":
+    if meta["kind"] == "lora" and hasattr(bundle.pipeline, "load_lora_weights"):
         bundle.pipeline.load_lora_weights(path)
+    elif meta["kind"] == "lora":  # a pipeline without a LoRA loader (HunyuanVideo 1.5): its transformer's
+        bundle.transformer.load_lora_adapter(path, weight_name=LORA_WEIGHTS, prefix="transformer")
     else:
         transformer = transformer_cls.from_pretrained(os.path.join(path, "transformer"))
         bundle.pipeline.transformer = bundle.transformer = transformer
