@@ -3,7 +3,7 @@
 the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
 recipes score 32 px images (their learned reward), the rest 16 px.
 
-    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage | flux2 | flux2_klein
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage | flux2 | flux2_klein | hunyuanvideo15
 
 - flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
 - kontext: FLUX.1-Kontext, flux's settings at guidance 2.5, the prompts of datasets/tiny_edit (each
@@ -19,6 +19,8 @@ recipes score 32 px images (their learned reward), the rest 16 px.
 - flux2: FLUX.2-dev (latent space: the pipeline decodes with its VAE), embedded guidance 4.0,
   `sigma_grid: steps` under FLUX.2's empirical mu; flux2_klein: FLUX.2-Klein, the same schedule,
   classifier-free guidance 4.0 against the empty prompt.
+- hunyuanvideo15: HunyuanVideo 1.5 T2V (latent space), 5-frame videos, CFG 2.0 against the empty
+  prompt, the Euler grid shifted by 5.0, image rewards wrapped in `FrameMean` as for wan.
 - qwen_edit: Qwen-Image-Edit-Plus (latent space: the pipeline VAE-encodes its references),
   qwenimage's settings, the rows of datasets/tiny_edit/two_picture_prompts.jsonl (a source and a
   red swatch each, read by the prompt encoder and riding as packed tokens), the edits' redness.
@@ -102,9 +104,14 @@ def wan(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.sampling.dynamic_shift = False
     cfg.sampling.sigma_grid = "scheduler"
     cfg.train.fsdp.block_classes = ["WanTransformerBlock"]
+    per_frame(cfg)
+
+
+def per_frame(cfg) -> None:
+    """A video family's reward: every image reward component averaged over the frames."""
     cfg.reward = OmegaConf.to_container(cfg.reward, resolve=True)
     components = cfg.reward.backend.components
-    for name in list(components):  # every image reward averaged over the frames
+    for name in list(components):
         components[name] = {"_target_": "unirl.reward.local.video.FrameMean", "scorer": components[name]}
     if "reward" in cfg.algorithm:  # the reward-backprop algorithms differentiate the same reward
         cfg.algorithm.reward = OmegaConf.to_container(cfg.reward)
@@ -176,11 +183,29 @@ def flux2_klein(cfg, size: int, lora_targets: list[str]) -> None:
     flux2(cfg, size, lora_targets, klein=True)
 
 
+def hunyuanvideo15(cfg, size: int, lora_targets: list[str]) -> None:
+    cfg.model = {
+        "_target_": "unirl.models.hunyuanvideo.HunyuanVideo15ModelConfig",
+        "pretrained_path": None,
+        "num_frames": 5,
+        "tiny": {"resolution": size, "num_layers": 1},
+    }
+    cfg.stage._target_ = "unirl.models.hunyuanvideo.HunyuanVideo15Stage"
+    cfg.sampling.guidance_scale = 2.0
+    cfg.sampling.shift = 5.0
+    cfg.sampling.dynamic_shift = False
+    cfg.sampling.sigma_grid = "steps"
+    cfg.train.fsdp.block_classes = ["HunyuanVideo15TransformerBlock"]
+    per_frame(cfg)
+
+
 FAMILIES = {
     "flux": flux, "kontext": kontext, "wan": wan, "wan22": wan22, "qwenimage": qwenimage, "qwen_edit": qwen_edit,
-    "zimage": zimage, "flux2": flux2, "flux2_klein": flux2_klein,
+    "zimage": zimage, "flux2": flux2, "flux2_klein": flux2_klein, "hunyuanvideo15": hunyuanvideo15,
 }  # fmt: skip
-PACKAGES = {"kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan", "flux2_klein": "flux2"}  # the package whose LORA_TARGETS a family uses, when not its own
+PACKAGES = {
+    "kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan", "flux2_klein": "flux2", "hunyuanvideo15": "hunyuanvideo",
+}  # fmt: skip  # the package whose LORA_TARGETS a family uses, when not its own
 
 
 def run(family: str, name: str, out: str) -> list[dict]:

@@ -51,9 +51,13 @@ def sample(bundle, prompts: list[str], per_prompt: int, guidance: float, num_ste
     req = RolloutReq.from_prompts([PromptExample(p, str(i)) for i, p in enumerate(prompts)], sp, sigmas, 0)
     ours = stage.diffuse(req, stage.encode_request(req)).at(num_steps)
     shape = bundle.latent_shape(SIZE, SIZE)
-    x_t = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds])
+    x_t = torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds]
+    )
     pipe = HunyuanVideo15Pipeline(**{**bundle.pipeline.components, "guider": Guider(guidance_scale=guidance)})
-    pipe.tokenizer_max_length = LENGTH  # the pipeline's own knob for what the recipe calls max_sequence_length
+    pipe.tokenizer_max_length = (
+        LENGTH  # the pipeline's own knob for what the recipe calls max_sequence_length
+    )
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
         out = pipe(
@@ -90,7 +94,9 @@ def test_quoted_text_reaches_the_glyph_encoder(bundle) -> None:
 
 def test_lora_targets_and_export_load_back(bundle, tmp_path) -> None:
     config = tiny_config()
-    assert lora_target_problem(config.trainable_on_meta(), LORA_TARGETS + ["ff.net.0.proj", "ff.net.2"]) is None
+    assert (
+        lora_target_problem(config.trainable_on_meta(), LORA_TARGETS + ["ff.net.0.proj", "ff.net.2"]) is None
+    )
     fresh = config.build()
     fresh.save_pretrained(str(tmp_path / "base"))
     backend = trained_lora_backend(fresh.transformer, LORA_TARGETS, type(fresh).write_weights)
@@ -101,7 +107,9 @@ def test_lora_targets_and_export_load_back(bundle, tmp_path) -> None:
     sigma = torch.tensor([0.3, 0.8])
     with torch.no_grad():
         trained = fresh.predict(backend.module, x, sigma, cond)
-        torch.testing.assert_close(loaded.predict(loaded.transformer, x, sigma, cond), trained, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            loaded.predict(loaded.transformer, x, sigma, cond), trained, rtol=0, atol=1e-6
+        )
         backend.module.disable_adapters()
         assert not torch.allclose(fresh.predict(backend.module, x, sigma, cond), trained, atol=1e-4)
 
@@ -121,8 +129,15 @@ def test_bad_configs_are_refused(tmp_path) -> None:
     assert any("model.num_frames=6" in p for p in config.size_problems(16, 16))
     directory = tmp_path / "hv"
     tiny_config().build().save_pretrained(str(directory))
-    assert HunyuanVideo15ModelConfig(pretrained_path=str(directory), tiny=None, num_frames=5).directory_problems() == []
+    assert (
+        HunyuanVideo15ModelConfig(
+            pretrained_path=str(directory), tiny=None, num_frames=5
+        ).directory_problems()
+        == []
+    )
     guider = directory / "guider" / "guider_config.json"
     guider.write_text(guider.read_text().replace('"guidance_rescale": 0.0', '"guidance_rescale": 0.7'))
-    problems = HunyuanVideo15ModelConfig(pretrained_path=str(directory), tiny=None, num_frames=5).directory_problems()
+    problems = HunyuanVideo15ModelConfig(
+        pretrained_path=str(directory), tiny=None, num_frames=5
+    ).directory_problems()
     assert len(problems) == 1 and "'guidance_rescale': 0.7" in problems[0]

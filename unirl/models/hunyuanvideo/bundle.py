@@ -190,10 +190,14 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
 
     # ---- building and saving ----------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> HunyuanVideo15Bundle:
+    def from_pretrained(
+        cls, path: str, num_frames: int, dtype: torch.dtype = torch.float32
+    ) -> HunyuanVideo15Bundle:
         """Load a local diffusers HunyuanVideo 1.5 T2V directory."""
         if pretrained_pipeline_options(path):
-            raise FileNotFoundError(f"model.pretrained_path {path!r} has no vae/: HunyuanVideo 1.5 decodes with its VAE")
+            raise FileNotFoundError(
+                f"model.pretrained_path {path!r} has no vae/: HunyuanVideo 1.5 decodes with its VAE"
+            )
         pipe = HunyuanVideo15Pipeline.from_pretrained(path, torch_dtype=dtype)
         check_scheduler_config(dict(pipe.scheduler.config), os.path.join(path, "scheduler"))
         pipe.vae.to(torch.float32)
@@ -206,7 +210,13 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
         first without its prompt encoder, whose tokenizer is trained on the pipeline's own system
         message, then given it."""
         from diffusers.guiders import ClassifierFreeGuidance as Guider
-        from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+        from transformers import (
+            ByT5Tokenizer,
+            Qwen2_5_VLTextConfig,
+            Qwen2_5_VLTextModel,
+            T5Config,
+            T5EncoderModel,
+        )
 
         from unirl.models.causal_lm.bundle import CHAT_TEMPLATE, EOS_TOKEN
 
@@ -223,8 +233,11 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
             tokenizer=None,
             transformer=tiny_transformer(cfg),
             vae=AutoencoderKLHunyuanVideo15(
-                latent_channels=cfg.latent_channels, block_out_channels=tuple(cfg.vae_widths), layers_per_block=1,
-                spatial_compression_ratio=cfg.vae_spatial, temporal_compression_ratio=cfg.vae_temporal,
+                latent_channels=cfg.latent_channels,
+                block_out_channels=tuple(cfg.vae_widths),
+                layers_per_block=1,
+                spatial_compression_ratio=cfg.vae_spatial,
+                temporal_compression_ratio=cfg.vae_temporal,
             ),  # fmt: skip
             scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
             text_encoder_2=text_encoder_2,

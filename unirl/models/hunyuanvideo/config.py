@@ -178,7 +178,12 @@ class HunyuanVideo15ModelConfig(FlowFamilyConfig):
             return problems
         extra = {
             k: guider[k]
-            for k, plain in (("guidance_rescale", 0.0), ("start", 0.0), ("stop", 1.0), ("use_original_formulation", False))
+            for k, plain in (
+                ("guidance_rescale", 0.0),
+                ("start", 0.0),
+                ("stop", 1.0),
+                ("use_original_formulation", False),
+            )
             if k in guider and guider[k] != plain
         }
         if extra:
@@ -197,7 +202,8 @@ class HunyuanVideo15ModelConfig(FlowFamilyConfig):
             vae = read_vae_config(self.pretrained_path)
             if vae is None:
                 return None
-            return int(vae.get("temporal_compression_ratio", 4)), int(vae.get("spatial_compression_ratio", 16))
+            return int(vae.get("temporal_compression_ratio", 4)), int(
+                vae.get("spatial_compression_ratio", 16)
+            )
         except (OSError, KeyError, ValueError, TypeError):
             return None
-
