@@ -144,7 +144,9 @@ def test_first_step_is_log_two_and_the_gradient_is_the_dpo_gradient(tmp_path):
     loss2 = -torch.nn.functional.logsigmoid(-50.0 * ((ew - ew.detach()) - (el - el.detach()))).mean()
     loss2.backward()
     for g, want in zip(got, [p.grad for p in bundle.transformer.parameters()], strict=True):
-        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()) + 1e-12)
+        # the run forwards chosen and rejected as one batch, this as two: float rounding of the GEMMs
+        # (4.6e-8 on 3 of 32768 entries of a 4e-2 gradient on an AVX2 machine)
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-12)
     # and the loss function itself is the shared one
     torch.testing.assert_close(diffusion_dpo_loss(ew, el, ew, el, 100.0)[0], torch.full((2,), math.log(2.0)))
 

@@ -82,6 +82,6 @@ def test_offline_dpo_trains_the_files_pairs_on_two_fsdp_workers_and_resumes_exac
     assert [untimed(r) for r in resumed if r["step"] > 2] == [untimed(r) for r in full if r["step"] > 2]
     assert same_weights(tmp_path / "full", tmp_path / "part")
     one = run(recipe, tmp_path / "one", *IN_PROCESS, "num_steps=2")
-    for a, b in zip(one, full[:2], strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    for a, b in zip(one, full[:2], strict=True):  # one rank's reductions vs two's: 2.4e-5 apart at step 2 on AVX2
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
