@@ -52,7 +52,7 @@ ALLOWED: dict[str, str] = {
     "Flux2TransformerBlock": "diffusers' FLUX.2 double-stream block, which its recipes name as a string (fsdp.block_classes)",
     "Flux2SingleTransformerBlock": "diffusers' FLUX.2 single-stream block, named as a string like the double-stream one",
     "PixtralProcessor": "transformers' FLUX.2-dev processor, which needs torchvision: the FLUX.2 bundle loads its tokenizer alone",
-    "HunyuanVideo15TransformerBlock": "diffusers' HunyuanVideo 1.5 block, which its recipes name as a string (fsdp.block_classes)",
+    "HunyuanVideo15ImageToVideoPipeline": "diffusers' HunyuanVideo 1.5 I2V pipeline, in the note on what that family leaves",
 }
 
 SKIP_DIRS = {".git", ".venv", "node_modules", "outputs", "__pycache__", ".ruff_cache", ".pytest_cache"}
