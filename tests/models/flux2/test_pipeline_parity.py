@@ -149,3 +149,19 @@ def test_bad_configs_are_refused() -> None:
     ]
     assert dev_config(guidance_embeds=False).guidance_problems(4.0, "sampling.guidance_scale")
     assert dev_config().guidance_problems(4.0, "sampling.guidance_scale") == []
+
+
+def test_predict_takes_the_guidance_its_transformer_embeds(dev, klein) -> None:
+    cond = dev.encode_text(PROMPTS[:1], guided=False, max_sequence_length=LENGTH)
+    x, sigma = torch.randn(1, *dev.latent_shape(SIZE, SIZE)), torch.tensor([0.5])
+    with pytest.raises(ValueError, match=r"this FLUX.2 transformer embeds the guidance scale"):
+        dev.predict(dev.transformer, x, sigma, cond)
+    cond = klein.encode_text(PROMPTS[:1], guided=False, max_sequence_length=LENGTH)
+    with pytest.raises(ValueError, match=r"has no guidance embedding .* must be 1.0"):
+        klein.predict(klein.transformer, x, sigma, cond, guidance=torch.tensor([4.0]))
+    with torch.no_grad():  # 1.0 is no guidance: the same velocity as none
+        torch.testing.assert_close(
+            klein.predict(klein.transformer, x, sigma, cond, guidance=torch.tensor([1.0])),
+            klein.predict(klein.transformer, x, sigma, cond),
+            rtol=0, atol=0,
+        )

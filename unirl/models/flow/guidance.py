@@ -90,6 +90,20 @@ class EmbeddedGuidance(_Branches):
     guidance = "embedded"
     encodes_uncond = False
 
+    @staticmethod
+    def network_guidance(guidance: torch.Tensor | None, embeds: bool, family: str) -> torch.Tensor | None:
+        """`predict`'s `guidance` [B] as the network takes it: required when the transformer embeds
+        the scale (`embeds`, FLUX.1-dev / FLUX.2-dev); None for one without the embedding (FLUX.1-
+        schnell), which takes only 1.0, i.e. none. ValueErrors name `family` and the fix."""
+        if embeds and guidance is None:
+            raise ValueError(f"this {family} transformer embeds the guidance scale: predict needs guidance [B]")
+        if not embeds and guidance is not None and bool((guidance != 1.0).any()):
+            raise ValueError(
+                f"this {family} transformer has no guidance embedding (guidance_embeds false): "
+                "sampling.guidance_scale must be 1.0"
+            )
+        return guidance if embeds else None
+
     def guided_velocity(
         self,
         forward: Forward,

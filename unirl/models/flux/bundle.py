@@ -111,15 +111,7 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
         image / text position ids, the timestep `(sigma * 1000) / 1000` and, for a
         guidance-distilled transformer, `guidance` [B] (required then; a transformer without
         a guidance embedding takes only 1.0, i.e. none)."""
-        if self.guidance_embeds and guidance is None:
-            raise ValueError("this FLUX transformer embeds the guidance scale: predict needs guidance [B]")
-        if not self.guidance_embeds:
-            if guidance is not None and bool((guidance != 1.0).any()):
-                raise ValueError(
-                    "this FLUX transformer has no guidance embedding (guidance_embeds false): "
-                    "sampling.guidance_scale must be 1.0"
-                )
-            guidance = None
+        guidance = self.network_guidance(guidance, self.guidance_embeds, "FLUX")
         dtype = next(module.parameters()).dtype
         _, _, h, w = x.shape
         text = cond["prompt_embeds"]

@@ -137,16 +137,9 @@ class Flux2BundleBase(Packed2x2Bundle):
         packed tokens with 4-axis positions, at timestep `(sigma * 1000) / 1000`, with `guidance`
         [B] for a transformer that embeds it (required then; one without takes only 1.0, i.e.
         none)."""
-        embeds = bool(self.transformer.config.guidance_embeds)
-        if embeds and guidance is None:
-            raise ValueError("this FLUX.2 transformer embeds the guidance scale: predict needs guidance [B]")
-        if not embeds:
-            if guidance is not None and bool((guidance != 1.0).any()):
-                raise ValueError(
-                    "this FLUX.2 transformer has no guidance embedding (guidance_embeds false): "
-                    "sampling.guidance_scale must be 1.0"
-                )
-            guidance = None
+        guidance = EmbeddedGuidance.network_guidance(
+            guidance, bool(self.transformer.config.guidance_embeds), "FLUX.2"
+        )
         dtype = next(module.parameters()).dtype
         _, _, h, w = x.shape
         text = cond["prompt_embeds"]
