@@ -7,7 +7,7 @@ two prompt encoders and guidance styles:
   scale is an input, default 4.0), no uncond branch;
 - FLUX.2-Klein (`Flux2KleinBundle`, `Flux2KleinPipeline`): a Qwen3 prompt encoder (hidden states
   9, 18, 27, through its chat template), no guidance embedding, classifier-free guidance
-  v_u + s (v_c - v_u) against the empty prompt.
+  v_u + s (v_c - v_u) against the empty prompt, in the pipeline's two forwards (`TrueCFGGuidance`).
 
 What differs from FLUX.1, all inside this file:
 - the stage's latents are the VAE's [B, C, h, w], normalised: the pipelines draw and denoise the
@@ -42,7 +42,7 @@ from diffusers import (
 )
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
-from unirl.models.flow.guidance import ClassifierFreeGuidance, EmbeddedGuidance
+from unirl.models.flow.guidance import EmbeddedGuidance, TrueCFGGuidance
 from unirl.models.flow.loading import (
     check_scheduler_config,
     load_diffusers_checkpoint,
@@ -251,9 +251,11 @@ class Flux2Bundle(Flux2BundleBase, EmbeddedGuidance):
         return tokenizer, Mistral3ForConditionalGeneration(config).eval()
 
 
-class Flux2KleinBundle(Flux2BundleBase, ClassifierFreeGuidance):
+class Flux2KleinBundle(Flux2BundleBase, TrueCFGGuidance):
     """A FLUX.2-Klein model (`Flux2KleinPipeline`): Qwen3 prompts, classifier-free guidance
-    v_u + s (v_c - v_u) against the empty prompt (the pipeline's neg + s (pos - neg))."""
+    v_u + s (v_c - v_u) against the empty prompt (the pipeline's neg + s (pos - neg)), the cond and
+    uncond branches in forwards of their own, cond first, as the pipeline runs them (one batch of
+    both halves is the same arithmetic, but other GEMM shapes: not bit-equal on every CPU)."""
 
     PIPELINE: ClassVar[type] = Flux2KleinPipeline
     LORA_PIPELINE: ClassVar[type] = Flux2KleinPipeline
