@@ -146,6 +146,20 @@ def cell_size_problems(height: int, width: int, cell: int, how: str, key: str = 
     ]
 
 
+def latent_patch_cell(pretrained_path: str | None, tiny) -> int | None:
+    """Pixels per 2x2 patch of latent cells along a side, for a latent-space family whose VAE
+    downsamples once per `block_out_channels` level after the first (Z-Image, FLUX.2): from the
+    tiny config's `vae_scale_factor`, or the directory's `vae/config.json`; None when the directory
+    has no VAE or it cannot be read (the load reports it)."""
+    if not pretrained_path:
+        return 2 * tiny.vae_scale_factor
+    try:
+        vae = read_vae_config(pretrained_path)
+        return None if vae is None else 2 * 2 ** (len(vae["block_out_channels"]) - 1)
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
 def read_vae_config(pretrained_path: str) -> dict[str, Any] | None:
     """The `vae/config.json` of a diffusers directory, or None when it has no `vae/` directory
     (a pixel-space model). Raises what reading it raises (OSError, ValueError): the caller maps

@@ -21,7 +21,7 @@ from unirl.models.flow.config import (
     FlowFamilyConfig,
     cell_size_problems,
     check_vae_downsample,
-    read_vae_config,
+    latent_patch_cell,
 )
 from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
@@ -151,7 +151,7 @@ class Flux2ModelConfig(FlowFamilyConfig):
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """Sides must be multiples of 2 x the VAE's spatial scale (a token is a 2x2 patch of latent
         cells: 16 px with FLUX.2's 8x VAE)."""
-        cell = self._cell()
+        cell = latent_patch_cell(self.pretrained_path, self.tiny)
         return [] if cell is None else cell_size_problems(height, width, cell, "FLUX.2 patches", key)
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
@@ -164,15 +164,6 @@ class Flux2ModelConfig(FlowFamilyConfig):
             f"{key}={guidance_scale}: this FLUX.2 transformer has no guidance embedding (guidance_embeds "
             f"false) and Flux2Pipeline runs no classifier-free guidance; set {key}: 1.0"
         ]
-
-    def _cell(self) -> int | None:
-        if not self.pretrained_path:
-            return 2 * self.tiny.vae_scale_factor
-        try:
-            vae = read_vae_config(self.pretrained_path)
-            return None if vae is None else 2 * 2 ** (len(vae["block_out_channels"]) - 1)
-        except (OSError, KeyError, ValueError, TypeError):
-            return None
 
     def _transformer_config(self, key: str) -> bool | None:
         if not self.pretrained_path:

@@ -17,7 +17,7 @@ from unirl.models.flow.config import (
     FlowFamilyConfig,
     PackedTinyConfig,
     cell_size_problems,
-    read_vae_config,
+    latent_patch_cell,
 )
 from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
@@ -103,19 +103,10 @@ class ZImageModelConfig(FlowFamilyConfig):
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """Sides must be multiples of 2 x the VAE's spatial scale (the transformer's 2x2 patch of
         latent cells: 16 px with Z-Image's 8x VAE)."""
-        cell = self._cell()
+        cell = latent_patch_cell(self.pretrained_path, self.tiny)
         return [] if cell is None else cell_size_problems(height, width, cell, "Z-Image patches", key)
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
         """Z-Image runs classifier-free guidance against the empty prompt at any scale >= 1 (1:
         none); the type and range checks of the key refuse the rest."""
         return []
-
-    def _cell(self) -> int | None:
-        if not self.pretrained_path:
-            return 2 * self.tiny.vae_scale_factor
-        try:
-            vae = read_vae_config(self.pretrained_path)
-            return None if vae is None else 2 * 2 ** (len(vae["block_out_channels"]) - 1)
-        except (OSError, KeyError, ValueError, TypeError):
-            return None
