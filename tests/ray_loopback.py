@@ -12,6 +12,7 @@ down before the next module's are set up, so they never overlap.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +20,7 @@ import ray
 import ray._private.ray_constants as ray_constants
 
 from unirl.distributed.group.cluster import WORKER_NICENESS
+from unirl.distributed.group.hosts import reuse_processes
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -33,6 +35,9 @@ def _ray_on_loopback() -> Iterator[None]:
 
 SHARED_NUM_CPUS = 8  # logical CPUs: room for the largest test geometry (workers + separate engines)
 _shared: dict[str, str] = {}
+# the shared instance's warm worker processes (unirl.distributed.group.hosts): a run's train
+# workers and engines are built in processes that earlier runs of this session imported torch in
+_warm = contextlib.ExitStack()
 
 
 def shared_ray_address() -> str | None:
@@ -54,11 +59,14 @@ def ensure_shared_ray() -> str:
             _system_config={"worker_niceness": WORKER_NICENESS},  # as a run's own instance (init_ray)
         )
         _shared["address"] = info.address_info["gcs_address"]
+        _warm.close()
+        _warm.enter_context(reuse_processes())
     return _shared["address"]
 
 
 def release_shared_ray() -> None:
     """Stop the shared instance (before a test builds a cluster of its own)."""
+    _warm.close()
     if ray.is_initialized():
         ray.shutdown()
     _shared.clear()

@@ -222,6 +222,13 @@ class EngineWorker(Worker):
         """This engine's ``dataplane/...`` totals since the last call."""
         return self.transport.stats.drain()
 
+    reusable_process = True
+
+    def process_reusable(self) -> bool:
+        """Not after an engine that holds a server in this process (vLLM's engine core keeps
+        process-wide state: one per process)."""
+        return super().process_reusable() and getattr(self.engine, "close", None) is None
+
     @dispatch(Dispatch.BROADCAST)
     def teardown(self) -> None:
         """Detach from the transport and the sync before the actor is killed."""

@@ -73,6 +73,7 @@ class ProcessWorker(Worker):
     default, a track's own in a composed run)."""
 
     device: torch.device
+    reusable_process = True
     backend: TrainBackend
     samples_from_ema: bool = False  # the rollouts sample the EMA weights: the sync sends them
 

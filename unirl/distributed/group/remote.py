@@ -13,6 +13,7 @@ from ray.actor import ActorHandle
 
 from unirl.distributed.group.device_pool import Placement, node_ip
 from unirl.distributed.group.dispatch import DISPATCH_SPECS, Dispatch, dispatch_mode, in_groups
+from unirl.distributed.group.hosts import HostedActor, HostPool, active_pool, kill
 from unirl.distributed.group.rank import RankInfo
 
 # A device is shared by up to this many colocated worker groups by default.
@@ -62,6 +63,16 @@ class Worker:
         os.environ["WORLD_SIZE"] = str(rank_info.world_size)
         os.environ["LOCAL_RANK"] = str(rank_info.local_rank)
 
+    reusable_process: bool = False
+    """Whether `reuse_processes()` may build this class in a warm host (`group.hosts`): a class
+    that sets it builds all its state in `__init__` and leaves its process as it found it once
+    torn down."""
+
+    def process_reusable(self) -> bool:
+        """Whether this process may host the next worker after this one is dropped: no process
+        group left (`teardown` destroys it). Subclasses add what else they hold process-wide."""
+        return not torch.distributed.is_initialized()
+
     def process_facts(self, device: Any) -> dict[str, Any]:
         """Where this member runs: host, process id, `device`, niceness and torch threads (what a
         run's placement.json records of each worker and engine)."""
@@ -86,13 +97,21 @@ class WorkerGroup:
     not thread-safe. Private names (leading ``_``) are not callable remotely.
     """
 
-    def __init__(self, worker_cls: type, actors: list[ActorHandle], rank_infos: list[RankInfo]) -> None:
+    def __init__(
+        self,
+        worker_cls: type,
+        actors: list[ActorHandle],
+        rank_infos: list[RankInfo],
+        hosts: tuple[HostPool, dict[str, str]] | None = None,
+    ) -> None:
         if len(actors) != len(rank_infos):
             raise ValueError("one RankInfo per actor is required")
         self._worker_cls = worker_cls
         self._actors = list(actors)
         self._rank_infos = list(rank_infos)
         self._closed = False
+        self._hosts = hosts  # (the pool, the hosts' env) when the ranks live in warm hosts
+        self._failed = False  # a rank raised or died: its hosts are not reused
         self.data_group_size = 1
         """Ranks per data-parallel group (a sequence-parallel group shares its samples):
         `Dispatch.DP_SCATTER` calls give each group one part (`in_groups`)."""
@@ -114,8 +133,8 @@ class WorkerGroup:
 
     @property
     def actors(self) -> list[ActorHandle]:
-        """Ray actor handle of every rank, in rank order."""
-        return list(self._actors)
+        """Ray actor handle of every rank, in rank order (a warm host's, `group.hosts`)."""
+        return [a.host if isinstance(a, HostedActor) else a for a in self._actors]
 
     def call(self, method: str, *args: Any, mode: Dispatch | None = None, **kwargs: Any) -> Any:
         """Call worker method `method` with dispatch `mode` (default: the method's tag) and block."""
@@ -159,6 +178,7 @@ class WorkerGroup:
                 try:
                     results[rank] = ray.get(ref)
                 except ray.exceptions.RayError as err:
+                    self._failed = True
                     raise WorkerError(self._worker_cls.__name__, rank, method, err) from err
         return results
 
@@ -177,15 +197,18 @@ class WorkerGroup:
         return call
 
     def shutdown(self) -> None:
-        """Kill every actor of the group. Idempotent; later calls raise RuntimeError."""
+        """Kill every actor of the group (warm hosts go back to their pool when the group saw no
+        failure and each worker says its process can be reused). Idempotent; later calls raise
+        RuntimeError."""
         if self._closed:
             return
         self._closed = True
+        if self._hosts is not None:
+            pool, env = self._hosts
+            pool.give_back(self.actors, env, reuse=not self._failed)
+            return
         for actor in self._actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already dead or Ray gone: nothing left to kill
-                pass
+            kill(actor)
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self._worker_cls.__name__}, world_size={self.world_size})"
@@ -312,7 +335,8 @@ def remote(
     free on the driver when every rank is on the driver's node, else rank 0's
     node IP and a port free there. Blocks until every actor is constructed; a failing
     constructor raises `WorkerError` (method ``__init__``) after killing the
-    group.
+    group. Inside `hosts.reuse_processes()`, a class with `reusable_process` on a CPU
+    placement on the driver's node is built in warm hosts instead (`group.hosts`).
     """
     pool = placement.pool
     if num_cpus_per_worker is None:
@@ -340,20 +364,34 @@ def remote(
         )
         for r in range(world_size)
     ]
-    options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus}
-    if env:
-        options["runtime_env"] = {"env_vars": {str(k): str(v) for k, v in env.items()}}
-    actor_cls = ray.remote(cls)
-    actors = [
-        actor_cls.options(scheduling_strategy=pool.scheduling_strategy(bundle), **options).remote(
-            rank_infos[r], *args, **kwargs
-        )
-        for r, bundle in enumerate(placement.bundle_indices)
-    ]
-    group = WorkerGroup(cls, actors, rank_infos)
+    env = {str(k): str(v) for k, v in (env or {}).items()}
+    hosts = active_pool()
+    if hosts is not None and cls.reusable_process and not pool.is_gpu and _on_driver_node(placement):
+        warm = hosts.take(world_size, env)
+        group = WorkerGroup(cls, [HostedActor(h) for h in warm], rank_infos, hosts=(hosts, env))
+        ready = {h.build.remote(cls, rank_infos[r], *args, **kwargs): r for r, h in enumerate(warm)}
+    else:
+        options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus}
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        actor_cls = ray.remote(cls)
+        actors = [
+            actor_cls.options(scheduling_strategy=pool.scheduling_strategy(bundle), **options).remote(
+                rank_infos[r], *args, **kwargs
+            )
+            for r, bundle in enumerate(placement.bundle_indices)
+        ]
+        group = WorkerGroup(cls, actors, rank_infos)
+        ready = {actor.__ray_ready__.remote(): r for r, actor in enumerate(actors)}
     try:
-        group._wait({actor.__ray_ready__.remote(): r for r, actor in enumerate(actors)}, "__init__")
+        group._wait(ready, "__init__")
     except WorkerError:
         group.shutdown()
         raise
     return group
+
+
+def _on_driver_node(placement: Placement) -> bool:
+    node_ids = placement.pool.bundle_node_ids()
+    here = ray.get_runtime_context().get_node_id()
+    return all(node_ids[b] == here for b in placement.bundle_indices)
