@@ -67,7 +67,9 @@ def pids(cls: type, pool: DevicePool, n: int = 2, **kwargs) -> list[int]:
     group = remote(cls, placement(pool, n), **kwargs)
     try:
         out = group.where()
-        assert [(rank, count) for _, rank, count in out] == [(r, kwargs.get("start", 0) + 1) for r in range(n)]
+        assert [(rank, count) for _, rank, count in out] == [
+            (r, kwargs.get("start", 0) + 1) for r in range(n)
+        ]
         group.teardown()
         return [pid for pid, _, _ in out]
     finally:

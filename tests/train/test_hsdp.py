@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.multiprocessing as mp
 
 from tests.conftest import tiny_model_config
-from tests.gloo import join_gloo
+from tests.gloo import join_gloo, spawn_ranks
 
 WORLD = 4
 PER_RANK = 4
@@ -111,7 +110,7 @@ def test_hsdp_meshes_give_the_whole_batch_gradient_and_reshard_on_resume(tmp_pat
     backend, stack, track = _setup(None, list(range(WORLD * PER_RANK)))
     reference = _grad(backend, stack, track)  # one process, all 16 samples, 4 micro-batches
     assert float(reference.norm()) > 0
-    mp.spawn(_rank, args=(str(tmp_path), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_rank, (str(tmp_path), str(tmp_path / "ckpt"), str(tmp_path)), WORLD)
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
     for rank, out in results.items():
         assert [out[f"mesh_{r}"] for r in MESHES] == [(4,), (2, 2), (4, 1)]

@@ -6,10 +6,9 @@ different collectives. (Every rank samples with autograd alike: its shard has th
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 
 from tests.conftest import tiny_model_config
-from tests.gloo import join_gloo
+from tests.gloo import join_gloo, rank_context
 
 CASES = {  # name: (FSDPConfig kwargs, keep_graph_max_pairs, rollout forward_batch_size)
     "reshard": ({"reshard_after_forward": True}, None, 4),
@@ -95,7 +94,7 @@ def _rank(rank: int, world: int, rdzv: str, queue) -> None:
 
 def test_kept_graphs_under_fsdp2_give_the_replay_gradients(tmp_path):
     world, rdzv = 2, str(tmp_path)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, world, rdzv, queue)) for r in range(world)]
     for p in procs:

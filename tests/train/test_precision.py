@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.conftest import tiny_model_config
-from tests.gloo import join_gloo
+from tests.gloo import join_gloo, rank_context
 from unirl.models.sd3 import SD3Stage
 from unirl.models.sd3.bundle import SD3Bundle
 from unirl.train.backend import OptimConfig, TrainBackend
@@ -139,7 +138,7 @@ def _fsdp_rank(rank: int, world: int, rdzv: str, queue) -> None:
 
 def test_fsdp2_bf16_policy_computes_in_bf16_keeps_fp32_masters_and_checkpoints_blocks(tmp_path):
     world, rdzv = 2, str(tmp_path)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_fsdp_rank, args=(r, world, rdzv, queue)) for r in range(world)]
     for p in procs:

@@ -9,9 +9,8 @@ import re
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.gloo import join_gloo
+from tests.gloo import join_gloo, spawn_ranks
 
 WORLD = 4
 SAMPLES = 8
@@ -100,7 +99,7 @@ def test_ulysses_sequence_parallel_matches_unsharded_training(tmp_path):
     reference = _grad(backend, stack, track)
     log_probs = track.segment.log_probs
     assert float(reference.norm()) > 0
-    mp.spawn(_rank, args=(str(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)  # a failed rank raises here
+    spawn_ranks(_rank, (str(tmp_path), str(tmp_path)), WORLD)  # a failed rank raises here
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
     for rank, out in results.items():
         for sp in MESHES:
@@ -252,7 +251,7 @@ def test_wan_and_qwen_image_under_sp_2_match_unsharded(tmp_path):
     rotary embedding and cross-attention; Qwen-Image's joint stream): one group of 2 gloo ranks
     samples the same log-probs and trains the same gradient as one process (1e-5)."""
     reference = {family: _family_setup(family, None) for family in ("wan", "qwenimage")}
-    mp.spawn(_family_rank, args=(str(tmp_path), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_family_rank, (str(tmp_path), str(tmp_path)), 2)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for family, (log_probs, grad) in reference.items():

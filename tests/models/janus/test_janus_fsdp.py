@@ -11,9 +11,8 @@ import queue as queue_module
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-from tests.gloo import join_gloo
+from tests.gloo import join_gloo, rank_context
 
 TINY = {"hidden_size": 32, "num_layers": 2, "max_position_embeddings": 128, "seed": 3}
 CANDIDATES = [
@@ -113,7 +112,7 @@ def _rank(rank: int, world: int, rdzv: str, queue) -> None:
 
 def test_sharded_janus_samples_replays_and_reduces_as_the_unsharded_model(tmp_path):
     world, rdzv = 2, str(tmp_path)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, world, rdzv, queue)) for r in range(world)]
     for p in procs:
