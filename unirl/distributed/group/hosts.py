@@ -159,14 +159,16 @@ def active_pool() -> HostPool | None:
 
 
 @contextlib.contextmanager
-def reuse_processes(max_idle: int = MAX_IDLE) -> Iterator[HostPool]:
-    """Inside the block, worker groups of opted-in classes are built in warm hosts and their
-    processes kept for the next group (module docstring); the idle hosts are killed at its end."""
-    pool = HostPool(max_idle)
+def reuse_processes(pool: HostPool | None = None, max_idle: int = MAX_IDLE) -> Iterator[HostPool]:
+    """Inside the block, worker groups of opted-in classes are built in warm hosts of `pool` and
+    their processes kept for the next group (module docstring). A new pool's idle hosts are
+    killed at the block's end; a given pool stays open for another block (`pool.close()`)."""
+    own = pool is None
+    pool = HostPool(max_idle) if pool is None else pool
     _active.append(pool)
     try:
         yield pool
     finally:
         _active.remove(pool)
-        if ray.is_initialized():
+        if own and ray.is_initialized():
             pool.close()
