@@ -10,7 +10,7 @@ counted), and reports for each side the median
 wall time of a run and of its worker start-up (`remote(...)`), and their ratios warm / fresh. It
 also checks that both sides wrote the same rows (apart from measurements of the machine).
 
-    python benchmarks/warm_workers.py [--recipe diffusion/tiny_sd3_flowgrpo] [--runs 3] [key=value ...]
+    python benchmarks/warm_workers.py [--runs 3] [key=value ...]
 
 Writes JSON lines (stdout and `--out`): one per run, one summary.
 """
@@ -32,37 +32,16 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import unirl.trainer.engines as engines_module  # noqa: E402
 import unirl.trainer.trainer as trainer_module  # noqa: E402
+from tests.conftest import EXAMPLES, untimed  # noqa: E402
+from tests.recipes import SD3  # noqa: E402
 from unirl.config.validate import validate_recipe  # noqa: E402
 from unirl.distributed.group.cluster import WORKER_NICENESS  # noqa: E402
 from unirl.distributed.group.hosts import HostPool, reuse_processes  # noqa: E402
 from unirl.distributed.group.remote import remote as plain_remote  # noqa: E402
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-# the tests' 16 px shrunk set of the tiny recipes, on 2 workers, 2 steps
-SMALL = [
-    "num_steps=2",
-    "num_devices=2",
-    "prompts_per_rollout=2",
-    "sampling.samples_per_prompt=4",
-    "sampling.num_steps=4",
-    "sampling.sde_num_steps=2",
-    "sampling.height=16",
-    "sampling.width=16",
-    "sampling.max_sequence_length=8",
-    "model.tiny.resolution=16",
-    "model.tiny.clip_max_length=8",
-    "model.tiny.num_layers=2",
-    "train.stack.micro_batch_size=2",
-    "logging.progress=false",
-    "logging.save_images_every=0",
-]
-
-
-def measured(key: str) -> bool:
-    """A measurement of the machine (wall times, memory, CPU load), not of the run."""
-    return key.startswith(("time/", "memory/", "cpu/")) or (
-        key.startswith(("dataplane/", "sync/")) and key.endswith("_s")
-    )
+# the tests' 16 px shrunk set of the tiny SD3 recipe (what the test session runs), on 2 workers, 2 steps
+RECIPE = "diffusion/tiny_sd3_flowgrpo"
+SMALL = [*SD3, "num_steps=2", "num_devices=2"]
 
 
 def timed_remote():
@@ -89,15 +68,13 @@ def one_run(recipe: str, overrides: list[str]) -> dict:
         t0 = time.perf_counter()
         rows = trainer_module.Trainer(cfg).run()
         wall = time.perf_counter() - t0
-    untimed = [{k: v for k, v in r.items() if not measured(k)} for r in rows]
-    return {"wall_s": wall, "startup_s": remote.seconds, "rows": untimed}
+    return {"wall_s": wall, "startup_s": remote.seconds, "rows": [untimed(r) for r in rows]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--recipe", default="diffusion/tiny_sd3_flowgrpo")
     parser.add_argument("--runs", type=int, default=3, help="measured runs per side")
     parser.add_argument("--out", default=None)
     parser.add_argument("overrides", nargs="*")
@@ -117,14 +94,14 @@ def main() -> None:
     sides: dict[str, list[dict]] = {"fresh": [], "warm": []}
     pool = HostPool()
     with reuse_processes(pool):
-        one_run(args.recipe, args.overrides)  # starts the warm hosts: not counted
+        one_run(RECIPE, args.overrides)  # starts the warm hosts: not counted
     for i in range(args.runs):
         for side in ("fresh", "warm"):
             if side == "fresh":  # no pool: the run's own actors, as any single run
-                run = one_run(args.recipe, args.overrides)
+                run = one_run(RECIPE, args.overrides)
             else:
                 with reuse_processes(pool):
-                    run = one_run(args.recipe, args.overrides)
+                    run = one_run(RECIPE, args.overrides)
             sides[side].append(run)
             emit({"side": side, "run": i, "wall_s": run["wall_s"], "startup_s": run["startup_s"]})
     pool.close()
@@ -137,7 +114,7 @@ def main() -> None:
     emit(
         {
             "summary": True,
-            "recipe": args.recipe,
+            "recipe": RECIPE,
             "runs_per_side": args.runs,
             "fresh": median["fresh"],
             "warm": median["warm"],
