@@ -28,20 +28,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ray  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 
 import unirl.trainer.engines as engines_module  # noqa: E402
 import unirl.trainer.trainer as trainer_module  # noqa: E402
-from tests.conftest import EXAMPLES, untimed  # noqa: E402
-from tests.recipes import SD3  # noqa: E402
-from unirl.config.validate import validate_recipe  # noqa: E402
+from tests.conftest import untimed  # noqa: E402
+from tests.recipes import recipe  # noqa: E402
 from unirl.distributed.group.cluster import WORKER_NICENESS  # noqa: E402
 from unirl.distributed.group.hosts import HostPool, reuse_processes  # noqa: E402
 from unirl.distributed.group.remote import remote as plain_remote  # noqa: E402
 
-# the tests' 16 px shrunk set of the tiny SD3 recipe (what the test session runs), on 2 workers, 2 steps
+# run at the tests' 16 px shrunk set (what the test session runs), on 2 workers, 2 steps
 RECIPE = "diffusion/tiny_sd3_flowgrpo"
-SMALL = [*SD3, "num_steps=2", "num_devices=2"]
 
 
 def timed_remote():
@@ -58,13 +55,12 @@ def timed_remote():
     return remote
 
 
-def one_run(recipe: str, overrides: list[str]) -> dict:
+def one_run(overrides: list[str]) -> dict:
     """Run the recipe once in a fresh output directory: wall time, start-up time, its rows."""
     remote = timed_remote()
     trainer_module.remote = engines_module.remote = remote
-    with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=EXAMPLES, version_base=None):
-        cfg = compose(recipe, overrides=[*SMALL, *overrides, f"output_dir={out}"])
-        validate_recipe(cfg)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = recipe(RECIPE, out, "num_steps=2", "num_devices=2", *overrides)
         t0 = time.perf_counter()
         rows = trainer_module.Trainer(cfg).run()
         wall = time.perf_counter() - t0
@@ -94,14 +90,14 @@ def main() -> None:
     sides: dict[str, list[dict]] = {"fresh": [], "warm": []}
     pool = HostPool()
     with reuse_processes(pool):
-        one_run(RECIPE, args.overrides)  # starts the warm hosts: not counted
+        one_run(args.overrides)  # starts the warm hosts: not counted
     for i in range(args.runs):
         for side in ("fresh", "warm"):
             if side == "fresh":  # no pool: the run's own actors, as any single run
-                run = one_run(RECIPE, args.overrides)
+                run = one_run(args.overrides)
             else:
                 with reuse_processes(pool):
-                    run = one_run(RECIPE, args.overrides)
+                    run = one_run(args.overrides)
             sides[side].append(run)
             emit({"side": side, "run": i, "wall_s": run["wall_s"], "startup_s": run["startup_s"]})
     pool.close()

@@ -281,11 +281,9 @@ def rendezvous(placement: Placement) -> tuple[str, int]:
             lands on another node than rank 0's bundle.
     """
     pool = placement.pool
-    node_ids = pool.bundle_node_ids()
-    group_nodes = [node_ids[b] for b in placement.bundle_indices]
-    if all(n == ray.get_runtime_context().get_node_id() for n in group_nodes):
+    if on_driver_node(placement):
         return "127.0.0.1", free_port()
-    rank0_node = group_nodes[0]
+    rank0_node = pool.bundle_node_ids()[placement.bundle_indices[0]]
     addr = node_ip(rank0_node)
     task = ray.remote(_port_probe_fn()).options(
         num_cpus=0, scheduling_strategy=pool.scheduling_strategy(placement.bundle_indices[0])
@@ -366,7 +364,7 @@ def remote(
     ]
     env = {str(k): str(v) for k, v in (env or {}).items()}
     hosts = active_pool()
-    if hosts is not None and cls.reusable_process and not pool.is_gpu and _on_driver_node(placement):
+    if hosts is not None and cls.reusable_process and not pool.is_gpu and on_driver_node(placement):
         warm = hosts.take(world_size, env)
         group = WorkerGroup(cls, [HostedActor(h) for h in warm], rank_infos, hosts=(hosts, env))
         ready = {h.build.remote(cls, rank_infos[r], *args, **kwargs): r for r, h in enumerate(warm)}
@@ -391,7 +389,8 @@ def remote(
     return group
 
 
-def _on_driver_node(placement: Placement) -> bool:
+def on_driver_node(placement: Placement) -> bool:
+    """Whether every bundle of `placement` is on the driver's Ray node."""
     node_ids = placement.pool.bundle_node_ids()
     here = ray.get_runtime_context().get_node_id()
     return all(node_ids[b] == here for b in placement.bundle_indices)
