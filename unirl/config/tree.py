@@ -10,12 +10,14 @@ the modules `unirl.config.validate` composes.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from unirl.config.schema import check_node, target_parameters
+from unirl.config.schema import HYDRA_KEYS, check_node, target_parameters
 
 
 class ConfigError(ValueError):
@@ -64,11 +66,43 @@ def _buildable(target: Any, node: dict) -> bool:
     )
 
 
-def _build(node: dict, path: str, problems: list[str]) -> Any:
-    try:
+def _child(path: str, key: str | int) -> str:
+    return f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+
+
+def build_resolved(node: Any, path: str = "", built: dict[str, Any] | None = None) -> Any:
+    """`hydra.utils.instantiate(node, _convert_="all")` of a resolved plain node (dicts and lists,
+    as `OmegaConf.to_container(resolve=True)` gives), without Hydra's round trip through
+    OmegaConf: a `_target_` node is called with its built children (`_args_` positionally,
+    `_partial_` as `functools.partial`), other dicts and lists stay plain containers of built
+    values. `built` maps the key path of a `_target_` node already built (or checked into an
+    instance) to that object, which is used instead of building it again. A node that sets
+    `_recursive_` or `_convert_` is handed to Hydra itself. A constructor's error propagates
+    unwrapped (Hydra would chain it as the `__cause__` of its own)."""
+    built = {} if built is None else built
+    if isinstance(node, list):
+        return [build_resolved(v, _child(path, i), built) for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    if "_target_" not in node:
+        return {k: build_resolved(v, _child(path, k), built) for k, v in node.items()}
+    if path in built:
+        return built[path]
+    if "_recursive_" in node or "_convert_" in node:
         return instantiate(node, _convert_="all")
+    target = get_object(node["_target_"])
+    args = [
+        build_resolved(v, _child(path, f"_args_[{i}]"), built) for i, v in enumerate(node.get("_args_", []))
+    ]
+    kwargs = {k: build_resolved(v, _child(path, k), built) for k, v in node.items() if k not in HYDRA_KEYS}
+    return functools.partial(target, *args, **kwargs) if node.get("_partial_") else target(*args, **kwargs)
+
+
+def _build(node: dict, path: str, problems: list[str], built: dict[str, Any]) -> Any:
+    try:
+        return build_resolved(node, path, built)
     except Exception as exc:  # noqa: BLE001 - report the component and its error, then keep checking
-        cause = exc.__cause__ or exc
+        cause = (exc.__cause__ or exc) if isinstance(exc, InstantiationException) else exc
         problems.append(f"{path}: {type(cause).__name__}: {cause}")
         return None
 
@@ -99,6 +133,7 @@ def check_recipe(cfg: DictConfig, sections: dict[str, type], problems: list[str]
         if not found:
             passed[path] = instance
     failed: list[str] = []
+    built: dict[str, Any] = {}  # the target nodes that passed, innermost first: reused by their parents
     for path, node in target_nodes(tree):
         try:
             target = get_object(node["_target_"])
@@ -113,10 +148,12 @@ def check_recipe(cfg: DictConfig, sections: dict[str, type], problems: list[str]
         if not found and instance is None and _buildable(target, node):
             if any(f.startswith(path + ".") or f.startswith(path + "[") for f in failed):
                 continue  # a nested node failed and is reported; building would repeat it
-            instance = _build(node, path, found)
+            instance = _build(node, path, found, built)
         problems.extend(found)
         if found:
             failed.append(path)
         else:
             passed[path] = instance
+            if instance is not None:
+                built[path] = instance
     return passed

@@ -61,7 +61,7 @@ class ListDataSource:
         self.source = source
         self.epoch = 0
         self.position = 0
-        self._order = self._epoch_order(0)
+        self._order: list[int] | None = None  # this epoch's permutation, drawn at its first batch
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -88,6 +88,8 @@ class ListDataSource:
             )
         if self.position + n > len(self.examples):
             self._start_epoch(self.epoch + 1)
+        if self._order is None:
+            self._order = self._epoch_order(self.epoch)
         idx = self._order[self.position : self.position + n]
         self.position += n
         return [dataclasses.replace(self.examples[i], metadata=dict(self.examples[i].metadata)) for i in idx]
@@ -95,7 +97,7 @@ class ListDataSource:
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.position = 0
-        self._order = self._epoch_order(epoch)
+        self._order = None
 
     def state_dict(self) -> dict[str, Any]:
         """Position plus what it depends on: `{epoch, position, seed, shuffle, num_prompts}`."""

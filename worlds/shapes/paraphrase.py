@@ -23,6 +23,7 @@ Every example carries its scene's canonical prompt in `metadata["canonical"]`: t
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import NamedTuple
 
@@ -404,6 +405,17 @@ class ShapesPESFTSource:
         return pairs
 
 
+@functools.lru_cache(maxsize=4)
+def _demonstrations(seed: int, nonce_rate: float, size: int) -> tuple[PromptExample, ...]:
+    """The drawn rows of `ShapesPEDemonstrations` (a function of its arguments, drawn once per
+    process: the validator builds the data source of every check; `next_batch` copies rows)."""
+    pairs = ShapesPESFTSource(seed, nonce_rate).sample_batch(size, np.random.default_rng(seed))
+    return tuple(
+        PromptExample(prompt, f"pe-sft-{seed}-{i}", {"canonical": canonical})
+        for i, (prompt, canonical) in enumerate(pairs)
+    )
+
+
 class ShapesPEDemonstrations(ListDataSource):
     """`ShapesPESFTSource`'s pairs as supervised rows (recipe: `_target_:
     worlds.shapes.ShapesPEDemonstrations`): each user prompt with its canonical rewrite under
@@ -420,11 +432,9 @@ class ShapesPEDemonstrations(ListDataSource):
     def __init__(self, seed: int = 0, nonce_rate: float = NONCE_RATE, size: int = 38_400) -> None:
         if size < 1:
             raise ValueError(f"ShapesPEDemonstrations size must be >= 1, got {size}")
-        pairs = ShapesPESFTSource(seed, nonce_rate).sample_batch(size, np.random.default_rng(seed))
-        rows = [
-            PromptExample(prompt, f"pe-sft-{seed}-{i}", {"canonical": canonical})
-            for i, (prompt, canonical) in enumerate(pairs)
-        ]
         super().__init__(
-            rows, shuffle=True, seed=seed, source=f"<shapes PE demonstrations seed={seed} size={size}>"
+            list(_demonstrations(seed, nonce_rate, size)),
+            shuffle=True,
+            seed=seed,
+            source=f"<shapes PE demonstrations seed={seed} size={size}>",
         )
