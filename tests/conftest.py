@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import ray
@@ -32,18 +31,16 @@ EXAMPLES = os.path.join(REPO, "examples")
 def run_module(
     module: str, *args: str, timeout: float = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m <module> <args>` from the repository root, offline, output captured as text.
-    While this process holds the shared Ray instance (`ray_cluster`), a run joins it through
-    ``RAY_ADDRESS`` instead of starting its own (unless `env` names another)."""
+    """`python -m <module> <args>` from the repository root, offline, output captured as text, in
+    a process forked from the preloaded server of `tests.gloo` (the module runs as `python -m`
+    runs it, without importing torch and the model libraries afresh). While this process holds
+    the shared Ray instance (`ray_cluster`), a run joins it through ``RAY_ADDRESS`` instead of
+    starting its own (unless `env` names another)."""
+    from tests.gloo import run_module_forked
+
     joined = {"RAY_ADDRESS": address} if (address := shared_ray_address()) else {}
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **joined, **(env or {})},
-    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **joined, **(env or {})}
+    return run_module_forked(module, list(args), env, REPO, timeout)
 
 
 def _measured(key: str) -> bool:

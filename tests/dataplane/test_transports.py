@@ -28,10 +28,14 @@ pytestmark = pytest.mark.ray
 
 @ray.remote(num_cpus=0.1)
 class Peer:
-    """A process holding a client of the driver's transport (like a rollout or train worker)."""
+    """A process holding a client of the driver's transport (like a rollout or train worker);
+    one process serves each transport in turn (`attach`, then `close`)."""
 
-    def __init__(self, cfg: dict, info: dict) -> None:
+    def __init__(self) -> None:
         torch.set_num_threads(1)
+        self.transport = None
+
+    def attach(self, cfg: dict, info: dict) -> None:
         self.transport = make_transport(cfg)
         self.transport.attach(info)
 
@@ -114,17 +118,24 @@ def cluster(ray_cluster) -> str:
     return ray_cluster
 
 
+@pytest.fixture(scope="module")
+def peers(cluster) -> Iterator[list]:
+    """Two peer processes, which every transport's tests share (one start each, not one per transport)."""
+    started = [Peer.remote() for _ in range(2)]
+    yield started
+    for p in started:
+        ray.kill(p)
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
-def plane(request, cluster) -> Iterator[tuple[Transport, list]]:
-    """The driver's transport (started) and two peers attached to it."""
+def plane(request, peers) -> Iterator[tuple[Transport, list]]:
+    """The driver's transport (started) and the two peers attached to it."""
     cfg = transport_cfg(request.param)
     driver = make_transport(cfg)
     info = driver.start()
-    peers = [Peer.remote(cfg, info) for _ in range(2)]
+    ray.get([p.attach.remote(cfg, info) for p in peers])
     yield driver, peers
     ray.get([p.close.remote() for p in peers])
-    for p in peers:
-        ray.kill(p)
     driver.close()
 
 

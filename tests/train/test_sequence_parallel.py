@@ -163,7 +163,12 @@ def test_a_flux_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster
                 "model.tiny.num_attention_heads=3",
                 "model.tiny.attention_head_dim=16",
             ],
-            "does not divide the transformer's 3 attention heads",
+            "does not divide the transformer's 3 attention heads; valid values (also dividing num_devices): [1, 3]",
+        ),
+        (
+            ["num_devices=4", "prompts_per_rollout=4", "+train.fsdp.replicate=3"],
+            "train.fsdp.replicate=3 does not divide num_devices=4: HSDP's mesh is replicate x (num_devices / "
+            "replicate) ranks; valid values: [1, 2, 4]",
         ),
     ],
 )

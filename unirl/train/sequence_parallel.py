@@ -52,7 +52,11 @@ def cp_plan_problem(module: torch.nn.Module, sp: int) -> str | None:
     for part in parts:
         heads = getattr(getattr(part, "config", None), "num_attention_heads", None)
         if heads is not None and heads % sp:
-            return f"train.fsdp.sp={sp} does not divide the transformer's {heads} attention heads"
+            valid = [d for d in range(1, heads + 1) if heads % d == 0]
+            return (
+                f"train.fsdp.sp={sp} does not divide the transformer's {heads} attention heads; "
+                f"valid values (also dividing num_devices): {valid}"
+            )
     return None
 
 
