@@ -156,6 +156,39 @@ def test_staleness_one_samples_behind_and_resumes_exactly(tmp_path):
     assert same_weights(tmp_path / "full", tmp_path / "resumed")
 
 
+def test_staleness_two_samples_two_steps_on_one_version_and_resumes_with_both_in_flight(tmp_path):
+    """max_staleness 2: after step n's rewards the engine takes weights n and samples steps n+1 and
+    n+2 while they train, then syncs again: staleness 0, 1, 2, 1, 2 over five steps.
+
+    The behaviour policy, checked independently: a run that changes no weight (lr 1e-30,
+    max_staleness 0) samples steps 2 and 3 with the initial weights, and so does the stale run (its
+    engine still holds version 0 there, one and two updates behind), so their rewards are equal.
+
+    Resume: the step-3 checkpoint is taken with steps 4 and 5 in flight, both sampling version 2;
+    it holds those weights, the last step in flight and the data position before step 4's
+    prompts, so the run resumed from it writes the uninterrupted run's rows and weights."""
+    stale = ["rollout.max_staleness=2", "checkpoint.every_n_steps=3"]
+    full = run(SEPARATE, tmp_path / "full", "num_steps=5", *stale)
+    assert [r["rollout/staleness"] for r in full] == [0, 1, 2, 1, 2]
+    synced = [r["step"] for r in full if r.get("sync/bytes", 0) > 0]
+    assert synced == [1, 3]  # a sync only when the engine has nothing left in flight
+    for r in full[1:]:
+        assert r["off_policy/ratio_mean"] == r["ratio/first_update_mean"] != 1.0
+    frozen = run(SEPARATE, tmp_path / "frozen", "num_steps=3", "rollout.max_staleness=0", "train.optim.lr=1e-30")
+    for step in (1, 2):
+        assert full[step]["reward/mean"] == frozen[step]["reward/mean"]
+        assert full[step]["reward/std"] == frozen[step]["reward/std"]
+    assert len({r["reward/mean"] for r in frozen}) == 3  # each step's own prompts and draws
+
+    ckpt = tmp_path / "full" / "checkpoints" / "step_000003"
+    state = json.loads((ckpt / "driver_state.json").read_text())
+    assert (state["engine_weights_version"], state["ahead_until"]) == (2, 4)
+    resumed = run(SEPARATE, tmp_path / "resumed", "num_steps=5", *stale, f"resume_from={ckpt}")
+    assert [r["step"] for r in resumed] == [4, 5]
+    assert [training(r) for r in resumed] == [training(r) for r in full[3:]]
+    assert same_weights(tmp_path / "full", tmp_path / "resumed")
+
+
 def test_text_engine_with_dropped_weights_trains_like_trainside(tmp_path):
     """The LM recipe (full fine-tune, every weight synced and verified, the engine dropping its
     weights while the trainer trains and rebuilding them on wake-up; 4 chunks per rollout, each

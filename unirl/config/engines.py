@@ -98,11 +98,19 @@ def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str], 
         source = config.get("old_logp_source") if isinstance(config, DictConfig) else None
         if source != "rollout":
             problems.append(
-                f"{key}.max_staleness={staleness}: samples come from weights one version behind, so the "
-                "importance ratio must use the behaviour log-probs the engine recorded; set "
+                f"{key}.max_staleness={staleness}: samples come from weights up to {staleness} versions behind, "
+                "so the importance ratio must use the behaviour log-probs the engine recorded; set "
                 f"algorithm.config.old_logp_source=rollout (got {source!r}"
                 + (")" if source is not None else ": this algorithm has no importance ratio)")
             )
+    limit = getattr(passed.get("algorithm"), "dynamic_sampling_limit", lambda: None)()
+    if staleness > 1 and limit is not None:
+        problems.append(
+            f"{key}.max_staleness={staleness} draws the prompts of the next {staleness} steps at once, and "
+            f"dynamic sampling (algorithm.config.dynamic_sampling) draws more while they are in flight, so a "
+            "checkpoint could not say where the data source was for each of them; use max_staleness <= 1 "
+            "with dynamic sampling"
+        )
     if is_dedicated(rollout, VLLMEngine):
         check_vllm(cfg, passed, problems, key)
     grouped = group_scorers(passed.get("reward"))

@@ -69,9 +69,10 @@ class DedicatedEngine:
             own, after the training devices in the pool). Read by the trainer.
         num_engines: engine actors; a request is split evenly over them. With
             colocate at most `num_devices`. Read by the trainer.
-        max_staleness: 0 (every rollout samples the latest weights) or 1 (the
-            next step's rollout runs while this step trains, on the weights one
-            version behind; needs placement separate). Read by the trainer.
+        max_staleness: 0 (every rollout samples the latest weights) or k >= 1
+            (the next k steps' rollouts run while this step and the next ones
+            train, on this step's weights: step n + j's samples are j versions
+            behind, 1 <= j <= k; needs placement separate). Read by the trainer.
         sleep_level: what `sleep` does between rollouts on colocated engines:
             0 nothing, 1 offload and restore the weights, 2 drop them (restored
             from the model source and the next sync). Must be 0 with separate.
@@ -89,7 +90,7 @@ class DedicatedEngine:
         forward_batch_size: Annotated[int, Ge(1)] | None = None,
         placement: Literal["colocate", "separate"] = "colocate",
         num_engines: Annotated[int, Ge(1)] = 1,
-        max_staleness: Literal[0, 1] = 0,
+        max_staleness: Annotated[int, Ge(0)] = 0,
         sleep_level: Literal[0, 1, 2] = 1,
         overlap_reward: bool = True,
         rebuild: Callable[[], Any] | None = None,
@@ -101,8 +102,8 @@ class DedicatedEngine:
             raise ValueError(f"rollout.sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
         if num_engines < 1:
             raise ValueError(f"rollout.num_engines must be >= 1, got {num_engines}")
-        if max_staleness not in (0, 1):
-            raise ValueError(f"rollout.max_staleness must be 0 or 1, got {max_staleness}")
+        if max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be >= 0, got {max_staleness}")
         self.sampler = TrainsideEngine(stage, forward_batch_size, track_name)
         self.stage = stage
         self.track_name = self.sampler.track_name

@@ -17,7 +17,7 @@ What differs per modality (building a rollout request, the fields scoring fetche
 are kept and evaluated) is a `unirl.trainer.modality` object chosen by a track's sampling
 params. A single-track run's one track is its own root and leaf, so its reward is scored
 chunk by chunk while the rest of the rollout generates, and it alone may sample dynamically
-(DAPO) or one step ahead (`rollout.max_staleness: 1`).
+(DAPO) or ahead of the weights it trains (`rollout.max_staleness: k`, `AheadRollout`).
 """
 
 from __future__ import annotations
@@ -96,6 +96,17 @@ def labelled(what: str, name: str | None) -> str:
     return what if name is None else f"{what} ({name})"
 
 
+
+@dataclasses.dataclass
+class AheadRollout:
+    """A later step's rollout, submitted while an earlier step trains (`rollout.max_staleness`):
+    its step, the rollout in flight (`flight.version`: the weights it samples) and the data
+    source's position before its prompts."""
+
+    step: int
+    flight: InFlightRollout
+    source_state: dict[str, Any]
+
 class Trainer:
     """Runs the recipe `cfg` (already validated) up to `cfg.num_steps`.
 
@@ -133,9 +144,8 @@ class Trainer:
         self.base_model = self._base_models()
         self.last_checkpoint: str | None = None
         self.step_stats: dict[str, float] = {}  # weight-sync figures of the step, for its row
-        self.ahead: InFlightRollout | None = None  # the next step's rollout, in flight while this one trains
-        self.ahead_step: int | None = None
-        self.ahead_source_state: dict[str, Any] | None = None
+        self.ahead: list[AheadRollout] = []  # later steps' rollouts, in flight while this one trains
+        self.resume_ahead: tuple[int, int] | None = None  # (first, last) step a checkpoint had in flight
         self.restore_s: float | None = None
         self.transport = make_transport(cfg.transport)
         if self.graph.shared:
@@ -354,9 +364,10 @@ class Trainer:
         behind = state.get("engine_weights_version")
         root = self.graph.units[0]
         if behind is not None and root.settings.max_staleness:
-            # the checkpoint was taken with the next rollout in flight: the engines get the weights it
-            # sampled, and the resumed run samples that rollout again from them
+            # the checkpoint was taken with later steps' rollouts in flight: the engines get the weights
+            # they sampled, and the resumed run samples those rollouts again from them (`_loop`)
             self._guard(state["step"], "restore engine weights", self.engines[root.key].load_weights, path, behind)
+            self.resume_ahead = (int(state["step"]), int(state.get("ahead_until", state["step"])))
         self.last_checkpoint = path
         metrics = os.path.join(self.out, "metrics.jsonl")
         if os.path.exists(metrics):  # drop rows a stopped run wrote after its last checkpoint
@@ -367,17 +378,19 @@ class Trainer:
         return int(state["step"])
 
     def _save_checkpoint(self, group, step: int) -> None:
-        """Write the workers' state and the driver's. With the next step's rollout in flight
-        (`self.ahead`, max_staleness 1) the checkpoint also holds the weights that rollout samples
-        (the engines', one version behind the trainer's) and the data source's position
-        before its prompts, so a resumed run samples it again identically."""
+        """Write the workers' state and the driver's. With later steps' rollouts in flight
+        (`self.ahead`, max_staleness >= 1) the checkpoint also holds the weights they sample (the
+        engines', one version for all of them, behind the trainer's), the last step in flight and
+        the data source's position before the first one's prompts, so a resumed run samples them
+        again identically."""
         path = checkpoint_dir(self.out, step)
         t0 = time.perf_counter()
         self._call(group, "save_checkpoint", step - 1, path, self.base_model)
         source, extra = self.data_source.state_dict(), {}
-        if self.ahead is not None:
+        if self.ahead:
             self._guard(step - 1, "save engine weights", self.engines[self.graph.root].save_weights, path)
-            source, extra = self.ahead_source_state, {"engine_weights_version": self.ahead.version}
+            source = self.ahead[0].source_state
+            extra = {"engine_weights_version": self.ahead[0].flight.version, "ahead_until": self.ahead[-1].step}
         write_driver_state(path, step, source, self.cfg, save_s=time.perf_counter() - t0, extra=extra)
         mark_complete(path)
         self.last_checkpoint = path
@@ -449,9 +462,9 @@ class Trainer:
 
         The rollout runs where the recipe says (the train workers, or dedicated engines synced
         to this step's weights first); each finished chunk is scored while the rest generates.
-        `ahead`: this step's rollout, submitted during the previous step
-        (`rollout.max_staleness: 1`); its engines then keep their weights for any extra
-        generation, and `rollout/staleness` says how many versions behind they sampled.
+        `ahead`: this step's rollout, submitted during an earlier step (`rollout.max_staleness`);
+        its engines then keep their weights for any extra generation, and `rollout/staleness` says
+        how many versions behind they sampled.
 
         With an algorithm that samples dynamically (`dynamic_sampling_limit()` not None: DAPO),
         the groups its `keep_groups` drops (DAPO: those whose rewards are all equal) are dropped
@@ -607,7 +620,7 @@ class Trainer:
         """Rollout, rewards, advantages and training of one step, marked on `record`; returns the
         scored views of every track."""
         row = record.row
-        ahead, self.ahead = self.ahead, None
+        ahead = self.ahead.pop(0).flight if self.ahead else None
         if self.graph.single:
             meta, view, t_rollout = self._rollout_and_score(group, step, partition, row, ahead)
             record.mark("rollout", t_rollout)
@@ -626,7 +639,7 @@ class Trainer:
         record.mark("reward")
         last = self.graph.units[-1]
         self._guard(step, labelled("sleep", last.key), self.engines[last.key].release)  # colocated engines free the devices
-        if self.graph.units[0].settings.max_staleness and step + 1 < self.num_steps:
+        if self.graph.units[0].settings.max_staleness and not self.ahead and step + 1 < self.num_steps:
             self.ahead = self._submit_ahead(step)
         record.mark("train")
         self._train(group, step, metas, views, row)
@@ -660,6 +673,8 @@ class Trainer:
             for n, t in graph.tracks.items()
             if n == graph.root or not graph.shared
         }
+        if self.resume_ahead is not None:  # the checkpoint's rollouts in flight, from the weights they sampled
+            self.ahead = self._submit_steps(*self.resume_ahead)
         log_cfg = self.cfg.get("logging") or {}
         every = int(log_cfg.get("save_images_every", 10))
         tracking = Tracking.from_recipe(self.out, self.cfg)
@@ -716,18 +731,28 @@ class Trainer:
                     tracking.log_samples(step + 1, stem)
         finally:
             tracking.close()
-            if self.ahead is not None:  # a failed step leaves the next step's rollout: drop what it put
-                self.transport.clear(f"step_{self.ahead_step}")
+            for ahead in self.ahead:  # a failed step leaves later steps' rollouts: drop what they put
+                self.transport.clear(f"step_{ahead.step}")
         return rows
 
-    def _submit_ahead(self, step: int) -> InFlightRollout:
-        """Sync this step's weights into a single track's engines and start the next step's rollout
-        on them, to run while this step trains (its samples are one weight version behind when
-        trained). Keeps the data source's position before the next batch's prompts for a checkpoint."""
+    def _submit_ahead(self, step: int) -> list[AheadRollout]:
+        """Sync this step's weights into a single track's engines and start the rollouts of the
+        next `max_staleness` steps on them (as many as the run has left), to run while this step
+        and the next ones train: step n + j's samples are j weight versions behind when trained.
+        The engines sync again only once all of them were collected, when they are idle."""
         engines = self.engines[None]
         self.step_stats.update(self._guard(step, "weight sync", engines.prepare, step))
-        self.ahead_step = step + 1
-        self.ahead_source_state = self.data_source.state_dict()
+        last = min(step + self.graph.units[0].settings.max_staleness, self.num_steps - 1)
+        return self._submit_steps(step + 1, last)
+
+    def _submit_steps(self, first: int, last: int) -> list[AheadRollout]:
+        """Submit the rollouts of steps `first`..`last` to the engines as they are (no sync), each
+        with the data source's position before its prompts (for a checkpoint)."""
+        engines, ahead = self.engines[None], []
         prompts = int(self.cfg.prompts_per_rollout)
-        req = self.modalities[None].request(self.data_source.next_batch(prompts), step + 1)
-        return self._guard(step, "rollout", engines.submit, req, f"step_{step + 1}")
+        for step in range(first, last + 1):
+            state = self.data_source.state_dict()
+            req = self.modalities[None].request(self.data_source.next_batch(prompts), step)
+            flight = self._guard(step - 1, "rollout", engines.submit, req, f"step_{step}")
+            ahead.append(AheadRollout(step, flight, state))
+        return ahead

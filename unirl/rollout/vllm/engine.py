@@ -279,7 +279,7 @@ class VLLMEngine(DedicatedEngine):
         forward_batch_size: Annotated[int, Ge(1)] | None = None,
         placement: Literal["colocate", "separate"] = "colocate",
         num_engines: Annotated[int, Ge(1)] = 1,
-        max_staleness: Literal[0, 1] = 0,
+        max_staleness: Annotated[int, Ge(0)] = 0,
         sleep_level: Literal[0, 1, 2] = 1,
         overlap_reward: bool = True,
         rebuild: Any = None,
