@@ -155,6 +155,10 @@ def test_the_plan_of_the_tiny_recipe_against_hand_counts():
     assert halves.gathered > 0  # two blocks whole while they compute
     more = plan_memory(cfg, micro_batch=2 * int(cfg.train.stack.micro_batch_size))
     assert more.train_extra > plan.train_extra
+    offloaded = plan_memory(tiny_recipe("+train.fsdp.offload_params=true"), devices=2)  # shards in host memory
+    assert offloaded.module == offloaded.optimizer == offloaded.copies == 0
+    assert offloaded.gathered == halves.gathered  # the units still gather on the device
+    assert offloaded.train_extra == halves.train_extra - lora // 2  # without the gradient shards
 
 
 def compose_model(cfg):

@@ -26,7 +26,9 @@ phase's tensors) plus what lives beside the module all run long: the frozen modu
 VAE), EMA / reference copies, the rollout's stored latents and media, and kept graphs. With N > 1
 data-parallel ranks (FSDP2), the module's weights, gradients and optimizer state are divided by the
 shard degree (N, or N / `train.fsdp.replicate` under HSDP) and two of its largest blocks are counted
-whole (the one computing and the one prefetched). With Ulysses sequence parallelism
+whole (the one computing and the one prefetched); with `train.fsdp.offload_params` the shards, their
+gradients, the AdamW moments and the EMA / reference copies are in host memory and count nothing on
+the device. With Ulysses sequence parallelism
 (`train.fsdp.sp`) the phases run as one rank of the group (`sequence_parallel_group`: a fake
 process group and diffusers' context parallelism on the meta module). `--device-gib` also prints
 the largest micro-batch whose plan fits the device.
@@ -371,6 +373,9 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
         train_extra -= trainable - trainable // shard  # gradients are sharded too
         weights //= shard
         optimizer_state //= shard
+        if fsdp.offload_params:  # shards, their gradients, AdamW and copies of them: in host memory
+            train_extra -= trainable // shard
+            weights = optimizer_state = copies = 0
     return MemoryPlan(
         recipe=str(cfg.get("output_dir", "")),
         devices=devices,

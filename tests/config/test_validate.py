@@ -433,6 +433,13 @@ def test_cli_reports_type_and_range_problems_with_exit_code_2(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+def test_parameter_offload_needs_sharding_ranks():
+    """FSDP2 shards (and so offloads) the module over two or more ranks only."""
+    msg = problems_of(["+train.fsdp.offload_params=true"])
+    assert "train.fsdp.offload_params=true with num_devices=1" in msg and "raise num_devices" in msg
+    validate_recipe(recipe(overrides=["+train.fsdp.offload_params=true", "num_devices=2", "launcher=ray"]))
+
+
 def test_one_rank_bf16_fsdp_policy_without_autocast_and_in_process_geometry_are_rejected():
     """FSDP2's bf16 policy does nothing on one rank: a recipe asking for it must also ask for autocast;
     launcher=in_process has one worker and no Ray, so it needs num_devices=1 and the inband transport."""

@@ -17,7 +17,7 @@ PER_RANK = 4
 MESHES = (1, 2, 4)  # replicate: 1 x 4, 2 x 2, 4 x 1
 
 
-def _setup(replicate: int | None, samples: list[int]):
+def _setup(replicate: int | None, samples: list[int], offload: bool = False):
     """A tiny SD3 with LoRA under FSDP2 on the mesh (None: one process, unsharded), its train
     stack, and the Flow-GRPO track of `samples` (rollout 0) with fixed advantages."""
     from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
@@ -32,7 +32,7 @@ def _setup(replicate: int | None, samples: list[int]):
     torch.manual_seed(0)
     bundle = tiny_model_config(num_layers=2).build()
     stage = SD3Stage(bundle, replay_steps_per_forward=2)
-    fsdp = FSDPConfig(replicate=replicate) if replicate is not None else None
+    fsdp = FSDPConfig(replicate=replicate, offload_params=offload) if replicate is not None else None
     backend = TrainBackend(stage.module, LoRAConfig(rank=4, alpha=8), OptimConfig(lr=1e-2), 10, fsdp=fsdp)
     stage.module = backend.module
     stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(PER_RANK))
@@ -88,6 +88,23 @@ def _rank(rank: int, rdzv: str, path: str, out_dir: str) -> None:
         stack.train_track(track, 0.0)
         save_train_state(path, backend, rank)
         saved = _state(backend)
+        # FSDP2 parameter offload (CPUOffloadPolicy) on the same mesh: the same gradient and step
+        offloaded, off_stack, _ = _setup(2, mine, offload=True)
+        from torch.distributed.fsdp import FSDPModule
+
+        groups = [
+            g
+            for m in offloaded.module.modules()
+            if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups
+        ]
+        out["offload_policies"] = sorted({type(g.offload_policy).__name__ for g in groups})
+        out["compute_device"] = str(offloaded.module.compute_device)
+        out["grad_offload"] = _grad(offloaded, off_stack, track).tolist()
+        off_stack.train_track(track, 0.0)
+        out["offload_step_equal"] = all(
+            torch.equal(a, b) for a, b in zip(saved, _state(offloaded), strict=True)
+        )
         out["next_grad_2"] = _grad(backend, stack, track).tolist()
         for replicate in (1, 4):
             fresh, fresh_stack, _ = _setup(replicate, mine)
@@ -118,6 +135,10 @@ def test_hsdp_meshes_give_the_whole_batch_gradient_and_reshard_on_resume(tmp_pat
             got = torch.tensor(out[f"grad_{replicate}"])
             assert relative(got, reference) < 1e-5, (rank, replicate, relative(got, reference))
         assert out["resumed_equal_1"] and out["resumed_equal_4"], rank
+        assert out["offload_policies"] == ["CPUOffloadPolicy"] and out["compute_device"] == "cpu"
+        got = torch.tensor(out["grad_offload"])
+        assert relative(got, reference) < 1e-5, (rank, relative(got, reference))
+        assert out["offload_step_equal"], rank  # the same AdamW step, taken on the host shards
         want = torch.tensor(out["next_grad_2"])
         assert float(want.norm()) > 0
         for replicate in (1, 4):

@@ -35,7 +35,7 @@ from unirl.algorithms.kl_control import (
     velocity_scale,
 )
 from unirl.models.kept import KeptGraphs
-from unirl.models.stage import DiffusionStage
+from unirl.models.stage import DiffusionStage, module_device
 from unirl.types.constraints import Positive, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 
@@ -336,8 +336,7 @@ class FlowGRPO(StageAlgorithm):
         """Step an adaptive KL coefficient on the rollout's mean reference KL over all ranks."""
         if not (self.kl.adaptive and self.kl.value > 0):
             return {}
-        device = next(stage.module.parameters()).device
-        kl = mean_over_ranks(metrics["kl"], device)
+        kl = mean_over_ranks(metrics["kl"], module_device(stage.module))
         return {"kl/coef_next": self.kl.update(kl, num_samples)}
 
     def state_dict(self) -> dict[str, Any]:

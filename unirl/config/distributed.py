@@ -125,6 +125,12 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
             f"train.fsdp.replicate={fsdp.replicate} does not divide num_devices={run.num_devices}: HSDP's mesh "
             f"is replicate x (num_devices / replicate) ranks; valid values: {divisors}"
         )
+    if fsdp is not None and fsdp.offload_params and run.num_devices == 1:
+        problems.append(
+            "train.fsdp.offload_params=true with num_devices=1: FSDP2 shards (and offloads) the module over "
+            "two or more ranks only, so one rank would keep every parameter on its device; raise num_devices "
+            "or set it to false"
+        )
     if fsdp is not None and fsdp.sp > 1:
         check_sequence_parallel(cfg, passed, fsdp.sp, problems)
     if (

@@ -106,15 +106,18 @@ def process_group_backend(device: torch.device) -> str:
     return BACKENDS[device.type]
 
 
-def init_process_group(device: torch.device) -> None:
+def init_process_group(device: torch.device, host_collectives: bool = False) -> None:
     """Join the default process group (env:// rendezvous, see `Worker`) with the
-    backend of `device`, binding a CUDA device first so NCCL uses it."""
+    backend of `device`, binding a CUDA device first so NCCL uses it. `host_collectives`: on a
+    GPU, also gloo for collectives of host tensors (FSDP2 parameter offload keeps the gradient
+    shards there, and clipping reduces their norms: `cpu:gloo,cuda:nccl`)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(process_group_backend(device), device_id=device)
+        backend = process_group_backend(device)
+        dist.init_process_group(f"cpu:gloo,cuda:{backend}" if host_collectives else backend, device_id=device)
     else:
         dist.init_process_group(process_group_backend(device))

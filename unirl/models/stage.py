@@ -31,6 +31,14 @@ def autocast_dtype_of(name: str | None, key: str = "stage.autocast_dtype") -> to
     return AUTOCAST_DTYPES[name]
 
 
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device `module` computes on: the one FSDP2 parameter offload recorded
+    (`compute_device`, set by `unirl.train.fsdp.shard_module`: the parameters' shards then live in
+    host memory), else its parameters' device."""
+    device = getattr(module, "compute_device", None)
+    return device if device is not None else next(module.parameters()).device
+
 class ModuleDevice:
     """Mixin of a stage that calls one `module` (the train backend may replace it with its wrapped
     module): `device`, where that module's parameters live."""
@@ -39,7 +47,7 @@ class ModuleDevice:
 
     @property
     def device(self) -> torch.device:
-        return next(self.module.parameters()).device
+        return module_device(self.module)
 
 
 class ModuleOwner(ModuleDevice):

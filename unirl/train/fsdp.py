@@ -40,6 +40,15 @@ class FSDPConfig:
         sp: Ulysses sequence-parallel degree (`unirl.train.sequence_parallel`): groups of `sp`
             consecutive ranks share their samples and split each sample's tokens; 1: off. Must
             divide `num_devices` and the transformer's heads; FLUX.1, Wan and Qwen-Image only.
+        offload_params: FSDP2 parameter offload (`CPUOffloadPolicy`): the sharded parameters,
+            their gradients and the optimizer state (AdamW steps on the CPU) live in host memory
+            (pinned on a GPU); each unit's shards are copied to the device for its all-gather and
+            freed after. The device then holds the gathered units, activations and the frozen
+            modules. Module and stage `device` answer the device it computes on
+            (`compute_device`), and a GPU worker's process group gets a gloo backend for the
+            host tensors' collectives (gradient clipping). With one rank nothing is sharded, so
+            nothing is offloaded (refused before Ray); on a CPU worker it changes nothing but
+            runs FSDP2's offload path (the tests hold its math there).
     """
 
     block_classes: list[str] = field(default_factory=lambda: ["JointTransformerBlock"])
@@ -49,6 +58,7 @@ class FSDPConfig:
     activation_checkpointing: bool = False
     replicate: int = 1
     sp: int = 1
+    offload_params: bool = False
 
     def __post_init__(self) -> None:
         if self.sp < 1:
@@ -123,7 +133,7 @@ def shard_module(
     Requires an initialized default process group; the mesh spans all its ranks.
     """
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     missing = unmatched_block_classes(module, cfg.block_classes)
     if missing:
@@ -143,8 +153,17 @@ def shard_module(
         param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype]
     )
     units = [submodule_named(module, name) for name in roots] or [module]
+    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if cfg.offload_params else OffloadPolicy()
+    if cfg.offload_params:  # the parameters will report the host: say where the module computes
+        module.compute_device = next(module.parameters()).device
     for unit in [*blocks, *units]:
-        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(
+            unit,
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=cfg.reshard_after_forward,
+            offload_policy=offload,
+        )
     if roots:
         from torch.distributed.tensor import DTensor
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from unirl.algorithms.base import StageAlgorithm
 from unirl.models.kept import KeptGraphs
+from unirl.models.stage import module_device
 from unirl.train.backend import TrainBackend
 from unirl.types.batch import even_chunks
 from unirl.types.rollout_resp import RolloutTrack
@@ -135,7 +136,7 @@ class TrainStack:
                 f"{config.num_mini_batches} but {type(algorithm).__name__} does not support multiple updates "
                 "per rollout"
             )
-        device = next(stage.module.parameters()).device if config.offload_activations else None
+        device = module_device(stage.module) if config.offload_activations else None
         if device is not None and device.type != "cuda":
             raise ValueError(
                 f"train.stack.offload_activations needs a GPU worker; this one computes on {device}, where "
@@ -187,7 +188,7 @@ class TrainStack:
         size (all-reduced over data-parallel ranks). A micro-batch loss normalised by
         them sums, over micro-batches and then averaged over ranks by the gradient
         reduction, to the exact global token- or sequence-mean whatever the split."""
-        device = next(self.stage.module.parameters()).device
+        device = module_device(self.stage.module)
         totals = torch.tensor(
             [float(segment.response_lengths.sum()), float(len(segment))], dtype=torch.float64, device=device
         )
@@ -260,7 +261,7 @@ class TrainStack:
             kept = None
         if offered and dist.is_initialized() and dist.get_world_size() > 1:
             layout = kept.layout(track.sample_ids, track.segment.sde_indices) if kept is not None else -1
-            device = next(self.stage.module.parameters()).device
+            device = module_device(self.stage.module)
             if not same_on_every_rank(layout, device):
                 kept = None
         micro, ctx = self.prepare(track, progress, kept)

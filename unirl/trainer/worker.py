@@ -65,6 +65,12 @@ def build(node: Any, **kwargs: Any) -> Any:
     return None if node is None else instantiate(node, _convert_="all", **kwargs)
 
 
+
+def offloads_parameters(cfg: dict[str, Any]) -> bool:
+    """True when the recipe's `train.fsdp` (or a track's) offloads parameters to host memory."""
+    trains = [cfg.get("train")] + [t.get("train") for t in (cfg.get("tracks") or {}).values()]
+    return any(bool(((t or {}).get("fsdp") or {}).get("offload_params", False)) for t in trains)
+
 class ProcessWorker(Worker):
     """What every train worker process answers, whatever it trains: where it runs, its peak
     memory, its data-plane counters, the weight sync that feeds dedicated engines, and an orderly
@@ -88,7 +94,7 @@ class ProcessWorker(Worker):
         self.device = resolve_device(device)
         self.sync_senders: dict[str | None, WeightSyncSender] = {}  # by track (None: the run's one)
         if self.rank_info.world_size > 1:
-            init_process_group(self.device)
+            init_process_group(self.device, host_collectives=offloads_parameters(cfg))
 
     def sync_source(self, track: str | None) -> tuple[TrainBackend, bool]:
         """The backend whose weights a sync of `track` sends (None: a single-track run's) and

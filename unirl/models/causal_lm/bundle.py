@@ -37,6 +37,7 @@ from unirl.models.source import (
     missing_directory_problems,
     read_checkpoint_meta,
 )
+from unirl.models.stage import module_device
 from unirl.types.constraints import AtLeastOne, check_fields
 
 _ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -276,7 +277,7 @@ class CausalLMBundle:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return module_device(self.model)
 
     def to(self, device: str | torch.device) -> CausalLMBundle:
         """Move the model to `device`; returns self."""

@@ -24,6 +24,7 @@ import torch
 
 from unirl.models.flow.guidance import NEGATIVE
 from unirl.models.flow.loading import write_diffusers_weights
+from unirl.models.stage import module_device
 
 __all__ = ["NEGATIVE", "DiffusersBundle", "FlowFamily", "FlowModelConfig", "training_guidance"]
 
@@ -233,8 +234,8 @@ class DiffusersBundle:
 
     @property
     def device(self) -> torch.device:
-        """Where the denoiser's parameters live (the bundle is moved as a whole by `to`)."""
-        return next(self.transformer.parameters()).device
+        """Where the denoiser computes (the bundle is moved as a whole by `to`; `module_device`)."""
+        return module_device(self.transformer)
 
     def to(self, device: str | torch.device | torch.dtype):
         """Move (or cast) every module of the bundle (denoiser, text encoders, VAE) to `device`
