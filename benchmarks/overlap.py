@@ -9,6 +9,8 @@ device of its own (placement separate), one torch thread each. Side by side, in 
   waits while the other computes);
 - `overlapped`: `rollout.max_staleness=1`: step n+1's rollout runs on the engine, with the
   weights one version behind, while step n trains;
+- `stale_2`: `rollout.max_staleness=2`: steps n+1 and n+2 are sampled on weights n while steps
+  n and n+1 train (a sync every second step);
 - `trainside` (context): the same model work sampled by the train worker itself, one worker with
   one thread (`diffusion/tiny_sd3_flowgrpo`): no second process, nothing to sync.
 
@@ -49,6 +51,7 @@ SEPARATE = "diffusion/tiny_sd3_dedicated_separate"
 CONFIGS = {
     "sequential": (SEPARATE, ["rollout.max_staleness=0"]),
     "overlapped": (SEPARATE, ["rollout.max_staleness=1"]),
+    "stale_2": (SEPARATE, ["rollout.max_staleness=2"]),
     "trainside": ("diffusion/tiny_sd3_flowgrpo", ["threads_per_worker=1"]),
 }
 WARMUP = 2
@@ -114,6 +117,7 @@ def main() -> None:
             "bench": "overlap",
             "summary": "overlapped / sequential step time (goal <= 0.75)",
             "ratio": by["overlapped"]["step_s"] / by["sequential"]["step_s"],
+            "stale_2_over_sequential": by["stale_2"]["step_s"] / by["sequential"]["step_s"],
             "trainside_over_sequential": by["trainside"]["step_s"] / by["sequential"]["step_s"],
         }
     )

@@ -143,7 +143,7 @@ def test_sampling_needs_synced_weights_and_an_awake_engine() -> None:
         ({"placement": "nearby"}, "rollout.placement"),
         ({"sleep_level": 4}, "rollout.sleep_level"),
         ({"num_engines": 0}, "rollout.num_engines"),
-        ({"max_staleness": 2}, "rollout.max_staleness"),
+        ({"max_staleness": -1}, "rollout.max_staleness"),
         ({"forward_batch_size": 0}, "rollout.forward_batch_size"),
     ],
 )
