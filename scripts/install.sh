@@ -17,9 +17,6 @@ if [ "${INSTALL_CHROMIUM:-0}" = 1 ] && ! command -v chromium >/dev/null; then
 fi
 python3 -m venv .venv
 . .venv/bin/activate
-# no bytecode compiled at install (about 29,000 files, 1-2 min on 2 cores): Python compiles what a
-# process imports on first use and keeps it
-export PIP_NO_COMPILE=1
 python -m pip install -q --upgrade pip
 if [ -n "$TORCH_SPEC" ]; then pip install -q "$TORCH_SPEC"; fi
 # VLLM=cpu (the default) also installs vLLM's CPU build, the rollout engine of the *_vllm recipes:
