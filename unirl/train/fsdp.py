@@ -154,8 +154,10 @@ def shard_module(
     )
     units = [submodule_named(module, name) for name in roots] or [module]
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if cfg.offload_params else OffloadPolicy()
-    if cfg.offload_params:  # the parameters will report the host: say where the module computes
-        module.compute_device = next(module.parameters()).device
+    if cfg.offload_params:  # the parameters will report the host: say where every part computes
+        device = next(module.parameters()).device
+        for sub in module.modules():  # a bundle may hold a part (an expert) rather than the root
+            sub.compute_device = device
     for unit in [*blocks, *units]:
         fully_shard(
             unit,
