@@ -96,7 +96,6 @@ def labelled(what: str, name: str | None) -> str:
     return what if name is None else f"{what} ({name})"
 
 
-
 @dataclasses.dataclass
 class AheadRollout:
     """A later step's rollout, submitted while an earlier step trains (`rollout.max_staleness`):
@@ -106,6 +105,7 @@ class AheadRollout:
     step: int
     flight: InFlightRollout
     source_state: dict[str, Any]
+
 
 class Trainer:
     """Runs the recipe `cfg` (already validated) up to `cfg.num_steps`.
