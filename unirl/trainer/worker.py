@@ -65,11 +65,11 @@ def build(node: Any, **kwargs: Any) -> Any:
     return None if node is None else instantiate(node, _convert_="all", **kwargs)
 
 
-
 def offloads_parameters(cfg: dict[str, Any]) -> bool:
     """True when the recipe's `train.fsdp` (or a track's) offloads parameters to host memory."""
     trains = [cfg.get("train")] + [t.get("train") for t in (cfg.get("tracks") or {}).values()]
     return any(bool(((t or {}).get("fsdp") or {}).get("offload_params", False)) for t in trains)
+
 
 class ProcessWorker(Worker):
     """What every train worker process answers, whatever it trains: where it runs, its peak
