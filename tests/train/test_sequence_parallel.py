@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism (`train.fsdp.sp`, diffusers' context parallelism) under FSDP2 on 4
-gloo ranks, 2 x 2 (two sample groups of two ranks) and 1 x 4: a tiny FLUX.1's rollout log-probs
-and its update's LoRA gradient equal the unsharded single-process ones (1e-5) (issue 45, item 2)."""
+gloo ranks, 2 x 2 (two sample groups of two ranks) and 1 x 4: a tiny FLUX.1's and a tiny SD3.5's
+(SD3's own plan and processor, `unirl.models.sd3.attention`) rollout log-probs and update's LoRA
+gradient equal the unsharded single-process ones (1e-5) (issue 45, item 2)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,17 @@ SAMPLES = 8
 MESHES = (2, 4)  # sp: 2 groups x 2 ranks, 1 group x 4 ranks
 
 
-def _setup(sp: int | None, samples: list[int]):
-    """A tiny pixel-space FLUX.1 (4 heads; 64 image and 8 text tokens) with LoRA, under FSDP2 with
-    Ulysses degree `sp` (None: one process, unsharded), its Flow-GRPO train stack, and the track of
-    `samples` (rollout 0, the same noise for a sample on any rank) with fixed advantages."""
+FAMILIES = ("flux", "sd3")
+
+
+def _setup(family: str, sp: int | None, samples: list[int]):
+    """A tiny pixel-space FLUX.1 (4 heads; 64 image and 8 text tokens) or SD3.5 (4 heads, RMS
+    q/k norms, a dual-attention first block, a last block that only reads the text; 64 image and
+    9 text tokens, which no degree divides) with LoRA, under FSDP2 with Ulysses degree `sp` (None:
+    one process, unsharded), its Flow-GRPO train stack, and the track of `samples` (rollout 0,
+    the same noise for a sample on any rank) with fixed advantages."""
     from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
-    from unirl.models.flux import FluxModelConfig, FluxStage, TinyFluxConfig
+    from unirl.models.flow.stage import FlowMatchingStage
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
     from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
@@ -31,25 +37,34 @@ def _setup(sp: int | None, samples: list[int]):
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
     torch.manual_seed(0)
-    tiny = TinyFluxConfig(
-        resolution=16, num_attention_heads=4, attention_head_dim=16, clip_max_length=8, seed=0
-    )
-    bundle = FluxModelConfig(tiny=tiny).build()
-    stage = FluxStage(bundle, replay_steps_per_forward=2)
-    fsdp = (
-        FSDPConfig(block_classes=["FluxTransformerBlock", "FluxSingleTransformerBlock"], sp=sp)
-        if sp
-        else None
-    )
-    lora = LoRAConfig(
-        rank=4, alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "proj_out"]
-    )
+    if family == "flux":
+        from unirl.models.flux import FluxModelConfig, TinyFluxConfig
+
+        tiny = TinyFluxConfig(
+            resolution=16, num_attention_heads=4, attention_head_dim=16, clip_max_length=8, seed=0
+        )
+        bundle = FluxModelConfig(tiny=tiny).build()
+        blocks, guidance, text = ["FluxTransformerBlock", "FluxSingleTransformerBlock"], 3.5, 8
+        targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "proj_out"]
+    else:
+        from unirl.models.sd3 import SD3ModelConfig, TinySD3Config
+
+        tiny = TinySD3Config(
+            resolution=16, num_attention_heads=4, attention_head_dim=16, clip_max_length=5,
+            qk_norm="rms_norm", dual_attention_layers=[0], seed=0,
+        )  # fmt: skip
+        bundle = SD3ModelConfig(tiny=tiny).build()
+        blocks, guidance, text = ["JointTransformerBlock"], 3.0, 4
+        targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "to_add_out", "proj_out"]
+    stage = FlowMatchingStage(bundle, replay_steps_per_forward=2)
+    fsdp = FSDPConfig(block_classes=blocks, sp=sp) if sp else None
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=targets)
     backend = TrainBackend(stage.module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True)
     stage.module = backend.module
     stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(4))
     sp_params = DiffusionSamplingParams(
-        num_steps=4, samples_per_prompt=4, height=16, width=16, guidance_scale=3.5, eta=0.7,
-        max_sequence_length=8, sde_scheduler="all",
+        num_steps=4, samples_per_prompt=4, height=16, width=16, guidance_scale=guidance, eta=0.7,
+        max_sequence_length=text, sde_scheduler="all",
     )  # fmt: skip
     sigmas = sigmas_for(sp_params, bundle.image_seq_len(16, 16))
     prompts = [PromptExample("a red square", "0"), PromptExample("a blue dot", "1")]
@@ -78,13 +93,13 @@ def _rank(rank: int, rdzv: str, out_dir: str) -> None:
     join_gloo(rank, WORLD, rdzv)
     try:
         out = {}
-        for sp in MESHES:
+        for family, sp in [(f, sp) for f in FAMILIES for sp in MESHES]:
             groups = WORLD // sp
             per = SAMPLES // groups
             group = rank // sp
             samples = list(range(group * per, group * per + per))
-            backend, stack, track = _setup(sp, samples)
-            out[sp] = {
+            backend, stack, track = _setup(family, sp, samples)
+            out[family, sp] = {
                 "samples": samples,
                 "log_probs": track.segment.log_probs.tolist(),
                 "grad": _grad(backend, stack, track).tolist(),
@@ -95,21 +110,24 @@ def _rank(rank: int, rdzv: str, out_dir: str) -> None:
 
 
 def test_ulysses_sequence_parallel_matches_unsharded_training(tmp_path):
-    backend, stack, track = _setup(None, list(range(SAMPLES)))
-    reference = _grad(backend, stack, track)
-    log_probs = track.segment.log_probs
-    assert float(reference.norm()) > 0
+    reference = {}
+    for family in FAMILIES:
+        backend, stack, track = _setup(family, None, list(range(SAMPLES)))
+        reference[family] = (track.segment.log_probs, _grad(backend, stack, track))
+        assert float(reference[family][1].norm()) > 0
     spawn_ranks(_rank, (str(tmp_path), str(tmp_path)), WORLD)  # a failed rank raises here
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
     for rank, out in results.items():
-        for sp in MESHES:
-            got = out[sp]
-            torch.testing.assert_close(
-                torch.tensor(got["log_probs"]), log_probs[got["samples"]], rtol=0, atol=1e-5
-            )
-            grad = torch.tensor(got["grad"])
-            rel = float((grad - reference).norm() / reference.norm())
-            assert rel < 1e-5, (rank, sp, rel)
+        for family in FAMILIES:
+            log_probs, ref_grad = reference[family]
+            for sp in MESHES:
+                got = out[family, sp]
+                torch.testing.assert_close(
+                    torch.tensor(got["log_probs"]), log_probs[got["samples"]], rtol=0, atol=1e-5
+                )
+                grad = torch.tensor(got["grad"])
+                rel = float((grad - ref_grad).norm() / ref_grad.norm())
+                assert rel < 1e-5, (rank, family, sp, rel)
 
 
 FLUX_SMALL = [
@@ -182,12 +200,38 @@ def test_bad_sequence_parallel_settings_are_refused_before_ray(overrides, messag
         validate_recipe(cfg, expect="diffusion")
 
 
-def test_sd3_has_no_context_parallel_plan():
-    from tests.conftest import tiny_model_config
-    from unirl.train.sequence_parallel import cp_plan_problem
+def test_a_transformer_without_a_plan_is_refused_and_sd3_has_its_own():
+    from diffusers import SD3Transformer2DModel
 
-    problem = cp_plan_problem(tiny_model_config().build().denoiser, 2)
+    from tests.conftest import tiny_model_config
+    from unirl.models.sd3.attention import UlyssesJointAttnProcessor
+    from unirl.train.sequence_parallel import cp_plan_problem, splits_text_tokens
+
+    sd3 = tiny_model_config().build().denoiser
+    assert cp_plan_problem(sd3, 2) is None and not splits_text_tokens(sd3)
+    assert {type(p) for p in sd3.attn_processors.values()} == {UlyssesJointAttnProcessor}
+    with torch.device("meta"):
+        bare = SD3Transformer2DModel(num_layers=1, attention_head_dim=8, num_attention_heads=2)
+    problem = cp_plan_problem(bare, 2)
     assert problem.startswith("train.fsdp.sp=2: SD3Transformer2DModel has no context-parallel plan")
+
+
+def test_sd3_processor_without_a_parallel_config_is_diffusers_bit_for_bit():
+    """The processor every SD3 bundle now carries samples exactly as diffusers' own: the same
+    velocity from the same weights with `JointAttnProcessor2_0` put back."""
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    from unirl.models.sd3 import SD3ModelConfig, TinySD3Config
+
+    tiny = TinySD3Config(resolution=16, qk_norm="rms_norm", dual_attention_layers=[0], clip_max_length=5)
+    bundle = SD3ModelConfig(tiny=tiny).build()
+    cond = bundle.encode_text(["a red square"], guided=False, max_sequence_length=4)
+    x, sigma = torch.randn(1, 3, 16, 16), torch.tensor([0.7])
+    with torch.no_grad():
+        ours = bundle.predict(bundle.transformer, x, sigma, cond)
+        bundle.transformer.set_attn_processor(JointAttnProcessor2_0())
+        theirs = bundle.predict(bundle.transformer, x, sigma, cond)
+    assert torch.equal(ours, theirs)
 
 
 def _family_setup(family: str, sp: int | None):
@@ -264,3 +308,19 @@ def test_wan_and_qwen_image_under_sp_2_match_unsharded(tmp_path):
             assert float(grad.norm()) > 0
             rel = float((got[family][1] - grad).norm() / grad.norm())
             assert rel < 1e-5, (rank, family, rel)
+
+
+def test_sd3_under_sp_keeps_its_text_whole_so_any_text_length_validates(tmp_path):
+    """SD3's plan splits only the image tokens: a T5 budget no degree divides passes; its heads
+    and image tokens are still checked."""
+    from tests.recipes import composed
+    from unirl.config.validate import ConfigError, validate_recipe
+
+    sd3 = ["num_steps=2", "launcher=ray", "num_devices=2", "+train.fsdp.sp=2"]
+    validate_recipe(
+        composed("diffusion/tiny_sd3_flowgrpo", tmp_path, *sd3, "sampling.max_sequence_length=7"),
+        expect="diffusion",
+    )
+    heads = composed("diffusion/tiny_sd3_flowgrpo", tmp_path, *sd3, "model.tiny.num_attention_heads=3")
+    with pytest.raises(ConfigError, match=re.escape("does not divide the transformer's 3 attention heads")):
+        validate_recipe(heads, expect="diffusion")

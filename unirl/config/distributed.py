@@ -91,7 +91,7 @@ def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, pr
         problems.append(f"train.fsdp.sp={sp} with a critic is not supported")
     if sampling is not None and model is not None and hasattr(model, "build"):
         text = getattr(sampling, "max_sequence_length", None)
-        if text is not None and text % sp:
+        if text is not None and text % sp and text_tokens_split(model):
             problems.append(
                 f"train.fsdp.sp={sp} does not divide sampling.max_sequence_length={text}: the text tokens split "
                 "into sp shards (pad the prompts to a multiple of sp)"
@@ -108,6 +108,21 @@ def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, pr
                 f"train.fsdp.sp={sp} does not divide the {tokens} image tokens of sampling.height x width: "
                 "choose a size whose token grid splits into sp shards"
             )
+
+
+def text_tokens_split(model: Any) -> bool:
+    """Whether the trained module's sequence-parallel plan splits the text tokens (FLUX.1,
+    Qwen-Image) rather than keeping them whole on every rank (SD3, Wan); True when the tree cannot
+    be read (the module-tree check reports that)."""
+    if not hasattr(model, "trainable_on_meta"):
+        return True
+    from unirl.train.sequence_parallel import planned_parts, splits_text_tokens
+
+    try:
+        tree = meta_module(model)
+    except Exception:  # noqa: BLE001 - an unreadable model config is check_module_tree's report
+        return True
+    return splits_text_tokens(tree) or not planned_parts(tree)
 
 
 def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:

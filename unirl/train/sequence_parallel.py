@@ -13,9 +13,14 @@ scales every loss by P (`TrainBackend.loss_multiplier`; FSDP2's own divide facto
 PREMUL_SUM reduction, which gloo lacks): the update is the mean over groups of the sum over each
 group, the whole-batch gradient of unsharded training (`tests/train/test_sequence_parallel.py`).
 
+A family whose diffusers class has no plan may give its transformer one, with attention processors
+that take the same `_parallel_config` (SD3: `unirl.models.sd3.attention`, which splits only the
+image tokens and shards the text by heads inside attention). A plan may leave the text tokens
+whole (SD3, Wan's cross-attention); `splits_text_tokens` says whether it splits them.
+
 Works on any device the process group runs on (gloo on CPU, NCCL on GPUs): diffusers'
 `enable_parallelism` resolves an accelerator, so the plan is applied here with a CPU-capable mesh.
-Families whose transformer has no `_cp_plan` (SD3) cannot use it: `cp_plan_problem` says so.
+A transformer without a plan cannot use it: `cp_plan_problem` says so.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def cp_plan_problem(module: torch.nn.Module, sp: int) -> str | None:
     if not parts:
         return (
             f"train.fsdp.sp={sp}: {type(module).__name__} has no context-parallel plan in diffusers "
-            "(`_cp_plan`); sequence parallelism runs on FLUX.1, Wan and Qwen-Image transformers"
+            "(`_cp_plan`); sequence parallelism runs on SD3, FLUX.1, Wan and Qwen-Image transformers"
         )
     for part in parts:
         heads = getattr(getattr(part, "config", None), "num_attention_heads", None)
@@ -58,6 +63,16 @@ def cp_plan_problem(module: torch.nn.Module, sp: int) -> str | None:
                 f"valid values (also dividing num_devices): {valid}"
             )
     return None
+
+
+def splits_text_tokens(module: torch.nn.Module) -> bool:
+    """Whether the context-parallel plan of `module` (or of its planned parts) splits the text
+    tokens (`encoder_hidden_states`) into shards, so their count must divide by the degree."""
+    for part in planned_parts(module):
+        for entry in part._cp_plan.values():
+            if isinstance(entry, dict) and "encoder_hidden_states" in entry:
+                return True
+    return False
 
 
 def sp_mesh(device_type: str, world: int, sp: int):

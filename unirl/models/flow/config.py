@@ -30,7 +30,9 @@ class FamilySpec:
         name: the family in the source error ("a local FLUX.1 directory").
         modeling: the module holding the bundle class `bundle` (`from_pretrained(path, dtype=,
             **options)`, `tiny(tiny, **options)`), `tiny_transformer(tiny)` (the tiny denoiser)
-            and `load_checkpoint(path, **options)`; named, not imported, by the config.
+            and `load_checkpoint(path, **options)`, and optionally `prepare_transformer(module)`
+            (what the bundle sets on every denoiser it builds, such as SD3's sequence-parallel
+            plan); named, not imported, by the config.
         bundle: the bundle class's name in `modeling`.
         transformer: the diffusers class of the denoiser (`trainable_on_meta` reads its config
             from `transformer/` of a directory).
@@ -82,11 +84,13 @@ class FlowFamilyConfig:
         """The denoiser's module tree on the meta device (no weights read)."""
         import diffusers
 
-        return transformer_on_meta(
+        module = transformer_on_meta(
             getattr(diffusers, self.SPEC.transformer),
             self.pretrained_path,
             lambda: self.modeling().tiny_transformer(self.tiny),
         )
+        prepare = getattr(self.modeling(), "prepare_transformer", None)
+        return prepare(module) if prepare is not None else module
 
     def directory_problems(self) -> list[str]:
         """`pretrained_path`, when set, is a directory whose `model_index.json` names `SPEC.pipeline`."""

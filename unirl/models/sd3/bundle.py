@@ -40,6 +40,7 @@ from unirl.models.flow.loading import (
     tiny_clip_t5_text,
     vae_pixels,
 )
+from unirl.models.sd3.attention import prepare_transformer
 from unirl.models.sd3.config import TinySD3Config
 
 
@@ -49,7 +50,8 @@ class SD3Bundle(DiffusersBundle, ClassifierFreeGuidance):
     Attributes:
         pipeline: a `StableDiffusion3Pipeline` (vae may be None in pixel space);
             its `encode_prompt` is the prompt encoder of record.
-        transformer: the `SD3Transformer2DModel` (the trainable module).
+        transformer: the `SD3Transformer2DModel` (the trainable module), with the Ulysses plan
+            and attention processor of `unirl.models.sd3.attention` (inactive until applied).
         vae: `AutoencoderKL` or None (pixel space).
         latent_channels, vae_scale_factor, patch_size: geometry of the latent grid.
         cond_keys: `encode_text`'s conditioning keys (`FlowFamily.cond_keys`).
@@ -61,7 +63,7 @@ class SD3Bundle(DiffusersBundle, ClassifierFreeGuidance):
 
     def __init__(self, pipeline: StableDiffusion3Pipeline) -> None:
         self.pipeline = pipeline
-        self.transformer: SD3Transformer2DModel = pipeline.transformer
+        self.transformer: SD3Transformer2DModel = prepare_transformer(pipeline.transformer)
         self.vae: AutoencoderKL | None = pipeline.vae
         self.latent_channels = self.transformer.config.in_channels
         self.patch_size = self.transformer.config.patch_size

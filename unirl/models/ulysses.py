@@ -1,0 +1,78 @@
+"""Ulysses all-to-alls with their backward, for an attention processor a family writes itself
+(diffusers' own processors get them inside `dispatch_attention_fn` from the context-parallel plan;
+`unirl.train.sequence_parallel` applies that plan).
+
+Tensors are [B, S, H, D]: batch, tokens, heads, head dim. `group` is one sequence-parallel group of
+P ranks; rank i of the group holds the i-th of P equal token shards before attention and the i-th
+of P equal head shards inside it. Every function is differentiable: its backward is the adjoint
+collective, so gradients reach the rank and the shard that produced each value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split `x` into P chunks along `scatter_dim`, send chunk j to rank j, and join the P chunks
+    received (in rank order) along `gather_dim`."""
+    parts = dist.get_world_size(group)
+    send = torch.stack(x.chunk(parts, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+class _GatherHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # every rank's copy of the whole tensor fed its own loss terms: the gradient of rank i's
+        # head shard is the sum over the group of what each copy received there
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        own = total.chunk(dist.get_world_size(ctx.group), dim=2)[dist.get_rank(ctx.group)]
+        return own.contiguous(), None
+
+
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S/P, H, D] (this rank's tokens, every head) -> [B, S, H/P, D] (every token, this rank's
+    heads). H must divide by P."""
+    return _AllToAll.apply(x, group, 2, 1)
+
+
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of `seq_to_heads`: [B, S, H/P, D] -> [B, S/P, H, D]. S must divide by P."""
+    return _AllToAll.apply(x, group, 1, 2)
+
+
+def own_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's head shard [B, T, H/P, D] of a tensor every rank of the group holds whole
+    [B, T, H, D] (tokens not split: a text sequence no degree divides)."""
+    parts, rank = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(parts, dim=2)[rank]
+
+
+def gather_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """The group's head shards joined [B, T, H/P, D] -> [B, T, H, D] on every rank (the whole
+    tensor again after `own_heads`); backward sums the copies' gradients."""
+    return _GatherHeads.apply(x, group)
