@@ -1,7 +1,8 @@
-"""Ulysses sequence parallelism (`train.fsdp.sp`, diffusers' context parallelism) under FSDP2 on 4
-gloo ranks, 2 x 2 (two sample groups of two ranks) and 1 x 4: a tiny FLUX.1's and a tiny SD3.5's
-(SD3's own plan and processor, `unirl.models.sd3.attention`) rollout log-probs and update's LoRA
-gradient equal the unsharded single-process ones (1e-5) (issue 45, item 2)."""
+"""Ulysses sequence parallelism (`train.fsdp.sp`) under FSDP2 on 4 gloo ranks, 2 x 2 (two sample
+groups of two ranks) and 1 x 4: a tiny FLUX.1's (diffusers' context parallelism), a tiny SD3.5's
+(SD3's own plan and processor, `unirl.models.sd3.attention`) and a tiny Qwen3's (token-sharded
+replay, `unirl.models.causal_lm.ulysses`) rollout log-probs and update's LoRA gradient equal the
+unsharded single-process ones (1e-5) (issue 45, item 2)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ SAMPLES = 8
 MESHES = (2, 4)  # sp: 2 groups x 2 ranks, 1 group x 4 ranks
 
 
-FAMILIES = ("flux", "sd3")
+FAMILIES = ("flux", "sd3", "lm")
 
 
 def _setup(family: str, sp: int | None, samples: list[int]):
@@ -37,6 +38,8 @@ def _setup(family: str, sp: int | None, samples: list[int]):
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
     torch.manual_seed(0)
+    if family == "lm":
+        return _lm_setup(sp, samples)
     if family == "flux":
         from unirl.models.flux import FluxModelConfig, TinyFluxConfig
 
@@ -74,6 +77,39 @@ def _setup(family: str, sp: int | None, samples: list[int]):
     return backend, stack, track
 
 
+def _lm_setup(sp: int | None, samples: list[int]):
+    """A tiny Qwen3 (4 query heads, 2 key / value heads: at sp=4 they are repeated) with LoRA,
+    its GRPO stack, and the track of `samples` of 4 prompts of different lengths x 2 samples
+    (responses of different lengths, rows right-padded): replay shards the rows' tokens."""
+    from unirl.algorithms.grpo import GRPO, GRPOConfig
+    from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig
+    from unirl.rollout.trainside import TrainsideEngine
+    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
+    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.stack import TrainStack, TrainStackConfig
+    from unirl.types import PromptExample, RolloutReq, TextSamplingParams
+
+    stage = CausalLMStage(CausalLMConfig(tiny=TinyLMConfig(num_layers=2)).build())
+    fsdp = FSDPConfig(block_classes=["Qwen3DecoderLayer"], sp=sp) if sp else None
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    backend = TrainBackend(stage.module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True)
+    stage.module = backend.module
+    stack = TrainStack(stage, backend, GRPO(GRPOConfig()), TrainStackConfig(2))
+    params = TextSamplingParams(samples_per_prompt=2, max_new_tokens=7, temperature=1.0)
+    words = ["Hi", "Name a colour.", "What is 2 + 2? Be brief.", "Count: one two three four"]
+    prompts = [PromptExample(w, str(i)) for i, w in enumerate(words)]
+    req = RolloutReq.from_prompts(prompts, params, None, 0).select(samples)
+    track = TrainsideEngine(stage, forward_batch_size=4).generate(req).track("text")
+    track.advantages = torch.linspace(-1.0, 1.0, SAMPLES)[samples]
+    return backend, stack, track
+
+
+def _rows(log_probs) -> list[torch.Tensor]:
+    """A segment's rollout log-probs per sample: rows of a [B, K] tensor (diffusion) or the
+    list of [R_i] (text)."""
+    return [row.detach().clone() for row in log_probs]
+
+
 def _grad(backend, stack, track) -> torch.Tensor:
     backend.zero_grad()
     micro, ctx = stack.prepare(track, 0.0)
@@ -101,7 +137,7 @@ def _rank(rank: int, rdzv: str, out_dir: str) -> None:
             backend, stack, track = _setup(family, sp, samples)
             out[family, sp] = {
                 "samples": samples,
-                "log_probs": track.segment.log_probs.tolist(),
+                "log_probs": _rows(track.segment.log_probs),
                 "grad": _grad(backend, stack, track).tolist(),
             }
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -113,7 +149,7 @@ def test_ulysses_sequence_parallel_matches_unsharded_training(tmp_path):
     reference = {}
     for family in FAMILIES:
         backend, stack, track = _setup(family, None, list(range(SAMPLES)))
-        reference[family] = (track.segment.log_probs, _grad(backend, stack, track))
+        reference[family] = (_rows(track.segment.log_probs), _grad(backend, stack, track))
         assert float(reference[family][1].norm()) > 0
     spawn_ranks(_rank, (str(tmp_path), str(tmp_path)), WORLD)  # a failed rank raises here
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
@@ -122,9 +158,8 @@ def test_ulysses_sequence_parallel_matches_unsharded_training(tmp_path):
             log_probs, ref_grad = reference[family]
             for sp in MESHES:
                 got = out[family, sp]
-                torch.testing.assert_close(
-                    torch.tensor(got["log_probs"]), log_probs[got["samples"]], rtol=0, atol=1e-5
-                )
+                for sample, row in zip(got["samples"], got["log_probs"], strict=True):
+                    torch.testing.assert_close(row, log_probs[sample], rtol=0, atol=1e-5)
                 grad = torch.tensor(got["grad"])
                 rel = float((grad - ref_grad).norm() / ref_grad.norm())
                 assert rel < 1e-5, (rank, family, sp, rel)
@@ -156,6 +191,26 @@ def test_a_flux_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster
     assert steps[0]["reward/mean"] == pytest.approx(ref[0]["reward/mean"], abs=1e-4)
     assert steps[0]["ratio/first_update_mean"] == pytest.approx(1.0, abs=1e-5)
     assert steps[1]["reward/mean"] == pytest.approx(ref[1]["reward/mean"], abs=1e-3)
+
+
+@pytest.mark.ray
+def test_a_text_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster, tmp_path):
+    """`llm/tiny_lm_grpo` with `train.fsdp.sp=2` on 2 Ray workers (one sample shard whose replay
+    splits each row's tokens over both) samples what one in-process worker samples and trains the
+    same way: the same step-1 rewards, the on-policy ratio 1, the same step-2 rewards."""
+    from tests.recipes import IN_PROCESS
+    from tests.recipes import run as run_recipe
+
+    small = ["num_steps=2", "threads_per_worker=1"]
+    one = run_recipe("llm/tiny_lm_grpo", tmp_path / "one", *small, *IN_PROCESS)
+    sp = run_recipe("llm/tiny_lm_grpo", tmp_path / "sp", *small, "num_devices=2", "+train.fsdp.sp=2")
+    steps = [r for r in sp if "reward/mean" in r]
+    ref = [r for r in one if "reward/mean" in r]
+    assert len(steps) == len(ref) == 2
+    assert steps[0]["reward/mean"] == pytest.approx(ref[0]["reward/mean"], abs=1e-6)
+    assert steps[0]["ratio/first_update_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert steps[1]["reward/mean"] == pytest.approx(ref[1]["reward/mean"], abs=1e-6)
+    assert steps[0]["train/grad_norm"] == pytest.approx(ref[0]["train/grad_norm"], rel=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -324,3 +379,18 @@ def test_sd3_under_sp_keeps_its_text_whole_so_any_text_length_validates(tmp_path
     heads = composed("diffusion/tiny_sd3_flowgrpo", tmp_path, *sd3, "model.tiny.num_attention_heads=3")
     with pytest.raises(ConfigError, match=re.escape("does not divide the transformer's 3 attention heads")):
         validate_recipe(heads, expect="diffusion")
+
+
+def test_a_text_only_causal_lm_takes_sp_and_a_vision_language_model_is_refused():
+    from unirl.models.causal_lm import CausalLMConfig, TinyLMConfig, VLMConfig
+    from unirl.models.causal_lm.vision import TinyVLMConfig
+    from unirl.train.sequence_parallel import cp_plan_problem
+
+    lm = CausalLMConfig(tiny=TinyLMConfig(num_attention_heads=4, num_key_value_heads=2)).trainable_on_meta()
+    assert cp_plan_problem(lm, 4) is None  # key / value heads repeated to the query heads
+    assert cp_plan_problem(lm, 3) == (
+        "train.fsdp.sp=3 does not divide the transformer's 4 attention heads; valid values (also dividing "
+        "num_devices): [1, 2, 4]"
+    )
+    vlm = VLMConfig(tiny=TinyVLMConfig()).trainable_on_meta()
+    assert "is a vision-language model (set train.fsdp.sp=1)" in cp_plan_problem(vlm, 2)

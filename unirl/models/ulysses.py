@@ -54,6 +54,22 @@ class _GatherHeads(torch.autograd.Function):
         return own.contiguous(), None
 
 
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # every rank computes the same loss from the whole tensor: each back-propagates its own
+        # tokens' share, and the group's gradients sum to the whole one
+        own = grad.chunk(dist.get_world_size(ctx.group), dim=1)[dist.get_rank(ctx.group)]
+        return own.contiguous(), None
+
+
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """[B, S/P, H, D] (this rank's tokens, every head) -> [B, S, H/P, D] (every token, this rank's
     heads). H must divide by P."""
@@ -76,3 +92,11 @@ def gather_heads(x: torch.Tensor, group) -> torch.Tensor:
     """The group's head shards joined [B, T, H/P, D] -> [B, T, H, D] on every rank (the whole
     tensor again after `own_heads`); backward sums the copies' gradients."""
     return _GatherHeads.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """The group's token shards joined [B, S/P, ...] -> [B, S, ...] on every rank, as diffusers'
+    output gather: every rank then computes the same loss from it, so backward keeps only this
+    rank's shard of the gradient (the sum over the group is the whole gradient; FSDP's average
+    over ranks is undone by `TrainBackend.loss_multiplier`)."""
+    return _GatherSeq.apply(x, group)

@@ -39,7 +39,8 @@ class FSDPConfig:
             another of the same world size (`torch.distributed.checkpoint` reshards).
         sp: Ulysses sequence-parallel degree (`unirl.train.sequence_parallel`): groups of `sp`
             consecutive ranks share their samples and split each sample's tokens; 1: off. Must
-            divide `num_devices` and the transformer's heads; SD3, FLUX.1, Wan and Qwen-Image.
+            divide `num_devices` and the transformer's heads; SD3, FLUX.1, Wan, Qwen-Image and
+            text-only causal LMs (their replay).
         offload_params: FSDP2 parameter offload (`CPUOffloadPolicy`): the sharded parameters,
             their gradients and the optimizer state (AdamW steps on the CPU) live in host memory
             (pinned on a GPU); each unit's shards are copied to the device for its all-gather and

@@ -13,6 +13,10 @@ scales every loss by P (`TrainBackend.loss_multiplier`; FSDP2's own divide facto
 PREMUL_SUM reduction, which gloo lacks): the update is the mean over groups of the sum over each
 group, the whole-batch gradient of unsharded training (`tests/train/test_sequence_parallel.py`).
 
+A text-only transformers causal LM has no plan: its replay shards the token rows itself and runs
+every attention layer through an all-to-all (`unirl.models.causal_lm.ulysses`); its rollout is
+the model's own generate, the same samples on each rank of a group.
+
 A family whose diffusers class has no plan may give its transformer one, with attention processors
 that take the same `_parallel_config` (SD3: `unirl.models.sd3.attention`, which splits only the
 image tokens and shards the text by heads inside attention). A plan may leave the text tokens
@@ -45,9 +49,35 @@ def planned_parts(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [child for child in module.children() if getattr(child, "_cp_plan", None) is not None]
 
 
+def is_causal_lm(module: torch.nn.Module) -> bool:
+    """Whether `module` is a transformers model, whose replay runs Ulysses through
+    `unirl.models.causal_lm.ulysses` rather than a diffusers plan."""
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel)
+
+
+def heads_problem(heads: int, sp: int) -> str | None:
+    if heads % sp == 0:
+        return None
+    valid = [d for d in range(1, heads + 1) if heads % d == 0]
+    return (
+        f"train.fsdp.sp={sp} does not divide the transformer's {heads} attention heads; "
+        f"valid values (also dividing num_devices): {valid}"
+    )
+
+
 def cp_plan_problem(module: torch.nn.Module, sp: int) -> str | None:
-    """Why `module` cannot run with Ulysses degree `sp`, or None: it (or each of its planned parts,
-    `planned_parts`) needs diffusers' context-parallel plan and attention heads divisible by `sp`."""
+    """Why `module` cannot run with Ulysses degree `sp`, or None: a text-only causal LM needs query
+    heads divisible by `sp`; a diffusers transformer (or each of its planned parts,
+    `planned_parts`) needs a context-parallel plan and heads divisible by `sp`."""
+    if is_causal_lm(module):
+        if getattr(module.config, "vision_config", None) is not None:
+            return (
+                f"train.fsdp.sp={sp}: sequence-parallel replay runs on text-only causal LMs; "
+                f"{type(module).__name__} is a vision-language model (set train.fsdp.sp=1)"
+            )
+        return heads_problem(module.config.num_attention_heads, sp)
     parts = planned_parts(module)
     if not parts:
         return (
@@ -56,12 +86,8 @@ def cp_plan_problem(module: torch.nn.Module, sp: int) -> str | None:
         )
     for part in parts:
         heads = getattr(getattr(part, "config", None), "num_attention_heads", None)
-        if heads is not None and heads % sp:
-            valid = [d for d in range(1, heads + 1) if heads % d == 0]
-            return (
-                f"train.fsdp.sp={sp} does not divide the transformer's {heads} attention heads; "
-                f"valid values (also dividing num_devices): {valid}"
-            )
+        if heads is not None and heads_problem(heads, sp):
+            return heads_problem(heads, sp)
     return None
 
 
@@ -84,8 +110,9 @@ def sp_mesh(device_type: str, world: int, sp: int):
 
 def enable_ulysses(module: torch.nn.Module, sp: int, device_type: str | None = None) -> None:
     """Apply diffusers' Ulysses context parallelism of degree `sp` to `module` (a diffusers
-    transformer with a `_cp_plan`, or a module of several: `planned_parts`), in place, before FSDP
-    wraps it. Needs the default process
+    transformer with a `_cp_plan`, or a module of several: `planned_parts`), or attach the group to
+    a transformers causal LM for its sharded replay (`unirl.models.causal_lm.ulysses`), in place,
+    before FSDP wraps it. Needs the default process
     group; every rank of the world calls it. `device_type`: the mesh's (default: the module's
     device's; the memory planner passes "cpu" for a module on the meta device)."""
     import torch.distributed as dist
@@ -101,6 +128,11 @@ def enable_ulysses(module: torch.nn.Module, sp: int, device_type: str | None = N
         raise ValueError(f"train.fsdp.sp={sp} does not divide the {world} ranks")
     device = next(module.parameters()).device
     mesh = sp_mesh(device_type or device.type, world, sp)
+    if is_causal_lm(module):
+        from unirl.models.causal_lm.ulysses import attach
+
+        attach(module, mesh["ulysses"].get_group())
+        return
     cp = ContextParallelConfig(ulysses_degree=sp, mesh=mesh)
     config = ParallelConfig(context_parallel_config=cp)
     config.setup(dist.get_rank(), world, device, mesh=mesh)

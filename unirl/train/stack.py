@@ -187,14 +187,18 @@ class TrainStack:
         """`num_tokens` and `num_samples` of the global train batch divided by the world
         size (all-reduced over data-parallel ranks). A micro-batch loss normalised by
         them sums, over micro-batches and then averaged over ranks by the gradient
-        reduction, to the exact global token- or sequence-mean whatever the split."""
+        reduction, to the exact global token- or sequence-mean whatever the split. Under
+        sequence parallelism the P ranks of a group hold the same samples, each back-propagating
+        its tokens' share: the all-reduced totals count every sample P times, so they are
+        divided by P (`TrainBackend.loss_multiplier`) as well, which scales the losses by P as the
+        multiplier does elsewhere (FSDP's average runs over every rank)."""
         device = module_device(self.stage.module)
         totals = torch.tensor(
             [float(segment.response_lengths.sum()), float(len(segment))], dtype=torch.float64, device=device
         )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(totals)
-            totals /= dist.get_world_size()
+            totals /= dist.get_world_size() * self.backend.loss_multiplier
         num_tokens, num_samples = totals.tolist()
         return {"num_tokens": num_tokens, "num_samples": num_samples}
 

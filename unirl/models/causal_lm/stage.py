@@ -15,8 +15,10 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from unirl.models.causal_lm.bundle import CausalLMBundle
+from unirl.models.causal_lm.ulysses import group_of, ulysses_attention
 from unirl.models.stage import AUTOCAST_DTYPES as AUTOCAST_DTYPES
 from unirl.models.stage import ModuleDevice, autocast_dtype_of
+from unirl.models.ulysses import gather_seq
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.sampling import TextSamplingParams
 from unirl.types.segments import TokenSegment, pad_right
@@ -350,7 +352,18 @@ class CausalLMStage(ModuleDevice):
         so a row's values do not depend on its batch-mates;
         positions P_i-1 .. P_i+R_i-2 predict the response. Only the logits from the
         shortest prompt's last position on are computed. Differentiable.
+
+        Under Ulysses sequence parallelism (`unirl.models.causal_lm.ulysses`, attached by the
+        train backend) each rank of the group forwards one token shard (`_sharded_log_probs`)
+        and every rank returns the same [B, Rmax].
         """
+        if group_of(self.module) is not None:
+            if segment.has_images:
+                raise ValueError(
+                    "train.fsdp.sp > 1: sequence-parallel replay is for text-only causal LMs; a "
+                    "vision-language model's rows carry images (set train.fsdp.sp=1)"
+                )
+            return self._sharded_log_probs(segment)
         device = self.device
         seqs = [
             torch.cat([p, r]).to(device)
@@ -382,4 +395,34 @@ class CausalLMStage(ModuleDevice):
         logits = out.logits.gather(1, offsets[..., None].expand(-1, -1, out.logits.shape[-1]))
         targets = segment.padded("response_ids").to(device)
         lp = token_log_probs_of(logits, targets, segment.temperature)
+        return torch.where(segment.response_mask().to(device).bool(), lp, 0.0)
+
+    def _sharded_log_probs(self, segment: TokenSegment) -> torch.Tensor:
+        """`token_log_probs` with this rank's shard of the tokens: the rows right-padded to a
+        multiple of the group's P ranks, positions 0..L-1 as unsharded, each token's log-prob of
+        its successor computed where the token sits, then gathered along the sequence."""
+        import torch.distributed as dist
+
+        device = self.device
+        group = group_of(self.module)
+        parts, rank = dist.get_world_size(group), dist.get_rank(group)
+        pad = self.tokenizer.pad_token_id
+        seqs = [
+            torch.cat([p, r]).to(device)
+            for p, r in zip(segment.prompt_ids, segment.response_ids, strict=True)
+        ]
+        rows = pad_right(seqs, pad)
+        b, width = rows.shape
+        width = -(-width // parts) * parts
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=pad)
+        following = torch.nn.functional.pad(rows[:, 1:], (0, 1), value=pad)  # each position's next token
+        shard = slice(rank * width // parts, (rank + 1) * width // parts)
+        positions = torch.arange(width, device=device)[shard].expand(b, -1)
+        with ulysses_attention(self.module):
+            out = self._forward(input_ids=rows[:, shard], position_ids=positions, use_cache=False)
+        lp = gather_seq(token_log_probs_of(out.logits, following[:, shard], segment.temperature), group)
+        r_max = max(int(r.numel()) for r in segment.response_ids)
+        # response token k of row i is predicted by position P_i - 1 + k
+        offsets = (segment.prompt_lengths.to(device) - 1)[:, None] + torch.arange(r_max, device=device)
+        lp = lp.gather(1, offsets.clamp_(max=width - 1))
         return torch.where(segment.response_mask().to(device).bool(), lp, 0.0)
