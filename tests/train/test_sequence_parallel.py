@@ -338,6 +338,93 @@ def _family_setup(family: str, sp: int | None):
     return track.segment.log_probs, _grad(backend, stack, track)
 
 
+class _Redness:
+    """A differentiable reward (`score_differentiable`): minus the mean squared distance of the
+    image to a colour the prompt picks."""
+
+    def score_differentiable(self, images, prompts, metadata):
+        target = torch.stack([torch.full((3, 1, 1), 0.2 if "red" in p else 0.8) for p in prompts])
+        return -((images - target) ** 2).mean(dim=(1, 2, 3))
+
+
+def _kept_setup(sp: int | None) -> tuple[torch.Tensor, float]:
+    """A tiny FLUX.1's Flow-GRPO update from the graphs kept by its rollout under Ulysses degree
+    `sp` (None: one process, replaying instead): (gradient, fraction of SDE steps kept)."""
+    from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+    from unirl.models.flow.stage import FlowMatchingStage
+    from unirl.models.flux import FluxModelConfig, TinyFluxConfig
+    from unirl.rollout.trainside import TrainsideEngine
+    from unirl.sde.schedules import sigmas_for
+    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
+    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.stack import TrainStack, TrainStackConfig
+    from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
+
+    torch.manual_seed(0)
+    tiny = TinyFluxConfig(resolution=16, num_attention_heads=4, attention_head_dim=16, clip_max_length=8, seed=0)
+    bundle = FluxModelConfig(tiny=tiny).build()
+    stage = FlowMatchingStage(bundle, replay_steps_per_forward=2)
+    blocks = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
+    fsdp = FSDPConfig(block_classes=blocks, sp=sp) if sp else None
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=["to_q", "to_k", "to_v"])
+    backend = TrainBackend(stage.module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True)
+    stage.module = backend.module
+    stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(2))
+    params = DiffusionSamplingParams(
+        num_steps=4, samples_per_prompt=2, height=16, width=16, guidance_scale=3.5, eta=0.7,
+        max_sequence_length=8, sde_scheduler="all",
+    )  # fmt: skip
+    prompts = [PromptExample("a red square", "0"), PromptExample("a blue dot", "1")]
+    req = RolloutReq.from_prompts(prompts, params, sigmas_for(params, bundle.image_seq_len(16, 16)), 0)
+    engine = TrainsideEngine(stage, forward_batch_size=4, keep_graph=sp is not None)
+    track = engine.generate(req, keep=sp is not None).track("diffusion")
+    track.advantages = torch.linspace(-1.0, 1.0, 4)
+    if sp is None:
+        return _grad(backend, stack, track), 0.0
+    seen, step = {}, backend.optimizer_step
+
+    def recording_step():  # the update's gradient, read just before the optimizer step
+        seen["grad"] = torch.cat([p.grad.full_tensor().flatten() for p in backend.params])
+        return step()
+
+    backend.optimizer_step = recording_step
+    metrics = stack.train_track(track, 0.0, kept=engine.kept)
+    return seen["grad"], metrics["keep_graph/kept_fraction"]
+
+
+def _draft_setup(sp: int | None) -> torch.Tensor:
+    """A tiny SD3's DRaFT-K update (K = 2, reward backpropagated through the decoded image) under
+    Ulysses degree `sp` (None: one process): its LoRA gradient."""
+    from tests.conftest import tiny_model_config
+    from unirl.algorithms.draft import DRaFT, DRaFTConfig
+    from unirl.models.flow.stage import FlowMatchingStage
+    from unirl.rollout.trainside import TrainsideEngine
+    from unirl.sde.schedules import sigmas_for
+    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
+    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.stack import TrainStack, TrainStackConfig
+    from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
+
+    torch.manual_seed(0)
+    bundle = tiny_model_config(num_layers=2).build()
+    stage = FlowMatchingStage(bundle, store_trajectory=True, detach_uncond=False)
+    fsdp = FSDPConfig(block_classes=["JointTransformerBlock"], sp=sp) if sp else None
+    backend = TrainBackend(
+        stage.module, LoRAConfig(rank=4, alpha=8), OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True
+    )
+    stage.module = backend.module
+    stack = TrainStack(stage, backend, DRaFT(_Redness(), DRaFTConfig(steps=2)), TrainStackConfig(2))
+    params = DiffusionSamplingParams(
+        num_steps=4, samples_per_prompt=2, height=16, width=16, guidance_scale=2.0, eta=0.0, shift=1.0,
+        max_sequence_length=8,
+    )  # fmt: skip
+    prompts = [PromptExample("a red square", "0"), PromptExample("a blue dot", "1")]
+    req = RolloutReq.from_prompts(prompts, params, sigmas_for(params, bundle.image_seq_len(16, 16)), 0)
+    track = TrainsideEngine(stage, forward_batch_size=4).generate(req).track("diffusion")
+    track.advantages = torch.zeros(4)
+    return _grad(backend, stack, track)
+
+
 def _family_rank(rank: int, rdzv: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -345,24 +432,37 @@ def _family_rank(rank: int, rdzv: str, out_dir: str) -> None:
     join_gloo(rank, 2, rdzv)
     try:
         out = {family: _family_setup(family, 2) for family in ("wan", "qwenimage")}
+        out["kept"] = _kept_setup(2)
+        out["draft"] = _draft_setup(2)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_wan_and_qwen_image_under_sp_2_match_unsharded(tmp_path):
-    """The other families with diffusers' context-parallel plan (Wan's video tokens with its
-    rotary embedding and cross-attention; Qwen-Image's joint stream): one group of 2 gloo ranks
-    samples the same log-probs and trains the same gradient as one process (1e-5)."""
+def test_wan_qwen_image_kept_graphs_and_reward_backprop_under_sp_2_match_unsharded(tmp_path):
+    """One group of 2 gloo ranks samples the same log-probs and trains the same gradient as one
+    process (1e-5): the other families with diffusers' context-parallel plan (Wan's video tokens
+    with its rotary embedding and cross-attention; Qwen-Image's joint stream); FLUX.1's update from
+    the rollout's kept graphs (every SDE step kept); SD3's DRaFT-K, whose reward backpropagates
+    through the gathered image into every rank's token shard."""
     reference = {family: _family_setup(family, None) for family in ("wan", "qwenimage")}
+    kept_reference, _ = _kept_setup(None)
+    draft_reference = _draft_setup(None)
     spawn_ranks(_family_rank, (str(tmp_path), str(tmp_path)), 2)
+
+    def rel(got, want):
+        assert float(want.norm()) > 0
+        return float((got - want).norm() / want.norm())
+
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for family, (log_probs, grad) in reference.items():
             torch.testing.assert_close(got[family][0], log_probs, rtol=0, atol=1e-5)
-            assert float(grad.norm()) > 0
-            rel = float((got[family][1] - grad).norm() / grad.norm())
-            assert rel < 1e-5, (rank, family, rel)
+            assert rel(got[family][1], grad) < 1e-5, (rank, family)
+        kept_grad, kept_fraction = got["kept"]
+        assert kept_fraction == 1.0
+        assert rel(kept_grad, kept_reference) < 1e-5, rank
+        assert rel(got["draft"], draft_reference) < 1e-5, rank
 
 
 def test_sd3_under_sp_keeps_its_text_whole_so_any_text_length_validates(tmp_path):

@@ -69,7 +69,7 @@ def check_this_machine(cfg: DictConfig, passed: dict[str, Any], problems: list[s
 
 def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, problems: list[str]) -> None:
     """`train.fsdp.sp` > 1 (Ulysses): it divides num_devices, the token sequences split evenly, and
-    the run is one whose ranks it supports (Ray workers sampling trainside, replay, no critic)."""
+    the run is one whose ranks it supports (Ray workers sampling trainside, no critic)."""
     run, sampling, model = passed.get(""), passed.get("sampling"), passed.get("model")
     if run.num_devices % sp:
         divisors = [d for d in range(1, run.num_devices + 1) if run.num_devices % d == 0]
@@ -82,10 +82,6 @@ def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, pr
     if not str(rollout.get("_target_", "")).endswith("TrainsideEngine"):
         problems.append(
             f"train.fsdp.sp={sp} runs with trainside rollouts (unirl.rollout.trainside.TrainsideEngine) only"
-        )
-    if rollout.get("keep_graph"):
-        problems.append(
-            f"train.fsdp.sp={sp} with rollout.keep_graph=true is not supported: set keep_graph false"
         )
     if cfg.get("critic") is not None:
         problems.append(f"train.fsdp.sp={sp} with a critic is not supported")
