@@ -202,7 +202,7 @@ def test_bad_input_is_named(argv, message, capsys):
 
 
 def test_sequence_parallel_plans_one_rank_of_the_group():
-    """`train.fsdp.sp=2`: the phases run as one rank of a Ulysses group (a fake process group, the
+    """`train.parallel.sp=2`: the phases run as one rank of a Ulysses group (a fake process group, the
     context-parallel hooks on the meta module): its train phase holds less than the whole sequence's,
     and the process is left without a process group."""
     import torch.distributed as dist
@@ -210,7 +210,7 @@ def test_sequence_parallel_plans_one_rank_of_the_group():
     flux = ["num_devices=2", "launcher=ray", "model.tiny.num_attention_heads=4", "rollout.forward_batch_size=1"]
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
         whole = compose(config_name="diffusion/tiny_flux_flowgrpo", overrides=flux)
-        split = compose(config_name="diffusion/tiny_flux_flowgrpo", overrides=[*flux, "+train.fsdp.sp=2"])
+        split = compose(config_name="diffusion/tiny_flux_flowgrpo", overrides=[*flux, "+train.parallel.sp=2"])
     plain, sharded = plan_memory(whole), plan_memory(split)
     assert not dist.is_initialized()
     assert sharded.module == plain.module  # the same sharded weights

@@ -25,11 +25,11 @@ The planned peak of a device is the larger phase's peak (trained module, its opt
 phase's tensors) plus what lives beside the module all run long: the frozen modules (text encoders,
 VAE), EMA / reference copies, the rollout's stored latents and media, and kept graphs. With N > 1
 data-parallel ranks (FSDP2), the module's weights, gradients and optimizer state are divided by the
-shard degree (N, or N / `train.fsdp.replicate` under HSDP) and two of its largest blocks are counted
+shard degree (N, or N / `train.parallel.replicate` under HSDP) and two of its largest blocks are counted
 whole (the one computing and the one prefetched); with `train.fsdp.offload_params` the shards, their
 gradients, the AdamW moments and the EMA / reference copies are in host memory and count nothing on
 the device. With Ulysses sequence parallelism
-(`train.fsdp.sp`) the phases run as one rank of the group (`sequence_parallel_group`: a fake
+(`train.parallel.sp`) the phases run as one rank of the group (`sequence_parallel_group`: a fake
 process group and diffusers' context parallelism on the meta module). `--device-gib` also prints
 the largest micro-batch whose plan fits the device.
 
@@ -55,6 +55,7 @@ from omegaconf import DictConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from unirl.train.fsdp import ParallelConfig
 from unirl.train.sequence_parallel import sequence_parallel_degree
 
 GIB = 2**30
@@ -366,7 +367,7 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
 
     gathered = 0
     if devices > 1:
-        shard = devices // fsdp.replicate  # HSDP: sharded within a replica group
+        shard = devices // ParallelConfig.of(train.get("parallel")).replicate  # HSDP: within a replica group
         size = torch.empty((), dtype=getattr(torch, fsdp.param_dtype)).element_size()
         blocks = [m for m in denoiser.modules() if type(m).__name__ in set(fsdp.block_classes)]
         gathered = 2 * size * max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
@@ -435,7 +436,7 @@ def _phases(train_step: Any, rollout: Any, backend: Any) -> tuple[int, int, int]
 
 @contextlib.contextmanager
 def sequence_parallel_group(module: torch.nn.Module, sp: int) -> Iterator[None]:
-    """Plan one rank of a Ulysses group of `sp` (`train.fsdp.sp`): a fake process group of `sp`
+    """Plan one rank of a Ulysses group of `sp` (`train.parallel.sp`): a fake process group of `sp`
     ranks in this process (`torch.testing._internal.distributed.fake_pg`: collectives return
     tensors of the right shapes and do nothing) and diffusers' context parallelism on the meta
     module, so each phase holds what one rank of the group holds (its share of the tokens, the

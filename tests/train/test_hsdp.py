@@ -1,4 +1,4 @@
-"""HSDP (`train.fsdp.replicate`) on 4 gloo ranks: the 1 x 4 (FSDP), 2 x 2 (HSDP) and 4 x 1
+"""HSDP (`train.parallel.replicate`) on 4 gloo ranks: the 1 x 4 (FSDP), 2 x 2 (HSDP) and 4 x 1
 (replicated) meshes give the single-process gradient of the whole batch, and a checkpoint written on
 2 x 2 resumes on 1 x 4 and on 4 x 1 with the same weights and Adam moments, bit for bit, and the
 same next gradient (issue 45, item 3)."""
@@ -25,15 +25,22 @@ def _setup(replicate: int | None, samples: list[int], offload: bool = False):
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
     from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.fsdp import FSDPConfig, ParallelConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
     torch.manual_seed(0)
     bundle = tiny_model_config(num_layers=2).build()
     stage = SD3Stage(bundle, replay_steps_per_forward=2)
-    fsdp = FSDPConfig(replicate=replicate, offload_params=offload) if replicate is not None else None
-    backend = TrainBackend(stage.module, LoRAConfig(rank=4, alpha=8), OptimConfig(lr=1e-2), 10, fsdp=fsdp)
+    fsdp = FSDPConfig(offload_params=offload) if replicate is not None else None
+    backend = TrainBackend(
+        stage.module,
+        LoRAConfig(rank=4, alpha=8),
+        OptimConfig(lr=1e-2),
+        10,
+        fsdp=fsdp,
+        parallel=ParallelConfig(replicate=replicate or 1),
+    )
     stage.module = backend.module
     stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(PER_RANK))
     sp = DiffusionSamplingParams(

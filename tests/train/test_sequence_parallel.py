@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (`train.fsdp.sp`) under FSDP2 on 4 gloo ranks, 2 x 2 (two sample
+"""Ulysses sequence parallelism (`train.parallel.sp`) under FSDP2 on 4 gloo ranks, 2 x 2 (two sample
 groups of two ranks) and 1 x 4: a tiny FLUX.1's (diffusers' context parallelism), a tiny SD3.5's
 (SD3's own plan and processor, `unirl.models.sd3.attention`) and a tiny Qwen3's (token-sharded
 replay, `unirl.models.causal_lm.ulysses`) rollout log-probs and update's LoRA gradient equal the
@@ -33,7 +33,7 @@ def _setup(family: str, sp: int | None, samples: list[int]):
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
     from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.fsdp import FSDPConfig, ParallelConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
@@ -60,9 +60,17 @@ def _setup(family: str, sp: int | None, samples: list[int]):
         blocks, guidance, text = ["JointTransformerBlock"], 3.0, 4
         targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "to_add_out", "proj_out"]
     stage = FlowMatchingStage(bundle, replay_steps_per_forward=2)
-    fsdp = FSDPConfig(block_classes=blocks, sp=sp) if sp else None
+    fsdp = FSDPConfig(block_classes=blocks) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=targets)
-    backend = TrainBackend(stage.module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True)
+    backend = TrainBackend(
+        stage.module,
+        lora,
+        OptimConfig(lr=1e-2),
+        10,
+        fsdp=fsdp,
+        parallel=ParallelConfig(sp=sp or 1),
+        groups_share_samples=True,
+    )
     stage.module = backend.module
     stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(4))
     sp_params = DiffusionSamplingParams(
@@ -85,14 +93,22 @@ def _lm_setup(sp: int | None, samples: list[int]):
     from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.fsdp import FSDPConfig, ParallelConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import PromptExample, RolloutReq, TextSamplingParams
 
     stage = CausalLMStage(CausalLMConfig(tiny=TinyLMConfig(num_layers=2)).build())
-    fsdp = FSDPConfig(block_classes=["Qwen3DecoderLayer"], sp=sp) if sp else None
+    fsdp = FSDPConfig(block_classes=["Qwen3DecoderLayer"]) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    backend = TrainBackend(stage.module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True)
+    backend = TrainBackend(
+        stage.module,
+        lora,
+        OptimConfig(lr=1e-2),
+        10,
+        fsdp=fsdp,
+        parallel=ParallelConfig(sp=sp or 1),
+        groups_share_samples=True,
+    )
     stage.module = backend.module
     stack = TrainStack(stage, backend, GRPO(GRPOConfig()), TrainStackConfig(2))
     params = TextSamplingParams(samples_per_prompt=2, max_new_tokens=7, temperature=1.0)
@@ -174,7 +190,7 @@ FLUX_SMALL = [
 
 @pytest.mark.ray
 def test_a_flux_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster, tmp_path):
-    """`diffusion/tiny_flux_flowgrpo` with `train.fsdp.sp=2` on 2 Ray workers (one sample shard, its
+    """`diffusion/tiny_flux_flowgrpo` with `train.parallel.sp=2` on 2 Ray workers (one sample shard, its
     tokens split over both) samples what one in-process worker samples and trains the same way:
     the same step-1 rewards, the on-policy ratio 1, and step-2 rewards that agree to float rounding
     (the sharded update differs from the unsharded one by 1e-5 of the gradient at most)."""
@@ -183,7 +199,7 @@ def test_a_flux_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster
 
     one = run_recipe("diffusion/tiny_flux_flowgrpo", tmp_path / "one", *FLUX_SMALL, *IN_PROCESS)
     sp = run_recipe(
-        "diffusion/tiny_flux_flowgrpo", tmp_path / "sp", *FLUX_SMALL, "num_devices=2", "+train.fsdp.sp=2"
+        "diffusion/tiny_flux_flowgrpo", tmp_path / "sp", *FLUX_SMALL, "num_devices=2", "+train.parallel.sp=2"
     )
     steps = [r for r in sp if "reward/mean" in r]
     ref = [r for r in one if "reward/mean" in r]
@@ -195,7 +211,7 @@ def test_a_flux_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster
 
 @pytest.mark.ray
 def test_a_text_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster, tmp_path):
-    """`llm/tiny_lm_grpo` with `train.fsdp.sp=2` on 2 Ray workers (one sample shard whose replay
+    """`llm/tiny_lm_grpo` with `train.parallel.sp=2` on 2 Ray workers (one sample shard whose replay
     splits each row's tokens over both) samples what one in-process worker samples and trains the
     same way: the same step-1 rewards, the on-policy ratio 1, the same step-2 rewards."""
     from tests.recipes import IN_PROCESS
@@ -203,7 +219,7 @@ def test_a_text_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster
 
     small = ["num_steps=2", "threads_per_worker=1"]
     one = run_recipe("llm/tiny_lm_grpo", tmp_path / "one", *small, *IN_PROCESS)
-    sp = run_recipe("llm/tiny_lm_grpo", tmp_path / "sp", *small, "num_devices=2", "+train.fsdp.sp=2")
+    sp = run_recipe("llm/tiny_lm_grpo", tmp_path / "sp", *small, "num_devices=2", "+train.parallel.sp=2")
     steps = [r for r in sp if "reward/mean" in r]
     ref = [r for r in one if "reward/mean" in r]
     assert len(steps) == len(ref) == 2
@@ -217,39 +233,64 @@ def test_a_text_recipe_trains_with_sp_2_through_ray_as_on_one_worker(ray_cluster
     "overrides, message",
     [
         (
-            ["num_devices=2", "+train.fsdp.sp=3"],
-            "train.fsdp.sp=3 does not divide num_devices=2; valid values: [1, 2]",
-        ),
-        (["+train.fsdp.sp=2"], "train.fsdp.sp=2 needs 2 or more Ray workers: launcher=in_process runs one"),
-        (
-            ["num_devices=4", "+train.fsdp.sp=2", "sampling.samples_per_prompt=3", "prompts_per_rollout=1"],
-            "= 3 samples do not split evenly over num_devices / train.fsdp.sp=2",
+            ["num_devices=2", "+train.parallel.sp=3"],
+            "train.parallel.sp=3 does not divide num_devices=2; valid values: [1, 2]",
         ),
         (
-            ["num_devices=2", "+train.fsdp.sp=2", "sampling.max_sequence_length=7"],
+            ["+train.parallel.sp=2"],
+            "train.parallel.sp=2 needs 2 or more Ray workers: launcher=in_process runs one",
+        ),
+        (
+            [
+                "num_devices=4",
+                "+train.parallel.sp=2",
+                "sampling.samples_per_prompt=3",
+                "prompts_per_rollout=1",
+            ],
+            "= 3 samples do not split evenly over num_devices / train.parallel.sp=2",
+        ),
+        (
+            ["num_devices=2", "+train.parallel.sp=2", "sampling.max_sequence_length=7"],
             "does not divide sampling.max_sequence_length=7",
         ),
         (
             [
                 "num_devices=2",
-                "+train.fsdp.sp=2",
+                "+train.parallel.sp=2",
                 "model.tiny.num_attention_heads=3",
                 "model.tiny.attention_head_dim=16",
             ],
             "does not divide the transformer's 3 attention heads; valid values (also dividing num_devices): [1, 3]",
         ),
         (
-            ["num_devices=4", "prompts_per_rollout=4", "+train.fsdp.replicate=3"],
-            "train.fsdp.replicate=3 does not divide num_devices=4: HSDP's mesh is replicate x (num_devices / "
-            "replicate) ranks; valid values: [1, 2, 4]",
+            ["num_devices=4", "prompts_per_rollout=4", "+train.parallel.replicate=3"],
+            "train.parallel.replicate=3 does not divide num_devices=4: HSDP's mesh is replicate x shard = "
+            "num_devices ranks; valid values: [1, 2, 4]",
         ),
+        (
+            [
+                "num_devices=4",
+                "prompts_per_rollout=4",
+                "+train.parallel.replicate=2",
+                "+train.parallel.shard=4",
+            ],
+            "train.parallel: replicate x shard = 2 x 4 = 8 ranks, but num_devices=4; set train.parallel.shard=2 "
+            "(or null: num_devices / replicate)",
+        ),
+        (
+            ["num_devices=2", "+train.parallel.ulysses=2"],
+            "train.parallel: unknown key(s) ['ulysses']; valid keys: replicate, shard, sp",
+        ),
+        (["num_devices=2", "+train.parallel.sp=0"], "train.parallel.sp must be >= 1, got 0"),
     ],
 )
 def test_bad_sequence_parallel_settings_are_refused_before_ray(overrides, message, tmp_path):
     from tests.recipes import IN_PROCESS, composed
     from unirl.config.validate import ConfigError, validate_recipe
 
-    launch = list(IN_PROCESS) if "+train.fsdp.sp=2" in overrides and len(overrides) == 1 else ["launcher=ray"]
+    launch = (
+        list(IN_PROCESS) if "+train.parallel.sp=2" in overrides and len(overrides) == 1 else ["launcher=ray"]
+    )
     cfg = composed("diffusion/tiny_flux_flowgrpo", tmp_path, *FLUX_SMALL, *launch, *overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_recipe(cfg, expect="diffusion")
@@ -268,7 +309,7 @@ def test_a_transformer_without_a_plan_is_refused_and_sd3_has_its_own():
     with torch.device("meta"):
         bare = SD3Transformer2DModel(num_layers=1, attention_head_dim=8, num_attention_heads=2)
     problem = cp_plan_problem(bare, 2)
-    assert problem.startswith("train.fsdp.sp=2: SD3Transformer2DModel has no context-parallel plan")
+    assert problem.startswith("train.parallel.sp=2: SD3Transformer2DModel has no context-parallel plan")
 
 
 def test_sd3_processor_without_a_parallel_config_is_diffusers_bit_for_bit():
@@ -297,7 +338,7 @@ def _family_setup(family: str, sp: int | None):
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
     from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.fsdp import FSDPConfig, ParallelConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
@@ -322,9 +363,17 @@ def _family_setup(family: str, sp: int | None):
     stage = FlowMatchingStage(bundle, replay_steps_per_forward=2)
     # checkpointed blocks: the plan's hooks go on before the checkpoint wrappers (Wan's plan names
     # a block's inputs)
-    fsdp = FSDPConfig(block_classes=blocks, sp=sp, activation_checkpointing=True) if sp else None
+    fsdp = FSDPConfig(block_classes=blocks, activation_checkpointing=True) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=["to_q", "to_k", "to_v"])
-    backend = TrainBackend(stage.module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True)
+    backend = TrainBackend(
+        stage.module,
+        lora,
+        OptimConfig(lr=1e-2),
+        10,
+        fsdp=fsdp,
+        parallel=ParallelConfig(sp=sp or 1),
+        groups_share_samples=True,
+    )
     stage.module = backend.module
     stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(4))
     params = DiffusionSamplingParams(
@@ -356,18 +405,28 @@ def _kept_setup(sp: int | None) -> tuple[torch.Tensor, float]:
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
     from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.fsdp import FSDPConfig, ParallelConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
     torch.manual_seed(0)
-    tiny = TinyFluxConfig(resolution=16, num_attention_heads=4, attention_head_dim=16, clip_max_length=8, seed=0)
+    tiny = TinyFluxConfig(
+        resolution=16, num_attention_heads=4, attention_head_dim=16, clip_max_length=8, seed=0
+    )
     bundle = FluxModelConfig(tiny=tiny).build()
     stage = FlowMatchingStage(bundle, replay_steps_per_forward=2)
     blocks = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
-    fsdp = FSDPConfig(block_classes=blocks, sp=sp) if sp else None
+    fsdp = FSDPConfig(block_classes=blocks) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=["to_q", "to_k", "to_v"])
-    backend = TrainBackend(stage.module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True)
+    backend = TrainBackend(
+        stage.module,
+        lora,
+        OptimConfig(lr=1e-2),
+        10,
+        fsdp=fsdp,
+        parallel=ParallelConfig(sp=sp or 1),
+        groups_share_samples=True,
+    )
     stage.module = backend.module
     stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(2))
     params = DiffusionSamplingParams(
@@ -401,16 +460,22 @@ def _draft_setup(sp: int | None) -> torch.Tensor:
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
     from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig
+    from unirl.train.fsdp import FSDPConfig, ParallelConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
     torch.manual_seed(0)
     bundle = tiny_model_config(num_layers=2).build()
     stage = FlowMatchingStage(bundle, store_trajectory=True, detach_uncond=False)
-    fsdp = FSDPConfig(block_classes=["JointTransformerBlock"], sp=sp) if sp else None
+    fsdp = FSDPConfig(block_classes=["JointTransformerBlock"]) if sp else None
     backend = TrainBackend(
-        stage.module, LoRAConfig(rank=4, alpha=8), OptimConfig(lr=1e-2), 10, fsdp=fsdp, groups_share_samples=True
+        stage.module,
+        LoRAConfig(rank=4, alpha=8),
+        OptimConfig(lr=1e-2),
+        10,
+        fsdp=fsdp,
+        parallel=ParallelConfig(sp=sp or 1),
+        groups_share_samples=True,
     )
     stage.module = backend.module
     stack = TrainStack(stage, backend, DRaFT(_Redness(), DRaFTConfig(steps=2)), TrainStackConfig(2))
@@ -471,7 +536,7 @@ def test_sd3_under_sp_keeps_its_text_whole_so_any_text_length_validates(tmp_path
     from tests.recipes import composed
     from unirl.config.validate import ConfigError, validate_recipe
 
-    sd3 = ["num_steps=2", "launcher=ray", "num_devices=2", "+train.fsdp.sp=2"]
+    sd3 = ["num_steps=2", "launcher=ray", "num_devices=2", "+train.parallel.sp=2"]
     validate_recipe(
         composed("diffusion/tiny_sd3_flowgrpo", tmp_path, *sd3, "sampling.max_sequence_length=7"),
         expect="diffusion",
@@ -489,8 +554,8 @@ def test_a_text_only_causal_lm_takes_sp_and_a_vision_language_model_is_refused()
     lm = CausalLMConfig(tiny=TinyLMConfig(num_attention_heads=4, num_key_value_heads=2)).trainable_on_meta()
     assert cp_plan_problem(lm, 4) is None  # key / value heads repeated to the query heads
     assert cp_plan_problem(lm, 3) == (
-        "train.fsdp.sp=3 does not divide the transformer's 4 attention heads; valid values (also dividing "
+        "train.parallel.sp=3 does not divide the transformer's 4 attention heads; valid values (also dividing "
         "num_devices): [1, 2, 4]"
     )
     vlm = VLMConfig(tiny=TinyVLMConfig()).trainable_on_meta()
-    assert "is a vision-language model (set train.fsdp.sp=1)" in cp_plan_problem(vlm, 2)
+    assert "is a vision-language model (set train.parallel.sp=1)" in cp_plan_problem(vlm, 2)

@@ -68,28 +68,28 @@ def check_this_machine(cfg: DictConfig, passed: dict[str, Any], problems: list[s
 
 
 def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, problems: list[str]) -> None:
-    """`train.fsdp.sp` > 1 (Ulysses): it divides num_devices, the token sequences split evenly, and
+    """`train.parallel.sp` > 1 (Ulysses): it divides num_devices, the token sequences split evenly, and
     the run is one whose ranks it supports (Ray workers sampling trainside, no critic)."""
     run, sampling, model = passed.get(""), passed.get("sampling"), passed.get("model")
     if run.num_devices % sp:
         divisors = [d for d in range(1, run.num_devices + 1) if run.num_devices % d == 0]
         problems.append(
-            f"train.fsdp.sp={sp} does not divide num_devices={run.num_devices}; valid values: {divisors}"
+            f"train.parallel.sp={sp} does not divide num_devices={run.num_devices}; valid values: {divisors}"
         )
     if cfg.get("launcher") == "in_process":
-        problems.append(f"train.fsdp.sp={sp} needs {sp} or more Ray workers: launcher=in_process runs one")
+        problems.append(f"train.parallel.sp={sp} needs {sp} or more Ray workers: launcher=in_process runs one")
     rollout = cfg.get("rollout") or {}
     if not str(rollout.get("_target_", "")).endswith("TrainsideEngine"):
         problems.append(
-            f"train.fsdp.sp={sp} runs with trainside rollouts (unirl.rollout.trainside.TrainsideEngine) only"
+            f"train.parallel.sp={sp} runs with trainside rollouts (unirl.rollout.trainside.TrainsideEngine) only"
         )
     if cfg.get("critic") is not None:
-        problems.append(f"train.fsdp.sp={sp} with a critic is not supported")
+        problems.append(f"train.parallel.sp={sp} with a critic is not supported")
     if sampling is not None and model is not None and hasattr(model, "build"):
         text = getattr(sampling, "max_sequence_length", None)
         if text is not None and text % sp and text_tokens_split(model):
             problems.append(
-                f"train.fsdp.sp={sp} does not divide sampling.max_sequence_length={text}: the text tokens split "
+                f"train.parallel.sp={sp} does not divide sampling.max_sequence_length={text}: the text tokens split "
                 "into sp shards (pad the prompts to a multiple of sp)"
             )
         try:  # the family's own count, from its bundle built on the meta device (no storage)
@@ -101,7 +101,7 @@ def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, pr
             tokens = None
         if tokens is not None and tokens % sp:
             problems.append(
-                f"train.fsdp.sp={sp} does not divide the {tokens} image tokens of sampling.height x width: "
+                f"train.parallel.sp={sp} does not divide the {tokens} image tokens of sampling.height x width: "
                 "choose a size whose token grid splits into sp shards"
             )
 
@@ -130,11 +130,18 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
         problems.append(
             f"num_devices={run.num_devices} needs train.fsdp (FSDP2 sharding settings); see the tiny recipe"
         )
-    if fsdp is not None and run.num_devices % fsdp.replicate:
-        divisors = [d for d in range(1, run.num_devices + 1) if run.num_devices % d == 0]
+    parallel = train.parallel
+    divisors = [d for d in range(1, run.num_devices + 1) if run.num_devices % d == 0]
+    if run.num_devices % parallel.replicate:
         problems.append(
-            f"train.fsdp.replicate={fsdp.replicate} does not divide num_devices={run.num_devices}: HSDP's mesh "
-            f"is replicate x (num_devices / replicate) ranks; valid values: {divisors}"
+            f"train.parallel.replicate={parallel.replicate} does not divide num_devices={run.num_devices}: "
+            f"HSDP's mesh is replicate x shard = num_devices ranks; valid values: {divisors}"
+        )
+    elif parallel.shard is not None and parallel.replicate * parallel.shard != run.num_devices:
+        problems.append(
+            f"train.parallel: replicate x shard = {parallel.replicate} x {parallel.shard} = "
+            f"{parallel.replicate * parallel.shard} ranks, but num_devices={run.num_devices}; set "
+            f"train.parallel.shard={run.num_devices // parallel.replicate} (or null: num_devices / replicate)"
         )
     if fsdp is not None and fsdp.offload_params and run.num_devices == 1:
         problems.append(
@@ -142,8 +149,8 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
             "two or more ranks only, so one rank would keep every parameter on its device; raise num_devices "
             "or set it to false"
         )
-    if fsdp is not None and fsdp.sp > 1:
-        check_sequence_parallel(cfg, passed, fsdp.sp, problems)
+    if parallel.sp > 1:
+        check_sequence_parallel(cfg, passed, parallel.sp, problems)
     if (
         run.num_devices == 1
         and fsdp is not None
@@ -158,12 +165,19 @@ def check_distributed(cfg: DictConfig, passed: dict[str, Any], problems: list[st
 
 
 def check_module_tree(
-    model: Any, lora: Any, fsdp: Any, problems: list[str], section: str = "train", model_key: str = "model"
+    model: Any,
+    lora: Any,
+    fsdp: Any,
+    problems: list[str],
+    section: str = "train",
+    model_key: str = "model",
+    sp: int = 1,
 ) -> None:
     """A trained module's LoRA target modules, FSDP block classes and sequence-parallel plan vs its
     module tree (`model.trainable_on_meta()`, built on the meta device: no weights read); keys
     relative to the track: `<section>.lora...`, `<section>.fsdp...` (a policy's `train`, a
-    critic's `critic`) and `model_key` for a model config that cannot be read."""
+    critic's `critic`) and `model_key` for a model config that cannot be read; `sp`: the
+    Ulysses degree (`train.parallel.sp`) the tree must support."""
     readable = model is not None and (
         not getattr(model, "pretrained_path", None) or os.path.isdir(model.pretrained_path)
     )
@@ -181,10 +195,10 @@ def check_module_tree(
         problem = lora_target_problem(tree, lora.target_modules, f"{section}.lora.target_modules")
         if problem:
             problems.append(problem)
-    if fsdp is not None and fsdp.sp > 1:
+    if sp > 1:
         from unirl.train.sequence_parallel import cp_plan_problem
 
-        problem = cp_plan_problem(tree, fsdp.sp)
+        problem = cp_plan_problem(tree, sp)
         if problem:
             problems.append(problem)
     if fsdp is not None:

@@ -16,7 +16,7 @@ def check_geometry(run: Any, sampling: Any, stack: Any, model: Any, problems: li
     num_devices / sp groups of ranks, each group's ranks holding the same samples."""
     if run is not None and sampling is not None:
         world = max(1, run.num_devices // sp)
-        shards = "num_devices" if sp == 1 else "num_devices / train.fsdp.sp"  # sample shards
+        shards = "num_devices" if sp == 1 else "num_devices / train.parallel.sp"  # sample shards
         total = run.prompts_per_rollout * sampling.samples_per_prompt
         if total % world:
             problems.append(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from unirl.sync.config import WeightSyncConfig
+from unirl.train.fsdp import ParallelConfig
 
 LAUNCHERS = ("ray", "in_process")
 
@@ -238,17 +239,20 @@ def check_eval_keys(cfg: Any, chain: bool, problems: list[str]) -> None:
 @dataclass
 class TrainConfig:
     """`train`: the train backend's components (`_target_` nodes; `lora`, `fsdp`, `ema`
-    may be null) and whether Adam moments move to host memory while sampling."""
+    may be null), the device mesh (`parallel`: plain keys, a `ParallelConfig`) and whether Adam
+    moments move to host memory while sampling."""
 
     optim: Any
     stack: Any
     lora: Any = None
     fsdp: Any = None
     ema: Any = None
+    parallel: Any = None
     offload_optimizer_during_rollout: bool = False
 
     def __post_init__(self) -> None:
         _components("train.", self, ("optim", "stack"), ("lora", "fsdp", "ema"))
+        self.parallel = ParallelConfig.of(self.parallel)
 
 
 RL_SECTIONS: dict[str, type] = {

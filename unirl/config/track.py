@@ -193,9 +193,8 @@ def _one_track_rules(track: TrackCheck, problems: list[str]) -> None:
     built = passed.get("algorithm")
     check_model_path(model, problems)
     fsdp = passed.get("train.fsdp")
-    check_geometry(
-        run, sampling, stack, model, problems, sp=getattr(fsdp, "sp", 1) if fsdp is not None else 1
-    )
+    sp = train.parallel.sp if train is not None else 1
+    check_geometry(run, sampling, stack, model, problems, sp=sp)
     check_guidance(model, sampling, eval_sampling, problems)
     check_eval_size(model, sampling, eval_sampling, problems)
     if modality == "text":
@@ -204,7 +203,7 @@ def _one_track_rules(track: TrackCheck, problems: list[str]) -> None:
         check_sde(cfg, sampling, problems)
     if not track.trained:
         return
-    check_module_tree(model, passed.get("train.lora"), fsdp, problems)
+    check_module_tree(model, passed.get("train.lora"), fsdp, problems, sp=sp)
     check_algorithm(algorithm, sampling, stack, train, track.ev, problems)
     check_mini_batches(cfg, stack, algorithm, problems)
     check_supervised(cfg, algorithm, sampling, run is None, problems)

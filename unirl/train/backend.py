@@ -22,7 +22,7 @@ import torch.distributed as dist
 from annotated_types import Interval
 
 from unirl.train.ema import EMA, EMAConfig
-from unirl.train.fsdp import FSDPConfig, checkpoint_blocks, shard_module, swapped_weights
+from unirl.train.fsdp import FSDPConfig, ParallelConfig, checkpoint_blocks, shard_module, swapped_weights
 from unirl.types.constraints import AtLeastOne, NonNegative, NonNegativeInt, Positive, check_fields
 
 LRSchedule = Literal["constant", "linear", "cosine"]
@@ -172,9 +172,11 @@ class TrainBackend:
             whole component of a parameter's path ("vqmodel" matches "model.vqmodel.x").
         roots: with several ranks, the submodules sharded as FSDP roots of their own instead of
             the whole module (`shard_module`): a unified model's stages call them directly.
-        groups_share_samples: the caller gives every group of `fsdp.sp` consecutive ranks the same
-            samples, as sequence parallelism needs (`unirl.train.sequence_parallel`); without it
-            `fsdp.sp > 1` is refused.
+        parallel: the device mesh (`ParallelConfig`: HSDP replicas, Ulysses degree); None: plain
+            FSDP over all ranks.
+        groups_share_samples: the caller gives every group of `parallel.sp` consecutive ranks the
+            same samples, as sequence parallelism needs (`unirl.train.sequence_parallel`); without
+            it `parallel.sp > 1` is refused.
     """
 
     def __init__(
@@ -190,6 +192,7 @@ class TrainBackend:
         writer: Callable[[str, str, dict[str, torch.Tensor], torch.nn.Module], None] | None = None,
         frozen: tuple[str, ...] = (),
         roots: tuple[str, ...] = (),
+        parallel: ParallelConfig | None = None,
         groups_share_samples: bool = False,
     ) -> None:
         self.module = module
@@ -204,26 +207,27 @@ class TrainBackend:
             if set(name.split(".")) & set(frozen):
                 param.requires_grad_(False)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world > 1 and fsdp is not None and fsdp.sp > 1:
+        parallel = parallel or ParallelConfig()
+        if world > 1 and parallel.sp > 1:
             from unirl.train.sequence_parallel import enable_ulysses
 
             if not groups_share_samples:
                 raise ValueError(
-                    f"train.fsdp.sp={fsdp.sp}: sequence parallelism runs in single-track recipes only (their "
-                    "driver gives each group of sp ranks one sample shard); set it to 1 here"
+                    f"train.parallel.sp={parallel.sp}: sequence parallelism runs in single-track recipes only "
+                    "(their driver gives each group of sp ranks one sample shard); set it to 1 here"
                 )
             # before the checkpoint wrappers: the plan's hooks find a block's inputs by their names
-            enable_ulysses(module, fsdp.sp)
+            enable_ulysses(module, parallel.sp)
         if fsdp is not None and fsdp.activation_checkpointing:
             checkpoint_blocks(module, fsdp.block_classes)
         if world > 1:
             if fsdp is None:
                 raise ValueError(f"{world} data-parallel ranks need train.fsdp (FSDP2 sharding settings)")
-            shard_module(module, fsdp, next(module.parameters()).device.type, roots)
+            shard_module(module, fsdp, next(module.parameters()).device.type, roots, parallel.replicate)
         self.sharded = world > 1
         # Ulysses groups: FSDP averages gradients over all ranks, but a group's ranks hold partial
         # gradients of the same samples whose sum is theirs: the train stack scales losses by this
-        self.loss_multiplier = float(fsdp.sp) if world > 1 and fsdp is not None else 1.0
+        self.loss_multiplier = float(parallel.sp) if world > 1 else 1.0
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         if not self.params:

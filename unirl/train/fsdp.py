@@ -9,13 +9,55 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from unirl.types.constraints import AtLeastOne, check_fields
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """`train.parallel`: the device mesh of a track's `num_devices` ranks (plain keys, no
+    `_target_`; absent: plain FSDP over all ranks, no sequence parallelism).
+
+    Attributes:
+        replicate: HSDP replicas: the ranks form a 2-D mesh of `replicate` x `shard`; parameters,
+            gradients and optimizer state are sharded along the second dimension and replicated
+            along the first (gradients reduce-scattered within a replica group, then all-reduced
+            across replicas). 1: plain FSDP over all ranks. A checkpoint written on one mesh
+            resumes on another of the same world size (`torch.distributed.checkpoint` reshards).
+        shard: the ranks each replica shards over; null: `num_devices / replicate`. replicate x
+            shard must be `num_devices` (validated before Ray).
+        sp: Ulysses sequence-parallel degree (`unirl.train.sequence_parallel`): groups of `sp`
+            consecutive ranks share their samples and split each sample's tokens; 1: off. Must
+            divide `num_devices` and the transformer's heads; SD3, FLUX.1, Wan, Qwen-Image and
+            text-only causal LMs (their replay).
+    """
+
+    replicate: AtLeastOne = 1
+    shard: AtLeastOne | None = None
+    sp: AtLeastOne = 1
+
+    def __post_init__(self) -> None:
+        check_fields(self, "train.parallel.")
+
+    @classmethod
+    def of(cls, node: Any) -> ParallelConfig:
+        """From a recipe's `train.parallel` mapping (None: the defaults); an unknown key is an
+        error naming it and the valid ones."""
+        node = dict(node or {})
+        unknown = sorted(set(node) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(
+                f"train.parallel: unknown key(s) {unknown}; valid keys: replicate, shard, sp"
+            )
+        return cls(**node)
 
 
 @dataclass
@@ -31,16 +73,6 @@ class FSDPConfig:
             (less memory, one more all-gather in backward).
         activation_checkpointing: recompute each block's activations in backward
             (applied on one rank too; the other fields only act when sharded).
-        replicate: HSDP: the ranks form a 2-D mesh of `replicate` x (world / `replicate`);
-            parameters, gradients and optimizer state are sharded along the second dimension
-            and replicated along the first (gradients reduce-scattered within a replica group,
-            then all-reduced across replicas). 1: plain FSDP over all ranks. Must divide
-            `num_devices` (validated before Ray). A checkpoint written on one mesh resumes on
-            another of the same world size (`torch.distributed.checkpoint` reshards).
-        sp: Ulysses sequence-parallel degree (`unirl.train.sequence_parallel`): groups of `sp`
-            consecutive ranks share their samples and split each sample's tokens; 1: off. Must
-            divide `num_devices` and the transformer's heads; SD3, FLUX.1, Wan, Qwen-Image and
-            text-only causal LMs (their replay).
         offload_params: FSDP2 parameter offload (`CPUOffloadPolicy`): the sharded parameters,
             their gradients and the optimizer state (AdamW steps on the CPU) live in host memory
             (pinned on a GPU); each unit's shards are copied to the device for its all-gather and
@@ -57,15 +89,9 @@ class FSDPConfig:
     reduce_dtype: str = "float32"
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
-    replicate: int = 1
-    sp: int = 1
     offload_params: bool = False
 
     def __post_init__(self) -> None:
-        if self.sp < 1:
-            raise ValueError(f"train.fsdp.sp must be >= 1, got {self.sp}")
-        if self.replicate < 1:
-            raise ValueError(f"train.fsdp.replicate must be >= 1, got {self.replicate}")
         for key in ("param_dtype", "reduce_dtype"):
             if getattr(self, key) not in _DTYPES:
                 raise ValueError(
@@ -108,7 +134,7 @@ def device_mesh(device_type: str, world: int, replicate: int = 1) -> DeviceMesh:
 
     if world % replicate:
         raise ValueError(
-            f"train.fsdp.replicate={replicate} does not divide the {world} data-parallel ranks; "
+            f"train.parallel.replicate={replicate} does not divide the {world} data-parallel ranks; "
             f"valid values: {[d for d in range(1, world + 1) if world % d == 0]}"
         )
     if replicate == 1:
@@ -119,7 +145,11 @@ def device_mesh(device_type: str, world: int, replicate: int = 1) -> DeviceMesh:
 
 
 def shard_module(
-    module: torch.nn.Module, cfg: FSDPConfig, device_type: str, roots: tuple[str, ...] = ()
+    module: torch.nn.Module,
+    cfg: FSDPConfig,
+    device_type: str,
+    roots: tuple[str, ...] = (),
+    replicate: int = 1,
 ) -> torch.nn.Module:
     """FSDP2 on `module` in place: `fully_shard` per block (the activation-checkpoint
     wrappers when `checkpoint_blocks` ran first), then the root; returns it.
@@ -131,7 +161,8 @@ def shard_module(
     through a sub-unit would make it a root before the model's). Every trainable parameter must
     then lie in a block or a named root; frozen ones outside them stay whole on every rank.
 
-    Requires an initialized default process group; the mesh spans all its ranks.
+    Requires an initialized default process group; the mesh spans all its ranks (`replicate` >
+    1: HSDP's 2-D mesh, `device_mesh`).
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -149,7 +180,7 @@ def shard_module(
     blocks = [m for m in module.modules() if isinstance(m, CheckpointWrapper)] or [
         m for m in module.modules() if type(m).__name__ in set(cfg.block_classes)
     ]
-    mesh = device_mesh(device_type, dist.get_world_size(), cfg.replicate)
+    mesh = device_mesh(device_type, dist.get_world_size(), replicate)
     policy = MixedPrecisionPolicy(
         param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype]
     )

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism for a diffusers transformer, through diffusers' own context
 parallelism (`diffusers.ContextParallelConfig`, the model class's `_cp_plan`).
 
-With `train.fsdp.sp = P`, the data-parallel ranks form groups of P consecutive ranks (rank r is
+With `train.parallel.sp = P`, the data-parallel ranks form groups of P consecutive ranks (rank r is
 in group r // P) that hold the same samples. The transformer's context-parallel plan splits its
 token sequences (image and text) into P shards at the model's entry, each attention runs an
 all-to-all from sequence shards to head shards and back (`TemplatedUlyssesAttention`, with its
@@ -35,10 +35,10 @@ import torch
 
 
 def sequence_parallel_degree(cfg: Any) -> int:
-    """`train.fsdp.sp` of a recipe (plain dict or DictConfig; 1 without sharding settings): the
-    ranks that share one sample shard."""
-    fsdp = (cfg.get("train") or {}).get("fsdp")
-    return int(fsdp.get("sp", 1) or 1) if fsdp else 1
+    """`train.parallel.sp` of a recipe (plain dict or DictConfig; 1 without it): the ranks that
+    share one sample shard."""
+    parallel = (cfg.get("train") or {}).get("parallel")
+    return int(parallel.get("sp", 1) or 1) if parallel else 1
 
 
 def planned_parts(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -62,7 +62,7 @@ def heads_problem(heads: int, sp: int) -> str | None:
         return None
     valid = [d for d in range(1, heads + 1) if heads % d == 0]
     return (
-        f"train.fsdp.sp={sp} does not divide the transformer's {heads} attention heads; "
+        f"train.parallel.sp={sp} does not divide the transformer's {heads} attention heads; "
         f"valid values (also dividing num_devices): {valid}"
     )
 
@@ -74,14 +74,14 @@ def cp_plan_problem(module: torch.nn.Module, sp: int) -> str | None:
     if is_causal_lm(module):
         if getattr(module.config, "vision_config", None) is not None:
             return (
-                f"train.fsdp.sp={sp}: sequence-parallel replay runs on text-only causal LMs; "
-                f"{type(module).__name__} is a vision-language model (set train.fsdp.sp=1)"
+                f"train.parallel.sp={sp}: sequence-parallel replay runs on text-only causal LMs; "
+                f"{type(module).__name__} is a vision-language model (set train.parallel.sp=1)"
             )
         return heads_problem(module.config.num_attention_heads, sp)
     parts = planned_parts(module)
     if not parts:
         return (
-            f"train.fsdp.sp={sp}: {type(module).__name__} has no context-parallel plan in diffusers "
+            f"train.parallel.sp={sp}: {type(module).__name__} has no context-parallel plan in diffusers "
             "(`_cp_plan`); sequence parallelism runs on SD3, FLUX.1, Wan and Qwen-Image transformers"
         )
     for part in parts:
@@ -125,7 +125,7 @@ def enable_ulysses(module: torch.nn.Module, sp: int, device_type: str | None = N
         raise ValueError(problem)
     world = dist.get_world_size()
     if world % sp:
-        raise ValueError(f"train.fsdp.sp={sp} does not divide the {world} ranks")
+        raise ValueError(f"train.parallel.sp={sp} does not divide the {world} ranks")
     device = next(module.parameters()).device
     mesh = sp_mesh(device_type or device.type, world, sp)
     if is_causal_lm(module):

@@ -42,6 +42,7 @@ from unirl.train.backend import TrainBackend
 from unirl.train.checkpoint import load_train_state, save_train_state
 from unirl.train.critic import Critic
 from unirl.train.ema import EMAConfig
+from unirl.train.fsdp import ParallelConfig
 from unirl.train.joint import JointTrainStack
 from unirl.train.sequence_parallel import sequence_parallel_degree
 from unirl.train.stack import TrainStack, keep_graph_problems
@@ -214,7 +215,7 @@ def train_backend(
     keep_reference: bool,
     **extra: Any,
 ) -> TrainBackend:
-    """The `TrainBackend` of `module` from a recipe's `train` node (LoRA, optimizer, FSDP2, EMA),
+    """The `TrainBackend` of `module` from a recipe's `train` node (LoRA, optimizer, FSDP2, mesh, EMA),
     keeping the EMA snapshots `algorithms` name (one backend may serve several: a shared
     backbone's segments) and exporting through `bundle.write_weights`; `extra` goes to the backend
     (`groups_share_samples`, `frozen`, `roots`)."""
@@ -224,6 +225,7 @@ def train_backend(
         build(train["optim"]),
         total_optimizer_steps,
         fsdp=build(train.get("fsdp")),
+        parallel=ParallelConfig.of(train.get("parallel")),
         ema=build(train.get("ema")),
         snapshots={n: EMAConfig(**spec) for a in algorithms for n, spec in a.snapshots.items()},
         keep_reference=keep_reference,

@@ -360,8 +360,8 @@ class CausalLMStage(ModuleDevice):
         if group_of(self.module) is not None:
             if segment.has_images:
                 raise ValueError(
-                    "train.fsdp.sp > 1: sequence-parallel replay is for text-only causal LMs; a "
-                    "vision-language model's rows carry images (set train.fsdp.sp=1)"
+                    "train.parallel.sp > 1: sequence-parallel replay is for text-only causal LMs; a "
+                    "vision-language model's rows carry images (set train.parallel.sp=1)"
                 )
             return self._sharded_log_probs(segment)
         device = self.device
