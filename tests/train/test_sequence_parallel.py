@@ -32,8 +32,8 @@ def _setup(family: str, sp: int | None, samples: list[int]):
     from unirl.models.flow.stage import FlowMatchingStage
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
-    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig, ParallelConfig
+    from unirl.train.backend import LoRAConfig
+    from unirl.train.fsdp import FSDPConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
@@ -62,15 +62,7 @@ def _setup(family: str, sp: int | None, samples: list[int]):
     stage = FlowMatchingStage(bundle, replay_steps_per_forward=2)
     fsdp = FSDPConfig(block_classes=blocks) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=targets)
-    backend = TrainBackend(
-        stage.module,
-        lora,
-        OptimConfig(lr=1e-2),
-        10,
-        fsdp=fsdp,
-        parallel=ParallelConfig(sp=sp or 1),
-        groups_share_samples=True,
-    )
+    backend = _backend(stage.module, lora, fsdp, sp)
     stage.module = backend.module
     stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(4))
     sp_params = DiffusionSamplingParams(
@@ -92,23 +84,15 @@ def _lm_setup(sp: int | None, samples: list[int]):
     from unirl.algorithms.grpo import GRPO, GRPOConfig
     from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig
     from unirl.rollout.trainside import TrainsideEngine
-    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig, ParallelConfig
+    from unirl.train.backend import LoRAConfig
+    from unirl.train.fsdp import FSDPConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import PromptExample, RolloutReq, TextSamplingParams
 
     stage = CausalLMStage(CausalLMConfig(tiny=TinyLMConfig(num_layers=2)).build())
     fsdp = FSDPConfig(block_classes=["Qwen3DecoderLayer"]) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    backend = TrainBackend(
-        stage.module,
-        lora,
-        OptimConfig(lr=1e-2),
-        10,
-        fsdp=fsdp,
-        parallel=ParallelConfig(sp=sp or 1),
-        groups_share_samples=True,
-    )
+    backend = _backend(stage.module, lora, fsdp, sp)
     stage.module = backend.module
     stack = TrainStack(stage, backend, GRPO(GRPOConfig()), TrainStackConfig(2))
     params = TextSamplingParams(samples_per_prompt=2, max_new_tokens=7, temperature=1.0)
@@ -118,6 +102,18 @@ def _lm_setup(sp: int | None, samples: list[int]):
     track = TrainsideEngine(stage, forward_batch_size=4).generate(req).track("text")
     track.advantages = torch.linspace(-1.0, 1.0, SAMPLES)[samples]
     return backend, stack, track
+
+
+def _backend(module, lora, fsdp, sp: int | None):
+    """The train backend of `module` (AdamW at 1e-2) under FSDP2 `fsdp` with Ulysses degree `sp`
+    (None: one unsharded process), a group's ranks given the same samples."""
+    from unirl.train.backend import OptimConfig, TrainBackend
+    from unirl.train.fsdp import ParallelConfig
+
+    parallel = ParallelConfig(sp=sp or 1)
+    return TrainBackend(
+        module, lora, OptimConfig(lr=1e-2), 10, fsdp=fsdp, parallel=parallel, groups_share_samples=True
+    )
 
 
 def _rows(log_probs) -> list[torch.Tensor]:
@@ -337,8 +333,8 @@ def _family_setup(family: str, sp: int | None):
     from unirl.models.flow.stage import FlowMatchingStage
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
-    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig, ParallelConfig
+    from unirl.train.backend import LoRAConfig
+    from unirl.train.fsdp import FSDPConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
@@ -365,15 +361,7 @@ def _family_setup(family: str, sp: int | None):
     # a block's inputs)
     fsdp = FSDPConfig(block_classes=blocks, activation_checkpointing=True) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=["to_q", "to_k", "to_v"])
-    backend = TrainBackend(
-        stage.module,
-        lora,
-        OptimConfig(lr=1e-2),
-        10,
-        fsdp=fsdp,
-        parallel=ParallelConfig(sp=sp or 1),
-        groups_share_samples=True,
-    )
+    backend = _backend(stage.module, lora, fsdp, sp)
     stage.module = backend.module
     stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(4))
     params = DiffusionSamplingParams(
@@ -404,8 +392,8 @@ def _kept_setup(sp: int | None) -> tuple[torch.Tensor, float]:
     from unirl.models.flux import FluxModelConfig, TinyFluxConfig
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
-    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig, ParallelConfig
+    from unirl.train.backend import LoRAConfig
+    from unirl.train.fsdp import FSDPConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
@@ -418,15 +406,7 @@ def _kept_setup(sp: int | None) -> tuple[torch.Tensor, float]:
     blocks = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
     fsdp = FSDPConfig(block_classes=blocks) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=["to_q", "to_k", "to_v"])
-    backend = TrainBackend(
-        stage.module,
-        lora,
-        OptimConfig(lr=1e-2),
-        10,
-        fsdp=fsdp,
-        parallel=ParallelConfig(sp=sp or 1),
-        groups_share_samples=True,
-    )
+    backend = _backend(stage.module, lora, fsdp, sp)
     stage.module = backend.module
     stack = TrainStack(stage, backend, FlowGRPO(FlowGRPOConfig(clip_range=0.2)), TrainStackConfig(2))
     params = DiffusionSamplingParams(
@@ -459,8 +439,8 @@ def _draft_setup(sp: int | None) -> torch.Tensor:
     from unirl.models.flow.stage import FlowMatchingStage
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.sde.schedules import sigmas_for
-    from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
-    from unirl.train.fsdp import FSDPConfig, ParallelConfig
+    from unirl.train.backend import LoRAConfig
+    from unirl.train.fsdp import FSDPConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
 
@@ -468,15 +448,7 @@ def _draft_setup(sp: int | None) -> torch.Tensor:
     bundle = tiny_model_config(num_layers=2).build()
     stage = FlowMatchingStage(bundle, store_trajectory=True, detach_uncond=False)
     fsdp = FSDPConfig(block_classes=["JointTransformerBlock"]) if sp else None
-    backend = TrainBackend(
-        stage.module,
-        LoRAConfig(rank=4, alpha=8),
-        OptimConfig(lr=1e-2),
-        10,
-        fsdp=fsdp,
-        parallel=ParallelConfig(sp=sp or 1),
-        groups_share_samples=True,
-    )
+    backend = _backend(stage.module, LoRAConfig(rank=4, alpha=8), fsdp, sp)
     stage.module = backend.module
     stack = TrainStack(stage, backend, DRaFT(_Redness(), DRaFTConfig(steps=2)), TrainStackConfig(2))
     params = DiffusionSamplingParams(

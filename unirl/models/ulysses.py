@@ -36,13 +36,18 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
 
 
+def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """The group's tensors joined along `dim`, in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 class _GatherHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
+        return _all_gather(x, group, 2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -58,9 +63,7 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        return _all_gather(x, group, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -24,7 +24,11 @@ SMALL = [
 
 @pytest.mark.parametrize(
     ("name", "pipeline", "length"),
-    [("tiny_flux2_flowgrpo", Flux2Pipeline, 48), ("tiny_flux2_klein_flowgrpo", Flux2KleinPipeline, 32)],
+    [
+        ("tiny_flux2_flowgrpo", Flux2Pipeline, 48),
+        ("tiny_flux2_klein_flowgrpo", Flux2KleinPipeline, 32),
+        ("tiny_flux2_edit_flowgrpo", Flux2Pipeline, 48),  # two reference images per row
+    ],
 )
 def test_tiny_flux2_flowgrpo_trains_and_its_lora_loads_into_the_pipeline(
     tmp_path, name, pipeline, length

@@ -1,5 +1,5 @@
 """FLUX.2 model family: FLUX.2-dev and FLUX.2-Klein bundles (`FlowFamily`s), their model configs
-and tiny builders.
+(with reference images: `Flux2EditModelConfig`, `Flux2KleinEditModelConfig`) and tiny builders.
 
 `Flux2Stage` is the shared `FlowMatchingStage` under the name FLUX.2 recipes give their stage."""
 
@@ -7,6 +7,8 @@ from unirl.models.flow.stage import FlowMatchingStage as Flux2Stage
 from unirl.models.flux2.bundle import Flux2Bundle, Flux2KleinBundle, load_checkpoint
 from unirl.models.flux2.config import (
     LORA_TARGETS,
+    Flux2EditModelConfig,
+    Flux2KleinEditModelConfig,
     Flux2KleinModelConfig,
     Flux2ModelConfig,
     TinyFlux2Config,
@@ -16,6 +18,8 @@ from unirl.models.flux2.config import (
 __all__ = [
     "LORA_TARGETS",
     "Flux2Bundle",
+    "Flux2EditModelConfig",
+    "Flux2KleinEditModelConfig",
     "Flux2KleinBundle",
     "Flux2KleinModelConfig",
     "Flux2ModelConfig",

@@ -22,8 +22,8 @@ What differs from FLUX.1, all inside this file:
 - the schedule is `linspace(1, 1/T, T)` under FLUX.2's empirical mu (`sampling.sigma_grid:
   steps`, `dynamic_shift: true`, `mu_rule: empirical`: `unirl.sde.schedules.empirical_mu`).
 
-Not built here: reference images (FLUX.2's multi-reference editing; the pipelines' `image`),
-caption upsampling (`caption_upsample_temperature`), Klein's KV-cached variant.
+Reference images (FLUX.2's multi-reference editing, the pipelines' `image`) are `references.py`.
+Not built: caption upsampling (`caption_upsample_temperature`), Klein's KV-cached variant.
 """
 
 from __future__ import annotations
@@ -136,23 +136,30 @@ class Flux2BundleBase(Packed2x2Bundle):
         """Velocity [B, C, h, w] at latents x [B, C, h, w] and sigma [B]: the network on the
         packed tokens with 4-axis positions, at timestep `(sigma * 1000) / 1000`, with `guidance`
         [B] for a transformer that embeds it (required then; one without takes only 1.0, i.e.
-        none)."""
+        none). With reference images (`cond["reference_tokens"]` [B, R, 4C] and their ids
+        [B, R, 4], `references.py`) their tokens follow the sample's, and the velocity is read
+        from the sample's."""
         guidance = EmbeddedGuidance.network_guidance(
             guidance, bool(self.transformer.config.guidance_embeds), "FLUX.2"
         )
         dtype = next(module.parameters()).dtype
         _, _, h, w = x.shape
         text = cond["prompt_embeds"]
+        tokens, ids = pack(x), positions(h // 2, w // 2).to(x.device)
+        sample_tokens = tokens.shape[1]
+        if "reference_tokens" in cond:
+            tokens = torch.cat([tokens, cond["reference_tokens"].to(tokens.dtype)], dim=1)
+            ids = torch.cat([ids, cond["reference_ids"][0].to(ids)])
         out = module(
-            hidden_states=pack(x).to(dtype),
+            hidden_states=tokens.to(dtype),
             encoder_hidden_states=text.to(dtype),
             timestep=(sigma * 1000.0 / 1000).to(dtype),
-            img_ids=positions(h // 2, w // 2).to(x.device),
+            img_ids=ids,
             txt_ids=positions(1, 1, text.shape[1]).to(x.device),
             guidance=None if guidance is None else guidance.to(dtype),
             return_dict=False,
         )[0]
-        return unpack(out.contiguous(), h, w)
+        return unpack(out[:, :sample_tokens].contiguous(), h, w)
 
     def pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped), differentiable: the latents

@@ -5,16 +5,18 @@
 text_encoder/ (Mistral3ForConditionalGeneration), tokenizer/, scheduler/);
 `Flux2KleinModelConfig` a FLUX.2-Klein one (`Flux2KleinPipeline`: a Qwen3ForCausalLM
 text_encoder/ and its tokenizer). Either takes `tiny=TinyFlux2Config(...)` for a tiny random
-model built from configs, offline. The bundles (`unirl.models.flux2.bundle`) are named by `SPEC`,
-not imported here.
+model built from configs, offline. `Flux2EditModelConfig` / `Flux2KleinEditModelConfig` are the
+same models reading reference images from each prompt row (`unirl.models.flux2.references`). The
+bundles (`unirl.models.flux2.bundle`, `references`) are named by `SPEC`, not imported here.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 from unirl.models.flow.config import (
     FamilySpec,
@@ -220,3 +222,106 @@ class Flux2KleinModelConfig(Flux2ModelConfig):
             f"{key}={guidance_scale}: this FLUX.2-Klein is step-distilled (is_distilled in its "
             f"model_index.json) and samples without guidance; set {key}: 1.0"
         ]
+
+
+REFERENCE_KEY = "images"
+"""The default prompt-row metadata key naming a sample's reference images (paths, arrays or PIL
+images); a config's `condition_key` names another."""
+
+
+def reference_layout(width: int, height: int, cell: int) -> tuple[int, int]:
+    """(rows, cols) of packed tokens of a reference of width x height px, as the pipelines
+    prepare it: shrunk to 1024 x 1024 px of area when larger, sides floored to multiples of `cell`
+    (`unirl.models.flux2.references.reference_size`)."""
+    if width * height > 1024 * 1024:
+        scale = math.sqrt(1024 * 1024 / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    return height // cell, width // cell
+
+
+class ReferenceConditions:
+    """What a FLUX.2 config adds for reference images (`unirl.models.flux2.references`): the
+    bundle reads `condition_key` of each row, and `condition_problems` checks every prompt row
+    before Ray. The dataclass that mixes it in declares `condition_key`."""
+
+    condition_key: str
+
+    def build(self):
+        bundle = super().build()
+        bundle.condition_key = self.condition_key
+        return bundle
+
+    def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
+        """Every prompt row of `where` (its examples) names one or more references that read and
+        keep at least one packed cell per side, and every row the same number of references with
+        the same packed sizes (a request batches its rows); problems name the row. (`sampling` is
+        not read: the references do not enter the prompt.)"""
+        from unirl.models.images import load_image
+
+        key, cell = self.condition_key, latent_patch_cell(self.pretrained_path, self.tiny)
+        problems, layouts = [], {}
+        for ex in examples:
+            entries = ex.metadata.get(key)
+            if not isinstance(entries, list | tuple) or not entries:
+                problems.append(
+                    f"{where}: prompt {ex.prompt_id!r} carries no reference image in metadata {key!r}; "
+                    f'{self.SPEC.name} with references reads one or more: give the row "{key}": ["<image file>", ...]'
+                )
+                continue
+            layout = []
+            for i, entry in enumerate(entries):
+                try:
+                    image = load_image(entry, ex.prompt_id, i)
+                except ValueError as exc:
+                    problems.append(f"{where}: {exc}")
+                    break
+                rows, cols = reference_layout(image.width, image.height, cell or 1)
+                if not rows or not cols:
+                    problems.append(
+                        f"{where}: prompt {ex.prompt_id!r}: reference {i} is {image.width}x{image.height} px, under "
+                        f"one packed cell of {cell} px on a side"
+                    )
+                    break
+                layout.append((rows, cols))
+            else:
+                layouts.setdefault(tuple(layout), ex.prompt_id)
+        if len(layouts) > 1:
+            problems.append(
+                f"{where}: rows whose references pack into different token grids {sorted(layouts)} (e.g. prompts "
+                f"{list(layouts.values())[:2]}); a request batches its rows: give every row the same number of "
+                "references with the same sizes"
+            )
+        return problems
+
+
+@dataclass
+class Flux2EditModelConfig(ReferenceConditions, Flux2ModelConfig):
+    """FLUX.2-dev reading reference images (`Flux2Pipeline`'s `image`): a local `Flux2Pipeline`
+    directory or the tiny model (the same modules; the references are inputs). Each prompt row
+    names its references under `condition_key`."""
+
+    SPEC: ClassVar[FamilySpec] = replace(
+        Flux2ModelConfig.SPEC, modeling="unirl.models.flux2.references", bundle="Flux2EditBundle"
+    )
+    condition_key: str = REFERENCE_KEY
+
+    def load_checkpoint(self, path: str):
+        bundle = self.modeling().load_checkpoint(path)
+        bundle.condition_key = self.condition_key
+        return bundle
+
+
+@dataclass
+class Flux2KleinEditModelConfig(ReferenceConditions, Flux2KleinModelConfig):
+    """FLUX.2-Klein reading reference images (`Flux2KleinPipeline`'s `image`)."""
+
+    SPEC: ClassVar[FamilySpec] = replace(
+        Flux2KleinModelConfig.SPEC, modeling="unirl.models.flux2.references", bundle="Flux2KleinEditBundle"
+    )
+    condition_key: str = REFERENCE_KEY
+
+    def load_checkpoint(self, path: str):
+        modeling = self.modeling()
+        bundle = modeling.load_checkpoint(path, bundle_class=modeling.Flux2KleinEditBundle)
+        bundle.condition_key = self.condition_key
+        return bundle
