@@ -3,7 +3,7 @@
 the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
 recipes score 32 px images (their learned reward), the rest 16 px.
 
-    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage | flux2 | flux2_klein | hunyuanvideo15
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage | flux2 | flux2_klein | flux2_edit | hunyuanvideo15
 
 - flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
 - kontext: FLUX.1-Kontext, flux's settings at guidance 2.5, the prompts of datasets/tiny_edit (each
@@ -18,7 +18,9 @@ recipes score 32 px images (their learned reward), the rest 16 px.
   prompt (the pipeline's guidance 1.0), `sigma_grid: steps` through shift 3.0.
 - flux2: FLUX.2-dev (latent space: the pipeline decodes with its VAE), embedded guidance 4.0,
   `sigma_grid: steps` under FLUX.2's empirical mu; flux2_klein: FLUX.2-Klein, the same schedule,
-  classifier-free guidance 4.0 against the empty prompt.
+  classifier-free guidance 4.0 against the empty prompt; flux2_edit: FLUX.2-dev reading two
+  reference images per row (the rows of datasets/tiny_edit/two_picture_prompts.jsonl, the edits'
+  redness).
 - hunyuanvideo15: HunyuanVideo 1.5 T2V (latent space), 5-frame videos, CFG 2.0 against the empty
   prompt, the Euler grid shifted by 5.0, image rewards wrapped in `FrameMean` as for wan.
 - qwen_edit: Qwen-Image-Edit-Plus (latent space: the pipeline VAE-encodes its references),
@@ -183,6 +185,13 @@ def flux2_klein(cfg, size: int, lora_targets: list[str]) -> None:
     flux2(cfg, size, lora_targets, klein=True)
 
 
+def flux2_edit(cfg, size: int, lora_targets: list[str]) -> None:
+    flux2(cfg, size, lora_targets)
+    cfg.model._target_ = "unirl.models.flux2.Flux2EditModelConfig"
+    cfg.model.tiny.words = ["make", "the", "blue", "green", "yellow", "square", "in", "picture", "colour", "of"]
+    edit_rows(cfg, "datasets/tiny_edit/two_picture_prompts.jsonl")
+
+
 def hunyuanvideo15(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.model = {
         "_target_": "unirl.models.hunyuanvideo.HunyuanVideo15ModelConfig",
@@ -201,10 +210,12 @@ def hunyuanvideo15(cfg, size: int, lora_targets: list[str]) -> None:
 
 FAMILIES = {
     "flux": flux, "kontext": kontext, "wan": wan, "wan22": wan22, "qwenimage": qwenimage, "qwen_edit": qwen_edit,
-    "zimage": zimage, "flux2": flux2, "flux2_klein": flux2_klein, "hunyuanvideo15": hunyuanvideo15,
+    "zimage": zimage, "flux2": flux2, "flux2_klein": flux2_klein, "flux2_edit": flux2_edit,
+    "hunyuanvideo15": hunyuanvideo15,
 }  # fmt: skip
 PACKAGES = {
-    "kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan", "flux2_klein": "flux2", "hunyuanvideo15": "hunyuanvideo",
+    "kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan", "flux2_klein": "flux2", "flux2_edit": "flux2",
+    "hunyuanvideo15": "hunyuanvideo",
 }  # fmt: skip  # the package whose LORA_TARGETS a family uses, when not its own
 
 
