@@ -68,6 +68,7 @@ def check_guidance(model: Any, sampling: Any, eval_sampling: Any, problems: list
     ask = getattr(model, "guidance_problems", None)
     if ask is None or not isinstance(sampling, DiffusionSamplingParams):
         return
-    problems.extend(ask(sampling.guidance_scale, "sampling.guidance_scale"))
+    found = ask(sampling.guidance_scale, "sampling.guidance_scale")
     if eval_sampling is not None and hasattr(eval_sampling, "guidance_scale"):
-        problems.extend(ask(eval_sampling.guidance_scale, "eval.sampling.guidance_scale"))
+        found += ask(eval_sampling.guidance_scale, "eval.sampling.guidance_scale")
+    problems.extend(dict.fromkeys(found))  # a model-level problem (not the key's) is said once

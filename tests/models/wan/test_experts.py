@@ -189,3 +189,56 @@ def test_sequence_parallelism_plans_each_expert() -> None:
     assert planned_parts(meta) == [meta.transformer, meta.transformer_2]
     assert cp_plan_problem(meta, 2) is None
     assert "does not divide the transformer's 2 attention heads" in cp_plan_problem(meta, 4)
+
+
+def test_guidance_scale_2_guides_the_low_noise_steps_as_wan_pipeline(tmp_path) -> None:
+    """`model.guidance_scale_2`: the low-noise expert's steps combine their branches with it, the
+    high-noise expert's with `sampling.guidance_scale`; ODE sampling equals `WanPipeline(...,
+    guidance_scale=5.0, guidance_scale_2=2.0)` bit for bit, and differs from one scale throughout.
+    Without two experts it is refused before Ray."""
+    config = tiny_wan_config(boundary_ratio=BOUNDARY)
+    config.guidance_scale_2 = 2.0
+    bundle = config.build()
+    num_steps, size = 4, 16
+    sp = DiffusionSamplingParams(
+        num_steps=num_steps, samples_per_prompt=2, height=size, width=size, guidance_scale=5.0,
+        eta=0.0, shift=3.0, max_sequence_length=8,
+    )  # fmt: skip
+    stage = WanStage(bundle)
+    sigmas = sigmas_for(sp, bundle.image_seq_len(size, size))
+    req = RolloutReq.from_prompts([PromptExample(p, str(i)) for i, p in enumerate(PROMPTS)], sp, sigmas, 0)
+    ours = stage.diffuse(req, stage.encode_request(req)).at(num_steps)
+    x_t = torch.stack(
+        [
+            torch.randn(bundle.latent_shape(size, size), generator=torch.Generator().manual_seed(s))
+            for s in req.init_seeds
+        ]
+    )
+    pipe = WanPipeline(**bundle.pipeline.components, boundary_ratio=BOUNDARY)
+    pipe.set_progress_bar_config(disable=True)
+    final = {}
+
+    def keep_last(pipe, i, t, tensors):
+        final["latents"] = tensors["latents"]
+        return tensors
+
+    with torch.no_grad():
+        pipe(
+            prompt=PROMPTS, num_videos_per_prompt=2, height=size, width=size, num_frames=bundle.num_frames,
+            num_inference_steps=num_steps, guidance_scale=5.0, guidance_scale_2=2.0, latents=x_t,
+            max_sequence_length=8, output_type="latent", callback_on_step_end=keep_last,
+        )  # fmt: skip
+    assert torch.equal(ours, final["latents"]), (ours - final["latents"]).abs().max().item()
+    bundle.guidance_scale_2 = None
+    one_scale = stage.diffuse(req, stage.encode_request(req)).at(num_steps)
+    assert (one_scale - ours).abs().max().item() > 1e-4
+
+    from tests.recipes import composed
+    from unirl.config.validate import ConfigError, validate_recipe
+
+    cfg = composed("diffusion/tiny_wan_flowgrpo", tmp_path, "+model.guidance_scale_2=3.0")
+    with pytest.raises(
+        ConfigError,
+        match=r"model.guidance_scale_2=3.0: the low-noise expert's scale needs Wan 2.2's two experts",
+    ):
+        validate_recipe(cfg, expect="diffusion")

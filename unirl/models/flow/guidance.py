@@ -50,6 +50,12 @@ class ClassifierFreeGuidance(_Branches):
     guidance = "cfg"
     encodes_uncond = True
 
+    def row_scales(self, sigma: torch.Tensor, scale: float) -> float | torch.Tensor:
+        """The scale each row's branches combine with: `scale` (a family whose pipeline guides
+        some steps with another scale overrides it: Wan 2.2's low-noise expert, `guidance_scale_2`).
+        Whether the uncond branch runs at all is `scale`'s alone, as in the pipelines."""
+        return scale
+
     @staticmethod
     def combine_cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
         """The guided velocity from the two branches' velocities: v_u + s (v_c - v_u) (a family
@@ -75,12 +81,12 @@ class ClassifierFreeGuidance(_Branches):
             with self.uncond_context(detach_uncond):
                 v_uncond = forward(x, sigma, negative)
             v_cond = forward(x, sigma, positive)
-            return self.combine_cfg(v_uncond, v_cond, scale)
+            return self.combine_cfg(v_uncond, v_cond, self.row_scales(sigma, scale))
         both = {k: torch.cat([negative[k], positive[k]]) for k in positive}
         v_uncond, v_cond = forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
         if detach_uncond:
             v_uncond = v_uncond.detach()
-        return self.combine_cfg(v_uncond, v_cond, scale)
+        return self.combine_cfg(v_uncond, v_cond, self.row_scales(sigma, scale))
 
 
 class EmbeddedGuidance(_Branches):

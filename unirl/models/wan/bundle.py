@@ -69,6 +69,7 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
 
     cond_keys = ("prompt_embeds",)
     LORA_PIPELINE: ClassVar[type] = WanPipeline  # reads write_weights' LoRA
+    guidance_scale_2: float | None = None  # the low-noise expert's CFG scale (set by the config)
     PIPELINE: ClassVar[type] = WanPipeline  # the diffusers pipeline class this bundle owns
 
     def __init__(
@@ -148,6 +149,17 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
         if guided:
             out["negative_prompt_embeds"] = neg
         return out
+
+    def row_scales(self, sigma: torch.Tensor, scale: float) -> float | torch.Tensor:
+        """With two experts and `guidance_scale_2`: that scale on the rows the low-noise expert
+        denoises (timestep `sigma * 1000` below the boundary, as `WanExperts` routes them), `scale`
+        on the rest ([B, 1, 1, 1, 1]; `WanPipeline`'s `guidance_scale_2`); else `scale`."""
+        if self.guidance_scale_2 is None or not isinstance(self.transformer, WanExperts):
+            return scale
+        dtype = next(self.transformer.parameters()).dtype
+        low = (sigma * 1000.0).to(dtype) < self.transformer.boundary_timestep
+        scales = torch.where(low, self.guidance_scale_2, scale).to(torch.float32)
+        return scales.view(-1, 1, 1, 1, 1)
 
     def predict(
         self, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict

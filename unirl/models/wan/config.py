@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
+from annotated_types import Ge
 
 from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, cell_size_problems, read_vae_config
 from unirl.models.source import DType
@@ -107,6 +108,10 @@ class WanModelConfig(FlowFamilyConfig):
             (Wan's VAE: 1, 5, ..., 81).
         dtype: parameter dtype of the frozen components (UMT5, VAE); the trainable transformer
             stays fp32 master weights unless the backend casts it.
+        guidance_scale_2: Wan 2.2 A14B's `guidance_scale_2`: the classifier-free guidance scale
+            of the steps the low-noise expert denoises (the anchors' T2V: 3.0 beside 4.0); null:
+            `sampling.guidance_scale` on every step. Two experts only (checked before Ray); the
+            uncond branch runs when `sampling.guidance_scale` > 1, as in `WanPipeline`.
     """
 
     modality: ClassVar[str] = "diffusion"
@@ -120,9 +125,20 @@ class WanModelConfig(FlowFamilyConfig):
     tiny: TinyWanConfig | None = field(default_factory=TinyWanConfig)
     num_frames: AtLeastOne = 81
     dtype: DType = "float32"
+    guidance_scale_2: Annotated[float, Ge(1.0)] | None = None
 
     def bundle_options(self) -> dict[str, int]:
         return {"num_frames": self.num_frames}
+
+    def build(self) -> Any:
+        bundle = super().build()
+        bundle.guidance_scale_2 = self.guidance_scale_2
+        return bundle
+
+    def load_checkpoint(self, path: str) -> Any:
+        bundle = super().load_checkpoint(path)
+        bundle.guidance_scale_2 = self.guidance_scale_2
+        return bundle
 
     def size_problems(self, height: int, width: int) -> list[str]:
         """Wan's geometry: height and width multiples of the VAE's spatial scale x the 2x2 patch
@@ -145,8 +161,14 @@ class WanModelConfig(FlowFamilyConfig):
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
         """Wan runs classifier-free guidance (cond and uncond forwards): any scale >= 1 (1 is
-        unguided); the type and range checks of the key refuse the rest."""
-        return []
+        unguided); the type and range checks of the key refuse the rest. `guidance_scale_2`
+        needs Wan 2.2's two experts."""
+        if self.guidance_scale_2 is None or self.two_experts():
+            return []
+        return [
+            f"model.guidance_scale_2={self.guidance_scale_2}: the low-noise expert's scale needs Wan 2.2's two "
+            "experts (model.tiny.boundary_ratio, or a directory with transformer_2/); set it to null"
+        ]
 
     def scales(self) -> tuple[int, int] | None:
         """(temporal, spatial) compression, from the tiny config or the directory's vae/config.json
