@@ -18,7 +18,10 @@ What differs from the other image families, all inside this file:
 
 The sigma schedule is the recipe's: `ZImagePipeline` samples `linspace(1, 1/T, T)` through its
 scheduler's shift (`sampling.sigma_grid: steps`, `sampling.shift` its scheduler's, 3.0 for the
-tiny model). Not built: the pipeline's `cfg_normalization` and `cfg_truncation` (off by default).
+tiny model). The pipeline's `cfg_normalization` (a row's guided output rescaled to at most that
+multiple of its cond output's norm) and `cfg_truncation` (no guidance on the steps whose
+`(1000 - t) / 1000` exceeds it) are the model config's (`ZImageModelConfig`), off by default as in
+the pipeline.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class ZImageBundle(Packed2x2Bundle, ClassifierFreeGuidance):
 
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
     LORA_PIPELINE: ClassVar[type] = ZImagePipeline  # reads write_weights' LoRA
+    cfg_normalization: float = 0.0  # the pipeline's; 0: off (set by the config)
+    cfg_truncation: float | None = None  # the pipeline's; None: off (set by the config)
 
     def __init__(self, pipeline: ZImagePipeline, sample_size: int) -> None:
         self.pipeline = pipeline
@@ -110,11 +115,45 @@ class ZImageBundle(Packed2x2Bundle, ClassifierFreeGuidance):
         out = module(list(x.to(dtype).unsqueeze(2).unbind(0)), t.to(dtype), captions, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)
 
-    @staticmethod
-    def combine_cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
+    def combine_cfg(
+        self, v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float | torch.Tensor
+    ) -> torch.Tensor:
         """v_c + (s - 1) (v_c - v_u): `ZImagePipeline`'s pos + g (pos - neg) with g = s - 1, on
-        the velocities (the pipeline negates after combining; negation is exact)."""
-        return v_cond + (scale - 1.0) * (v_cond - v_uncond)
+        the velocities (the pipeline negates after combining; negation is exact). With
+        `cfg_normalization` c > 0 a row whose guided norm exceeds c x its cond norm is scaled
+        down to it, row by row as the pipeline does (norms do not see the negation)."""
+        guided = v_cond + (scale - 1.0) * (v_cond - v_uncond)
+        if not self.cfg_normalization:
+            return guided
+        rows = []
+        for pred, pos in zip(guided.unbind(0), v_cond.unbind(0), strict=True):
+            largest = torch.linalg.vector_norm(pos) * float(self.cfg_normalization)
+            norm = torch.linalg.vector_norm(pred)
+            rows.append(pred * (largest / norm) if norm > largest else pred)
+        return torch.stack(rows)
+
+    def truncated(self, sigma: torch.Tensor) -> torch.Tensor:
+        """[B] bool: the rows whose `(1000 - t) / 1000` (t = 1000 sigma, the pipeline's
+        `_precomputed_t_norms`) exceeds `cfg_truncation`, where the pipeline guides with g = 0."""
+        t_norm = (1000 - (sigma * 1000.0).float()) / 1000
+        return t_norm.double() > float(self.cfg_truncation)
+
+    def row_scales(self, sigma: torch.Tensor, scale: float) -> float | torch.Tensor:
+        """`scale`, or with `cfg_truncation` 1 (g = 0) on the truncated rows ([B, 1, 1, 1])."""
+        if self.cfg_truncation is None:
+            return scale
+        return torch.where(self.truncated(sigma), 1.0, scale).to(torch.float32).view(-1, 1, 1, 1)
+
+    def guided_velocity(
+        self, forward, x, sigma, cond, scale, detach_uncond, separate_uncond=False
+    ) -> torch.Tensor:
+        """Classifier-free guidance (`ClassifierFreeGuidance`), except that a call whose rows are
+        all truncated (`cfg_truncation`: a sampling step past it) runs the cond branch alone, as
+        the pipeline does; rows of several steps batched together (replay) guide the truncated
+        ones with g = 0 in the same forward."""
+        if self.cfg_truncation is not None and scale > 1.0 and bool(self.truncated(sigma).all()):
+            return forward(x, sigma, self.branch(cond))
+        return super().guided_velocity(forward, x, sigma, cond, scale, detach_uncond, separate_uncond)
 
     def pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped), differentiable: the VAE decode of

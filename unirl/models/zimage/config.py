@@ -10,7 +10,9 @@ named by `SPEC`, not imported here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated, Any, ClassVar
+
+from annotated_types import Ge, Le
 
 from unirl.models.flow.config import (
     FamilySpec,
@@ -20,7 +22,7 @@ from unirl.models.flow.config import (
     latent_patch_cell,
 )
 from unirl.models.source import DType
-from unirl.types.constraints import AtLeastOne, check_fields
+from unirl.types.constraints import AtLeastOne, NonNegative, check_fields
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 """Z-Image's attention projections, as peft name suffixes: every single-stream block's (the main
@@ -87,6 +89,10 @@ class ZImageModelConfig(FlowFamilyConfig):
         tiny: tiny-model config used when `pretrained_path` is null.
         dtype: parameter dtype of the frozen components (text encoder, VAE); the trainable
             transformer stays fp32 master weights unless the backend casts it.
+        cfg_normalization: `ZImagePipeline`'s: a guided row whose norm exceeds this multiple of
+            its cond output's norm is scaled down to it; 0: off (the pipeline's default).
+        cfg_truncation: `ZImagePipeline`'s: no guidance on the steps whose `(1000 - t) / 1000`
+            exceeds it (late, low-noise steps); null: off (the pipeline's 1.0 never truncates).
     """
 
     modality: ClassVar[str] = "diffusion"
@@ -99,6 +105,18 @@ class ZImageModelConfig(FlowFamilyConfig):
     pretrained_path: str | None = None
     tiny: TinyZImageConfig | None = field(default_factory=TinyZImageConfig)
     dtype: DType = "float32"
+    cfg_normalization: NonNegative = 0.0
+    cfg_truncation: Annotated[float, Ge(0.0), Le(1.0)] | None = None
+
+    def build(self) -> Any:
+        return self._guided(super().build())
+
+    def load_checkpoint(self, path: str) -> Any:
+        return self._guided(super().load_checkpoint(path))
+
+    def _guided(self, bundle: Any) -> Any:
+        bundle.cfg_normalization, bundle.cfg_truncation = self.cfg_normalization, self.cfg_truncation
+        return bundle
 
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """Sides must be multiples of 2 x the VAE's spatial scale (the transformer's 2x2 patch of
