@@ -7,7 +7,9 @@
 #      a FLUX.1-dev-sized one (diffusion/flux_dev_random_flowgrpo), on a Wan 2.1 1.3B-sized
 #      text-to-video one (diffusion/wan13b_random_flowgrpo) and on a Qwen-Image-sized one
 #      (diffusion/qwenimage_random_flowgrpo: its fp32 transformer is ~82 GB, skipped on a GPU under
-#      120 GB), printing step time and peak GPU memory.
+#      120 GB), then on a Z-Image-Turbo-sized one (diffusion/zimage_random_flowgrpo, 6.3B) and a
+#      FLUX.2-Klein-4B-sized one (diffusion/flux2_klein_random_flowgrpo), printing step time and
+#      peak GPU memory.
 # Usage: bash scripts/gpu_tier.sh [output dir, default outputs/gpu_tier]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,3 +63,9 @@ if [ "$GPU_GB" -ge 120 ]; then
 else
   echo "== the Qwen-Image-sized check needs a GPU of 120 GB or more (its fp32 transformer is ~82 GB): skipped"
 fi
+
+python -m unirl.train_diffusion --config-name=diffusion/zimage_random_flowgrpo output_dir="$OUT/zimage"
+summary "$OUT/zimage"
+
+python -m unirl.train_diffusion --config-name=diffusion/flux2_klein_random_flowgrpo output_dir="$OUT/flux2_klein"
+summary "$OUT/flux2_klein"
