@@ -3,7 +3,7 @@
 the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
 recipes score 32 px images (their learned reward), the rest 16 px.
 
-    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage | flux2 | flux2_klein | flux2_edit | hunyuanvideo15
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage | flux2 | flux2_klein | flux2_edit | hunyuanvideo15 | hunyuanvideo15_i2v
 
 - flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
 - kontext: FLUX.1-Kontext, flux's settings at guidance 2.5, the prompts of datasets/tiny_edit (each
@@ -23,6 +23,9 @@ recipes score 32 px images (their learned reward), the rest 16 px.
   redness).
 - hunyuanvideo15: HunyuanVideo 1.5 T2V (latent space), 5-frame videos, CFG 2.0 against the empty
   prompt, the Euler grid shifted by 5.0, image rewards wrapped in `FrameMean` as for wan.
+- hunyuanvideo15_i2v: HunyuanVideo 1.5 image-to-video, hunyuanvideo15's settings from the first
+  frames of datasets/tiny_edit/first_frame_prompts.jsonl (latents and SigLIP image stream), the
+  edits' redness per frame.
 - qwen_edit: Qwen-Image-Edit-Plus (latent space: the pipeline VAE-encodes its references),
   qwenimage's settings, the rows of datasets/tiny_edit/two_picture_prompts.jsonl (a source and a
   red swatch each, read by the prompt encoder and riding as packed tokens), the edits' redness.
@@ -208,14 +211,22 @@ def hunyuanvideo15(cfg, size: int, lora_targets: list[str]) -> None:
     per_frame(cfg)
 
 
+def hunyuanvideo15_i2v(cfg, size: int, lora_targets: list[str]) -> None:
+    hunyuanvideo15(cfg, size, lora_targets)
+    cfg.model._target_ = "unirl.models.hunyuanvideo.HunyuanVideo15I2VModelConfig"
+    cfg.model.tiny.words = ["the", "blue", "green", "yellow", "grey", "square", "turns", "red", "and", "slides", "right"]
+    edit_rows(cfg, "datasets/tiny_edit/first_frame_prompts.jsonl")
+    per_frame(cfg)
+
+
 FAMILIES = {
     "flux": flux, "kontext": kontext, "wan": wan, "wan22": wan22, "qwenimage": qwenimage, "qwen_edit": qwen_edit,
     "zimage": zimage, "flux2": flux2, "flux2_klein": flux2_klein, "flux2_edit": flux2_edit,
-    "hunyuanvideo15": hunyuanvideo15,
+    "hunyuanvideo15": hunyuanvideo15, "hunyuanvideo15_i2v": hunyuanvideo15_i2v,
 }  # fmt: skip
 PACKAGES = {
     "kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan", "flux2_klein": "flux2", "flux2_edit": "flux2",
-    "hunyuanvideo15": "hunyuanvideo",
+    "hunyuanvideo15": "hunyuanvideo", "hunyuanvideo15_i2v": "hunyuanvideo",
 }  # fmt: skip  # the package whose LORA_TARGETS a family uses, when not its own
 
 

@@ -44,3 +44,11 @@ def test_real_size_recipe_validates_against_a_directory(tmp_path, monkeypatch) -
     HunyuanVideo15ModelConfig(num_frames=5).build().save_pretrained(str(directory))
     monkeypatch.setenv("PRETRAINED_MODEL", str(directory))
     validate_recipe(composed("diffusion/hunyuanvideo15_flowgrpo", tmp_path / "out"), expect="diffusion")
+
+
+def test_tiny_i2v_recipe_trains_two_steps_from_first_frames(tmp_path) -> None:
+    """`diffusion/tiny_hunyuanvideo15_i2v_flowgrpo`: every row's first frame conditions its
+    videos through rollout and replay (on-policy first ratio 1)."""
+    rows = run("diffusion/tiny_hunyuanvideo15_i2v_flowgrpo", tmp_path, *IN_PROCESS, *SMALL)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["ratio/first_update_mean"] == 1.0 and math.isfinite(r["reward/mean"]) for r in rows)

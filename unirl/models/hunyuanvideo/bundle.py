@@ -68,7 +68,13 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
             `target_size` for a directory).
     """
 
-    cond_keys = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+    TEXT_KEYS: ClassVar[tuple[str, ...]] = (
+        "prompt_embeds",
+        "prompt_embeds_mask",
+        "prompt_embeds_2",
+        "prompt_embeds_mask_2",
+    )
+    cond_keys = TEXT_KEYS
     # writes the LoRA file (`write_weights`): HunyuanVideo15Pipeline has no LoRA loader in diffusers
     # 0.42; its transformer's `load_lora_adapter` reads the file (`load_checkpoint`)
     LORA_PIPELINE: ClassVar[type] = HunyuanVideoLoraLoaderMixin
@@ -134,10 +140,10 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
         max_sequence_length, the Qwen2.5-VL text after the cropped template), prompt_embeds_2
         [U, 256, D2] and its mask (ByT5 over the quoted text; zeros without any); with `guided`
         the empty prompt's under `negative_` keys (the pipeline's default negative prompt)."""
-        out = dict(zip(self.cond_keys, self._encode(list(prompts), max_sequence_length), strict=True))
+        out = dict(zip(self.TEXT_KEYS, self._encode(list(prompts), max_sequence_length), strict=True))
         if guided:
             negative = self._encode([""] * len(prompts), max_sequence_length)
-            out.update(zip(("negative_" + k for k in self.cond_keys), negative, strict=True))
+            out.update(zip(("negative_" + k for k in self.TEXT_KEYS), negative, strict=True))
         return out
 
     def _encode(self, prompts: list[str], length: int) -> tuple[torch.Tensor, ...]:
@@ -163,14 +169,11 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
         on x with a zero condition latent and zero mask beside it, the all-zero image stream and
         both prompt encodings, at timestep `sigma * 1000`."""
         dtype = next(module.parameters()).dtype
-        b, _, f, h, w = x.shape
         x = x.to(dtype)
-        inputs = torch.cat([x, torch.zeros_like(x), x.new_zeros(b, 1, f, h, w)], dim=1)
-        pipe = self.pipeline
-        image = x.new_zeros(b, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)
+        condition, image = self.image_inputs(x, cond)
         return module(
-            hidden_states=inputs,
-            image_embeds=image,
+            hidden_states=torch.cat([x, condition.to(dtype)], dim=1),
+            image_embeds=image.to(dtype),
             timestep=(sigma * 1000.0).to(dtype),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             encoder_attention_mask=cond["prompt_embeds_mask"].to(dtype),
@@ -178,6 +181,15 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
             encoder_attention_mask_2=cond["prompt_embeds_mask_2"].to(dtype),
             return_dict=False,
         )[0]
+
+    def image_inputs(self, x: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the condition latents and first-frame mask [B, C + 1, f, h, w] concatenated after x,
+        the image stream [B, N, D]): all zeros in text-to-video (the pipeline's; `i2v.py` reads a
+        first frame)."""
+        b, _, f, h, w = x.shape
+        pipe = self.pipeline
+        condition = torch.cat([torch.zeros_like(x), x.new_zeros(b, 1, f, h, w)], dim=1)
+        return condition, x.new_zeros(b, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)
 
     def pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, F, 3, H, W] fp32 RGB frames in about [-1, 1] (unclamped), differentiable: the VAE
@@ -198,7 +210,7 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
             raise FileNotFoundError(
                 f"model.pretrained_path {path!r} has no vae/: HunyuanVideo 1.5 decodes with its VAE"
             )
-        pipe = HunyuanVideo15Pipeline.from_pretrained(path, torch_dtype=dtype)
+        pipe = cls.PIPELINE.from_pretrained(path, torch_dtype=dtype)
         check_scheduler_config(dict(pipe.scheduler.config), os.path.join(path, "scheduler"))
         pipe.vae.to(torch.float32)
         pipe.transformer.to(torch.float32)
@@ -228,7 +240,8 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
                 d_kv=cfg.byt5_hidden_size // 2, num_layers=1, num_heads=2,
             )
         ).eval()  # fmt: skip
-        pipe = HunyuanVideo15Pipeline(
+        pipe = cls.PIPELINE(
+            **cls.tiny_image_modules(cfg),
             text_encoder=None,
             tokenizer=None,
             transformer=tiny_transformer(cfg),
@@ -259,6 +272,12 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
         ).eval()  # fmt: skip
         pipe.register_modules(text_encoder=text_encoder, tokenizer=tokenizer)
         return cls(pipe, num_frames, sample_size=cfg.resolution)
+
+    @classmethod
+    def tiny_image_modules(cls, cfg: TinyHunyuanVideo15Config) -> dict:
+        """What the tiny pipeline takes besides the text-to-video modules (none; image-to-video's
+        image encoder: `i2v.py`)."""
+        return {}
 
 
 def mrope_section(head_dim: int) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, read_vae_config
@@ -207,3 +207,53 @@ class HunyuanVideo15ModelConfig(FlowFamilyConfig):
             )
         except (OSError, KeyError, ValueError, TypeError):
             return None
+
+
+@dataclass
+class HunyuanVideo15I2VModelConfig(HunyuanVideo15ModelConfig):
+    """Which HunyuanVideo 1.5 image-to-video model to build (`HunyuanVideo15ImageToVideoPipeline`:
+    the T2V modules plus a SigLIP `image_encoder/` and `feature_extractor/`), or a tiny one (the
+    T2V tiny model with a one-layer random SigLIP). Each prompt row names its first frame under
+    `condition_key` (`condition_problems`; a data source resolves that key's relative paths when
+    it is in its `path_keys`); the frame is resized to the sampled size (`unirl.models.hunyuanvideo.i2v`)."""
+
+    SPEC: ClassVar[FamilySpec] = replace(
+        HunyuanVideo15ModelConfig.SPEC,
+        name="HunyuanVideo 1.5 I2V",
+        modeling="unirl.models.hunyuanvideo.i2v",
+        bundle="HunyuanVideo15I2VBundle",
+        pipeline="HunyuanVideo15ImageToVideoPipeline",
+        directory="HunyuanVideo 1.5 I2V",
+    )
+    condition_key: str = "images"
+
+    def build(self) -> Any:
+        bundle = super().build()
+        bundle.condition_key = self.condition_key
+        return bundle
+
+    def load_checkpoint(self, path: str) -> Any:
+        bundle = super().load_checkpoint(path)
+        bundle.condition_key = self.condition_key
+        return bundle
+
+    def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
+        """Every prompt row of `where` (its examples) names exactly one first frame that reads;
+        problems name the row."""
+        from unirl.models.images import load_image
+
+        problems, key = [], self.condition_key
+        for ex in examples:
+            entries = ex.metadata.get(key)
+            if not isinstance(entries, list | tuple) or len(entries) != 1:
+                problems.append(
+                    f"{where}: prompt {ex.prompt_id!r} carries {len(entries) if entries else 'no'} image(s) in "
+                    f"metadata {key!r}; HunyuanVideo 1.5 image-to-video starts from exactly one first frame: "
+                    f'give the row "{key}": ["<image file>"]'
+                )
+                continue
+            try:
+                load_image(entries[0], ex.prompt_id, 0)
+            except ValueError as exc:
+                problems.append(f"{where}: {exc}")
+        return problems
