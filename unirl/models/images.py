@@ -46,3 +46,29 @@ def load_image(entry: Any, sample_id: str, index: int) -> Any:
     if image.width == 0 or image.height == 0:
         raise ValueError(f"{where}: the image has zero size ({image.width} x {image.height})")
     return image
+
+
+def row_images(
+    examples: list, key: str, where: str, problems: list[str], noun: str, need: str, one: bool
+) -> list[tuple[Any, list]]:
+    """The images of every prompt row of `where` under metadata `key`, read for a family's
+    `condition_problems`: [(row, its PIL images)] for the rows that read. A row with none (or,
+    with `one`, not exactly one) adds "<where>: prompt <id> carries <n | no> <noun> in metadata
+    <key>; <need>: give the row ..." to `problems`; an image that does not read adds
+    `load_image`'s error. `noun` and `need` word it for the family ("first frame(s)", "Wan I2V
+    animates exactly one")."""
+    rows = []
+    for ex in examples:
+        entries = ex.metadata.get(key)
+        if not isinstance(entries, list | tuple) or not entries or (one and len(entries) != 1):
+            given = '["<image file>"]' if one else '["<image file>", ...]'
+            problems.append(
+                f"{where}: prompt {ex.prompt_id!r} carries {len(entries) if entries else 'no'} {noun} in "
+                f'metadata {key!r}; {need}: give the row "{key}": {given}'
+            )
+            continue
+        try:
+            rows.append((ex, [load_image(entry, ex.prompt_id, i) for i, entry in enumerate(entries)]))
+        except ValueError as exc:
+            problems.append(f"{where}: {exc}")
+    return rows

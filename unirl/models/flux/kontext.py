@@ -28,7 +28,7 @@ from diffusers import FluxKontextPipeline
 from unirl.models.flow.config import FamilySpec
 from unirl.models.flux.bundle import FluxBundle, image_ids, load_checkpoint, pack, tiny_transformer  # noqa: F401 (the tiny denoiser: FLUX.1's)
 from unirl.models.flux.config import FluxModelConfig
-from unirl.models.images import load_image
+from unirl.models.images import load_image, row_images
 from unirl.types import RolloutReq
 
 CONDITION_KEY = "images"
@@ -130,27 +130,14 @@ class FluxKontextModelConfig(FluxModelConfig):
         """Every prompt row of `where` (its examples) names exactly one condition image that reads
         and whose sides are multiples of the packed cell, all of one size; problems name the row.
         (`sampling` is not read: Kontext's references do not enter its prompt.)"""
-        cell = self._read("cell")
+        cell, key = self._read("cell"), self.condition_key
         problems, sizes = [], {}
-        for ex in examples:
-            key = self.condition_key
-            entries = ex.metadata.get(key)
-            if not isinstance(entries, list | tuple) or len(entries) != 1:
-                problems.append(
-                    f"{where}: prompt {ex.prompt_id!r} carries {len(entries) if entries else 'no'} condition "
-                    f"image(s) in metadata {key!r}; FLUX.1-Kontext edits exactly one: give the row "
-                    f'"{key}": ["<image file>"]'
-                )
-                continue
-            try:
-                image = load_image(entries[0], ex.prompt_id, 0)
-            except ValueError as exc:
-                problems.append(f"{where}: {exc}")
-                continue
+        need = "FLUX.1-Kontext edits exactly one"
+        for ex, (image,) in row_images(examples, key, where, problems, "condition image(s)", need, True):
             if cell and (image.width % cell or image.height % cell):
                 problems.append(
-                    f"{where}: prompt {ex.prompt_id!r}: condition image {entries[0]!r} is {image.width}x{image.height} "
-                    f"px; its sides must be multiples of {cell} px"
+                    f"{where}: prompt {ex.prompt_id!r}: condition image {ex.metadata[key][0]!r} is "
+                    f"{image.width}x{image.height} px; its sides must be multiples of {cell} px"
                 )
             sizes.setdefault(image.size, ex.prompt_id)
         if len(sizes) > 1:

@@ -256,35 +256,22 @@ class ReferenceConditions:
         keep at least one packed cell per side, and every row the same number of references with
         the same packed sizes (a request batches its rows); problems name the row. (`sampling` is
         not read: the references do not enter the prompt.)"""
-        from unirl.models.images import load_image
+        from unirl.models.images import row_images
 
         key, cell = self.condition_key, latent_patch_cell(self.pretrained_path, self.tiny)
         problems, layouts = [], {}
-        for ex in examples:
-            entries = ex.metadata.get(key)
-            if not isinstance(entries, list | tuple) or not entries:
+        need = f"{self.SPEC.name} with references reads one or more"
+        for ex, images in row_images(examples, key, where, problems, "reference image", need, False):
+            layout = [reference_layout(image.width, image.height, cell or 1) for image in images]
+            small = [i for i, (rows, cols) in enumerate(layout) if not rows or not cols]
+            if small:
+                image = images[small[0]]
                 problems.append(
-                    f"{where}: prompt {ex.prompt_id!r} carries no reference image in metadata {key!r}; "
-                    f'{self.SPEC.name} with references reads one or more: give the row "{key}": ["<image file>", ...]'
+                    f"{where}: prompt {ex.prompt_id!r}: reference {small[0]} is {image.width}x{image.height} px, "
+                    f"under one packed cell of {cell} px on a side"
                 )
                 continue
-            layout = []
-            for i, entry in enumerate(entries):
-                try:
-                    image = load_image(entry, ex.prompt_id, i)
-                except ValueError as exc:
-                    problems.append(f"{where}: {exc}")
-                    break
-                rows, cols = reference_layout(image.width, image.height, cell or 1)
-                if not rows or not cols:
-                    problems.append(
-                        f"{where}: prompt {ex.prompt_id!r}: reference {i} is {image.width}x{image.height} px, under "
-                        f"one packed cell of {cell} px on a side"
-                    )
-                    break
-                layout.append((rows, cols))
-            else:
-                layouts.setdefault(tuple(layout), ex.prompt_id)
+            layouts.setdefault(tuple(layout), ex.prompt_id)
         if len(layouts) > 1:
             problems.append(
                 f"{where}: rows whose references pack into different token grids {sorted(layouts)} (e.g. prompts "

@@ -240,20 +240,9 @@ class HunyuanVideo15I2VModelConfig(HunyuanVideo15ModelConfig):
     def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
         """Every prompt row of `where` (its examples) names exactly one first frame that reads;
         problems name the row."""
-        from unirl.models.images import load_image
+        from unirl.models.images import row_images
 
-        problems, key = [], self.condition_key
-        for ex in examples:
-            entries = ex.metadata.get(key)
-            if not isinstance(entries, list | tuple) or len(entries) != 1:
-                problems.append(
-                    f"{where}: prompt {ex.prompt_id!r} carries {len(entries) if entries else 'no'} image(s) in "
-                    f"metadata {key!r}; HunyuanVideo 1.5 image-to-video starts from exactly one first frame: "
-                    f'give the row "{key}": ["<image file>"]'
-                )
-                continue
-            try:
-                load_image(entries[0], ex.prompt_id, 0)
-            except ValueError as exc:
-                problems.append(f"{where}: {exc}")
+        problems: list[str] = []
+        need = "HunyuanVideo 1.5 image-to-video starts from exactly one first frame"
+        row_images(examples, self.condition_key, where, problems, "image(s)", need, True)
         return problems

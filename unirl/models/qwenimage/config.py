@@ -199,26 +199,14 @@ class QwenImageEditPlusModelConfig(QwenImageModelConfig):
         model's processor, no weights read). Problems name the row."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
 
-        from unirl.models.images import load_image
+        from unirl.models.images import row_images
 
         key, cell = self.condition_key, self._cell()
         problems, layouts, rows = [], {}, []
-        for ex in examples:
-            entries = ex.metadata.get(key)
-            if not isinstance(entries, list | tuple) or not entries:
-                problems.append(
-                    f"{where}: prompt {ex.prompt_id!r} carries no reference image in metadata {key!r}; "
-                    f'Qwen-Image-Edit-Plus edits one or more: give the row "{key}": ["<image file>", ...]'
-                )
-                continue
-            layout, images = [], []
-            for i, entry in enumerate(entries):
-                try:
-                    image = load_image(entry, ex.prompt_id, i)
-                except ValueError as exc:
-                    problems.append(f"{where}: {exc}")
-                    break
-                images.append(image)
+        need = "Qwen-Image-Edit-Plus edits one or more"
+        for ex, images in row_images(examples, key, where, problems, "reference image", need, False):
+            layout = []
+            for i, image in enumerate(images):
                 w, h = calculate_dimensions(self.vae_area, image.width / image.height)
                 if not w or not h:
                     problems.append(
@@ -248,7 +236,9 @@ class QwenImageEditPlusModelConfig(QwenImageModelConfig):
             processor = edit_processor(self.pretrained_path, self.tiny)
         except (OSError, ValueError):
             return []  # an unreadable directory is the directory check's problem
-        lengths = encoded_prompt_lengths(processor, [(p, images) for _, p, images in rows], self.condition_area)
+        lengths = encoded_prompt_lengths(
+            processor, [(p, images) for _, p, images in rows], self.condition_area
+        )
         longest, row = max(zip(lengths, (pid for pid, _, _ in rows), strict=True))
         if longest <= max_sequence_length:
             return []

@@ -260,19 +260,9 @@ class WanI2VModelConfig(WanModelConfig):
     def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
         """Every prompt row of `where` (its examples) names exactly one first frame that reads
         (any size: it is resized to the sampled one); problems name the row."""
-        from unirl.models.images import load_image
+        from unirl.models.images import row_images
 
-        problems, key = [], self.condition_key
-        for ex in examples:
-            entries = ex.metadata.get(key)
-            if not isinstance(entries, list | tuple) or len(entries) != 1:
-                problems.append(
-                    f"{where}: prompt {ex.prompt_id!r} carries {len(entries) if entries else 'no'} first frame(s) "
-                    f'in metadata {key!r}; Wan I2V animates exactly one: give the row "{key}": ["<image file>"]'
-                )
-                continue
-            try:
-                load_image(entries[0], ex.prompt_id, 0)
-            except ValueError as exc:
-                problems.append(f"{where}: {exc}")
+        problems: list[str] = []
+        need = "Wan I2V animates exactly one"
+        row_images(examples, self.condition_key, where, problems, "first frame(s)", need, True)
         return problems
