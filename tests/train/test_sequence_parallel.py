@@ -531,3 +531,16 @@ def test_a_text_only_causal_lm_takes_sp_and_a_vision_language_model_is_refused()
     )
     vlm = VLMConfig(tiny=TinyVLMConfig()).trainable_on_meta()
     assert "is a vision-language model (set train.parallel.sp=1)" in cp_plan_problem(vlm, 2)
+
+
+def test_causal_lm_sp_with_activation_checkpointing_is_refused(tmp_path):
+    """Checkpointed decoder layers would recompute their attention in backward, outside the
+    sharded replay's attention function: refused before Ray, naming both keys."""
+    from tests.recipes import composed
+    from unirl.config.validate import ConfigError, validate_recipe
+
+    lm = ["launcher=ray", "num_devices=2", "+train.parallel.sp=2", "train.fsdp.activation_checkpointing=true"]
+    with pytest.raises(
+        ConfigError, match=re.escape("with train.fsdp.activation_checkpointing=true on a causal LM")
+    ):
+        validate_recipe(composed("llm/tiny_lm_grpo", tmp_path, *lm), expect="text")

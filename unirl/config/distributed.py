@@ -85,6 +85,12 @@ def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, pr
         )
     if cfg.get("critic") is not None:
         problems.append(f"train.parallel.sp={sp} with a critic is not supported")
+    fsdp = passed.get("train.fsdp")
+    if fsdp is not None and fsdp.activation_checkpointing and model is not None and is_text_model(model):
+        problems.append(
+            f"train.parallel.sp={sp} with train.fsdp.activation_checkpointing=true on a causal LM: the "
+            "recomputed attention would run outside the sharded replay; set one of them off"
+        )
     if sampling is not None and model is not None and hasattr(model, "build"):
         text = getattr(sampling, "max_sequence_length", None)
         if text is not None and text % sp and text_tokens_split(model):
@@ -104,6 +110,19 @@ def check_sequence_parallel(cfg: DictConfig, passed: dict[str, Any], sp: int, pr
                 f"train.parallel.sp={sp} does not divide the {tokens} image tokens of sampling.height x width: "
                 "choose a size whose token grid splits into sp shards"
             )
+
+
+def is_text_model(model: Any) -> bool:
+    """Whether the trained module of `model` (a model config) is a transformers model (a causal
+    LM, whose replay shards through `unirl.models.causal_lm.ulysses`); False when unreadable."""
+    if not hasattr(model, "trainable_on_meta"):
+        return False
+    from unirl.train.sequence_parallel import is_causal_lm
+
+    try:
+        return is_causal_lm(meta_module(model))
+    except Exception:  # noqa: BLE001 - an unreadable model config is check_module_tree's report
+        return False
 
 
 def text_tokens_split(model: Any) -> bool:

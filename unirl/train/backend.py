@@ -216,6 +216,13 @@ class TrainBackend:
                     f"train.parallel.sp={parallel.sp}: sequence parallelism runs in single-track recipes only "
                     "(their driver gives each group of sp ranks one sample shard); set it to 1 here"
                 )
+            from unirl.train.sequence_parallel import is_causal_lm
+
+            if fsdp is not None and fsdp.activation_checkpointing and is_causal_lm(module):
+                raise ValueError(
+                    f"train.parallel.sp={parallel.sp} with train.fsdp.activation_checkpointing=true on a causal "
+                    "LM: the recomputed attention would run outside the sharded replay; set one of them off"
+                )
             # before the checkpoint wrappers: the plan's hooks find a block's inputs by their names
             enable_ulysses(module, parallel.sp)
         if fsdp is not None and fsdp.activation_checkpointing:
