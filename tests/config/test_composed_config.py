@@ -306,3 +306,11 @@ def test_one_eval_config_with_a_chains_keys() -> None:
         "eval.intent_key",
         "eval.references",
     ]
+
+
+def test_sequence_parallelism_on_a_track_of_a_graph_is_refused() -> None:
+    """`train.parallel.sp` needs the single-track driver's sample groups: a composed track that
+    sets it is refused before Ray naming its key."""
+    found = problems("+tracks.diffusion.train.parallel.sp=2")
+    key = "tracks.diffusion.train.parallel.sp=2: sequence parallelism runs in single-track"
+    assert any(p.startswith(key) for p in found)

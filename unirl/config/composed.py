@@ -174,6 +174,11 @@ def tracks(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> list
             problems.append(
                 f"{key}.train.fsdp: num_devices={run.num_devices} needs FSDP2 settings for a trained track"
             )
+        if train is not None and train.parallel.sp > 1:
+            problems.append(
+                f"{key}.train.parallel.sp={train.parallel.sp}: sequence parallelism runs in single-track recipes "
+                "only (their driver gives each group of sp ranks one sample shard); set it to 1"
+            )
         _check_engine(node, passed, key, name, run, [samplings[n] for n in chain[:depth]], problems)
         # an edit model's rows: every child keeps its user prompt's metadata, the source among it
         conditions = getattr(model, "condition_problems", None)
