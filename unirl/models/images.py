@@ -72,3 +72,13 @@ def row_images(
         except ValueError as exc:
             problems.append(f"{where}: {exc}")
     return rows
+
+
+def metadata_images(metadata: dict, key: str, sample_id: str, need: str) -> list:
+    """The PIL images of a sample's `metadata[key]` (one or more); none is "sample <id>: <need>
+    (metadata <key>: a list of images), got none"; an image that does not read is `load_image`'s
+    error."""
+    entries = metadata.get(key)
+    if not isinstance(entries, list | tuple) or not entries:
+        raise ValueError(f"sample {sample_id!r}: {need} (metadata {key!r}: a list of images), got none")
+    return [load_image(entry, sample_id, i) for i, entry in enumerate(entries)]

@@ -26,7 +26,7 @@ import torch
 
 from unirl.models.flux2.bundle import Flux2Bundle, Flux2KleinBundle, tiny_transformer  # noqa: F401 (the tiny denoiser: FLUX.2's)
 from unirl.models.flux2.bundle import load_checkpoint as load_base_checkpoint
-from unirl.models.images import load_image
+from unirl.models.images import metadata_images
 from unirl.types import RolloutReq
 
 MAX_AREA = 1024 * 1024  # the pipelines shrink a larger reference to this many pixels first
@@ -50,13 +50,8 @@ class ReferenceImages:
 
     def references(self, metadata: dict[str, Any], sample_id: str) -> list:
         """The PIL images of a row's `condition_key` (one or more); errors name the sample."""
-        entries = metadata.get(self.condition_key)
-        if not isinstance(entries, list | tuple) or not entries:
-            raise ValueError(
-                f"sample {sample_id!r}: FLUX.2 with references reads one or more reference images (metadata "
-                f"{self.condition_key!r}: a list of images), got none"
-            )
-        return [load_image(entry, sample_id, i) for i, entry in enumerate(entries)]
+        need = "FLUX.2 with references reads one or more reference images"
+        return metadata_images(metadata, self.condition_key, sample_id, need)
 
     @torch.no_grad()
     def encode_conditions(self, req: RolloutReq, guided: bool = False) -> dict[str, torch.Tensor]:

@@ -46,7 +46,7 @@ from transformers.processing_utils import ProcessorMixin
 from unirl.models.causal_lm.vision import TinyVLMConfig, tiny_image_processor
 from unirl.models.flow.loading import tiny_qwen_tokenizer
 from unirl.models.flow.packing import pack
-from unirl.models.images import load_image
+from unirl.models.images import metadata_images
 from unirl.models.qwenimage import bundle as qwenimage
 from unirl.models.qwenimage.bundle import QwenImageBundle, tiny_transformer  # noqa: F401 (the tiny denoiser: Qwen-Image's)
 from unirl.models.qwenimage.config import TinyQwenImageConfig
@@ -152,13 +152,8 @@ class QwenImageEditPlusBundle(QwenImageBundle):
     # ---- conditions -------------------------------------------------------------------------
     def references(self, metadata: dict[str, Any], sample_id: str) -> list:
         """The PIL images of a row's `condition_key` (one or more); errors name the sample."""
-        entries = metadata.get(self.condition_key)
-        if not isinstance(entries, list | tuple) or not entries:
-            raise ValueError(
-                f"sample {sample_id!r}: Qwen-Image-Edit-Plus edits one or more reference images (metadata "
-                f"{self.condition_key!r}: a list of images), got none"
-            )
-        return [load_image(entry, sample_id, i) for i, entry in enumerate(entries)]
+        need = "Qwen-Image-Edit-Plus edits one or more reference images"
+        return metadata_images(metadata, self.condition_key, sample_id, need)
 
     @torch.no_grad()
     def encode_conditions(self, req: RolloutReq, guided: bool) -> dict[str, torch.Tensor]:
