@@ -11,7 +11,7 @@ import pytest
 from annotated_types import Ge, Interval
 
 from unirl.config.schema import check_node
-from unirl.types.constraints import AtLeastOne, NonNegative, OpenUnit, Positive, check_fields
+from unirl.types.constraints import AtLeastOne, NonNegative, OpenUnit, Positive, check_fields, describe
 
 
 @dataclass
@@ -61,3 +61,11 @@ def test_bounds_hold_at_their_edges_and_null_where_allowed() -> None:
 def test_a_float_bound_refuses_inf_and_nan(value) -> None:
     with pytest.raises(ValueError, match=r"algorithm.config.beta must be > 0, got (inf|nan)"):
         Toy(beta=value)
+
+
+def test_a_bound_reads_the_same_whichever_spelling_typing_cached() -> None:
+    # `Annotated[float, Ge(1)]` and `Annotated[float, Ge(1.0)]` are one cached object (the bounds
+    # compare equal), so the spelling a field sees depends on import order.
+    assert describe({"ge": 1.0}) == describe({"ge": 1}) == ">= 1"
+    assert describe({"gt": 0.0, "le": 1.0}) == "in (0, 1]"
+    assert describe({"ge": 0.5}) == ">= 0.5"

@@ -43,8 +43,16 @@ def _bounds(meta: Any) -> dict[str, Any]:
     return {}
 
 
+def _number(bound: Any) -> Any:
+    """A bound as it is written: `1` for 1.0 too. typing caches `Annotated[float, Ge(1)]` and
+    `Annotated[float, Ge(1.0)]` as one (the bounds compare equal), so which spelling a field sees
+    depends on import order; the message must not."""
+    return int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+
+
 def describe(bounds: dict[str, Any]) -> str:
     """`> 0`, `>= 1`, or an interval `in (0, 1]`."""
+    bounds = {op: _number(bound) for op, bound in bounds.items()}
     if len(bounds) == 1:
         ((op, bound),) = bounds.items()
         return f"{_OPS[op][0]} {bound}"

@@ -125,7 +125,7 @@ class WanModelConfig(FlowFamilyConfig):
     tiny: TinyWanConfig | None = field(default_factory=TinyWanConfig)
     num_frames: AtLeastOne = 81
     dtype: DType = "float32"
-    guidance_scale_2: Annotated[float, Ge(1.0)] | None = None
+    guidance_scale_2: Annotated[float, Ge(1)] | None = None
 
     def bundle_options(self) -> dict[str, int]:
         return {"num_frames": self.num_frames}
