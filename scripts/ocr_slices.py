@@ -3,7 +3,7 @@ sampler (Euler ODE) and under the rollout sampler (the RL recipe's SDE), with pa
 headroom RL has (pass@k well above pass@1) and what a run changed.
 
     python scripts/ocr_slices.py [--model checkpoints/ocr_sd3] [--checkpoint RUN/checkpoints/final]
-        [--prompts 64] [--k 8] [--json out.json]
+        [--prompts 64] [--k 8] [--splits train,heldout,heldout_length] [--json out.json]
 
 `--checkpoint`: a UniRL checkpoint directory (an RL run's `checkpoints/final`), loaded over its
 base by `SD3ModelConfig.load_checkpoint`; without it the base model is measured. For each slice
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--samplers", default="ode,sde")
+    parser.add_argument("--splits", default=",".join(SPLITS), help=f"a comma list of {SPLITS}")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config = SD3ModelConfig(pretrained_path=args.model)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     stage = FlowMatchingStage(bundle)
     rows = {}
     with torch.no_grad():
-        for split in SPLITS:
+        for split in args.splits.split(","):
             examples = OCRWords(split, limit=args.prompts).examples
             for sampler in args.samplers.split(","):
                 started = time.perf_counter()

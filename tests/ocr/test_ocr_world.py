@@ -27,10 +27,12 @@ from worlds.ocr import (
 
 def test_splits_are_disjoint_sized_and_fixed_by_the_seed():
     splits = split_words(0)
-    assert [len(splits[s]) for s in SPLITS] == [100 + 1500, 200, 200]
+    assert [len(splits[s]) for s in SPLITS] == [100 + 1500, 200, 200, 800]
     assert not set(splits["train"]) & set(splits["heldout"])
+    assert not set(splits["heldout_length"]) & set(splits["length_rl"])  # RL never sees an evaluated word
+    assert len(set(splits["heldout_length"]) | set(splits["length_rl"])) == len(LETTERS) ** 3
     assert {len(w) for w in splits["train"]} == {2, 4} and {len(w) for w in splits["heldout"]} == {4}
-    assert {len(w) for w in splits["heldout_length"]} == {3}
+    assert {len(w) for w in splits["heldout_length"]} == {len(w) for w in splits["length_rl"]} == {3}
     assert all(set(w) <= set(LETTERS) for s in SPLITS for w in splits[s])
     assert split_words(0) == splits and split_words(1)["heldout"] != splits["heldout"]
     with pytest.raises(ValueError, match="does not fit a 32x64 canvas"):

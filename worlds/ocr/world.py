@@ -12,7 +12,9 @@ encodable.
 Splits (`split_words(seed)`), disjoint, fixed by the seed:
     train           every 2-letter word and `N_TRAIN_4` 4-letter words (what pretraining and RL see)
     heldout         `N_HELDOUT` 4-letter words outside train: held-out words of seen characters
-    heldout_length  `N_HELDOUT` 3-letter words: a length never seen
+    heldout_length  `N_HELDOUT` 3-letter words: a length pretraining never saw
+    length_rl       the other 3-letter words (800): RL's prompts for teaching that length, never
+                    evaluated (heldout_length stays unseen by pretraining and RL alike)
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ MAX_SHIFT = (2, 1)
 """Largest random shift of a training render from the centre, (x, y) pixels."""
 N_TRAIN_4 = 1500
 N_HELDOUT = 200
-SPLITS = ("train", "heldout", "heldout_length")
+SPLITS = ("train", "heldout", "heldout_length", "length_rl")
 TEMPLATE = 'a sign that says "{}"'
 
 
@@ -78,10 +80,12 @@ def split_words(seed: int = 0) -> dict[str, list[str]]:
     picked = rng.choice(len(fours), size=N_TRAIN_4 + N_HELDOUT, replace=False)
     twos = ["".join(p) for p in itertools.product(LETTERS, repeat=2)]
     threes = ["".join(p) for p in itertools.product(LETTERS, repeat=3)]
+    heldout_length = {threes[i] for i in rng.choice(len(threes), size=N_HELDOUT, replace=False)}
     return {
         "train": sorted(twos + [fours[i] for i in picked[:N_TRAIN_4]]),
         "heldout": sorted(fours[i] for i in picked[N_TRAIN_4:]),
-        "heldout_length": sorted(threes[i] for i in rng.choice(len(threes), size=N_HELDOUT, replace=False)),
+        "heldout_length": sorted(heldout_length),
+        "length_rl": sorted(set(threes) - heldout_length),
     }
 
 

@@ -1,11 +1,12 @@
 """In-process scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor (weight-free; OCR on the PP-OCRv4
-weights its package ships; PickScore, CLIPScore, HPSv2, ImageReward and the aesthetic predictor from local checkpoints)."""
+weights its package ships; PickScore, CLIPScore, HPSv2, HPSv3, ImageReward and the aesthetic predictor from local checkpoints)."""
 
 from unirl.reward.local.aesthetic import AestheticScore
 from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.edit import SourcePreservation
 from unirl.reward.local.hps import HPSv2
+from unirl.reward.local.hpsv3 import HPSv3
 from unirl.reward.local.imagereward import ImageReward
 from unirl.reward.local.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 from unirl.reward.local.ocr import OCRReward
@@ -23,6 +24,7 @@ __all__ = [
     "FormatCheck",
     "FrameMean",
     "HPSv2",
+    "HPSv3",
     "ImageReward",
     "JpegCompressibility",
     "JpegIncompressibility",
