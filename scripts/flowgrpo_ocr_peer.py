@@ -21,7 +21,7 @@ What is put around the trainer, nothing inside it:
 
     pip install --target <dir> ml_collections      # absl-py, accelerate, peft, wandb: UniRL's env
     PYTHONPATH=<dir> python scripts/flowgrpo_ocr_peer.py --flow_grpo <checkout> --minutes 20 \
-        --out outputs/flowgrpo_ocr_peer [--random_reward]
+        --out outputs/flowgrpo_ocr_peer [--random_reward] [--train_split length_rl --eval_split heldout_length]
 """
 
 from __future__ import annotations
@@ -125,6 +125,10 @@ def main() -> None:
     p.add_argument("--out", default="outputs/flowgrpo_ocr_peer")
     p.add_argument("--base", default=BASE)
     p.add_argument("--random_reward", action="store_true", help="the control: uniform random rewards")
+    p.add_argument("--train_split", default="train", help="the OCR world's split the trainer samples")
+    p.add_argument(
+        "--eval_split", default="heldout", help="the split its test set is drawn from (64 words x 2)"
+    )
     p.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides (JSON values)"
     )
@@ -141,9 +145,10 @@ def main() -> None:
     data = os.path.join(os.path.abspath(args.out), "dataset")
     os.makedirs(data, exist_ok=True)
     with open(os.path.join(data, "train.txt"), "w") as f:
-        f.write("\n".join(e.prompt for e in OCRWords("train").examples) + "\n")
+        f.write("\n".join(e.prompt for e in OCRWords(args.train_split).examples) + "\n")
     with open(os.path.join(data, "test.txt"), "w") as f:  # the recipe's eval: 64 held-out words x 2
-        f.write("\n".join(e.prompt for e in OCRWords("heldout", limit=64).examples for _ in range(2)) + "\n")
+        test = OCRWords(args.eval_split, limit=64).examples
+        f.write("\n".join(e.prompt for e in test for _ in range(2)) + "\n")
     overrides = dict(OVERRIDES)
     overrides.update(
         {
