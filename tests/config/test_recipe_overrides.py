@@ -23,7 +23,7 @@ from tests.conftest import EXAMPLES
 RECIPES = sorted(
     os.path.relpath(path, EXAMPLES)[: -len(".yaml")]
     for path in glob.glob(os.path.join(EXAMPLES, "*", "*.yaml"))
-    if os.path.basename(os.path.dirname(path)) != "transport"  # the transport group, not recipes
+    if os.path.basename(os.path.dirname(path)) not in ("transport", "scorer")  # groups, not recipes
 )
 TRACKING = ["tensorboard", "console"]
 # the override and the (key, value) it must leave in the composed recipe; tq_simple is no

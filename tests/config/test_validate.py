@@ -688,3 +688,41 @@ def test_the_validators_builder_builds_what_hydra_builds(name):
         assert _same_build(built[path], theirs), path
         compared += 1
     assert compared >= 5
+
+
+REWARD_GROUP = {  # examples/scorer/<name>.yaml (package `reward`): the component it builds and the paths it reads
+    "pickscore": ("PickScore", ["PRETRAINED_PICKSCORE", "PRETRAINED_CLIP_H"]),
+    "clipscore": ("CLIPScore", ["PRETRAINED_CLIP"]),
+    "hpsv2": ("HPSv2", ["PRETRAINED_HPS", "PRETRAINED_CLIP_H"]),
+    "hpsv3": ("HPSv3", ["PRETRAINED_HPSV3", "PRETRAINED_QWEN2VL"]),
+    "imagereward": ("ImageReward", ["PRETRAINED_IMAGEREWARD", "PRETRAINED_BERT"]),
+    "aesthetic": ("AestheticScore", ["PRETRAINED_CLIP", "PRETRAINED_AESTHETIC"]),
+}
+
+
+def test_every_reward_group_file_is_listed_here():
+    names = {os.path.splitext(f)[0] for f in os.listdir(os.path.join(EXAMPLES, "scorer"))}
+    assert names == set(REWARD_GROUP) | {"jpeg_incompressibility", "ocr"}
+
+
+@pytest.mark.parametrize("name", sorted(REWARD_GROUP))
+def test_a_pretrained_scorer_is_one_override_and_its_missing_files_are_named_before_ray(name, monkeypatch):
+    cls, variables = REWARD_GROUP[name]
+    monkeypatch.setenv("PRETRAINED_MODEL", "/nonexistent/sd3.5-medium")
+    for var in variables:
+        monkeypatch.setenv(var, f"/nonexistent/{var.lower()}")
+    cfg = recipe("diffusion/sd3_flowgrpo", [f"scorer={name}"])
+    (component,) = cfg.reward.backend.components.values()
+    assert component._target_ == f"unirl.reward.local.{cls}"
+    msg = problems_of([f"scorer={name}"], name="diffusion/sd3_flowgrpo")
+    assert f"/nonexistent/{variables[0].lower()}" in msg and cls in msg, msg
+    monkeypatch.delenv(variables[0])  # an unset path names its variable
+    msg = problems_of([f"scorer={name}"], name="diffusion/sd3_flowgrpo")
+    assert variables[0] in msg, msg
+
+
+@pytest.mark.parametrize("name", ["jpeg_incompressibility", "ocr"])
+def test_weight_free_reward_groups_validate(name, monkeypatch):
+    monkeypatch.setenv("PRETRAINED_MODEL", "/nonexistent/sd3.5-medium")
+    msg = problems_of([f"scorer={name}"], name="diffusion/sd3_flowgrpo")
+    assert "reward" not in msg.replace("model.pretrained_path", ""), msg  # only the model is missing
