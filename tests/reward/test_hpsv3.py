@@ -220,3 +220,24 @@ def test_bad_files_and_inputs_are_named(tiny, tmp_path):
         scorer(req(["rate <|Reward|>"], images=images(1)))
     with pytest.raises(ValueError, match="HPSv3 needs images"):
         scorer(req(prompts=["a"], texts=["b"]))
+
+
+def test_offload_scores_as_resident_and_rests_in_host_memory(tiny):
+    ims, prompts = images(2, seed=2), ["a", "b c"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    resident = HPSv3(tiny[1], tiny[0])(req(prompts, images=ims))
+    scorer = HPSv3(tiny[1], tiny[0], device=device, offload=True)
+    backbone, head = scorer.load()[:2]
+    ran_on = []
+    for m in (backbone.language_model, head):
+        m.register_forward_pre_hook(lambda m, a: ran_on.append(next(m.parameters()).device.type))
+    torch.testing.assert_close(scorer(req(prompts, images=ims)), resident, rtol=1e-5, atol=1e-5)
+    assert ran_on == [device, device]
+    assert {p.device.type for p in (*backbone.parameters(), *head.parameters())} == {"cpu"}
+
+
+def test_an_unreadable_checkpoint_is_named(tiny, tmp_path):
+    junk = tmp_path / "HPSv3.safetensors"
+    junk.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="HPSv3 .*HPSv3.safetensors: not a readable checkpoint"):
+        HPSv3(str(junk), tiny[0])(req(["a"], images=images(1)))
