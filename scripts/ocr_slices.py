@@ -37,6 +37,7 @@ from unirl.types import DiffusionSamplingParams  # noqa: E402
 from unirl.types.rollout_req import RolloutReq  # noqa: E402
 from worlds.ocr import SPLITS, OCRAccuracy, OCRWords  # noqa: E402
 
+EVALUATED = ("train", "heldout", "heldout_length")  # length_rl is RL's prompts, never evaluated
 SAMPLERS = {
     "ode": dict(num_steps=20, eta=0.0, sde_scheduler="all", ode_solver="euler"),
     "sde": dict(num_steps=10, eta=0.7, sde_scheduler="all"),
@@ -75,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--samplers", default="ode,sde")
-    parser.add_argument("--splits", default=",".join(SPLITS), help=f"a comma list of {SPLITS}")
+    parser.add_argument(
+        "--splits",
+        default=",".join(EVALUATED),
+        help=f"a comma list of {SPLITS} (default: the evaluated ones)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config = SD3ModelConfig(pretrained_path=args.model)
