@@ -8,8 +8,12 @@
 #      text-to-video one (diffusion/wan13b_random_flowgrpo) and on a Qwen-Image-sized one
 #      (diffusion/qwenimage_random_flowgrpo: its fp32 transformer is ~82 GB, skipped on a GPU under
 #      120 GB), then on a Z-Image-Turbo-sized one (diffusion/zimage_random_flowgrpo, 6.3B) and a
-#      FLUX.2-Klein-4B-sized one (diffusion/flux2_klein_random_flowgrpo), printing step time and
-#      peak GPU memory.
+#      FLUX.2-Klein-4B-sized one (diffusion/flux2_klein_random_flowgrpo), then the conditioned
+#      families: a FLUX.1-Kontext-dev-sized editor on 512 px sources
+#      (diffusion/kontext_random_flowgrpo), a HunyuanVideo-1.5-sized text-to-video model
+#      (diffusion/hunyuanvideo15_random_flowgrpo) and Wan 2.2 I2V-A14B's two 14B experts
+#      (diffusion/wan22_i2v_random_flowgrpo: 56 GB of bf16 weights, skipped on a GPU under 120 GB),
+#      printing step time and peak GPU memory.
 # Usage: bash scripts/gpu_tier.sh [output dir, default outputs/gpu_tier]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -69,3 +73,16 @@ summary "$OUT/zimage"
 
 python -m unirl.train_diffusion --config-name=diffusion/flux2_klein_random_flowgrpo output_dir="$OUT/flux2_klein"
 summary "$OUT/flux2_klein"
+
+python -m unirl.train_diffusion --config-name=diffusion/kontext_random_flowgrpo output_dir="$OUT/kontext"
+summary "$OUT/kontext"
+
+python -m unirl.train_diffusion --config-name=diffusion/hunyuanvideo15_random_flowgrpo output_dir="$OUT/hunyuanvideo15"
+summary "$OUT/hunyuanvideo15"
+
+if [ "$GPU_GB" -ge 120 ]; then
+  python -m unirl.train_diffusion --config-name=diffusion/wan22_i2v_random_flowgrpo output_dir="$OUT/wan22_i2v"
+  summary "$OUT/wan22_i2v"
+else
+  echo "== the Wan 2.2 I2V-A14B-sized check needs a GPU of 120 GB or more (two 14B experts): skipped"
+fi

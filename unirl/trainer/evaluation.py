@@ -29,9 +29,19 @@ from unirl.types.sampling import DiffusionSamplingParams, Guidance
 
 
 class Scorer(Protocol):
-    """Anything with `evaluate(images uint8 [B, 3, H, W], prompts) -> dict[str, float]`."""
+    """Anything with `evaluate(images uint8 [B, 3, H, W], prompts) -> dict[str, float]`; a scorer
+    with `reads_metadata = True` is called `evaluate(images, prompts, metadata)` with each image's
+    prompt row's metadata (an edit scorer reads the row's source image there)."""
 
     def evaluate(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]: ...
+
+
+def score_images(scorer: Scorer, images: torch.Tensor, req: RolloutReq) -> dict[str, float]:
+    """`scorer.evaluate` of the images sampled for `req`, one per sample in order, given the
+    request's metadata when the scorer reads it (`reads_metadata`)."""
+    if getattr(scorer, "reads_metadata", False):
+        return scorer.evaluate(images, list(req.prompts), list(req.metadata))
+    return scorer.evaluate(images, req.prompts)
 
 
 @dataclass
@@ -90,12 +100,13 @@ def eval_params(base: DiffusionSamplingParams, cfg: EvalSampling) -> DiffusionSa
 
 def sample_eval_images(
     stage: DiffusionStage, examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling
-) -> tuple[torch.Tensor, list[str]]:
-    """([N, 3, H, W] uint8 images, prompts) for every example x samples_per_prompt, deterministic."""
+) -> tuple[torch.Tensor, RolloutReq]:
+    """([N, 3, H, W] uint8 images, the request that sampled them, one sample each) for every
+    example x samples_per_prompt, deterministic."""
     info = stage.model_info()
     req = eval_request(examples, base, cfg, info["vae_scale_factor"] * info["patch_size"])
     track = TrainsideEngine(stage, cfg.forward_batch_size).generate(req).track("diffusion")
-    return track.media, track.prompts
+    return track.media, req
 
 
 class BundleEvaluator:
@@ -125,9 +136,10 @@ class BundleEvaluator:
     def __call__(self, bundle) -> dict[str, float]:
         """Scores a flow-matching bundle (a `FlowFamily`) through the shared `FlowMatchingStage`,
         with the request a run's image evaluation sends (`eval_request`)."""
-        stage = FlowMatchingStage(bundle)
-        images, prompts = sample_eval_images(stage, self.examples, self.sampling, self.eval_sampling)
-        return self.scorer.evaluate(images, prompts)
+        images, req = sample_eval_images(
+            FlowMatchingStage(bundle), self.examples, self.sampling, self.eval_sampling
+        )
+        return score_images(self.scorer, images, req)
 
 
 class RewardScorer:
@@ -244,7 +256,7 @@ class Evaluator:
             texts = {name: sample(req) for name, req in reqs.items()}
             return text_accuracies(reqs, texts, self.examples, self.scorer, self.sampling)
         req = eval_request(self.examples, leaf.sampling, self.sampling, leaf.cell)
-        return self.scorer.evaluate(sample(req), req.prompts)
+        return score_images(self.scorer, sample(req), req)
 
     def _groups(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}

@@ -2,10 +2,22 @@
 
 Procedurally rendered 32x32 scenes of coloured shapes (`world`) and a
 weight-free GenEval-in-miniature scorer (`scorer`); user prompts in other surface forms for a
-prompt enhancer (`paraphrase`) and its rewrite reward (`rewrite`); its video analogue, a red
+prompt enhancer (`paraphrase`) and its rewrite reward (`rewrite`); an editing task and its
+weight-free edit scorer (`edit`); its video analogue, a red
 square moving left, right or not at all (`motion`). See README.md.
 """
 
+from worlds.shapes.edit import (
+    EDIT_KINDS,
+    Edit,
+    ShapesEditDataset,
+    ShapesEditScore,
+    all_edits,
+    edit_rows,
+    held_out_edits,
+    parse_instruction,
+    score_edit,
+)
 from worlds.shapes.motion import MovingSquares
 from worlds.shapes.paraphrase import (
     COLOR_FORMS,
@@ -59,6 +71,15 @@ from worlds.shapes.world import (
 )
 
 __all__ = [
+    "EDIT_KINDS",
+    "Edit",
+    "ShapesEditDataset",
+    "ShapesEditScore",
+    "all_edits",
+    "edit_rows",
+    "held_out_edits",
+    "parse_instruction",
+    "score_edit",
     "BACKGROUND",
     "CATEGORIES",
     "COLORS",

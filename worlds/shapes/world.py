@@ -260,9 +260,15 @@ def render(spec: SceneSpec, rng: np.random.Generator, size: int = 32) -> np.ndar
     """
     if size < 16:
         raise ValueError(f"render size must be >= 16, got {size}")
+    return draw(spec.rendered_objects(), _place(spec, rng, size), size)
+
+
+def draw(objects: list[ShapeSpec], boxes: list[tuple[int, int, int]], size: int) -> np.ndarray:
+    """uint8 [size, size, 3]: each object drawn in its (x, y, side) box on the background, in order
+    (`render` places the boxes; the editing world moves them)."""
     img = np.empty((size, size, 3), dtype=np.uint8)
     img[:] = BACKGROUND
-    for obj, (x, y, s) in zip(spec.rendered_objects(), _place(spec, rng, size), strict=True):
+    for obj, (x, y, s) in zip(objects, boxes, strict=True):
         region = img[y : y + s, x : x + s]
         region[shape_mask(obj.shape, s)] = PALETTE[obj.color]
     return img
