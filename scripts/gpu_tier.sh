@@ -12,7 +12,7 @@
 #      families: a FLUX.1-Kontext-dev-sized editor on 512 px sources
 #      (diffusion/kontext_random_flowgrpo), a HunyuanVideo-1.5-sized text-to-video model
 #      (diffusion/hunyuanvideo15_random_flowgrpo) and Wan 2.2 I2V-A14B's two 14B experts
-#      (diffusion/wan22_i2v_random_flowgrpo: 56 GB of bf16 weights, skipped on a GPU under 120 GB),
+#      (diffusion/wan22_i2v_random_flowgrpo: 108 GiB of fp32 weights, skipped on a GPU under 120 GB),
 #      printing step time and peak GPU memory.
 # Usage: bash scripts/gpu_tier.sh [output dir, default outputs/gpu_tier]
 set -euo pipefail

@@ -215,3 +215,31 @@ def test_sequence_parallel_plans_one_rank_of_the_group():
     assert not dist.is_initialized()
     assert sharded.module == plain.module  # the same sharded weights
     assert 0 < sharded.train_extra < plain.train_extra
+
+
+def test_an_edit_familys_plan_carries_its_rows_references():
+    """A conditioned family (FLUX.1-Kontext) is planned with what it encodes from its first prompt
+    row besides the prompt (`conditions`: the reference's meta latents, shaped as the real stage
+    encodes them), and the reference's tokens cost its train phase."""
+    from unirl.models.flow.stage import FlowMatchingStage
+    from unirl.plan_memory import conditions
+    from unirl.types import DiffusionSamplingParams, RolloutReq
+
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        cfg = compose(config_name="diffusion/tiny_kontext_flowgrpo")
+    from hydra.utils import instantiate
+
+    sampling = instantiate(cfg.sampling)
+    with torch.device("meta"):
+        meta_stage = FlowMatchingStage(compose_model(cfg))
+    planned = conditions(meta_stage, cfg, sampling)
+    real = FlowMatchingStage(compose_model(cfg))
+    row = instantiate(cfg.data_source).examples[:1]
+    one = DiffusionSamplingParams(height=16, width=16, samples_per_prompt=1, guidance_scale=2.5)
+    encoded = real.encode_conditions(RolloutReq.from_prompts(row, one, torch.linspace(1, 0, 11), 0))
+    assert {k: (v.shape, v.dtype) for k, v in planned.items()} == {
+        k: (v.shape, v.dtype) for k, v in encoded.items()
+    }
+    assert set(planned) == {"image_latents"} and all(v.is_meta for v in planned.values())
+    plan = plan_memory(cfg)
+    assert plan.train_extra > 0 and plan.peak == plan.resident + max(plan.rollout_extra, plan.train_extra)

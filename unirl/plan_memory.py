@@ -320,9 +320,12 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
     per_rank = int(cfg.prompts_per_rollout) * int(sampling.samples_per_prompt) // max(1, devices // seq_parallel)
     prompts = ["a prompt"] * max(forward_batch, micro)
 
+    references = conditions(stage, cfg, sampling)
+
     def rollout() -> None:
         with torch.no_grad(), meta_autocast(stage.autocast_dtype):
             cond = encode(stage, prompts[:forward_batch], sampling.guidance_scale, sampling.max_sequence_length)
+            cond.update({key: t.expand(forward_batch, *t.shape[1:]) for key, t in references.items()})
             x = torch.empty(forward_batch, *latent, device="meta")
             v = stage.velocity(x, torch.full((forward_batch,), 0.5, device="meta"), cond, sampling.guidance_scale)
             del v
@@ -333,6 +336,7 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
     def train_step() -> None:
         with torch.no_grad():
             cond = encode(stage, prompts[:micro], sampling.guidance_scale, sampling.max_sequence_length)
+            cond.update({key: t.expand(micro, *t.shape[1:]) for key, t in references.items()})
         cond = {key: t.repeat(k, *([1] * (t.dim() - 1))) for key, t in cond.items()}
         x = torch.empty(micro * k, *latent, device="meta")
         offload = host_saved_tensors() if stack.get("offload_activations") else contextlib.nullcontext()
@@ -394,6 +398,26 @@ def plan_memory(cfg: DictConfig, devices: int | None = None, micro_batch: int | 
         rollout_extra=rollout_extra,
         train_extra=train_extra,
     )
+
+
+def conditions(stage: Any, cfg: DictConfig, sampling: Any) -> dict:
+    """What an edit or image-to-video family encodes from a prompt row besides its prompt
+    (`FlowMatchingStage.encode_conditions`: reference latents, a first frame's latents and mask),
+    for the recipe's first row, as [1, ...] meta tensors (the VAE runs on the meta device); {} for
+    a family conditioned on text alone. A family whose prompt encoder reads the references
+    (`prompt_reads_conditions`) is planned with its text-only prompt encoding."""
+    from unirl.types.rollout_req import RolloutReq
+
+    if getattr(stage.bundle, "encode_conditions", None) is None:
+        return {}
+    examples = list(getattr(_build(cfg.data_source), "examples", []))[:1]
+    if not examples:
+        return {}
+    one = dataclasses.replace(sampling, samples_per_prompt=1)
+    req = RolloutReq.from_prompts(examples, one, torch.linspace(1, 0, one.num_steps + 1), 0)
+    with torch.no_grad(), meta_answers_yes():
+        cond = stage.encode_conditions(req)
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in cond.items()}
 
 
 def encode(stage: Any, prompts: list[str], guidance_scale: float, max_sequence_length: int) -> dict:
