@@ -7,7 +7,7 @@ image with `ShapesEditScore`, and prints per kind: the mean graded reward, stric
 pass@1 is the room group-relative RL has: it can only reinforce what some sample already does.
 
     python scripts/shapes_edit_headroom.py [--model checkpoints/shapes_edit] [--split eval] [--samples 8]
-    [--lora outputs/shapes_edit_flowgrpo/checkpoints/final]
+    [--checkpoint outputs/shapes_edit_flowgrpo/checkpoints/final]
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ from worlds.shapes.edit import EDIT_KINDS, ShapesEditDataset, ShapesEditScore  #
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="checkpoints/shapes_edit")
-    ap.add_argument("--lora", default=None, help="a run's exported LoRA directory, loaded onto the model")
+    ap.add_argument(
+        "--checkpoint", default=None, help="a run's exported checkpoint (checkpoints/final), instead of --model"
+    )
     ap.add_argument("--split", default="eval", choices=["train", "eval"])
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--eta", type=float, default=0.7, help="0: the evaluation's ODE")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    bundle = FluxKontextModelConfig(pretrained_path=args.model).load_checkpoint(args.model)
-    if args.lora:
-        bundle.denoiser.load_lora_adapter(args.lora, prefix="transformer", adapter_name="rl")
+    config = FluxKontextModelConfig(pretrained_path=args.model, tiny=None)
+    bundle = config.load_checkpoint(args.checkpoint) if args.checkpoint else config.build()
     examples = ShapesEditDataset(args.split, 0, shuffle=False).examples
     sp = DiffusionSamplingParams(
         num_steps=10,
@@ -51,7 +52,7 @@ def main() -> None:
         eta=args.eta,
         shift=1.0,
         sigma_grid="steps",
-        max_sequence_length=8,
+        max_sequence_length=10,
         seed=args.seed,
         sde_scheduler="random",
         sde_num_steps=4,
@@ -64,7 +65,7 @@ def main() -> None:
     k = args.samples
     rows = [results[i * k : (i + 1) * k] for i in range(len(examples))]
     print(
-        f"{args.model}{' + ' + args.lora if args.lora else ''}: {args.split}, {len(rows)} rows x {k} samples, eta {args.eta}"
+        f"{args.model}{' + ' + args.checkpoint if args.checkpoint else ''}: {args.split}, {len(rows)} rows x {k} samples, eta {args.eta}"
     )
     print(f"| kind | graded reward | strict (pass@1) | pass@{k} |")
     print("|---|---|---|---|")

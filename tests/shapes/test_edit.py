@@ -39,6 +39,10 @@ def test_instructions_parse_back_and_the_split_holds_out_six_of_each_kind():
     assert not train & evals
     assert evals == {e.instruction for e in held}
     assert len(edit_rows("train", 0)) == 90 * 7 and len(edit_rows("eval", 0, placements=2)) == 18 * 7 * 2
+    with pytest.raises(ValueError, match="size >= 24 px, got 16"):
+        edit_rows("train", 0, size=16)
+    with pytest.raises(ValueError, match="split must be 'train' or 'eval'"):
+        edit_rows("test", 0)
 
 
 @pytest.mark.parametrize(

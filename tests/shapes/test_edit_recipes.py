@@ -18,13 +18,13 @@ from unirl.types import DiffusionSamplingParams
 from worlds.shapes.edit import ShapesEditDataset, ShapesEditScore
 
 BASE = "checkpoints/shapes_edit"
-SIXTEEN = [  # the pretraining recipe at a test's size: 16 px rows, a 1 + 1 layer model
-    "data_source.size=16",
+SMALL = [  # the pretraining recipe at a test's size: 24 px rows (the world's smallest), a 1 + 1 layer model
+    "data_source.size=24",
     "data_source.placements=1",
-    "eval.examples.size=16",
-    "sampling.height=16",
-    "sampling.width=16",
-    "model.tiny.resolution=16",
+    "eval.examples.size=24",
+    "sampling.height=24",
+    "sampling.width=24",
+    "model.tiny.resolution=24",
     "model.tiny.num_layers=1",
     "model.tiny.num_single_layers=1",
     "eval.sampling.num_steps=2",
@@ -37,7 +37,7 @@ def test_the_edit_base_pretrains_on_its_demonstrations_and_evaluates_held_out_ed
         tmp_path,
         *IN_PROCESS,
         *QUIET,
-        *SIXTEEN,
+        *SMALL,
         "threads_per_worker=1",
         "num_steps=2",
         "eval.every_n_steps=2",
@@ -68,6 +68,7 @@ def test_flow_grpo_trains_the_committed_edit_base(tmp_path) -> None:
         "sampling.samples_per_prompt=4",
         "sampling.num_steps=4",
         "sampling.sde_num_steps=2",
+        "train.stack.micro_batch_size=4",
         "eval.every_n_steps=0",
     )
     assert [r["step"] for r in rows] == [1, 2]
@@ -79,10 +80,10 @@ def test_flow_grpo_trains_the_committed_edit_base(tmp_path) -> None:
 def test_the_evaluation_scores_each_image_against_its_own_rows_source() -> None:
     """`score_images` hands a scorer that reads metadata each sample's row: the committed base's
     held-out edits, scored through the evaluation's request, equal the scorer applied row by row."""
-    bundle = FluxKontextModelConfig(pretrained_path=BASE).load_checkpoint(BASE)
+    bundle = FluxKontextModelConfig(pretrained_path=BASE, tiny=None).build()
     examples = ShapesEditDataset("eval", 0, shuffle=False).examples[::21]  # 6 rows, every kind
     sp = DiffusionSamplingParams(
-        height=32, width=32, guidance_scale=1.0, max_sequence_length=8, sigma_grid="steps"
+        height=32, width=32, guidance_scale=1.0, max_sequence_length=10, sigma_grid="steps"
     )
     ev = EvalSampling(num_steps=4, guidance_scale=1.0, samples_per_prompt=2, seed=7)
     images, req = sample_eval_images(FluxStage(bundle), examples, sp, ev)
