@@ -32,7 +32,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="checkpoints/shapes_edit")
     ap.add_argument(
-        "--checkpoint", default=None, help="a run's exported checkpoint (checkpoints/final), instead of --model"
+        "--checkpoint",
+        default=None,
+        help="a run's exported checkpoint (checkpoints/final), instead of --model",
     )
     ap.add_argument("--split", default="eval", choices=["train", "eval"])
     ap.add_argument("--samples", type=int, default=8)
