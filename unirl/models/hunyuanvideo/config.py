@@ -88,6 +88,9 @@ class TinyHunyuanVideo15Config:
                 "model.tiny.text_hidden_size and model.tiny.byt5_hidden_size must be even (2 heads), got "
                 f"{self.text_hidden_size} and {self.byt5_hidden_size}"
             )
+        for i, width in enumerate(self.vae_widths):
+            if not isinstance(width, int) or width < 1:
+                raise ValueError(f"model.tiny.vae_widths[{i}] must be an integer >= 1, got {width!r}")
         if not _pow2(self.vae_spatial) or self.vae_spatial < 2:
             raise ValueError(f"model.tiny.vae_spatial must be a power of 2 >= 2, got {self.vae_spatial}")
         if not _pow2(self.vae_temporal) or self.vae_temporal > self.vae_spatial:
