@@ -408,10 +408,10 @@ class ShapesEditScore:
                     f"sample {sid!r}: the result is {img.shape} but its source is {source.shape}"
                 )
             try:
-                out.append({**score_edit(source, img, parse_instruction(prompt), self.min_area)})
+                edit = parse_instruction(prompt)
+                out.append({**score_edit(source, img, edit, self.min_area), "kind": edit.kind})
             except ValueError as e:
                 raise ValueError(f"sample {sid!r}: {e}") from e
-            out[-1]["kind"] = parse_instruction(prompt).kind
         return out
 
     def __call__(self, req: RewardRequest) -> torch.Tensor:
