@@ -1,0 +1,97 @@
+"""LTX-2: ODE sampling through the shared stage equals diffusers' `LTX2Pipeline` on a tiny model,
+video and audio together.
+
+Same tiny weights (a random audio-video transformer, a tiny video VAE, a tiny audio VAE and
+vocoder, a tiny Gemma 3 text model and the text connectors), prompts, x_T and schedule: the
+pipeline computes its own schedule (`linspace(1, 1/T, T)`, its scheduler's static shift 1), both
+streams' text tokens through the connectors, and its classifier-free guidance in x0 form
+(`guidance_scale` on the video, `audio_guidance_scale` on the audio; spatio-temporal guidance,
+modality guidance and guidance rescale off, as the recipe sets them). The stage's one latent
+[C, video tokens + audio tokens] is split into the pipeline's packed `latents` and
+`audio_latents` (3-D, which the pipeline takes as they are: the tiny audio VAE's latents mean /
+std are 0 / 1, so its normalization of given audio latents is the identity). The pipeline needs
+sides that are multiples of 32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import LTX2Pipeline
+
+from tests.models.lora import trained_lora_backend
+from unirl.models.ltx2 import LORA_TARGETS, LTX2ModelConfig, LTX2Stage
+from unirl.sde.schedules import sigmas_for
+from unirl.train.backend import lora_target_problem
+from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq
+
+PROMPTS = ["a red square", "a low tone"]
+SIZE, FRAMES, RATE, LENGTH = 32, 5, 25.0, 8
+OFF = dict(
+    stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_stg_scale=0.0, audio_modality_scale=1.0,
+    audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None,
+)  # fmt: skip
+
+
+def tiny_config(**options) -> LTX2ModelConfig:
+    words = ["a", "red", "square", "low", "tone"]
+    return LTX2ModelConfig(tiny={"resolution": SIZE, "words": words}, num_frames=FRAMES, frame_rate=RATE, **options)
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return tiny_config(audio_guidance_scale=5.0).build()
+
+
+def sample(bundle, prompts, guidance: float, num_steps: int, output_type: str):
+    """(the stage's final latents, x_T, the pipeline's output, the stage)."""
+    sp = DiffusionSamplingParams(
+        num_steps=num_steps, samples_per_prompt=1, height=SIZE, width=SIZE, guidance_scale=guidance, eta=0.0,
+        shift=1.0, sigma_grid="steps", max_sequence_length=LENGTH,
+    )  # fmt: skip
+    stage = LTX2Stage(bundle)
+    sigmas = sigmas_for(sp, bundle.image_seq_len(SIZE, SIZE))
+    req = RolloutReq.from_prompts([PromptExample(p, str(i)) for i, p in enumerate(prompts)], sp, sigmas, 0)
+    ours = stage.diffuse(req, stage.encode_request(req)).at(num_steps)
+    shape = bundle.latent_shape(SIZE, SIZE)
+    x_t = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds])
+    video, audio = bundle.split(x_t, bundle.image_seq_len(SIZE, SIZE))
+    pipe = LTX2Pipeline(**bundle.pipeline.components)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        out = pipe(
+            prompt=list(prompts), height=SIZE, width=SIZE, num_frames=FRAMES, frame_rate=RATE,
+            num_inference_steps=num_steps, guidance_scale=guidance, audio_guidance_scale=bundle.audio_guidance_scale,
+            latents=video, audio_latents=audio, max_sequence_length=LENGTH, output_type=output_type, **OFF,
+        )  # fmt: skip
+    assert torch.equal(pipe.scheduler.sigmas[:-1], sigmas[:-1])
+    return ours, x_t, out, stage
+
+
+@pytest.fixture(scope="module")
+def unguided():
+    return tiny_config().build()
+
+
+@pytest.mark.parametrize(("guidance", "num_steps"), [(3.0, 3), (1.0, 2)])
+def test_ode_sampling_matches_ltx2_pipeline(bundle, unguided, guidance, num_steps) -> None:
+    bundle = bundle if guidance > 1 else unguided  # an audio scale > 1 needs a guided video
+    ours, x_t, out, _ = sample(bundle, PROMPTS, guidance, num_steps, "latent")
+    video, audio = out.frames, out.audio  # [B, C, f, h, w] and [B, C_a, L, M], denormalized
+    f, h, w = (FRAMES - 1) // 2 + 1, SIZE // 2, SIZE // 2
+    assert ours.shape == (2, 4, f * h * w + bundle.audio_frames) and bundle.audio_frames == 5
+    assert (ours - x_t).abs().max().item() > 0.1
+    ours_video = ours[..., : f * h * w].reshape(2, 4, f, h, w)
+    ours_audio = bundle.pipeline._unpack_audio_latents(
+        ours[..., f * h * w :].transpose(1, 2), bundle.audio_frames, num_mel_bins=bundle.mel_bins
+    )
+    assert torch.equal(ours_video, video), f"video: max |stage - pipeline| = {(ours_video - video).abs().max()}"
+    assert torch.equal(ours_audio, audio), f"audio: max |stage - pipeline| = {(ours_audio - audio).abs().max()}"
+
+
+def test_decode_matches_the_pipelines_frames_and_waveforms(bundle) -> None:
+    ours, _, out, stage = sample(bundle, PROMPTS, 3.0, 2, "pt")
+    assert out.frames.shape == (2, FRAMES, 3, SIZE, SIZE)
+    assert torch.equal(stage.decode_float(ours), out.frames)
+    waves = bundle.audio(ours)
+    assert waves.shape[:2] == (2, 2) and torch.equal(waves, out.audio.float())

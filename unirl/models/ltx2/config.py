@@ -1,0 +1,184 @@
+"""The LTX-2 family's recipe node: which audio-video model to build, its clip length and frame rate,
+and its answers to the validator.
+
+`LTX2ModelConfig(pretrained_path=<dir>)` names a local diffusers LTX-2 directory (an
+`LTX2Pipeline`: transformer/ (LTX2VideoTransformer3DModel), vae/ (AutoencoderKLLTX2Video),
+audio_vae/ (AutoencoderKLLTX2Audio), vocoder/, connectors/, text_encoder/ (Gemma 3) and tokenizer/,
+scheduler/); `LTX2ModelConfig(tiny=TinyLTX2Config(...))` a tiny random one built from configs,
+offline. Every sample is a clip of `num_frames` frames at `frame_rate` with its soundtrack of the
+same duration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, read_vae_config
+from unirl.models.source import DType
+from unirl.types.constraints import AtLeastOne, Positive, check_fields
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+"""LTX-2's attention projections, as peft name suffixes: every attention of its blocks (video and
+audio self-attention, their text cross-attention, and the audio-to-video and video-to-audio
+cross-attention) is named alike, so one list trains both streams; add "ff.net.0.proj" and
+"ff.net.2" (and "audio_ff.net.0.proj", "audio_ff.net.2") for the feed-forwards."""
+
+
+@dataclass
+class TinyLTX2Config:
+    """A tiny LTX-2-architecture audio-video model for CPU runs and tests (random weights).
+
+    `resolution` is the frame side in pixels the model is built for. A small random
+    `AutoencoderKLLTX2Video` (one level `vae_width` channels wide) compresses 2x along each side
+    and 2x along time into `latent_channels` channels; a small random `AutoencoderKLLTX2Audio`
+    encodes `mel_bins`-bin mel spectrograms (4x along time and along the bins) into
+    `audio_latent_channels` channels, and a small `LTX2Vocoder` turns mel spectrograms into
+    `audio_channels`-channel waveforms at 16 kHz. The transformer (`num_layers` blocks of a video
+    stream `num_attention_heads` x `attention_head_dim` wide and an audio stream
+    `audio_num_attention_heads` x `audio_attention_head_dim` wide) takes each latent cell as a
+    token (patch 1, as the real one). The prompt encoder is a tiny Gemma 3 text model
+    (`text_hidden_size` wide, `text_layers` deep; the pipeline stacks all its hidden states)
+    followed by LTX-2's text connectors, over a byte-level BPE tokenizer where `words` are whole
+    tokens.
+
+    The audio latent tokens must be as wide as the video's (`audio_latent_channels` x `mel_bins`
+    / 4 == `latent_channels`, as in the real model's 8 x 16 == 128): the stage samples one latent
+    [C, video tokens + audio tokens].
+    """
+
+    resolution: AtLeastOne = 16
+    num_layers: AtLeastOne = 1
+    num_attention_heads: AtLeastOne = 2
+    attention_head_dim: AtLeastOne = 8
+    audio_num_attention_heads: AtLeastOne = 2
+    audio_attention_head_dim: AtLeastOne = 4
+    text_hidden_size: AtLeastOne = 16
+    text_layers: AtLeastOne = 2
+    latent_channels: AtLeastOne = 4
+    audio_latent_channels: AtLeastOne = 2
+    mel_bins: AtLeastOne = 8
+    audio_channels: AtLeastOne = 2
+    vae_width: AtLeastOne = 8
+    words: list[str] = field(default_factory=list)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.words = list(self.words)
+        check_fields(self, "model.tiny.")
+        if self.mel_bins % 4:
+            raise ValueError(
+                f"model.tiny.mel_bins must be a multiple of 4 (the audio VAE compresses the bins 4x), got {self.mel_bins}"
+            )
+        if self.audio_latent_channels * (self.mel_bins // 4) != self.latent_channels:
+            raise ValueError(
+                f"model.tiny.audio_latent_channels x model.tiny.mel_bins / 4 = "
+                f"{self.audio_latent_channels} x {self.mel_bins // 4} must equal model.tiny.latent_channels="
+                f"{self.latent_channels}: an audio latent token is as wide as a video one (the stage samples "
+                "both in one latent)"
+            )
+        if self.text_hidden_size % 2 or self.attention_head_dim % 2 or self.audio_attention_head_dim % 2:
+            raise ValueError(
+                "model.tiny.text_hidden_size, attention_head_dim and audio_attention_head_dim must be even "
+                f"(rotary halves), got {self.text_hidden_size}, {self.attention_head_dim}, "
+                f"{self.audio_attention_head_dim}"
+            )
+
+
+@dataclass
+class LTX2ModelConfig(FlowFamilyConfig):
+    """Which LTX-2 model to build (exactly one of `pretrained_path` / `tiny`), and the clips it
+    samples.
+
+    Attributes:
+        pretrained_path: local diffusers directory of an LTX-2 (text-to-audio-video) model.
+        tiny: tiny-model config used when `pretrained_path` is null.
+        num_frames: frames per video, 1 + k x the VAE's temporal compression (the real VAE's 8:
+            1, 9, ..., 121, the pipeline's default).
+        frame_rate: frames per second: the soundtrack lasts num_frames / frame_rate seconds, and
+            the transformer's video positions are in seconds (the pipeline's `frame_rate`).
+        audio_guidance_scale: the audio stream's classifier-free guidance scale (the pipeline's
+            `audio_guidance_scale`); null: `sampling.guidance_scale`, as the pipeline's default
+            when it is not given.
+        dtype: parameter dtype of the frozen components (text encoder, connectors, VAEs, vocoder);
+            the trainable transformer stays fp32 master weights unless the backend casts it.
+    """
+
+    modality: ClassVar[str] = "diffusion"
+    SPEC: ClassVar[FamilySpec] = FamilySpec(
+        name="LTX-2", modeling="unirl.models.ltx2.bundle", bundle="LTX2Bundle",
+        transformer="LTX2VideoTransformer3DModel", pipeline="LTX2Pipeline", directory="LTX-2",
+    )  # fmt: skip
+    TINY: ClassVar[type] = TinyLTX2Config
+
+    pretrained_path: str | None = None
+    tiny: TinyLTX2Config | None = field(default_factory=TinyLTX2Config)
+    num_frames: AtLeastOne = 121
+    frame_rate: Positive = 24.0
+    audio_guidance_scale: float | None = None
+    dtype: DType = "float32"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.audio_guidance_scale is not None and self.audio_guidance_scale < 1.0:
+            raise ValueError(
+                f"model.audio_guidance_scale must be >= 1 (1: no guidance) or null, got {self.audio_guidance_scale}"
+            )
+
+    def bundle_options(self) -> dict[str, Any]:
+        return {
+            "num_frames": self.num_frames,
+            "frame_rate": self.frame_rate,
+            "audio_guidance_scale": self.audio_guidance_scale,
+        }
+
+    def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
+        """Sides multiples of the VAE's spatial scale (the transformer's patch is 1: one token per
+        latent cell; 32 px with the real VAE), and `model.num_frames` = 1 + k x its temporal scale."""
+        scales = self.scales()
+        if scales is None:
+            return []
+        temporal, spatial = scales
+        problems = [
+            f"{key}.{side}={value} must be a multiple of {spatial} (the LTX-2 VAE's spatial compression: "
+            f"one token per latent cell), e.g. {max(spatial, value // spatial * spatial)} or "
+            f"{(value // spatial + 1) * spatial}"
+            for side, value in (("height", height), ("width", width))
+            if value % spatial
+        ]
+        if (self.num_frames - 1) % temporal:
+            below = max(1, (self.num_frames - 1) // temporal * temporal + 1)
+            problems.append(
+                f"model.num_frames={self.num_frames}: the LTX-2 VAE (temporal compression {temporal}) takes "
+                f"1 + {temporal}k frames, e.g. {below} or {below + temporal}"
+            )
+        return problems
+
+    def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
+        """Classifier-free guidance at any scale >= 1 (1: none); an audio scale > 1 only beside a
+        guided video (the stage encodes the uncond prompt for the video's scale; the pipeline would
+        guide both streams)."""
+        audio = self.audio_guidance_scale
+        if audio is not None and audio > 1.0 and guidance_scale <= 1.0:
+            return [
+                f"model.audio_guidance_scale={audio} needs {key} > 1 (got {guidance_scale}): UniRL guides LTX-2 "
+                f"when the video is guided; set {key} > 1 or model.audio_guidance_scale to null or 1"
+            ]
+        return []
+
+    def scales(self) -> tuple[int, int] | None:
+        """(temporal, spatial) compression, from the tiny config (2, 2) or the directory's
+        vae/config.json; None when unreadable (reported by the load)."""
+        if not self.pretrained_path:
+            return 2, 2
+        try:
+            vae = read_vae_config(self.pretrained_path)
+            if vae is None:
+                return None
+            scaling = vae.get("spatio_temporal_scaling", (True, True, True, True))
+            levels = sum(bool(s) for s in scaling) if isinstance(scaling, (list, tuple)) else 4 * bool(scaling)
+            spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 2**levels
+            temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * 2**levels
+            return int(temporal), int(spatial)
+        except (OSError, KeyError, ValueError, TypeError):
+            return None
