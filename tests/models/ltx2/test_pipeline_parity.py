@@ -35,7 +35,9 @@ OFF = dict(
 
 def tiny_config(**options) -> LTX2ModelConfig:
     words = ["a", "red", "square", "low", "tone"]
-    return LTX2ModelConfig(tiny={"resolution": SIZE, "words": words}, num_frames=FRAMES, frame_rate=RATE, **options)
+    return LTX2ModelConfig(
+        tiny={"resolution": SIZE, "words": words}, num_frames=FRAMES, frame_rate=RATE, **options
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,9 @@ def sample(bundle, prompts, guidance: float, num_steps: int, output_type: str):
     req = RolloutReq.from_prompts([PromptExample(p, str(i)) for i, p in enumerate(prompts)], sp, sigmas, 0)
     ours = stage.diffuse(req, stage.encode_request(req)).at(num_steps)
     shape = bundle.latent_shape(SIZE, SIZE)
-    x_t = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds])
+    x_t = torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in req.init_seeds]
+    )
     video, audio = bundle.split(x_t, bundle.image_seq_len(SIZE, SIZE))
     pipe = LTX2Pipeline(**bundle.pipeline.components)
     pipe.set_progress_bar_config(disable=True)
@@ -85,8 +89,12 @@ def test_ode_sampling_matches_ltx2_pipeline(bundle, unguided, guidance, num_step
     ours_audio = bundle.pipeline._unpack_audio_latents(
         ours[..., f * h * w :].transpose(1, 2), bundle.audio_frames, num_mel_bins=bundle.mel_bins
     )
-    assert torch.equal(ours_video, video), f"video: max |stage - pipeline| = {(ours_video - video).abs().max()}"
-    assert torch.equal(ours_audio, audio), f"audio: max |stage - pipeline| = {(ours_audio - audio).abs().max()}"
+    assert torch.equal(ours_video, video), (
+        f"video: max |stage - pipeline| = {(ours_video - video).abs().max()}"
+    )
+    assert torch.equal(ours_audio, audio), (
+        f"audio: max |stage - pipeline| = {(ours_audio - audio).abs().max()}"
+    )
 
 
 def test_decode_matches_the_pipelines_frames_and_waveforms(bundle) -> None:
@@ -95,3 +103,71 @@ def test_decode_matches_the_pipelines_frames_and_waveforms(bundle) -> None:
     assert torch.equal(stage.decode_float(ours), out.frames)
     waves = bundle.audio(ours)
     assert waves.shape[:2] == (2, 2) and torch.equal(waves, out.audio.float())
+
+
+def test_lora_targets_both_streams_and_export_loads_back(tmp_path) -> None:
+    """The attention names train both streams; `LTX2Pipeline.load_lora_weights` reads the export
+    and gives the trained velocity on video and audio tokens."""
+    config = tiny_config()
+    meta = config.trainable_on_meta()
+    assert lora_target_problem(meta, LORA_TARGETS + ["ff.net.0.proj", "ff.net.2"]) is None
+    names = [n for n, _ in meta.named_modules() if n.endswith("to_q")]
+    assert any(".audio_attn1." in n for n in names) and any(".attn1." in n for n in names)
+    fresh = config.build()
+    fresh.save_pretrained(str(tmp_path / "base"))
+    backend = trained_lora_backend(fresh.transformer, LORA_TARGETS, type(fresh).write_weights)
+    backend.save_weights(str(tmp_path / "ckpt"), base_model=str(tmp_path / "base"))
+    loaded = config.load_checkpoint(str(tmp_path / "ckpt"))
+    sp = DiffusionSamplingParams(
+        num_steps=2,
+        samples_per_prompt=1,
+        height=SIZE,
+        width=SIZE,
+        guidance_scale=1.0,
+        max_sequence_length=LENGTH,
+    )
+    examples = [PromptExample(p, str(i)) for i, p in enumerate(PROMPTS)]
+    req = RolloutReq.from_prompts(examples, sp, sigmas_for(sp, 1), 0)
+    cond = LTX2Stage(fresh).encode_request(req)
+    x = torch.randn(2, *fresh.latent_shape(SIZE, SIZE), generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        trained = fresh.predict(backend.module, x, sigma, cond)
+        torch.testing.assert_close(
+            loaded.predict(loaded.transformer, x, sigma, cond), trained, rtol=0, atol=1e-6
+        )
+        backend.module.disable_adapters()
+        base = fresh.predict(backend.module, x, sigma, cond)
+    video = fresh.image_seq_len(SIZE, SIZE)
+    assert not torch.allclose(base[..., :video], trained[..., :video], atol=1e-4)
+    assert not torch.allclose(base[..., video:], trained[..., video:], atol=1e-4)
+
+
+def test_bad_configs_are_refused(tmp_path) -> None:
+    with pytest.raises(
+        ValueError, match=r"audio_latent_channels x model.tiny.mel_bins / 4 = 2 x 4 must equal"
+    ):
+        LTX2ModelConfig(tiny={"mel_bins": 16})
+    with pytest.raises(ValueError, match=r"model.tiny.mel_bins must be a multiple of 4"):
+        LTX2ModelConfig(tiny={"mel_bins": 6})
+    with pytest.raises(ValueError, match=r"model.audio_guidance_scale must be >= 1"):
+        tiny_config(audio_guidance_scale=0.5)
+    with pytest.raises(ValueError, match=r"model.frame_rate"):
+        LTX2ModelConfig(frame_rate=0.0)
+    assert tiny_config().size_problems(32, 33) == [
+        "sampling.width=33 must be a multiple of 2 (the LTX-2 VAE's spatial compression: one token per latent "
+        "cell), e.g. 32 or 34"
+    ]
+    assert any("model.num_frames=6" in p for p in LTX2ModelConfig(num_frames=6).size_problems(32, 32))
+    assert tiny_config(audio_guidance_scale=4.0).guidance_problems(1.0, "sampling.guidance_scale") == [
+        "model.audio_guidance_scale=4.0 needs sampling.guidance_scale > 1 (got 1.0): UniRL guides LTX-2 when the "
+        "video is guided; set sampling.guidance_scale > 1 or model.audio_guidance_scale to null or 1"
+    ]
+    with pytest.raises(ValueError, match=r"shorter than one audio latent frame"):
+        LTX2ModelConfig(tiny={}, num_frames=1, frame_rate=1000.0).build()
+    directory = tmp_path / "ltx2"
+    tiny_config().build().save_pretrained(str(directory))
+    on_disk = LTX2ModelConfig(pretrained_path=str(directory), tiny=None, num_frames=5)
+    assert on_disk.directory_problems() == [] and on_disk.size_problems(32, 32) == []
+    (directory / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    assert "LTX2Pipeline" in "".join(on_disk.directory_problems())

@@ -115,7 +115,9 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         self.frame_rate = float(frame_rate)
         seconds = num_frames / self.frame_rate
         per_second = (
-            pipeline.audio_sampling_rate / pipeline.audio_hop_length / float(pipeline.audio_vae_temporal_compression_ratio)
+            pipeline.audio_sampling_rate
+            / pipeline.audio_hop_length
+            / float(pipeline.audio_vae_temporal_compression_ratio)
         )
         self.audio_frames = round(seconds * per_second)
         if self.audio_frames < 1:
@@ -192,7 +194,9 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
 
     def _encode(self, prompts: list[str], length: int) -> tuple[torch.Tensor, ...]:
         pipe = self.pipeline
-        embeds, mask = pipe._get_gemma_prompt_embeds(prompt=prompts, max_sequence_length=length, device=self.device)
+        embeds, mask = pipe._get_gemma_prompt_embeds(
+            prompt=prompts, max_sequence_length=length, device=self.device
+        )
         video, audio, text_mask = pipe.connectors(embeds, mask, padding_side=pipe.tokenizer.padding_side)
         return video, audio, text_mask.to(video.dtype)
 
@@ -278,7 +282,9 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         tokens unpacked, denormalized by the VAE's latents mean / std and decoded (at decode
         timestep 0 when the VAE is timestep-conditioned, the pipeline's default)."""
         if self._decoded_grid is None:
-            raise ValueError("LTX2Bundle.pixels: call latent_shape(height, width) first (it pins the latent grid)")
+            raise ValueError(
+                "LTX2Bundle.pixels: call latent_shape(height, width) first (it pins the latent grid)"
+            )
         f, h, w = self._decoded_grid
         if latents.shape[-1] != f * h * w + self.audio_frames:
             raise ValueError(
@@ -328,7 +334,11 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
 
     @classmethod
     def tiny(
-        cls, cfg: TinyLTX2Config, num_frames: int, frame_rate: float, audio_guidance_scale: float | None = None
+        cls,
+        cfg: TinyLTX2Config,
+        num_frames: int,
+        frame_rate: float,
+        audio_guidance_scale: float | None = None,
     ) -> LTX2Bundle:
         """A randomly initialized tiny model, deterministic in `cfg.seed`."""
         from transformers import Gemma3TextConfig, Gemma3TextModel
@@ -373,7 +383,13 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
             scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
             tokenizer=tokenizer, connectors=connectors, transformer=tiny_transformer(cfg), vocoder=vocoder,
         )  # fmt: skip
-        return cls(pipe, num_frames, frame_rate, sample_size=cfg.resolution, audio_guidance_scale=audio_guidance_scale)
+        return cls(
+            pipe,
+            num_frames,
+            frame_rate,
+            sample_size=cfg.resolution,
+            audio_guidance_scale=audio_guidance_scale,
+        )
 
 
 def tiny_transformer(cfg: TinyLTX2Config) -> LTX2VideoTransformer3DModel:

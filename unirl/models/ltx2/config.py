@@ -176,7 +176,9 @@ class LTX2ModelConfig(FlowFamilyConfig):
             if vae is None:
                 return None
             scaling = vae.get("spatio_temporal_scaling", (True, True, True, True))
-            levels = sum(bool(s) for s in scaling) if isinstance(scaling, (list, tuple)) else 4 * bool(scaling)
+            levels = (
+                sum(bool(s) for s in scaling) if isinstance(scaling, (list, tuple)) else 4 * bool(scaling)
+            )
             spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 2**levels
             temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * 2**levels
             return int(temporal), int(spatial)
