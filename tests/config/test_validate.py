@@ -186,7 +186,12 @@ NEEDS_MODEL_DIR = (
     "vlm/qwen25vl_grpo",
 )
 # a negative weight flips a reward on purpose (the reward-backprop recipes hand theirs to the algorithm too)
-SIGNED_FLOATS = ("reward.backend.weights.", "algorithm.reward.backend.weights.")
+SIGNED_FLOATS = (
+    "reward.backend.weights.",
+    "algorithm.reward.backend.weights.",
+    "sampling.base_shift",  # a dynamic shift's mu at the base / max token count: a log-shift, any sign
+    "sampling.max_shift",
+)
 
 
 def leaves(node, path=""):

@@ -134,7 +134,8 @@ def test_evaluation_samples_with_euler_whatever_the_training_layout() -> None:
     """Every recipe evaluates with Euler ODE steps: no SDE step, no second-order solver, no
     noise; a training window that does not fit the evaluation's steps is not an error."""
     train = sliding(ode_solver="dpmpp_2m", same_initial_noise=True)
-    req = eval_request([PromptExample("a red square", "0")], train, EvalSampling(num_steps=3), 64)
+    info = {"vae_scale_factor": 8, "patch_size": 8}
+    req = eval_request([PromptExample("a red square", "0")], train, EvalSampling(num_steps=3), info)
     sp = req.sampling
     assert req.sde_indices == [] and sp.eta == 0.0 and sp.num_steps == 3
     assert sp.ode_solver == "euler" and not sp.noise_all_steps and not sp.same_initial_noise
@@ -142,5 +143,5 @@ def test_evaluation_samples_with_euler_whatever_the_training_layout() -> None:
         num_steps=10, sde_scheduler="random", sde_num_steps=5, sde_window=(0.0, 0.9), noise_all_steps=True
     )
     assert not eval_request(
-        [PromptExample("a red square", "0")], dance, EvalSampling(), 64
+        [PromptExample("a red square", "0")], dance, EvalSampling(), info
     ).sampling.noise_all_steps

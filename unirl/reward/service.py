@@ -136,7 +136,8 @@ class RewardService:
             raise ValueError(f"track {track.name!r} has both media and texts: a track scores one modality")
         try:
             if track.media is not None:
-                return RewardRequest(images=track.media, **common)
+                audio = {"audio": track.audio, "audio_rate": track.audio_rate} if track.audio is not None else {}
+                return RewardRequest(images=track.media, **audio, **common)
             if track.texts is not None:
                 lengths = track.segment.response_lengths if isinstance(track.segment, TokenSegment) else None
                 return RewardRequest(

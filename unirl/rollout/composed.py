@@ -15,18 +15,11 @@ from annotated_types import Ge
 
 from unirl.models.stage import DiffusionStage, TextStage
 from unirl.rollout.trainside import TrainsideEngine
-from unirl.sde.schedules import sigmas_for
+from unirl.sde.schedules import schedule_tokens, sigmas_for
 from unirl.types.lineage import child_request
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutResp
 from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
-
-
-def image_seq_len(stage: DiffusionStage, sampling: DiffusionSamplingParams) -> int:
-    """Latent tokens of one image at the sampling size (what the sigma shift depends on)."""
-    info = stage.model_info()
-    cell = info["vae_scale_factor"] * info["patch_size"]
-    return (sampling.height // cell) * (sampling.width // cell)
 
 
 class ComposedEngine:
@@ -83,7 +76,7 @@ class ComposedEngine:
         """The pinned sigma schedule of track `name` under `sampling` (None for a text track)."""
         if self.engines[name].text:
             return None
-        return sigmas_for(sampling, image_seq_len(self.stages[name], sampling))
+        return sigmas_for(sampling, schedule_tokens(sampling, self.stages[name].model_info()))
 
     def generate(
         self,

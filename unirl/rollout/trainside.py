@@ -91,6 +91,10 @@ class TrainsideEngine:
                     rows = {k: v[idx] for k, v in cond.items()}
                     segment = self.stage.diffuse(part, rows, kept=self.kept if keep else None)
                     extra = {"conditions": rows, "media": self.stage.decode(segment.final)}
+                    # an audio-video family's soundtracks (FlowMatchingStage.decode_audio); other stages have none
+                    decode_audio = getattr(self.stage, "decode_audio", None)
+                    if decode_audio is not None:
+                        extra.update(decode_audio(segment.final))
                 yield RolloutTrack.of_request(self.track_name, part, segment, **extra)
         finally:
             self.stage.module.train(was_training)

@@ -129,6 +129,15 @@ def steps_grid_sigmas(
     return _with_terminal_zero(shifted)
 
 
+def schedule_tokens(sampling: DiffusionSamplingParams, model_info: dict) -> int:
+    """The denoiser tokens a dynamic sigma shift counts at the sampling size: the latent cells of a
+    frame (`model_info`'s `vae_scale_factor` x `patch_size` pixels a side) times its `latent_frames`
+    (1 for an image family and a family that does not say; LTX-2 counts every frame, as its
+    pipeline does)."""
+    cell = model_info["vae_scale_factor"] * model_info["patch_size"]
+    return model_info.get("latent_frames", 1) * (sampling.height // cell) * (sampling.width // cell)
+
+
 def sigmas_for(sampling: DiffusionSamplingParams, image_seq_len: int) -> torch.Tensor:
     """The schedule a request pins: dynamic shift from `image_seq_len` tokens (mu by
     `sampling.mu_rule`: the linear `dynamic_shift_mu`, or FLUX.2's `empirical_mu`), or static

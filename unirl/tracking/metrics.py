@@ -85,3 +85,22 @@ def save_image_grid(
         extra = {} if frames is None else {"frames": frames}
         rows = [{"prompt": p, "reward": r, **extra} for p, r in zip(captions, rewards, strict=True)]
         json.dump(rows, f, indent=1)
+
+
+def save_audio(audio: torch.Tensor, rate: int, path_stem: str) -> list[str]:
+    """Save soundtracks [B, A, T] (about [-1, 1], clipped there) at `rate` Hz as 16-bit PCM WAV
+    files `<stem>_<i>.wav`, one per sample; returns their paths."""
+    import wave
+
+    os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
+    pcm = (audio.detach().float().clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy()
+    paths = []
+    for i, clip in enumerate(pcm):
+        path = f"{path_stem}_{i}.wav"
+        with wave.open(path, "wb") as f:
+            f.setnchannels(clip.shape[0])
+            f.setsampwidth(2)
+            f.setframerate(rate)
+            f.writeframes(np.ascontiguousarray(clip.T).tobytes())
+        paths.append(path)
+    return paths

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from unirl.models.flow.stage import FlowMatchingStage
 from unirl.models.stage import DiffusionStage
 from unirl.rollout.trainside import TrainsideEngine
-from unirl.sde.schedules import sigmas_for
+from unirl.sde.schedules import schedule_tokens, sigmas_for
 from unirl.trainer.text_eval import TextEvalSampling, eval_requests, text_accuracies
 from unirl.types.constraints import AtLeastOne, check_fields
 from unirl.types.reward import RewardRequest
@@ -69,14 +69,13 @@ class EvalSampling:
 
 
 def eval_request(
-    examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling, cell: int
+    examples: list[PromptExample], base: DiffusionSamplingParams, cfg: EvalSampling, model_info: dict
 ) -> RolloutReq:
     """The deterministic evaluation request: every example x `samples_per_prompt`,
-    Euler sampling (eta 0) with the evaluation steps, guidance, seeds and size; `cell` is the
-    model's pixels per denoiser token along a side (vae_scale_factor x patch_size)."""
+    Euler sampling (eta 0) with the evaluation steps, guidance, seeds and size; `model_info` is the
+    model's (its schedule's token count: `unirl.sde.schedules.schedule_tokens`)."""
     sp = eval_params(base, cfg)
-    image_seq_len = (sp.height // cell) * (sp.width // cell)
-    return RolloutReq.from_prompts(examples, sp, sigmas_for(sp, image_seq_len), rollout_id=0)
+    return RolloutReq.from_prompts(examples, sp, sigmas_for(sp, schedule_tokens(sp, model_info)), rollout_id=0)
 
 
 def eval_params(base: DiffusionSamplingParams, cfg: EvalSampling) -> DiffusionSamplingParams:
@@ -104,7 +103,7 @@ def sample_eval_images(
     """([N, 3, H, W] uint8 images, the request that sampled them, one sample each) for every
     example x samples_per_prompt, deterministic."""
     info = stage.model_info()
-    req = eval_request(examples, base, cfg, info["vae_scale_factor"] * info["patch_size"])
+    req = eval_request(examples, base, cfg, info)
     track = TrainsideEngine(stage, cfg.forward_batch_size).generate(req).track("diffusion")
     return track.media, req
 
@@ -255,7 +254,7 @@ class Evaluator:
             reqs = eval_requests(self.examples, self.sampling)
             texts = {name: sample(req) for name, req in reqs.items()}
             return text_accuracies(reqs, texts, self.examples, self.scorer, self.sampling)
-        req = eval_request(self.examples, leaf.sampling, self.sampling, leaf.cell)
+        req = eval_request(self.examples, leaf.sampling, self.sampling, leaf.model_info)
         return score_images(self.scorer, sample(req), req)
 
     def _groups(self) -> dict[str, list[int]]:

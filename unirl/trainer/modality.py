@@ -17,8 +17,8 @@ import json
 import os
 from typing import Any, ClassVar
 
-from unirl.sde.schedules import sigmas_for
-from unirl.tracking.metrics import save_image_grid
+from unirl.sde.schedules import schedule_tokens, sigmas_for
+from unirl.tracking.metrics import save_audio, save_image_grid
 from unirl.types.rollout_req import PromptExample, RolloutReq
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
@@ -40,16 +40,22 @@ class ImageModality:
 
     def __init__(self, sampling: DiffusionSamplingParams, model_info: dict[str, Any]) -> None:
         self.sampling = sampling
+        self.model_info = model_info
         self.cell = model_info["vae_scale_factor"] * model_info["patch_size"]
-        self.image_seq_len = (sampling.height // self.cell) * (sampling.width // self.cell)
+        self.image_seq_len = schedule_tokens(sampling, model_info)
         self.sigmas = sigmas_for(sampling, self.image_seq_len)
+        if model_info.get("audio_sample_rate"):  # an audio-video family: its tracks carry soundtracks
+            self.reward_fields = [*self.reward_fields, "audio"]
 
     def request(self, examples: list[PromptExample], rollout_id: int) -> RolloutReq:
         return RolloutReq.from_prompts(examples, self.sampling, self.sigmas, rollout_id=rollout_id)
 
     def save_samples(self, track: RolloutTrack, path_stem: str) -> None:
-        """`<stem>.png` (the grid) and `<stem>.json` (prompts and rewards)."""
+        """`<stem>.png` (the grid), `<stem>.json` (prompts and rewards) and, for an audio-video
+        track, each sample's soundtrack `<stem>_<i>.wav`."""
         save_image_grid(track.media, path_stem + ".png", track.prompts, track.rewards.tolist())
+        if track.audio is not None:
+            save_audio(track.audio, track.audio_rate, path_stem)
 
 
 class TextModality:

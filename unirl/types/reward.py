@@ -11,9 +11,10 @@ import torch
 
 @dataclass
 class RewardRequest:
-    """Images, videos or texts to score, one per sample.
+    """Images, videos (with their soundtracks) or texts to score, one per sample.
 
-    Exactly one of `images` and `texts` is set.
+    Exactly one of `images` and `texts` is set; `audio` comes beside videos (an audio-video
+    family: LTX-2).
 
     Attributes:
         sample_ids: per sample, used to name failures.
@@ -27,6 +28,8 @@ class RewardRequest:
         group_ids: per-sample group (the prompt a sample was drawn for), or empty; a group scorer
             (one with `groupwise = True`, scoring each sample against its siblings) reads the
             groups through `groups()`.
+        audio: [B, A, T] fp32 waveforms of A channels in about [-1, 1], one per video, or None.
+        audio_rate: their sample rate in Hz (0 without audio).
     """
 
     sample_ids: list[str]
@@ -36,9 +39,12 @@ class RewardRequest:
     texts: list[str] | None = None
     response_lengths: list[int] | None = None
     group_ids: list[str] = field(default_factory=list)
+    audio: torch.Tensor | None = None
+    audio_rate: int = 0
 
     def __post_init__(self) -> None:
         batch = len(self.sample_ids)
+        self._check_audio(batch)
         if self.group_ids and len(self.group_ids) != batch:
             raise ValueError(f"RewardRequest has {batch} sample_ids but {len(self.group_ids)} group_ids")
         if len(self.prompts) != batch:
@@ -80,6 +86,21 @@ class RewardRequest:
                         f"RewardRequest.response_lengths for sample {sid!r} must be an int >= 0, got {n!r}"
                     )
             self.response_lengths = lengths
+
+    def _check_audio(self, batch: int) -> None:
+        if self.audio is None:
+            if self.audio_rate:
+                raise ValueError(f"RewardRequest.audio_rate={self.audio_rate} without audio")
+            return
+        if self.images is None:
+            raise ValueError("RewardRequest.audio comes beside images or videos (an audio-video track), got texts")
+        if not self.audio.is_floating_point() or self.audio.dim() != 3 or self.audio.shape[0] != batch:
+            raise ValueError(
+                f"RewardRequest.audio must be float [B={batch}, channels, samples], got {self.audio.dtype} "
+                f"{list(self.audio.shape)}"
+            )
+        if isinstance(self.audio_rate, bool) or not isinstance(self.audio_rate, int) or self.audio_rate < 1:
+            raise ValueError(f"RewardRequest.audio_rate must be the waveforms' sample rate in Hz (>= 1), got {self.audio_rate!r}")
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -133,6 +154,17 @@ class RewardRequest:
             got = "text" if self.images is None else f"images {list(self.images.shape)}"
             raise ValueError(f"{scorer} needs videos [B, F, 3, H, W], but the request carries {got}")
         return self.images
+
+    def require_audio(self, scorer: str) -> tuple[torch.Tensor, int]:
+        """(`audio` [B, A, T] fp32, `audio_rate`), or a ValueError saying that `scorer` needs the
+        soundtracks of an audio-video track."""
+        if self.audio is None:
+            got = "text" if self.images is None else f"{'videos' if self.is_video else 'images'} without audio"
+            raise ValueError(
+                f"{scorer} scores audio, but the request carries {got}: score the track of an audio-video family "
+                "(unirl.models.ltx2)"
+            )
+        return self.audio, self.audio_rate
 
     def require_texts(self, scorer: str) -> list[str]:
         """`texts`, or a ValueError saying that `scorer` needs text and got images."""

@@ -30,6 +30,8 @@ class RolloutTrack:
             embeddings), each [B, ...].
         media: [B, 3, H, W] uint8 images, [B, F, 3, H, W] uint8 videos (a video family), or
             None for text stages.
+        audio: [B, A, T] fp32 waveforms beside the videos of an audio-video family (LTX-2), else
+            None; `audio_rate` their sample rate in Hz (0 without audio).
         texts: per-sample decoded response text of a text stage (None for images).
         rewards: [B] fp32 once scored.
         reward_components: name -> [B] fp32 unweighted component scores.
@@ -61,6 +63,8 @@ class RolloutTrack:
     root_ids: list[str] | None = None
     rollout_id: int = 0
     reward_weights: dict[str, float] = field(default_factory=dict)
+    audio: torch.Tensor | None = None
+    audio_rate: int = 0
 
     PER_SAMPLE = (
         "sample_ids",
@@ -70,6 +74,7 @@ class RolloutTrack:
         "segment",
         "conditions",
         "media",
+        "audio",
         "texts",
         "rewards",
         "reward_components",

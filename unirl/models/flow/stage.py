@@ -373,6 +373,15 @@ class FlowMatchingStage:
         (pixel space: x in [-1, 1])."""
         return ((self.bundle.pixels(latents).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
+    @torch.no_grad()
+    def decode_audio(self, latents: torch.Tensor) -> dict:
+        """The soundtracks of an audio-video family (a bundle with `audio` and `audio_sample_rate`:
+        LTX-2): {"audio": [B, A, T] fp32, "audio_rate": Hz}, the track's fields beside `media`;
+        {} for every other family."""
+        if not hasattr(self.bundle, "audio"):
+            return {}
+        return {"audio": self.bundle.audio(latents), "audio_rate": int(self.bundle.audio_sample_rate)}
+
     def decode_float(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] fp32 RGB in [0, 1] (videos: [B, F, 3, H, W]) from latents, differentiable
         (through the VAE, if any): `decode` before its rounding, (clamp(x, -1, 1) + 1) / 2; the reward-backprop

@@ -1,7 +1,9 @@
-"""In-process scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor (weight-free; OCR on the PP-OCRv4
+"""In-process scorers: `scorer(req: RewardRequest) -> [B]` fp32 tensor (weight-free, over images, videos,
+soundtracks or texts; OCR on the PP-OCRv4
 weights its package ships; PickScore, CLIPScore, HPSv2, HPSv3, ImageReward and the aesthetic predictor from local checkpoints)."""
 
 from unirl.reward.local.aesthetic import AestheticScore
+from unirl.reward.local.audio import Loudness, ToneScore
 from unirl.reward.local.color import ColorTarget
 from unirl.reward.local.control import RandomDirectionReward, RandomReward
 from unirl.reward.local.edit import SourcePreservation
@@ -28,6 +30,7 @@ __all__ = [
     "ImageReward",
     "JpegCompressibility",
     "JpegIncompressibility",
+    "Loudness",
     "OCRReward",
     "PickScore",
     "PickScoreRank",
@@ -37,5 +40,6 @@ __all__ = [
     "RandomReward",
     "SourcePreservation",
     "TargetCharFraction",
+    "ToneScore",
     "jpeg_size_kb",
 ]
