@@ -3,7 +3,7 @@
 the family's sampling, 2 steps in this process; prints OK / FAIL per recipe. The reward-backprop
 recipes score 32 px images (their learned reward), the rest 16 px.
 
-    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage | flux2 | flux2_klein | flux2_edit | hunyuanvideo15 | hunyuanvideo15_i2v
+    python scripts/family_algorithms.py FAMILY [recipe ...]    # FAMILY: flux | kontext | wan | wan22 | qwenimage | qwen_edit | zimage | flux2 | flux2_klein | flux2_edit | hunyuanvideo15 | hunyuanvideo15_i2v | ltx2
 
 - flux: embedded guidance 3.5, `sigma_grid: steps`, dynamic shift.
 - kontext: FLUX.1-Kontext, flux's settings at guidance 2.5, the prompts of datasets/tiny_edit (each
@@ -26,6 +26,10 @@ recipes score 32 px images (their learned reward), the rest 16 px.
 - hunyuanvideo15_i2v: HunyuanVideo 1.5 image-to-video, hunyuanvideo15's settings from the first
   frames of datasets/tiny_edit/first_frame_prompts.jsonl (latents and SigLIP image stream), the
   edits' redness per frame.
+- ltx2: LTX-2 audio-video (latent space), 5-frame clips at 25 fps with their soundtracks, CFG 2.0
+  in x0 form against the empty prompt, image rewards wrapped in `FrameMean` plus the soundtrack's
+  `ToneScore` (weight 5) in the rollout reward (a reward-backprop algorithm's loss scores the frames
+  alone: `decode_float` gives pixels).
 - qwen_edit: Qwen-Image-Edit-Plus (latent space: the pipeline VAE-encodes its references),
   qwenimage's settings, the rows of datasets/tiny_edit/two_picture_prompts.jsonl (a source and a
   red swatch each, read by the prompt encoder and riding as packed tokens), the edits' redness.
@@ -74,7 +78,9 @@ REDNESS = {
     "_target_": "unirl.reward.RewardService",
     "backend": {
         "_target_": "unirl.reward.LocalRewardBackend",
-        "components": {"redness": {"_target_": "unirl.reward.local.color.ColorTarget", "target": [1.0, 0.0, 0.0]}},
+        "components": {
+            "redness": {"_target_": "unirl.reward.local.color.ColorTarget", "target": [1.0, 0.0, 0.0]}
+        },
         "weights": {"redness": 1.0},
     },
 }
@@ -149,7 +155,19 @@ def qwen_edit(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.model.condition_area = 56 * 56
     cfg.model.vae_area = 32 * 32
     cfg.model.tiny.pixel_space = False
-    cfg.model.tiny.words = ["make", "the", "blue", "green", "yellow", "grey", "square", "in", "picture", "colour", "of"]
+    cfg.model.tiny.words = [
+        "make",
+        "the",
+        "blue",
+        "green",
+        "yellow",
+        "grey",
+        "square",
+        "in",
+        "picture",
+        "colour",
+        "of",
+    ]
     cfg.sampling.max_sequence_length = 48  # the instruction with both references' vision tokens
     edit_rows(cfg, "datasets/tiny_edit/two_picture_prompts.jsonl")
 
@@ -191,7 +209,18 @@ def flux2_klein(cfg, size: int, lora_targets: list[str]) -> None:
 def flux2_edit(cfg, size: int, lora_targets: list[str]) -> None:
     flux2(cfg, size, lora_targets)
     cfg.model._target_ = "unirl.models.flux2.Flux2EditModelConfig"
-    cfg.model.tiny.words = ["make", "the", "blue", "green", "yellow", "square", "in", "picture", "colour", "of"]
+    cfg.model.tiny.words = [
+        "make",
+        "the",
+        "blue",
+        "green",
+        "yellow",
+        "square",
+        "in",
+        "picture",
+        "colour",
+        "of",
+    ]
     edit_rows(cfg, "datasets/tiny_edit/two_picture_prompts.jsonl")
 
 
@@ -214,15 +243,51 @@ def hunyuanvideo15(cfg, size: int, lora_targets: list[str]) -> None:
 def hunyuanvideo15_i2v(cfg, size: int, lora_targets: list[str]) -> None:
     hunyuanvideo15(cfg, size, lora_targets)
     cfg.model._target_ = "unirl.models.hunyuanvideo.HunyuanVideo15I2VModelConfig"
-    cfg.model.tiny.words = ["the", "blue", "green", "yellow", "grey", "square", "turns", "red", "and", "slides", "right"]
+    cfg.model.tiny.words = [
+        "the",
+        "blue",
+        "green",
+        "yellow",
+        "grey",
+        "square",
+        "turns",
+        "red",
+        "and",
+        "slides",
+        "right",
+    ]
     edit_rows(cfg, "datasets/tiny_edit/first_frame_prompts.jsonl")
     per_frame(cfg)
+
+
+def ltx2(cfg, size: int, lora_targets: list[str]) -> None:
+    cfg.model = {
+        "_target_": "unirl.models.ltx2.LTX2ModelConfig",
+        "pretrained_path": None,
+        "num_frames": 5,
+        "frame_rate": 25.0,
+        "tiny": {"resolution": size, "num_layers": 1},
+    }
+    cfg.stage._target_ = "unirl.models.ltx2.LTX2Stage"
+    cfg.sampling.guidance_scale = 2.0
+    cfg.sampling.shift = 1.0
+    cfg.sampling.dynamic_shift = False
+    cfg.sampling.sigma_grid = "steps"
+    cfg.train.fsdp.block_classes = ["LTX2VideoTransformerBlock"]
+    lora_targets.extend(["ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2"])
+    per_frame(cfg)
+    cfg.reward.backend.components.tone = {
+        "_target_": "unirl.reward.local.audio.ToneScore",
+        "frequency": 4000.0,
+        "bandwidth": 1000.0,
+    }
+    cfg.reward.backend.weights.tone = 5.0
 
 
 FAMILIES = {
     "flux": flux, "kontext": kontext, "wan": wan, "wan22": wan22, "qwenimage": qwenimage, "qwen_edit": qwen_edit,
     "zimage": zimage, "flux2": flux2, "flux2_klein": flux2_klein, "flux2_edit": flux2_edit,
-    "hunyuanvideo15": hunyuanvideo15, "hunyuanvideo15_i2v": hunyuanvideo15_i2v,
+    "hunyuanvideo15": hunyuanvideo15, "hunyuanvideo15_i2v": hunyuanvideo15_i2v, "ltx2": ltx2,
 }  # fmt: skip
 PACKAGES = {
     "kontext": "flux", "qwen_edit": "qwenimage", "wan22": "wan", "flux2_klein": "flux2", "flux2_edit": "flux2",

@@ -48,6 +48,22 @@ def test_tiny_ltx2_flowgrpo_trains_on_video_and_audio_and_its_lora_loads(tmp_pat
     assert (lora_frames - frames).abs().max().item() > 0 and (lora_audio - audio).abs().max().item() > 0
 
 
+NFT = [
+    "algorithm._target_=unirl.algorithms.diffusion_nft.DiffusionNFT",
+    "algorithm.config._target_=unirl.algorithms.diffusion_nft.DiffusionNFTConfig",
+    "~algorithm.config.clip_range", "~algorithm.config.clip_schedule", "~algorithm.config.beta",
+    "~algorithm.config.old_logp_source", "sampling.eta=0.0", "sampling.sde_scheduler=all",
+]  # fmt: skip
+
+
+def test_diffusion_nft_trains_on_the_joint_latent(tmp_path) -> None:
+    """A forward-process algorithm noises the clip's final latent, video and audio tokens alike, and
+    trains the velocity on both (`scripts/family_algorithms.py ltx2` runs every algorithm)."""
+    rows = run("diffusion/tiny_ltx2_flowgrpo", tmp_path, *IN_PROCESS, *SMALL, *NFT)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and 0 < r["reward/tone/mean"] < 1 for r in rows)
+
+
 def test_real_size_recipe_validates_against_a_directory(tmp_path, monkeypatch) -> None:
     directory = tmp_path / "ltx2"
     LTX2ModelConfig(tiny={"resolution": 32}, num_frames=9).build().save_pretrained(str(directory))
