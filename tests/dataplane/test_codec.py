@@ -181,6 +181,29 @@ def test_video_track_round_trips_bit_exact() -> None:
     assert torch.equal(joined.media, track.media) and joined.media.shape == (4, 5, 3, 4, 4)
 
 
+def make_audio_video_track(n: int = 4) -> RolloutTrack:
+    """An audio-video family's track (LTX-2): frames [n, F, 3, H, W] and soundtracks [n, 2, 68] at
+    16 kHz beside them."""
+    track = make_track(n)
+    g = torch.Generator().manual_seed(2)
+    track.media = torch.randint(0, 256, (n, 5, 3, 4, 4), dtype=torch.uint8, generator=g)
+    track.audio, track.audio_rate = torch.randn(n, 2, 68, generator=g).tanh(), 16000
+    return track
+
+
+def test_audio_video_track_round_trips_bit_exact() -> None:
+    """The soundtracks come back bit for bit with their rate, alone in a partial view (the driver's
+    reward fetch) and through a split and concat."""
+    track = make_audio_video_track()
+    fields, skeleton = flatten(track)
+    assert "audio" in fields and skeleton.shared["audio_rate"] == 16000
+    view = unflatten(skeleton, {k: fields[k] for k in ("sample_ids", "media", "audio")}, partial=True)
+    assert torch.equal(view.audio, track.audio) and view.audio_rate == 16000
+    joined = RolloutTrack.concat([unflatten(*reversed(flatten(part))) for part in track.split(2)])
+    assert torch.equal(joined.audio, track.audio) and joined.audio_rate == 16000
+    assert flatten(make_track())[1].children["audio"] == ("none", None)  # an image track has none
+
+
 def test_unflatten_partial_view_and_missing_field() -> None:
     fields, skeleton = flatten(make_track())
     view = unflatten(

@@ -55,6 +55,11 @@ class Peer:
 
         return put_batch(self.transport, partition, make_track(n))
 
+    def put_audio_video_track(self, partition: str, n: int) -> BatchMeta:
+        from tests.dataplane.test_codec import make_audio_video_track
+
+        return put_batch(self.transport, partition, make_audio_video_track(n))
+
     def get_track_latents(self, meta: BatchMeta) -> torch.Tensor:
         return get_batch(self.transport, meta).segment.latents
 
@@ -192,6 +197,21 @@ def test_batch_dataclass_round_trip(plane) -> None:
         assert view.prompts == make_track(4).prompts and view.segment is None
     finally:
         driver.clear("p_track")
+
+
+def test_audio_video_track_round_trip(plane) -> None:
+    """An audio-video track's soundtracks and their rate reach the driver's reward fetch bit for bit."""
+    from tests.dataplane.test_codec import make_audio_video_track
+
+    driver, (a, _) = plane
+    try:
+        meta = ray.get(a.put_audio_video_track.remote("p_av", 4))
+        view = get_batch(driver, meta.split(2)[1], ["sample_ids", "media", "audio"])
+        want = make_audio_video_track(4)
+        assert torch.equal(view.audio, want.audio[2:]) and view.audio_rate == 16000
+        assert torch.equal(view.media, want.media[2:])
+    finally:
+        driver.clear("p_av")
 
 
 def test_token_segment_track_round_trip(plane) -> None:
