@@ -122,7 +122,7 @@ def test_bad_configs_are_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"vae_widths=\[8\] needs more than 1 levels"):
         tiny_config(vae_widths=[8])
     assert tiny_config().size_problems(16, 17) == [
-        "sampling.width=17 must be a multiple of 2 (the VAE's spatial compression: one token per latent cell), "
+        "sampling.width=17 must be a multiple of 2 (the HunyuanVideo 1.5 VAE's spatial compression: one token per latent cell), "
         "e.g. 16 or 18"
     ]
     config = HunyuanVideo15ModelConfig(tiny={"resolution": SIZE}, num_frames=6)

@@ -73,7 +73,9 @@ class FlowFamilyConfig:
         """The bundle: from `pretrained_path`, else from the tiny config."""
         bundle = getattr(self.modeling(), self.SPEC.bundle)
         if self.pretrained_path:
-            return bundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype], **self.bundle_options())
+            return bundle.from_pretrained(
+                self.pretrained_path, dtype=DTYPES[self.dtype], **self.bundle_options()
+            )
         return bundle.tiny(self.tiny, **self.bundle_options())
 
     def load_checkpoint(self, path: str) -> Any:
@@ -147,6 +149,39 @@ def cell_size_problems(height: int, width: int, cell: int, how: str, key: str = 
         f"{cell // 2} px), e.g. {max(cell, value // cell * cell)} or {(value // cell + 1) * cell}"
         for side, value in (("height", height), ("width", width))
         if value % cell
+    ]
+
+
+def clip_size_problems(
+    height: int, width: int, num_frames: int, scales: tuple[int, int] | None, vae: str, key: str = "sampling"
+) -> list[str]:
+    """The validator's size rule of a video family whose denoiser takes one token per latent cell
+    (HunyuanVideo 1.5, LTX-2): each side a multiple of the VAE's spatial scale, and
+    `model.num_frames` = 1 + k x its temporal scale (a causal video VAE keeps the first frame alone
+    and compresses the rest in groups). `scales` is (temporal, spatial), None when unreadable (no
+    problems: the load reports it); `vae` names the VAE ("the LTX-2 VAE"); problems name
+    `{key}.height` / `{key}.width` and `model.num_frames` with the nearest valid values."""
+    if scales is None:
+        return []
+    temporal, spatial = scales
+    problems = [
+        f"{key}.{side}={value} must be a multiple of {spatial} ({vae}'s spatial compression: one token per "
+        f"latent cell), e.g. {max(spatial, value // spatial * spatial)} or {(value // spatial + 1) * spatial}"
+        for side, value in (("height", height), ("width", width))
+        if value % spatial
+    ]
+    return problems + frames_problems(num_frames, temporal, vae)
+
+
+def frames_problems(num_frames: int, temporal: int, vae: str) -> list[str]:
+    """`model.num_frames` = 1 + k x `temporal` (the causal video VAE `vae`'s clip lengths: 1,
+    1 + t, 1 + 2t, ...), or one problem naming the key and the nearest valid lengths."""
+    if not (num_frames - 1) % temporal:
+        return []
+    below = max(1, (num_frames - 1) // temporal * temporal + 1)
+    return [
+        f"model.num_frames={num_frames}: {vae} (temporal compression {temporal}) takes 1 + {temporal}k frames "
+        f"(1, {1 + temporal}, {1 + 2 * temporal}, ...), e.g. {below} or {below + temporal}"
     ]
 
 

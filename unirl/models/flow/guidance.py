@@ -43,7 +43,7 @@ class _Branches:
 
 
 class ClassifierFreeGuidance(_Branches):
-    """"cfg": v_u + s (v_c - v_u), the cond and `NEGATIVE` halves batched in one forward (or, with
+    """ "cfg": v_u + s (v_c - v_u), the cond and `NEGATIVE` halves batched in one forward (or, with
     `separate_uncond`, two; the uncond one without autograd when `detach_uncond`: a sampling step
     whose graph is kept then keeps only the cond half's activations). SD3, Wan."""
 
@@ -73,24 +73,36 @@ class ClassifierFreeGuidance(_Branches):
         detach_uncond: bool,
         separate_uncond: bool = False,
     ) -> torch.Tensor:
-        positive = self.branch(cond)
         if scale <= 1.0:
-            return forward(x, sigma, positive)
-        negative = self.branch(cond, negative=True)
+            return forward(x, sigma, self.branch(cond))
+        v_uncond, v_cond = self.cfg_branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
+        return self.combine_cfg(v_uncond, v_cond, self.row_scales(sigma, scale))
+
+    def cfg_branches(
+        self,
+        forward: Forward,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: dict,
+        detach_uncond: bool,
+        separate_uncond: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v_uncond, v_cond): the two branches' velocities, the `NEGATIVE` and the cond halves
+        batched in one forward (or, with `separate_uncond`, two: the uncond one first, without
+        autograd when `detach_uncond`); v_uncond detached when `detach_uncond`. A family whose
+        pipeline combines them its own way (LTX-2, in x0 form) calls this and combines."""
+        positive, negative = self.branch(cond), self.branch(cond, negative=True)
         if separate_uncond:
             with self.uncond_context(detach_uncond):
                 v_uncond = forward(x, sigma, negative)
-            v_cond = forward(x, sigma, positive)
-            return self.combine_cfg(v_uncond, v_cond, self.row_scales(sigma, scale))
+            return v_uncond, forward(x, sigma, positive)
         both = {k: torch.cat([negative[k], positive[k]]) for k in positive}
         v_uncond, v_cond = forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
-        if detach_uncond:
-            v_uncond = v_uncond.detach()
-        return self.combine_cfg(v_uncond, v_cond, self.row_scales(sigma, scale))
+        return (v_uncond.detach() if detach_uncond else v_uncond), v_cond
 
 
 class EmbeddedGuidance(_Branches):
-    """"embedded": the scale is an input of the network (guidance-distilled models): one forward
+    """ "embedded": the scale is an input of the network (guidance-distilled models): one forward
     with `guidance` = s per row, no uncond branch. FLUX.1-dev."""
 
     guidance = "embedded"
@@ -102,7 +114,9 @@ class EmbeddedGuidance(_Branches):
         the scale (`embeds`, FLUX.1-dev / FLUX.2-dev); None for one without the embedding (FLUX.1-
         schnell), which takes only 1.0, i.e. none. ValueErrors name `family` and the fix."""
         if embeds and guidance is None:
-            raise ValueError(f"this {family} transformer embeds the guidance scale: predict needs guidance [B]")
+            raise ValueError(
+                f"this {family} transformer embeds the guidance scale: predict needs guidance [B]"
+            )
         if not embeds and guidance is not None and bool((guidance != 1.0).any()):
             raise ValueError(
                 f"this {family} transformer has no guidance embedding (guidance_embeds false): "
@@ -124,7 +138,7 @@ class EmbeddedGuidance(_Branches):
 
 
 class TrueCFGGuidance(_Branches):
-    """"true_cfg": the cond half, then the `NEGATIVE` half (without autograd when
+    """ "true_cfg": the cond half, then the `NEGATIVE` half (without autograd when
     `detach_uncond`), in forwards of their own (their conditioning may differ in length),
     combined by the family's `combine_guidance(v_uncond, v_cond, s)`. Qwen-Image (its combine
     rescales to the norm of v_c)."""

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, read_vae_config
+from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, clip_size_problems, read_vae_config
 from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
@@ -144,24 +144,9 @@ class HunyuanVideo15ModelConfig(FlowFamilyConfig):
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """Sides multiples of the VAE's spatial scale (the transformer's patch is 1: one token per
         latent cell; 16 px with the real VAE), and `model.num_frames` = 1 + k x its temporal scale."""
-        scales = self.scales()
-        if scales is None:
-            return []
-        temporal, spatial = scales
-        problems = [
-            f"{key}.{side}={value} must be a multiple of {spatial} (the VAE's spatial compression: "
-            f"one token per latent cell), e.g. {max(spatial, value // spatial * spatial)} or "
-            f"{(value // spatial + 1) * spatial}"
-            for side, value in (("height", height), ("width", width))
-            if value % spatial
-        ]
-        if (self.num_frames - 1) % temporal:
-            below = max(1, (self.num_frames - 1) // temporal * temporal + 1)
-            problems.append(
-                f"model.num_frames={self.num_frames}: the HunyuanVideo 1.5 VAE (temporal compression "
-                f"{temporal}) takes 1 + {temporal}k frames, e.g. {below} or {below + temporal}"
-            )
-        return problems
+        return clip_size_problems(
+            height, width, self.num_frames, self.scales(), "the HunyuanVideo 1.5 VAE", key
+        )
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
         """Classifier-free guidance at any scale >= 1 (1: none)."""

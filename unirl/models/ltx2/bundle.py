@@ -251,24 +251,14 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         refuses an audio scale > 1 beside it), the velocity still taken through x0 and back as the
         pipeline does, so that sampling equals it bit for bit."""
         s = sigma.view(-1, 1, 1)
-        positive = self.branch(cond)
         if scale <= 1.0:
             if self.audio_guidance_scale is not None and self.audio_guidance_scale > 1.0:
                 raise ValueError(
                     f"model.audio_guidance_scale={self.audio_guidance_scale} needs sampling.guidance_scale > 1 "
                     f"(got {scale}): the stage encodes the uncond prompt only for a guided video"
                 )
-            return (x - (x - forward(x, sigma, positive) * s)) / s
-        negative = self.branch(cond, negative=True)
-        if separate_uncond:
-            with self.uncond_context(detach_uncond):
-                v_uncond = forward(x, sigma, negative)
-            v_cond = forward(x, sigma, positive)
-        else:
-            both = {k: torch.cat([negative[k], positive[k]]) for k in positive}
-            v_uncond, v_cond = forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
-        if detach_uncond:
-            v_uncond = v_uncond.detach()
+            return (x - (x - forward(x, sigma, self.branch(cond)) * s)) / s
+        v_uncond, v_cond = self.cfg_branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
         x0_cond, x0_uncond = x - v_cond * s, x - v_uncond * s
         audio_scale = self.audio_guidance_scale or scale
         video_tokens = x.shape[-1] - self.audio_frames

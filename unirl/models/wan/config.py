@@ -19,7 +19,13 @@ from typing import Annotated, Any, ClassVar
 import torch
 from annotated_types import Ge
 
-from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, cell_size_problems, read_vae_config
+from unirl.models.flow.config import (
+    FamilySpec,
+    FlowFamilyConfig,
+    cell_size_problems,
+    frames_problems,
+    read_vae_config,
+)
 from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, OpenUnit, check_fields
 
@@ -116,8 +122,12 @@ class WanModelConfig(FlowFamilyConfig):
 
     modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="Wan 2.1", modeling="unirl.models.wan.bundle", bundle="WanBundle",
-        transformer="WanTransformer3DModel", pipeline="WanPipeline", directory="Wan 2.1 T2V",
+        name="Wan 2.1",
+        modeling="unirl.models.wan.bundle",
+        bundle="WanBundle",
+        transformer="WanTransformer3DModel",
+        pipeline="WanPipeline",
+        directory="Wan 2.1 T2V",
     )
     TINY: ClassVar[type] = TinyWanConfig
 
@@ -149,15 +159,9 @@ class WanModelConfig(FlowFamilyConfig):
             return []
         temporal, spatial = scales
         cell = spatial * PATCH[1]
-        problems = cell_size_problems(height, width, cell, "Wan patches")
-        if (self.num_frames - 1) % temporal:
-            below = max(1, (self.num_frames - 1) // temporal * temporal + 1)
-            problems.append(
-                f"model.num_frames={self.num_frames}: Wan's VAE (temporal compression {temporal}) takes "
-                f"1 + {temporal}k frames (1, {1 + temporal}, {1 + 2 * temporal}, ...), e.g. {below} or "
-                f"{below + temporal}"
-            )
-        return problems
+        return cell_size_problems(height, width, cell, "Wan patches") + frames_problems(
+            self.num_frames, temporal, "Wan's VAE"
+        )
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
         """Wan runs classifier-free guidance (cond and uncond forwards): any scale >= 1 (1 is
@@ -202,7 +206,9 @@ class WanModelConfig(FlowFamilyConfig):
 
         with torch.device("meta"):
             if self.pretrained_path:
-                config = WanTransformer3DModel.load_config(os.path.join(self.pretrained_path, "transformer_2"))
+                config = WanTransformer3DModel.load_config(
+                    os.path.join(self.pretrained_path, "transformer_2")
+                )
                 low = WanTransformer3DModel.from_config(config)
             else:
                 low = self.modeling().tiny_transformer(self.tiny)
