@@ -13,7 +13,9 @@ Two protocols, checked structurally (no base class to inherit):
 Shapes: B samples; a latent sample has the family's `latent_shape` (images: [C, h, w]; videos:
 [C, f, h, w]); conditioning tensors are [B, ...] with the family's own keys. A video family decodes
 to frames [B, F, 3, H, W] where an image family gives [B, 3, H, W]; rewards, the data plane and
-the gallery take either (`RewardRequest.is_video`).
+the gallery take either (`RewardRequest.is_video`). An audio-video family (LTX-2) also has
+`audio(latents) -> [B, A, T]` fp32 soundtracks and `audio_sample_rate` (Hz; also in its
+`model_info`): the stage's `decode_audio` puts them on the track and the reward request carries them.
 """
 
 from __future__ import annotations
