@@ -179,6 +179,7 @@ NEEDS_MODEL_DIR = (
     "diffusion/flux2_flowgrpo",
     "diffusion/flux2_klein_flowgrpo",
     "diffusion/hunyuanvideo15_flowgrpo",
+    "diffusion/ltx2_flowgrpo",
     "diffusion/wan_flowgrpo",
     "diffusion/qwenimage_flowgrpo",
     "llm/qwen3_grpo",
