@@ -19,6 +19,7 @@ Split: `held_out_edits(seed)` draws 6 instructions of each kind; their rows are 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -190,7 +191,16 @@ def edit_rows(
     """The split's rows: every instruction of the split with its object alone and beside each of
     its `companions` (7 sources), `placements` random placements each, drawn from `seed`. A row's
     metadata: "images" [source uint8 [size, size, 3]] (an edit family's condition), "target" (the
-    image the instruction asks for), "kind"."""
+    image the instruction asks for), "kind". The images are rendered once per process and
+    arguments, and read-only; each call returns its own rows and metadata dicts."""
+    return [
+        PromptExample(row.prompt, row.prompt_id, {**row.metadata, "images": list(row.metadata["images"])})
+        for row in _rendered_rows(split, seed, placements, size)
+    ]
+
+
+@functools.lru_cache(maxsize=16)
+def _rendered_rows(split: str, seed: int, placements: int, size: int) -> tuple[PromptExample, ...]:
     if split not in ("train", "eval"):
         raise ValueError(f"the editing world's split must be 'train' or 'eval', got {split!r}")
     if placements < 1:
@@ -208,15 +218,17 @@ def edit_rows(
         for other in [None, *companions(edit.obj)]:
             for k in range(placements):
                 row = draw_row(edit, other, rng, size)
+                source, target = row.source, row.target
+                source.flags.writeable = target.flags.writeable = False
                 with_ = "alone" if other is None else other.phrase.replace(" ", "_")
                 rows.append(
                     PromptExample(
                         prompt=edit.instruction,
                         prompt_id=f"shapes_edit/{edit.instruction.replace(' ', '_')}/{with_}/{k}",
-                        metadata={"images": [row.source], "target": row.target, "kind": edit.kind},
+                        metadata={"images": [source], "target": target, "kind": edit.kind},
                     )
                 )
-    return rows
+    return tuple(rows)
 
 
 class ShapesEditDataset(ListDataSource):

@@ -20,6 +20,7 @@ Categories and prompt grammar (the only sentences `scene_to_prompt` writes and
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -193,11 +194,23 @@ def parse_prompt(prompt: str) -> SceneSpec:
 
 
 def shape_mask(shape: str, height: int, width: int | None = None) -> np.ndarray:
-    """bool [height, width] mask of a shape filling a height x width box (pixel centres tested).
+    """bool [height, width] mask of a shape filling a height x width box (pixel centres tested),
+    read-only (one array per shape and size, computed once: rendering a dataset draws the same
+    few thousand times).
 
     The renderer draws it in square boxes; the scorer fits it to a detection's bbox.
     """
-    width = height if width is None else width
+    return _shape_mask(shape, height, height if width is None else width)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_mask(shape: str, height: int, width: int) -> np.ndarray:
+    mask = _draw_mask(shape, height, width)
+    mask.flags.writeable = False
+    return mask
+
+
+def _draw_mask(shape: str, height: int, width: int) -> np.ndarray:
     y, x = np.meshgrid((np.arange(height) + 0.5) / height, (np.arange(width) + 0.5) / width, indexing="ij")
     if shape == "square":
         return np.ones((height, width), dtype=bool)
