@@ -243,3 +243,14 @@ def test_an_edit_familys_plan_carries_its_rows_references():
     assert set(planned) == {"image_latents"} and all(v.is_meta for v in planned.values())
     plan = plan_memory(cfg)
     assert plan.train_extra > 0 and plan.peak == plan.resident + max(plan.rollout_extra, plan.train_extra)
+
+
+def test_an_audio_video_familys_plan_costs_its_audio_tokens():
+    """LTX-2 is planned on the meta device with its latent grid (the meta grid condition falls back
+    to the grid `latent_shape` pinned), and a longer soundtrack (more audio tokens beside the same
+    video) costs more in both phases."""
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        short = compose(config_name="diffusion/tiny_ltx2_flowgrpo")
+        long = compose(config_name="diffusion/tiny_ltx2_flowgrpo", overrides=["model.frame_rate=5.0"])
+    a, b = plan_memory(short), plan_memory(long)
+    assert 0 < a.rollout_extra < b.rollout_extra and 0 < a.train_extra < b.train_extra

@@ -163,8 +163,13 @@ def test_bad_configs_are_refused(tmp_path) -> None:
         "model.audio_guidance_scale=4.0 needs sampling.guidance_scale > 1 (got 1.0): UniRL guides LTX-2 when the "
         "video is guided; set sampling.guidance_scale > 1 or model.audio_guidance_scale to null or 1"
     ]
+    short = LTX2ModelConfig(tiny={}, num_frames=1, frame_rate=1000.0)
+    assert short.size_problems(32, 32) == [
+        "model.num_frames=1 at model.frame_rate=1000.0 lasts 0.001 s, shorter than one audio latent frame "
+        "(0.040 s): give more frames or a lower frame rate"
+    ]
     with pytest.raises(ValueError, match=r"shorter than one audio latent frame"):
-        LTX2ModelConfig(tiny={}, num_frames=1, frame_rate=1000.0).build()
+        short.build()
     directory = tmp_path / "ltx2"
     tiny_config().build().save_pretrained(str(directory))
     on_disk = LTX2ModelConfig(pretrained_path=str(directory), tiny=None, num_frames=5)

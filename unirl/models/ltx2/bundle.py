@@ -233,6 +233,8 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
                 "LTX-2's network call needs cond['grid'] (the latent frames, rows and columns): encode a "
                 "request with FlowMatchingStage.encode_request, which adds it"
             )
+        if cond["grid"].is_meta and self._decoded_grid is not None:
+            return self._decoded_grid  # planned on the meta device (unirl.plan_memory): latent_shape's grid
         f, h, w = (int(v) for v in cond["grid"][0].tolist())
         return f, h, w
 

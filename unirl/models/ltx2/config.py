@@ -11,6 +11,8 @@ same duration.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -134,8 +136,30 @@ class LTX2ModelConfig(FlowFamilyConfig):
 
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """Sides multiples of the VAE's spatial scale (the transformer's patch is 1: one token per
-        latent cell; 32 px with the real VAE), and `model.num_frames` = 1 + k x its temporal scale."""
-        return clip_size_problems(height, width, self.num_frames, self.scales(), "the LTX-2 VAE", key)
+        latent cell; 32 px with the real VAE), `model.num_frames` = 1 + k x its temporal scale, and
+        a clip that lasts at least one audio latent frame."""
+        problems = clip_size_problems(height, width, self.num_frames, self.scales(), "the LTX-2 VAE", key)
+        per_second = self.audio_frames_per_second()
+        if per_second is not None and round(self.num_frames / self.frame_rate * per_second) < 1:
+            problems.append(
+                f"model.num_frames={self.num_frames} at model.frame_rate={self.frame_rate} lasts "
+                f"{self.num_frames / self.frame_rate:.3f} s, shorter than one audio latent frame "
+                f"({1 / per_second:.3f} s): give more frames or a lower frame rate"
+            )
+        return problems
+
+    def audio_frames_per_second(self) -> float | None:
+        """Audio latent frames per second: the audio VAE's sample rate / mel hop / its 4x temporal
+        compression (the tiny one's 16000 / 160 / 4 = 25; a directory's audio_vae/config.json);
+        None when unreadable (the load reports it)."""
+        if not self.pretrained_path:
+            return 16000 / 160 / 4
+        try:
+            with open(os.path.join(self.pretrained_path, "audio_vae", "config.json")) as f:
+                audio = json.load(f)
+            return float(audio.get("sample_rate", 16000)) / float(audio.get("mel_hop_length", 160)) / 4
+        except (OSError, ValueError, TypeError, ZeroDivisionError):
+            return None
 
     def guidance_problems(self, guidance_scale: float, key: str) -> list[str]:
         """Classifier-free guidance at any scale >= 1 (1: none); an audio scale > 1 only beside a
