@@ -78,9 +78,7 @@ REDNESS = {
     "_target_": "unirl.reward.RewardService",
     "backend": {
         "_target_": "unirl.reward.LocalRewardBackend",
-        "components": {
-            "redness": {"_target_": "unirl.reward.local.color.ColorTarget", "target": [1.0, 0.0, 0.0]}
-        },
+        "components": {"redness": {"_target_": "unirl.reward.local.color.ColorTarget", "target": [1.0, 0.0, 0.0]}},
         "weights": {"redness": 1.0},
     },
 }
@@ -155,19 +153,7 @@ def qwen_edit(cfg, size: int, lora_targets: list[str]) -> None:
     cfg.model.condition_area = 56 * 56
     cfg.model.vae_area = 32 * 32
     cfg.model.tiny.pixel_space = False
-    cfg.model.tiny.words = [
-        "make",
-        "the",
-        "blue",
-        "green",
-        "yellow",
-        "grey",
-        "square",
-        "in",
-        "picture",
-        "colour",
-        "of",
-    ]
+    cfg.model.tiny.words = ["make", "the", "blue", "green", "yellow", "grey", "square", "in", "picture", "colour", "of"]
     cfg.sampling.max_sequence_length = 48  # the instruction with both references' vision tokens
     edit_rows(cfg, "datasets/tiny_edit/two_picture_prompts.jsonl")
 
@@ -209,78 +195,41 @@ def flux2_klein(cfg, size: int, lora_targets: list[str]) -> None:
 def flux2_edit(cfg, size: int, lora_targets: list[str]) -> None:
     flux2(cfg, size, lora_targets)
     cfg.model._target_ = "unirl.models.flux2.Flux2EditModelConfig"
-    cfg.model.tiny.words = [
-        "make",
-        "the",
-        "blue",
-        "green",
-        "yellow",
-        "square",
-        "in",
-        "picture",
-        "colour",
-        "of",
-    ]
+    cfg.model.tiny.words = ["make", "the", "blue", "green", "yellow", "square", "in", "picture", "colour", "of"]
     edit_rows(cfg, "datasets/tiny_edit/two_picture_prompts.jsonl")
 
 
-def hunyuanvideo15(cfg, size: int, lora_targets: list[str]) -> None:
-    cfg.model = {
-        "_target_": "unirl.models.hunyuanvideo.HunyuanVideo15ModelConfig",
-        "pretrained_path": None,
-        "num_frames": 5,
-        "tiny": {"resolution": size, "num_layers": 1},
-    }
-    cfg.stage._target_ = "unirl.models.hunyuanvideo.HunyuanVideo15Stage"
+def one_token_video(cfg, size: int, model: dict, stage: str, shift: float, block: str) -> None:
+    """A tiny one-token-per-cell video family (HunyuanVideo 1.5, LTX-2): 5-frame clips, CFG 2.0
+    against the empty prompt, the `steps` grid at a static `shift`, image rewards per frame."""
+    cfg.model = {"pretrained_path": None, "num_frames": 5, "tiny": {"resolution": size, "num_layers": 1}, **model}
+    cfg.stage._target_ = stage
     cfg.sampling.guidance_scale = 2.0
-    cfg.sampling.shift = 5.0
+    cfg.sampling.shift = shift
     cfg.sampling.dynamic_shift = False
     cfg.sampling.sigma_grid = "steps"
-    cfg.train.fsdp.block_classes = ["HunyuanVideo15TransformerBlock"]
+    cfg.train.fsdp.block_classes = [block]
     per_frame(cfg)
+
+
+def hunyuanvideo15(cfg, size: int, lora_targets: list[str]) -> None:
+    model = {"_target_": "unirl.models.hunyuanvideo.HunyuanVideo15ModelConfig"}
+    one_token_video(cfg, size, model, "unirl.models.hunyuanvideo.HunyuanVideo15Stage", 5.0, "HunyuanVideo15TransformerBlock")
 
 
 def hunyuanvideo15_i2v(cfg, size: int, lora_targets: list[str]) -> None:
     hunyuanvideo15(cfg, size, lora_targets)
     cfg.model._target_ = "unirl.models.hunyuanvideo.HunyuanVideo15I2VModelConfig"
-    cfg.model.tiny.words = [
-        "the",
-        "blue",
-        "green",
-        "yellow",
-        "grey",
-        "square",
-        "turns",
-        "red",
-        "and",
-        "slides",
-        "right",
-    ]
+    cfg.model.tiny.words = ["the", "blue", "green", "yellow", "grey", "square", "turns", "red", "and", "slides", "right"]
     edit_rows(cfg, "datasets/tiny_edit/first_frame_prompts.jsonl")
     per_frame(cfg)
 
 
 def ltx2(cfg, size: int, lora_targets: list[str]) -> None:
-    cfg.model = {
-        "_target_": "unirl.models.ltx2.LTX2ModelConfig",
-        "pretrained_path": None,
-        "num_frames": 5,
-        "frame_rate": 25.0,
-        "tiny": {"resolution": size, "num_layers": 1},
-    }
-    cfg.stage._target_ = "unirl.models.ltx2.LTX2Stage"
-    cfg.sampling.guidance_scale = 2.0
-    cfg.sampling.shift = 1.0
-    cfg.sampling.dynamic_shift = False
-    cfg.sampling.sigma_grid = "steps"
-    cfg.train.fsdp.block_classes = ["LTX2VideoTransformerBlock"]
+    model = {"_target_": "unirl.models.ltx2.LTX2ModelConfig", "frame_rate": 25.0}
+    one_token_video(cfg, size, model, "unirl.models.ltx2.LTX2Stage", 1.0, "LTX2VideoTransformerBlock")
     lora_targets.extend(["ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2"])
-    per_frame(cfg)
-    cfg.reward.backend.components.tone = {
-        "_target_": "unirl.reward.local.audio.ToneScore",
-        "frequency": 4000.0,
-        "bandwidth": 1000.0,
-    }
+    cfg.reward.backend.components.tone = {"_target_": "unirl.reward.local.audio.ToneScore", "frequency": 4000.0, "bandwidth": 1000.0}
     cfg.reward.backend.weights.tone = 5.0
 
 
