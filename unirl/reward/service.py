@@ -136,8 +136,7 @@ class RewardService:
             raise ValueError(f"track {track.name!r} has both media and texts: a track scores one modality")
         try:
             if track.media is not None:
-                audio = {"audio": track.audio, "audio_rate": track.audio_rate} if track.audio is not None else {}
-                return RewardRequest(images=track.media, **audio, **common)
+                return RewardRequest(images=track.media, audio=track.audio, audio_rate=track.audio_rate, **common)
             if track.texts is not None:
                 lengths = track.segment.response_lengths if isinstance(track.segment, TokenSegment) else None
                 return RewardRequest(

@@ -7,7 +7,7 @@ to score it (images, or the decoded texts and the token segment), and how to
 keep a step's samples for people to look at (an image grid, or a JSON list of
 prompts and responses; both appear in the gallery). An image track's modality also tells the
 evaluation (`unirl.trainer.evaluation.Evaluator`) its rollouts' sampling and the model's
-pixels per token (`cell`). The modality follows from the recipe's sampling params
+`model_info` (the schedule's token count). The modality follows from the recipe's sampling params
 (`modality_for`); the workers and the model family decide everything else.
 """
 
@@ -41,7 +41,6 @@ class ImageModality:
     def __init__(self, sampling: DiffusionSamplingParams, model_info: dict[str, Any]) -> None:
         self.sampling = sampling
         self.model_info = model_info
-        self.cell = model_info["vae_scale_factor"] * model_info["patch_size"]
         self.image_seq_len = schedule_tokens(sampling, model_info)
         self.sigmas = sigmas_for(sampling, self.image_seq_len)
         if model_info.get("audio_sample_rate"):  # an audio-video family: its tracks carry soundtracks

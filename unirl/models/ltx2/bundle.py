@@ -147,7 +147,12 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
                 f"sampling.height/width ({height}x{width}) must be multiples of {self.spatial} "
                 "(the LTX-2 VAE's spatial scale: one token per latent cell)"
             )
-        return (self.num_frames - 1) // self.temporal + 1, height // self.spatial, width // self.spatial
+        return self.latent_frames, height // self.spatial, width // self.spatial
+
+    @property
+    def latent_frames(self) -> int:
+        """Latent frames of a clip: the first frame alone, then one per `temporal` frames."""
+        return (self.num_frames - 1) // self.temporal + 1
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int]:
         """(C, N_v + N_a): C channels, the video's f x h x w tokens then the audio's frames. The
@@ -170,7 +175,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
             "vae_scale_factor": self.spatial,
             "patch_size": 1,
             "num_frames": self.num_frames,
-            "latent_frames": (self.num_frames - 1) // self.temporal + 1,
+            "latent_frames": self.latent_frames,
             "audio_sample_rate": self.audio_sample_rate,
         }
 
