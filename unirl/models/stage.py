@@ -145,3 +145,29 @@ class TextStage(Protocol):
     def token_log_probs(self, segment: TokenSegment) -> torch.Tensor: ...
 
     def model_info(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ImageTokenStage(Protocol):
+    """What a unified model's image stage answers (`unirl.models.janus.JanusImageStage` is one).
+
+    - `image_context(prompt_ids [P], plan_ids [R]) -> [C]`: the text context an image is drawn after.
+    - `generate(contexts, seeds, sampling) -> (TokenSegment, media [B, 3, H, W] uint8)`.
+    - `token_log_probs(segment) -> [B, N]` fp32, differentiable (replay).
+    - `check_tokens(segment, sample_ids)`: raise naming the sample whose image tokens are not
+      the model's count of codebook indices.
+    """
+
+    module: torch.nn.Module
+
+    def image_context(self, prompt_ids: torch.Tensor, plan_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def generate(
+        self, contexts: list[torch.Tensor], seeds: list[int], sampling: Any
+    ) -> tuple[TokenSegment, Any]: ...
+
+    def token_log_probs(self, segment: TokenSegment) -> torch.Tensor: ...
+
+    def check_tokens(self, segment: TokenSegment, sample_ids: list[str] | None = None) -> None: ...
+
+    def model_info(self) -> dict[str, Any]: ...

@@ -20,12 +20,12 @@ backbone, fed by weight sync (`unirl.rollout.dedicated`): the train workers then
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Protocol, runtime_checkable
+from typing import Annotated, Any
 
 import torch
 from annotated_types import Ge
 
-from unirl.models.stage import TextStage
+from unirl.models.stage import ImageTokenStage, TextStage
 from unirl.rollout.dedicated import DedicatedEngine
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.types.batch import concat
@@ -33,32 +33,6 @@ from unirl.types.lineage import child_seed
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutResp, RolloutTrack
 from unirl.types.segments import TokenSegment
-
-
-@runtime_checkable
-class ImageTokenStage(Protocol):
-    """What a unified model's image stage answers (`unirl.models.janus.JanusImageStage` is one).
-
-    - `image_context(prompt_ids [P], plan_ids [R]) -> [C]`: the text context an image is drawn after.
-    - `generate(contexts, seeds, sampling) -> (TokenSegment, media [B, 3, H, W] uint8)`.
-    - `token_log_probs(segment) -> [B, N]` fp32, differentiable (replay).
-    - `check_tokens(segment, sample_ids)`: raise naming the sample whose image tokens are not
-      the model's count of codebook indices.
-    """
-
-    module: torch.nn.Module
-
-    def image_context(self, prompt_ids: torch.Tensor, plan_ids: torch.Tensor) -> torch.Tensor: ...
-
-    def generate(
-        self, contexts: list[torch.Tensor], seeds: list[int], sampling: Any
-    ) -> tuple[TokenSegment, Any]: ...
-
-    def token_log_probs(self, segment: TokenSegment) -> torch.Tensor: ...
-
-    def check_tokens(self, segment: TokenSegment, sample_ids: list[str] | None = None) -> None: ...
-
-    def model_info(self) -> dict[str, Any]: ...
 
 
 class UnifiedEngine:

@@ -218,9 +218,13 @@ class CausalLMBundle:
             pads batches (EOS when the tokenizer has no pad token).
         has_vision: False here; a vision-language bundle (`vision.VLMBundle`) also takes
             images with its prompts.
+        vision_token_ids: () here: a text-only model has no token a response must not hold.
+
+    A `unirl.models.causal_lm.family.TextFamily`.
     """
 
     has_vision: ClassVar[bool] = False
+    vision_token_ids: ClassVar[tuple[int, ...]] = ()
     auto_model: ClassVar[type] = AutoModelForCausalLM
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, where: str) -> None:

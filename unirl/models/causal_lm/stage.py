@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from unirl.models.causal_lm.bundle import CausalLMBundle
+from unirl.models.causal_lm.family import TextFamily, text_family_problems
 from unirl.models.causal_lm.ulysses import group_of, ulysses_attention
 from unirl.models.stage import AUTOCAST_DTYPES as AUTOCAST_DTYPES
 from unirl.models.stage import ModuleDevice, autocast_dtype_of
@@ -80,7 +80,8 @@ class CausalLMStage(ModuleDevice):
     """Sampling and replay of a causal LM.
 
     Args:
-        bundle: the model bundle (model and tokenizer).
+        bundle: the model bundle, a `TextFamily` (model and tokenizer; a `VisionTextFamily`
+            when its prompts carry images); checked when the stage is built.
         autocast_dtype: run the model's forward under `torch.autocast` in this
             dtype ("bfloat16" or "float16"; None: the parameters' dtype).
             Rollout and replay share the forward; logits are cast to fp32
@@ -90,7 +91,10 @@ class CausalLMStage(ModuleDevice):
     wrapped (LoRA / FSDP) module so rollout and replay use the trained weights.
     """
 
-    def __init__(self, bundle: CausalLMBundle, autocast_dtype: str | None = None) -> None:
+    def __init__(self, bundle: TextFamily, autocast_dtype: str | None = None) -> None:
+        problems = text_family_problems(bundle)
+        if problems:
+            raise TypeError("; ".join(problems))
         self.autocast_dtype = autocast_dtype_of(autocast_dtype)
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.model
@@ -99,7 +103,7 @@ class CausalLMStage(ModuleDevice):
         self.max_positions: int = config.max_position_embeddings
         self.vocab_rows: int = bundle.model.get_input_embeddings().num_embeddings
         # a VLM's vision placeholders mean "an image goes here": a response must not hold them
-        self.unsampled_ids: list[int] = list(getattr(bundle, "vision_token_ids", ()))
+        self.unsampled_ids: list[int] = list(bundle.vision_token_ids)
 
     def model_info(self) -> dict[str, Any]:
         params = list(self.module.parameters())
