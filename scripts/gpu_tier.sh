@@ -13,7 +13,8 @@
 #      (diffusion/kontext_random_flowgrpo), a HunyuanVideo-1.5-sized text-to-video model
 #      (diffusion/hunyuanvideo15_random_flowgrpo) and Wan 2.2 I2V-A14B's two 14B experts
 #      (diffusion/wan22_i2v_random_flowgrpo: 108 GiB of fp32 weights, skipped on a GPU under 120 GB),
-#      printing step time and peak GPU memory.
+#      and an LTX-2-sized audio-video model (diffusion/ltx2_random_flowgrpo: a 19B transformer, 72
+#      GiB of fp32 weights, skipped on a GPU under 120 GB), printing step time and peak GPU memory.
 # Usage: bash scripts/gpu_tier.sh [output dir, default outputs/gpu_tier]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -85,4 +86,11 @@ if [ "$GPU_GB" -ge 120 ]; then
   summary "$OUT/wan22_i2v"
 else
   echo "== the Wan 2.2 I2V-A14B-sized check needs a GPU of 120 GB or more (two 14B experts): skipped"
+fi
+
+if [ "$GPU_GB" -ge 120 ]; then
+  python -m unirl.train_diffusion --config-name=diffusion/ltx2_random_flowgrpo output_dir="$OUT/ltx2"
+  summary "$OUT/ltx2"
+else
+  echo "== the LTX-2-sized check needs a GPU of 120 GB or more (a 19B transformer, planned peak 107 GiB): skipped"
 fi

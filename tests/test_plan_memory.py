@@ -254,3 +254,28 @@ def test_an_audio_video_familys_plan_costs_its_audio_tokens():
         long = compose(config_name="diffusion/tiny_ltx2_flowgrpo", overrides=["model.frame_rate=5.0"])
     a, b = plan_memory(short), plan_memory(long)
     assert 0 < a.rollout_extra < b.rollout_extra and 0 < a.train_extra < b.train_extra
+
+
+def test_the_real_size_ltx2_recipe_has_the_real_models_transformer_and_token_counts():
+    """`diffusion/ltx2_random_flowgrpo` (built on the meta device) holds LTX-2's transformer (every
+    parameter shaped as in diffusers' default config: 48 blocks, 18.9B parameters) and samples as many tokens as the released model at LTX2Pipeline's
+    defaults: 512x768 x 121 frames at 24 fps under the real VAE (32x per side, 8x in time) is
+    16 x 16 x 24 = 6144 video tokens, and 121 / 24 s x 25 audio latent frames a second (16 kHz,
+    hop 160, 4x) rounds to 126; the recipe's 32x48 x 31 frames at 6.15 fps under the small 2x VAE
+    must give the same."""
+    with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
+        cfg = compose(config_name="diffusion/ltx2_random_flowgrpo")
+    with torch.device("meta"):
+        bundle = compose_model(cfg)
+    real_video = ((121 - 1) // 8 + 1) * (512 // 32) * (768 // 32)
+    real_audio = round(121 / 24 * 16000 / 160 / 4)
+    assert (real_video, real_audio) == (6144, 126)
+    assert bundle.latent_shape(cfg.sampling.height, cfg.sampling.width) == (128, real_video + real_audio)
+    from diffusers import LTX2VideoTransformer3DModel
+
+    with torch.device("meta"):
+        released = LTX2VideoTransformer3DModel()  # diffusers' defaults: the released model's sizes
+    shapes = {n: p.shape for n, p in bundle.transformer.named_parameters()}
+    assert shapes == {n: p.shape for n, p in released.named_parameters()}
+    assert len(bundle.transformer.transformer_blocks) == 48
+    assert 18.8e9 < sum(p.numel() for p in released.parameters()) < 18.9e9
