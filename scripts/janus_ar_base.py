@@ -2,7 +2,7 @@
 
 The second half of the shapes Janus base (issue 27, item 5; the first is `janus_vq_base.py`,
 whose VQ-VAE this reuses frozen). Each training row is what a unified rollout produces, in the
-same tokens (`CausalLMStage` prompt ids, then `JanusImageStage.image_context`):
+same tokens (`CausalLMStage` prompt ids, then `VQImageStage.image_context`):
 
     user prompt (a PE-world paraphrase in SFT forms, `ShapesPESFTSource`)
     + plan (the scene's canonical prompt + `<end_of_plan>`) + `<begin_of_image>`
@@ -10,7 +10,7 @@ same tokens (`CausalLMStage` prompt ids, then `JanusImageStage.image_context`):
 
 and the loss is the plan's cross-entropy (text head) plus the image tokens' (generation head).
 A fraction `--uncond` of rows replace the context by its unconditional twin (pad everywhere but
-BOI, `JanusImageStage.unconditional`) and train the image tokens only, so classifier-free
+BOI, `VQImageStage.unconditional`) and train the image tokens only, so classifier-free
 guidance has an unconditional model to push away from. The plan learns the SFT forms only: the
 RL-only synonyms and templates (`ShapesPEDataset`'s RL prompts) are left for BiCoT-GRPO's plan
 track, as the shapes PE base leaves them.
@@ -38,7 +38,8 @@ import time
 import numpy as np
 import torch
 
-from unirl.models.janus import JanusImageStage, JanusModelConfig, TinyJanusConfig
+from unirl.models.image_tokens import VQImageStage
+from unirl.models.janus import JanusModelConfig, TinyJanusConfig
 from unirl.models.janus.bundle import PLAN_END_TOKEN
 from unirl.models.janus.pretrain import nearest_codes, pixels, plan_ids, teacher_forced_losses
 from unirl.types.sampling import ImageTokenSamplingParams
@@ -92,7 +93,7 @@ def greedy_plans(bundle, prompts: list[str], max_new: int = 48) -> list[str]:
 
 
 @torch.no_grad()
-def evaluate(bundle, stage: JanusImageStage, cfg: float, n: int = 64) -> dict[str, float]:
+def evaluate(bundle, stage: VQImageStage, cfg: float, n: int = 64) -> dict[str, float]:
     """Plan exact match on held-out scenes (SFT forms, greedy) and GenEvalMini of images drawn
     after the correct plan on held-out scenes (seeded, temperature 1, CFG `cfg`)."""
     bundle.model.eval()
@@ -147,7 +148,7 @@ def main() -> None:
     for name in bundle.frozen_modules:
         getattr(model.model, name).requires_grad_(False)
     vq.eval()
-    stage = JanusImageStage(bundle)
+    stage = VQImageStage(bundle)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
 

@@ -200,7 +200,7 @@ def test_relative_import_resolution() -> None:
 # Model families (unirl/models/README.md): a family lives in its own package under unirl/models/,
 # and nothing outside that package imports it; recipes and entry points name it by `_target_`
 # strings. The packages there that every family shares are not families.
-SHARED_MODELS = {"flow", "causal_lm"}  # the flow-matching stage and its contract; the text stage
+SHARED_MODELS = {"flow", "causal_lm", "image_tokens"}  # the shared stages and their family contracts
 
 
 def family_of(module: str) -> str | None:

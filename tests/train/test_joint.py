@@ -13,7 +13,8 @@ import torch
 from unirl.algorithms.advantages import track_advantages
 from unirl.algorithms.grpo import GRPO, GRPOConfig
 from unirl.models.causal_lm import CausalLMStage
-from unirl.models.janus import JanusImageStage, JanusModelConfig
+from unirl.models.image_tokens import VQImageStage
+from unirl.models.janus import JanusModelConfig
 from unirl.rollout.unified import UnifiedEngine
 from unirl.train.backend import OptimConfig, TrainBackend
 from unirl.train.joint import JointTrainStack
@@ -35,7 +36,7 @@ def bundle():
 
 
 def setup(bundle, max_new_tokens: int = 6):
-    stages = {"plan": CausalLMStage(bundle), "image": JanusImageStage(bundle)}
+    stages = {"plan": CausalLMStage(bundle), "image": VQImageStage(bundle)}
     plan_sampling = TextSamplingParams(
         samples_per_prompt=4,
         max_new_tokens=max_new_tokens,
@@ -142,7 +143,7 @@ def test_drawing_without_a_plan_is_the_image_after_the_prompt_alone(bundle):
     (no plan), seeded from the image's id as a rollout's image is."""
     from unirl.types.lineage import child_seed
 
-    stages = {"plan": CausalLMStage(bundle), "image": JanusImageStage(bundle)}
+    stages = {"plan": CausalLMStage(bundle), "image": VQImageStage(bundle)}
     sampling = ImageTokenSamplingParams(guidance_scale=2.0, seed=7)
     engine = UnifiedEngine(["plan", "image"]).bind(
         stages, {"plan": TextSamplingParams(chat_template=False), "image": sampling}

@@ -149,7 +149,7 @@ class TextStage(Protocol):
 
 @runtime_checkable
 class ImageTokenStage(Protocol):
-    """What a unified model's image stage answers (`unirl.models.janus.JanusImageStage` is one).
+    """What a unified model's image stage answers (`unirl.models.image_tokens.VQImageStage` is one).
 
     - `image_context(prompt_ids [P], plan_ids [R]) -> [C]`: the text context an image is drawn after.
     - `generate(contexts, seeds, sampling) -> (TokenSegment, media [B, 3, H, W] uint8)`.

@@ -11,7 +11,8 @@ import torch
 from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
 
 from unirl.models.causal_lm import CausalLMStage
-from unirl.models.janus import JanusImageStage, JanusModelConfig
+from unirl.models.image_tokens import VQImageStage
+from unirl.models.janus import JanusModelConfig
 from unirl.types import ImageTokenSamplingParams, PromptExample, RolloutReq, TextSamplingParams
 from unirl.types.segments import TokenSegment
 
@@ -54,7 +55,7 @@ def lone_guided_log_probs(bundle, context, image, scale, temperature):
 def test_greedy_cfg_equals_library_generate(bundle):
     """Greedy image tokens through the stage (cond + uncond rows batched, KV cache) equal
     `JanusForConditionalGeneration.generate(generation_mode="image")`'s for the same context."""
-    stage = JanusImageStage(bundle)
+    stage = VQImageStage(bundle)
     ctx = contexts(bundle, stage)[0]
     seg, _ = stage.generate([ctx], [0], ImageTokenSamplingParams(temperature=0, guidance_scale=3.0))
     gen = bundle.model.generation_config
@@ -75,7 +76,7 @@ def test_image_log_probs_recorded_replayed_and_lone_agree(bundle, scale):
     """Three contexts of different lengths sampled in one left-padded batch with a KV cache: the
     recorded log-probs equal the batched no-cache replay and each sample's own cond / uncond
     forwards written above (CFG batching equals separate passes)."""
-    stage = JanusImageStage(bundle)
+    stage = VQImageStage(bundle)
     ctx = contexts(bundle, stage)
     sampling = ImageTokenSamplingParams(temperature=0.7, top_k=8, guidance_scale=scale)
     seg, media = stage.generate(ctx, [1, 2, 3], sampling)
@@ -112,7 +113,7 @@ def test_each_segment_reads_only_its_own_head(bundle):
     """Masks: the image loss never sees a plan token's prediction and the reverse. The image
     log-probs' gradient reaches the image head and not the text head (lm_head); the plan's
     reaches the text head and not the image head."""
-    plan_stage, image_stage = CausalLMStage(bundle), JanusImageStage(bundle)
+    plan_stage, image_stage = CausalLMStage(bundle), VQImageStage(bundle)
     plan, _ = plan_stage.generate(plan_request())
     ctx = [image_stage.image_context(p, r) for p, r in zip(plan.prompt_ids, plan.response_ids, strict=True)]
     image, _ = image_stage.generate(ctx, [0, 1, 2, 3], ImageTokenSamplingParams(guidance_scale=2.0))
@@ -141,7 +142,7 @@ def test_vq_decode_equals_the_library(bundle):
     tokens = torch.randint(
         0, bundle.codebook_size, (3, bundle.num_image_tokens), generator=torch.Generator().manual_seed(0)
     )
-    ours = JanusImageStage(bundle).decode(tokens)
+    ours = VQImageStage(bundle).decode(tokens)
     with torch.no_grad():
         pixels = bundle.model.model.vqmodel.decode(tokens).numpy()  # [B, 3, S, S]
     ref = JanusImageProcessorPil(image_mean=[0.5] * 3, image_std=[0.5] * 3).postprocess(
@@ -151,7 +152,7 @@ def test_vq_decode_equals_the_library(bundle):
 
 
 def test_out_of_codebook_token_names_the_sample(bundle):
-    stage = JanusImageStage(bundle)
+    stage = VQImageStage(bundle)
     n = bundle.num_image_tokens
     bad = torch.zeros(n, dtype=torch.long)
     bad[3] = bundle.codebook_size
@@ -189,12 +190,12 @@ def test_save_and_load_round_trip(bundle, tmp_path):
 
 def test_pretraining_losses_are_the_stages_own_log_probs(bundle):
     """`teacher_forced_losses` trains what the stage samples: its image term is minus the mean of
-    `JanusImageStage.token_log_probs` at guidance 1 over the same contexts (an unconditional row
+    `VQImageStage.token_log_probs` at guidance 1 over the same contexts (an unconditional row
     replayed as its uncond twin), its plan term the text head's cross-entropy of the plan tokens in
     a plain `model(input_ids=prompt + plan)` forward, unconditional rows left out."""
     from unirl.models.janus.pretrain import plan_ids, teacher_forced_losses
 
-    stage = JanusImageStage(bundle)
+    stage = VQImageStage(bundle)
     tok = bundle.tokenizer
     prompts = [torch.tensor(tok.encode(p)) for p in ("draw a red ball.", "two blue boxes, please.", "x.")]
     plans = [plan_ids(bundle, t) for t in ("a red circle", "two blue squares", "a green triangle")]
@@ -277,7 +278,7 @@ def test_committed_shapes_base_encodes_plans_and_draws_the_world():
         right += tok.decode(ids[len(tok.encode(text)) : -1]) == meta["canonical"]
     assert right >= 6, f"{right} of 8 greedy plans restate their training scene"
 
-    stage = JanusImageStage(base)
+    stage = VQImageStage(base)
     contexts = [
         stage.image_context(torch.tensor(tok.encode(t)), plan_ids(base, m["canonical"])) for t, m in pairs
     ]
@@ -286,3 +287,32 @@ def test_committed_shapes_base_encodes_plans_and_draws_the_world():
     )
     strict = GenEvalMini().evaluate(media, [m["canonical"] for _, m in pairs])["accuracy_strict_samples"]
     assert strict >= 0.1, strict
+
+
+class NoImageHead:
+    """A bundle with every image-token member but the image head, and a `decode` that is data."""
+
+    def __init__(self, bundle) -> None:
+        kept = ("model", "tokenizer", "boi_token_id", "uncond_keep_ids", "num_image_tokens", "codebook_size")
+        for name in (*kept, "image_size", "backbone", "embed_text", "embed_image"):
+            setattr(self, name, getattr(bundle, name))
+        self.decode = 0
+
+
+def test_janus_is_an_image_token_family_and_a_bundle_missing_a_member_is_refused(bundle):
+    """`JanusBundle` satisfies the shared image-token stage's contract (what an unconditional
+    context keeps: BOS and BOI); a bundle without `image_logits`, or whose `decode` is not
+    callable, is refused when the stage is built, each member named."""
+    from unirl.models.image_tokens import ImageTokenFamily, image_token_family_problems
+
+    assert isinstance(bundle, ImageTokenFamily) and image_token_family_problems(bundle) == []
+    tok = bundle.tokenizer
+    assert bundle.uncond_keep_ids == [i for i in (tok.bos_token_id, bundle.boi_token_id) if i is not None]
+    bad = NoImageHead(bundle)
+    family = "which the image-token stage calls (unirl.models.image_tokens.family.ImageTokenFamily)"
+    assert image_token_family_problems(bad) == [
+        f"NoImageHead lacks `image_logits`, {family}",
+        f"NoImageHead lacks `decode`, {family}",
+    ]
+    with pytest.raises(TypeError, match="NoImageHead lacks `image_logits`"):
+        VQImageStage(bad)

@@ -34,10 +34,10 @@ def _plan_request(prompt: str, stops: list[str]):
 def _segments(bundle, module, req):
     """(plan segment, image segment) of `req` under `module`: a greedy plan, then guided image tokens."""
     from unirl.models.causal_lm import CausalLMStage
-    from unirl.models.janus import JanusImageStage
+    from unirl.models.image_tokens import VQImageStage
     from unirl.types import ImageTokenSamplingParams
 
-    plan_stage, image_stage = CausalLMStage(bundle), JanusImageStage(bundle)
+    plan_stage, image_stage = CausalLMStage(bundle), VQImageStage(bundle)
     plan_stage.module = image_stage.module = module
     plan, _ = plan_stage.generate(req)
     contexts = [image_stage.image_context(p, r) for p, r in zip(plan.prompt_ids, plan.response_ids, strict=True)]

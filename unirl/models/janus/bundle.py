@@ -130,8 +130,9 @@ class TinyJanusConfig:
 
 
 class JanusBundle(CausalLMBundle):
-    """A Janus model and its tokenizer (the text stage, `CausalLMStage`, runs on it as on any
-    causal LM: `model(input_ids=...)` gives text logits).
+    """A Janus model and its tokenizer: a text family (the text stage, `CausalLMStage`, runs on
+    it as on any causal LM: `model(input_ids=...)` gives text logits) and an image-token family
+    (`unirl.models.image_tokens.VQImageStage` draws its image tokens).
 
     Attributes:
         model: the `JanusForConditionalGeneration`.
@@ -179,6 +180,31 @@ class JanusBundle(CausalLMBundle):
             torch.manual_seed(cfg.seed)
             model = JanusForConditionalGeneration(config).to(dtype)
         return cls(model, tokenizer, where="model.tiny")
+
+    # ---- the image-token family (unirl.models.image_tokens.family.ImageTokenFamily) ------------
+    @property
+    def uncond_keep_ids(self) -> list[int]:
+        """BOS and BOI: Janus's unconditional context pads every other token."""
+        return [i for i in (self.tokenizer.bos_token_id, self.boi_token_id) if i is not None]
+
+    @staticmethod
+    def backbone(model: torch.nn.Module) -> torch.nn.Module:
+        """The Llama decoder that reads text and image positions in one sequence."""
+        return model.model.language_model
+
+    @staticmethod
+    def embed_text(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model.get_input_embeddings()(ids)
+
+    @staticmethod
+    def embed_image(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """`generation_embeddings` + `generation_aligner` of codebook indices."""
+        return model.prepare_embeddings_for_image_generation(tokens)
+
+    @staticmethod
+    def image_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """`generation_head`: hidden states to logits over the codebook."""
+        return model.model.generation_head(hidden)
 
     def decode(self, image_tokens: torch.Tensor) -> torch.Tensor:
         """[B, 3, S, S] uint8 images of codebook indices [B, num_image_tokens]: the library's

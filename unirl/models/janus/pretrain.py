@@ -11,10 +11,10 @@ S image side.
   `get_codebook_entry` normalises the codes); `JanusVQVAE.forward` quantizes unnormalised
   latents and passes no gradient to the encoder, and did not train here.
 - The AR loss (`teacher_forced_losses`) reads each row as the stage builds it:
-  `JanusImageStage.image_context(prompt, plan)` (prompt, plan with its stop token, BOI), or its
+  `VQImageStage.image_context(prompt, plan)` (prompt, plan with its stop token, BOI), or its
   unconditional twin for classifier-free-guidance dropout, then the image tokens; the plan's
   cross-entropy comes from the text head, the image tokens' from the generation head, in one
-  forward. Its image term equals `-JanusImageStage.token_log_probs(...).mean()` at guidance 1
+  forward. Its image term equals `-VQImageStage.token_log_probs(...).mean()` at guidance 1
   and temperature 1 (`tests/models/janus/test_janus.py` holds it).
 """
 
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from unirl.models.image_tokens import VQImageStage, unwrapped
 from unirl.models.janus.bundle import PLAN_END_TOKEN, JanusBundle
-from unirl.models.janus.stage import JanusImageStage, janus_of
 from unirl.types.segments import pad_right
 
 
@@ -80,7 +80,7 @@ def plan_ids(bundle: JanusBundle, text: str) -> torch.Tensor:
 
 
 def teacher_forced_losses(
-    stage: JanusImageStage,
+    stage: VQImageStage,
     prompts: list[torch.Tensor],
     plans: list[torch.Tensor],
     images: torch.Tensor,
@@ -95,20 +95,19 @@ def teacher_forced_losses(
         images: [B, N] codebook indices.
         uncond: per row, train the unconditional twin (image tokens only, no plan loss).
     """
-    janus = janus_of(stage.module)
-    embed_text = janus.get_input_embeddings()
+    family, janus = stage.bundle, unwrapped(stage.module)
     seqs, spans, ctx_lens = [], [], []
     for p, plan, img, drop in zip(prompts, plans, images, uncond, strict=True):
         ctx = stage.image_context(p, plan)
         if drop:
             ctx = stage.unconditional(ctx)
-        seqs.append(torch.cat([embed_text(ctx), janus.prepare_embeddings_for_image_generation(img[:-1])]))
+        seqs.append(torch.cat([family.embed_text(janus, ctx), family.embed_image(janus, img[:-1])]))
         spans.append(None if drop else (p.numel(), ctx.numel() - 1, ctx))  # plan tokens at [start, end)
         ctx_lens.append(ctx.numel())
     width = max(s.shape[0] for s in seqs)
     embeds = torch.stack([F.pad(s, (0, 0, 0, width - s.shape[0])) for s in seqs])
     mask = pad_right([torch.ones(s.shape[0], dtype=torch.long, device=embeds.device) for s in seqs], 0)
-    hidden = janus.model.language_model(
+    hidden = family.backbone(janus)(
         inputs_embeds=embeds, attention_mask=mask, use_cache=False
     ).last_hidden_state  # [B, L, H]
     index = (
@@ -117,7 +116,7 @@ def teacher_forced_losses(
         + torch.arange(images.shape[1], device=hidden.device)
     )  # positions C_i - 1 .. C_i + N - 2 predict the image tokens
     picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
-    image_ce = F.cross_entropy(janus.model.generation_head(picked).float().flatten(0, 1), images.flatten())
+    image_ce = F.cross_entropy(family.image_logits(janus, picked).float().flatten(0, 1), images.flatten())
     text_h, text_y = [], []
     for i, span in enumerate(spans):
         if span is not None:

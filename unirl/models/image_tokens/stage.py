@@ -1,12 +1,14 @@
-"""The Janus image stage: image tokens after a text context, with Janus's classifier-free
-guidance, their log-probs, replay and the VQ decode.
+"""The shared image-token stage: a unified model's VQ image tokens after a text context, with
+classifier-free guidance, their log-probs, replay and the VQ decode, over any bundle that
+satisfies `ImageTokenFamily` (`family.py`; Janus's bundle is one).
 
-A context is text token ids ending in `<begin_of_image>` (the prompt, the plan, BOI). Its
-unconditional twin is the same row with every token but BOS and BOI replaced by the pad
-token, as `JanusForConditionalGeneration.generate(generation_mode="image")` builds it. Text
-positions are embedded by the language model's input embeddings, image positions by
-`generation_embeddings` + `generation_aligner`; the hidden state of the last position goes
-through `generation_head` to logits over the codebook [K]. With guidance scale s the guided
+A context is text token ids ending in the family's begin-of-image token (the prompt, the plan,
+BOI). Its unconditional twin is the same row with every token but the family's
+`uncond_keep_ids` replaced by the pad token (Janus: BOS and BOI, as
+`JanusForConditionalGeneration.generate(generation_mode="image")` builds it). Text positions are
+embedded by the family's `embed_text`, image positions by its `embed_image`; the hidden state of
+the last position goes through its `image_logits` to logits over the codebook [K]. With
+guidance scale s the guided
 logits are g = u + s (c - u) (cond c, uncond u; s = 1 runs the cond rows only). A token is
 *chosen* from softmax(g / T) restricted by top-k / top-p with one uniform per step from the
 sample's own generator; the *recorded* log-prob is `log_softmax(g / T)` at the token, which
@@ -21,23 +23,24 @@ from typing import Any
 import torch
 
 from unirl.models.causal_lm.stage import draw, sampling_probs, token_log_probs_of
-from unirl.models.janus.bundle import JanusBundle
+from unirl.models.image_tokens.family import ImageTokenFamily, image_token_family_problems
 from unirl.models.stage import ModuleDevice, autocast_dtype_of
 from unirl.types.sampling import ImageTokenSamplingParams
 from unirl.types.segments import TokenSegment, pad_right
 
 
-def janus_of(module: torch.nn.Module) -> torch.nn.Module:
-    """The `JanusForConditionalGeneration` inside `module` (a peft wrapper's base model; LoRA
-    layers are injected in place, so its submodules run the adapters)."""
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The family's model inside `module` (a peft wrapper's base model; LoRA layers are
+    injected in place, so its submodules run the adapters)."""
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
-class JanusImageStage(ModuleDevice):
-    """Sampling and replay of a Janus model's image tokens.
+class VQImageStage(ModuleDevice):
+    """Sampling and replay of a unified model's image tokens.
 
     Args:
-        bundle: the `JanusBundle`.
+        bundle: an `ImageTokenFamily` (checked when built: a missing member raises TypeError
+            naming it).
         autocast_dtype: run forwards under `torch.autocast` in this dtype (None: the
             parameters' dtype); logits go to fp32 before any softmax.
 
@@ -45,13 +48,15 @@ class JanusImageStage(ModuleDevice):
     module (the plan's text stage holds the same one: one backbone, two tracks).
     """
 
-    def __init__(self, bundle: JanusBundle, autocast_dtype: str | None = None) -> None:
+    def __init__(self, bundle: ImageTokenFamily, autocast_dtype: str | None = None) -> None:
+        problems = image_token_family_problems(bundle)
+        if problems:
+            raise TypeError("; ".join(problems))
         self.autocast_dtype = autocast_dtype_of(autocast_dtype)
         self.bundle = bundle
         self.module: torch.nn.Module = bundle.model
-        tok = bundle.tokenizer
-        self.pad_id = int(tok.pad_token_id)
-        self.keep_ids = [i for i in (tok.bos_token_id, bundle.boi_token_id) if i is not None]
+        self.pad_id = int(bundle.tokenizer.pad_token_id)
+        self.keep_ids = list(bundle.uncond_keep_ids)
         self.num_image_tokens = bundle.num_image_tokens
         self.codebook_size = bundle.codebook_size
 
@@ -74,7 +79,7 @@ class JanusImageStage(ModuleDevice):
         return torch.cat([prompt_ids, plan_ids.to(prompt_ids.device), boi])
 
     def unconditional(self, context: torch.Tensor) -> torch.Tensor:
-        """[C] Janus's unconditional twin of a context: pad everywhere but BOS and BOI."""
+        """[C] the unconditional twin of a context: pad everywhere but the family's `uncond_keep_ids`."""
         keep = torch.isin(context, torch.tensor(self.keep_ids, device=context.device))
         return torch.where(keep, context, torch.full_like(context, self.pad_id))
 
@@ -114,8 +119,8 @@ class JanusImageStage(ModuleDevice):
         Returns (TokenSegment: prompt_ids the contexts, response_ids the image tokens [N],
         their recorded log-probs, `temperature` and `guidance_scale`; media [B, 3, S, S] uint8).
         """
-        model = janus_of(self.module)
-        lm = model.model.language_model
+        family, model = self.bundle, unwrapped(self.module)
+        backbone = family.backbone(model)
         device = self.device
         scale = float(sampling.guidance_scale)
         rows = self._rows([c.to(device) for c in contexts], scale != 1.0)
@@ -127,7 +132,7 @@ class JanusImageStage(ModuleDevice):
             ids[i, width - r.numel() :] = r
             mask[i, width - r.numel() :] = 1
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        embeds = model.get_input_embeddings()(ids)
+        embeds = family.embed_text(model, ids)
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         tokens, log_probs, cache = [], [], None
         was_training = self.module.training
@@ -135,7 +140,7 @@ class JanusImageStage(ModuleDevice):
         try:
             with self._autocast(device):
                 for _ in range(self.num_image_tokens):
-                    out = lm(
+                    out = backbone(
                         inputs_embeds=embeds,
                         attention_mask=mask,
                         position_ids=positions,
@@ -143,7 +148,7 @@ class JanusImageStage(ModuleDevice):
                         use_cache=True,
                     )
                     cache = out.past_key_values
-                    logits = model.model.generation_head(out.last_hidden_state[:, -1]).float()
+                    logits = family.image_logits(model, out.last_hidden_state[:, -1]).float()
                     guided = self.guide(logits[:b], logits[b:], scale)
                     if sampling.greedy:
                         token = guided.argmax(dim=-1)
@@ -155,7 +160,7 @@ class JanusImageStage(ModuleDevice):
                         token = draw(probs, uniforms.to(device))
                     tokens.append(token)
                     log_probs.append(token_log_probs_of(guided, token, sampling.logit_temperature))
-                    embeds = model.prepare_embeddings_for_image_generation(token.repeat(n // b)[:, None])
+                    embeds = family.embed_image(model, token.repeat(n // b)[:, None])
                     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                     positions = positions[:, -1:] + 1
         finally:
@@ -178,7 +183,7 @@ class JanusImageStage(ModuleDevice):
         return uncond.float() + scale * (cond.float() - uncond.float())
 
     def decode(self, image_tokens: torch.Tensor) -> torch.Tensor:
-        """[B, 3, S, S] uint8 images of [B, N] codebook indices (`JanusBundle.decode`)."""
+        """[B, 3, S, S] uint8 images of [B, N] codebook indices (the family's `decode`)."""
         return self.bundle.decode(image_tokens)
 
     # ---- replay -----------------------------------------------------------------------------
@@ -192,20 +197,17 @@ class JanusImageStage(ModuleDevice):
         C_i+N-2 predict the image tokens. A row's values do not depend on its batch-mates.
         """
         if segment.guidance_scale is None:
-            raise ValueError(
-                "JanusImageStage.token_log_probs needs an image-token segment (guidance_scale set)"
-            )
+            raise ValueError("VQImageStage.token_log_probs needs an image-token segment (guidance_scale set)")
         self.check_tokens(segment)
-        model = janus_of(self.module)
+        family, model = self.bundle, unwrapped(self.module)
         device = self.device
         scale = float(segment.guidance_scale)
         contexts = [p.to(device) for p in segment.prompt_ids]
         images = [r.to(device) for r in segment.response_ids]
         rows = self._rows(contexts, scale != 1.0)
         images = images * (len(rows) // len(contexts))
-        embed_text = model.get_input_embeddings()
         seqs = [
-            torch.cat([embed_text(c), model.prepare_embeddings_for_image_generation(img[:-1])])
+            torch.cat([family.embed_text(model, c), family.embed_image(model, img[:-1])])
             for c, img in zip(rows, images, strict=True)
         ]
         lengths = [int(s.shape[0]) for s in seqs]
@@ -214,14 +216,14 @@ class JanusImageStage(ModuleDevice):
         mask = pad_right([torch.ones(n, dtype=torch.long, device=device) for n in lengths], 0)
         positions = torch.arange(width, device=device).expand(len(rows), width)
         with self._autocast(device):
-            hidden = model.model.language_model(
+            hidden = family.backbone(model)(
                 inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False
             ).last_hidden_state
             n_img = self.num_image_tokens
             starts = torch.tensor([int(c.numel()) - 1 for c in rows], device=device)
             index = starts[:, None] + torch.arange(n_img, device=device)
             picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
-            logits = model.model.generation_head(picked).float()  # [rows, N, K]
+            logits = family.image_logits(model, picked).float()  # [rows, N, K]
         b = len(contexts)
         guided = self.guide(logits[:b], logits[b:], scale)
         targets = torch.stack(images[:b])
