@@ -33,10 +33,13 @@ OFF = dict(
 )  # fmt: skip
 
 
-def tiny_config(**options) -> LTX2ModelConfig:
+def tiny_config(perturbed_attn: bool = False, **options) -> LTX2ModelConfig:
     words = ["a", "red", "square", "low", "tone"]
     return LTX2ModelConfig(
-        tiny={"resolution": SIZE, "words": words}, num_frames=FRAMES, frame_rate=RATE, **options
+        tiny={"resolution": SIZE, "words": words, "perturbed_attn": perturbed_attn},
+        num_frames=FRAMES,
+        frame_rate=RATE,
+        **options,
     )
 
 
@@ -45,8 +48,9 @@ def bundle():
     return tiny_config(audio_guidance_scale=5.0).build()
 
 
-def sample(bundle, prompts, guidance: float, num_steps: int, output_type: str):
-    """(the stage's final latents, x_T, the pipeline's output, the stage)."""
+def sample(bundle, prompts, guidance: float, num_steps: int, output_type: str, terms: dict = OFF):
+    """(the stage's final latents, x_T, the pipeline's output, the stage); `terms`: the pipeline's
+    guidance terms beyond CFG (the bundle's own `extra` must say the same)."""
     sp = DiffusionSamplingParams(
         num_steps=num_steps, samples_per_prompt=1, height=SIZE, width=SIZE, guidance_scale=guidance, eta=0.0,
         shift=1.0, sigma_grid="steps", max_sequence_length=LENGTH,
@@ -66,7 +70,7 @@ def sample(bundle, prompts, guidance: float, num_steps: int, output_type: str):
         out = pipe(
             prompt=list(prompts), height=SIZE, width=SIZE, num_frames=FRAMES, frame_rate=RATE,
             num_inference_steps=num_steps, guidance_scale=guidance, audio_guidance_scale=bundle.audio_guidance_scale,
-            latents=video, audio_latents=audio, max_sequence_length=LENGTH, output_type=output_type, **OFF,
+            latents=video, audio_latents=audio, max_sequence_length=LENGTH, output_type=output_type, **terms,
         )  # fmt: skip
     assert torch.equal(pipe.scheduler.sigmas[:-1], sigmas[:-1])
     return ours, x_t, out, stage
@@ -95,6 +99,34 @@ def test_ode_sampling_matches_ltx2_pipeline(bundle, unguided, guidance, num_step
     assert torch.equal(ours_audio, audio), (
         f"audio: max |stage - pipeline| = {(ours_audio - audio).abs().max()}"
     )
+
+
+# every guidance term of the pipeline on, each stream at its own scale (STG perturbs the tiny
+# transformer's one block); the pipeline's defaults are STG 1.0, modality 3.0, rescale 0.7
+TERMS = dict(
+    stg_scale=1.0, audio_stg_scale=0.5, modality_scale=3.0, audio_modality_scale=2.0, guidance_rescale=0.7,
+    audio_guidance_rescale=0.4,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(("guidance", "audio"), [(3.0, 5.0), (1.0, None)])
+def test_stg_modality_guidance_and_rescale_match_ltx2_pipeline(guidance, audio) -> None:
+    """Spatio-temporal guidance, modality-isolation guidance and the guidance rescale, with and
+    without classifier-free guidance: the stage's ODE samples equal the pipeline's bit for bit,
+    and each term moves them (the same run with it off differs)."""
+    bundle = tiny_config(True, audio_guidance_scale=audio, stg_blocks=[0], **TERMS).build()
+    terms = {**OFF, **TERMS, "spatio_temporal_guidance_blocks": [0]}
+    ours, _, out, _ = sample(bundle, PROMPTS, guidance, 3, "latent", terms)
+    f, h, w = (FRAMES - 1) // 2 + 1, SIZE // 2, SIZE // 2
+    assert torch.equal(ours[..., : f * h * w].reshape(2, 4, f, h, w), out.frames)
+    audio_latents = bundle.pipeline._unpack_audio_latents(
+        ours[..., f * h * w :].transpose(1, 2), bundle.audio_frames, num_mel_bins=bundle.mel_bins
+    )
+    assert torch.equal(audio_latents, out.audio)
+    for term in ("stg_scale", "modality_scale", "guidance_rescale"):
+        off = {**TERMS, term: OFF[term], "audio_" + term: OFF["audio_" + term]}
+        other = tiny_config(True, audio_guidance_scale=audio, stg_blocks=[0], **off).build()
+        assert not torch.equal(sample(other, PROMPTS, guidance, 3, "latent", terms)[0], ours), term
 
 
 def test_decode_matches_the_pipelines_frames_and_waveforms(bundle) -> None:
@@ -152,6 +184,20 @@ def test_bad_configs_are_refused(tmp_path) -> None:
         LTX2ModelConfig(tiny={"mel_bins": 6})
     with pytest.raises(ValueError, match=r"model.audio_guidance_scale must be >= 1"):
         tiny_config(audio_guidance_scale=0.5)
+    with pytest.raises(ValueError, match=r"built without perturbable self-attention"):
+        tiny_config(stg_scale=1.0, stg_blocks=[0]).build()
+    with pytest.raises(ValueError, match=r"model.stg_blocks is empty"):
+        tiny_config(stg_scale=1.0)
+    with pytest.raises(
+        ValueError, match=r"model.stg_blocks=\[1\]: \[1\] outside the transformer's blocks 0..0"
+    ):
+        tiny_config(stg_scale=1.0, stg_blocks=[1])
+    with pytest.raises(
+        ValueError,
+        match=r"model.modality_scale must be >= 1 \(1: off\), got 0.5; model.guidance_rescale must be >= 0 and "
+        r"<= 1 \(0: off\), got 1.5",
+    ):
+        tiny_config(modality_scale=0.5, guidance_rescale=1.5)
     with pytest.raises(ValueError, match=r"model.frame_rate"):
         LTX2ModelConfig(frame_rate=0.0)
     assert tiny_config().size_problems(32, 33) == [
@@ -174,5 +220,15 @@ def test_bad_configs_are_refused(tmp_path) -> None:
     tiny_config().build().save_pretrained(str(directory))
     on_disk = LTX2ModelConfig(pretrained_path=str(directory), tiny=None, num_frames=5)
     assert on_disk.directory_problems() == [] and on_disk.size_problems(32, 32) == []
+    stg = LTX2ModelConfig(
+        pretrained_path=str(directory), tiny=None, num_frames=5, stg_scale=1.0, stg_blocks=[0, 3]
+    )
+    transformer = directory / "transformer" / "config.json"
+    assert stg.directory_problems() == [
+        f"model.stg_scale=1.0 / audio_stg_scale=None: {transformer} has no perturbed_attn: true (its blocks cannot "
+        "be perturbed), so STG would change nothing; set model.stg_scale=0 (and audio_stg_scale 0 or null) for this "
+        "transformer",
+        f"model.stg_blocks=[0, 3]: {transformer} has blocks 0..0",
+    ]
     (directory / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
     assert "LTX2Pipeline" in "".join(on_disk.directory_problems())

@@ -48,6 +48,17 @@ def test_tiny_ltx2_flowgrpo_trains_on_video_and_audio_and_its_lora_loads(tmp_pat
     assert (lora_frames - frames).abs().max().item() > 0 and (lora_audio - audio).abs().max().item() > 0
 
 
+def test_every_guidance_term_of_the_pipeline_trains_on_policy(tmp_path) -> None:
+    """Spatio-temporal guidance, modality guidance and the guidance rescale in the rollout are in
+    the replay too: the first update's ratio is exactly 1 and the step trains."""
+    terms = [
+        "++model.tiny.perturbed_attn=true", "++model.stg_scale=1.0", "++model.stg_blocks=[0]",
+        "++model.modality_scale=2.0", "++model.guidance_rescale=0.5", "logging.save_images_every=0",
+    ]  # fmt: skip
+    rows = run("diffusion/tiny_ltx2_flowgrpo", tmp_path, *IN_PROCESS, *SMALL, "num_steps=1", *terms)
+    assert rows[0]["ratio/first_update_mean"] == 1.0 and rows[0]["train/grad_norm"] > 0
+
+
 NFT = [
     "algorithm._target_=unirl.algorithms.diffusion_nft.DiffusionNFT",
     "algorithm.config._target_=unirl.algorithms.diffusion_nft.DiffusionNFTConfig",

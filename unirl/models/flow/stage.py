@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -161,12 +161,10 @@ class FlowMatchingStage:
             self._forward, x, sigma, cond, guidance_scale, self.detach_uncond, separate_uncond
         )
 
-    def _forward(
-        self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The family's network call on `module` (with `guidance` [B] for an "embedded" family),
-        under autocast when set; fp32 out."""
-        extra = {} if guidance is None else {"guidance": guidance}
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, **extra: Any) -> torch.Tensor:
+        """The family's network call on `module`, under autocast when set; fp32 out. `extra` goes
+        to the family's `predict` as it is (`guidance` [B] for an "embedded" family; a guidance
+        style's own branch switches, such as LTX-2's perturbed blocks)."""
         with torch.autocast(x.device.type, self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = self.bundle.predict(self.module, x, sigma, cond, **extra)
         return out.to(torch.float32)

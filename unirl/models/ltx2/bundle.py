@@ -21,8 +21,9 @@ What differs from the other video families, all inside this file:
 - guidance is classifier-free in the pipeline's x0 form: each branch's x0 = x - sigma v, the
   guided x0 = x0_c + (s - 1)(x0_c - x0_u), back to a velocity (x - x0) / sigma, with the video's
   scale on the video tokens and `audio_guidance_scale` on the audio tokens, the uncond and cond
-  halves in one forward (the pipeline's defaults add spatio-temporal and modality guidance and a
-  0.7 guidance rescale: the recipe sets none of them and says so);
+  halves in one forward; the pipeline's other guidance terms are the model config's options
+  (`ExtraGuidance`: spatio-temporal guidance, modality-isolation guidance, each one more forward
+  of the cond branch, and the guidance rescale), added to the guided x0 in the pipeline's order;
 - decode: the video latents denormalized by the VAE's latents mean / std and decoded to frames;
   the audio latents denormalized (in token space, as the pipeline), decoded by the audio VAE to a
   mel spectrogram and by the vocoder to a waveform (`audio`).
@@ -31,6 +32,7 @@ What differs from the other video families, all inside this file:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -42,6 +44,7 @@ from diffusers import (
     LTX2VideoTransformer3DModel,
 )
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
+from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
 from unirl.models.flow.family import DiffusersBundle
 from unirl.models.flow.guidance import ClassifierFreeGuidance
@@ -54,6 +57,40 @@ from unirl.models.flow.loading import (
 from unirl.models.ltx2.config import TinyLTX2Config
 
 
+@dataclass(frozen=True)
+class ExtraGuidance:
+    """LTX2Pipeline's guidance terms beyond classifier-free guidance (`LTX2ModelConfig` documents
+    each; an audio value of None takes the video's). All off by default."""
+
+    stg_scale: float = 0.0
+    audio_stg_scale: float | None = None
+    stg_blocks: tuple[int, ...] | list[int] = ()
+    modality_scale: float = 1.0
+    audio_modality_scale: float | None = None
+    guidance_rescale: float = 0.0
+    audio_guidance_rescale: float | None = None
+
+    def audio(self, name: str) -> float:
+        value = getattr(self, "audio_" + name)
+        return getattr(self, name) if value is None else value
+
+    @property
+    def stg(self) -> bool:
+        return self.stg_scale > 0 or self.audio("stg_scale") > 0
+
+    @property
+    def modality(self) -> bool:
+        return self.modality_scale > 1 or self.audio("modality_scale") > 1
+
+    @property
+    def rescale(self) -> bool:
+        return self.guidance_rescale > 0 or self.audio("guidance_rescale") > 0
+
+    @property
+    def active(self) -> bool:
+        return self.stg or self.modality or self.rescale
+
+
 class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
     """The modules of one LTX-2 model plus the `LTX2Pipeline` that owns them.
 
@@ -64,6 +101,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         num_frames, frame_rate: the clip (the soundtrack lasts num_frames / frame_rate seconds).
         audio_frames: audio latent frames of a clip (the pipeline's rounding).
         audio_guidance_scale: the audio stream's guidance scale (None: the video's).
+        extra: the pipeline's other guidance terms (`ExtraGuidance`; all off by default).
         sample_size: the frame side in pixels a tiny model is built for (a directory: 512, the
             pipeline's default height).
         audio_sample_rate: the vocoder's output rate in Hz.
@@ -83,6 +121,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         frame_rate: float,
         sample_size: int,
         audio_guidance_scale: float | None = None,
+        extra_guidance: dict | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.transformer: LTX2VideoTransformer3DModel = pipeline.transformer
@@ -126,6 +165,18 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
                 f"one audio latent frame ({1 / per_second:.3f} s): give more frames or a lower frame rate"
             )
         self.audio_guidance_scale = audio_guidance_scale
+        self.extra = ExtraGuidance(**(extra_guidance or {}))
+        blocks = len(self.transformer.transformer_blocks)
+        if any(not 0 <= b < blocks for b in self.extra.stg_blocks):
+            raise ValueError(
+                f"model.stg_blocks={list(self.extra.stg_blocks)}: this LTX-2 transformer has blocks 0..{blocks - 1}"
+            )
+        if self.extra.stg and not getattr(self.transformer.config, "perturbed_attn", False):
+            raise ValueError(
+                "model.stg_scale / audio_stg_scale > 0, but this LTX-2 transformer was built without perturbable "
+                "self-attention (its config's perturbed_attn is false), so STG would change nothing: set them to 0, "
+                "or use a transformer with perturbed_attn: true (a tiny one: model.tiny.perturbed_attn=true)"
+            )
         self.sample_size = sample_size
         self._decoded_grid: tuple[int, int, int] | None = None
         self.audio_sample_rate = int(self.vocoder.config.output_sampling_rate)
@@ -206,10 +257,18 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         return video, audio, text_mask.to(video.dtype)
 
     def predict(
-        self, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict
+        self,
+        module: torch.nn.Module,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: dict,
+        stg_blocks: list[int] | None = None,
+        isolate_modalities: bool = False,
     ) -> torch.Tensor:
         """Velocity [B, C, N_v + N_a] at latents x [B, C, N_v + N_a] and sigma [B]: the network on
-        both streams at timestep `sigma * 1000`, with the clip's geometry."""
+        both streams at timestep `sigma * 1000`, with the clip's geometry; `stg_blocks` perturbs
+        those blocks' self-attention (STG's branch), `isolate_modalities` turns the audio-video
+        cross-attention off (modality guidance's branch)."""
         dtype = next(module.parameters()).dtype
         f, h, w = self._grid_of(cond)
         video, audio = self.split(x.to(dtype), f * h * w)
@@ -220,7 +279,8 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
             encoder_hidden_states=cond["video_embeds"].to(dtype), audio_encoder_hidden_states=cond["audio_embeds"].to(dtype),
             timestep=timestep, sigma=timestep, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
             num_frames=f, height=h, width=w, fps=self.frame_rate, audio_num_frames=self.audio_frames,
-            use_cross_timestep=self.USE_CROSS_TIMESTEP, return_dict=False,
+            use_cross_timestep=self.USE_CROSS_TIMESTEP, isolate_modalities=isolate_modalities,
+            spatio_temporal_guidance_blocks=stg_blocks, return_dict=False,
         )  # fmt: skip
         return torch.cat([v_video, v_audio], dim=1).transpose(1, 2)
 
@@ -253,26 +313,69 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         detach_uncond: bool,
         separate_uncond: bool = False,
     ) -> torch.Tensor:
-        """The pipeline's classifier-free guidance in x0 form (module doc), video tokens at `scale`,
-        audio tokens at `audio_guidance_scale` (or `scale`); unguided when `scale` <= 1 (the config
-        refuses an audio scale > 1 beside it), the velocity still taken through x0 and back as the
-        pipeline does, so that sampling equals it bit for bit."""
+        """The pipeline's guidance in x0 form (module doc). Each branch's x0 = x - sigma v; the
+        guided x0 = x0_c + CFG + STG + modality deltas, in that order: (s - 1)(x0_c - x0_u) with
+        the video's `scale` and `audio_guidance_scale` on the audio tokens (when `scale` > 1; the
+        config refuses an audio scale > 1 beside an unguided video), stg (x0_c - x0_stg) and
+        (m - 1)(x0_c - x0_mod) with the `extra` scales of each stream; then, per stream, the
+        guidance rescale toward x0_c's standard deviation; back to a velocity (x - x0) / sigma,
+        as the pipeline does, so that sampling equals it bit for bit. The STG and modality
+        branches are cond-prompt forwards that follow `detach_uncond` as the uncond one does."""
         s = sigma.view(-1, 1, 1)
+        extra = self.extra
         if scale <= 1.0:
             if self.audio_guidance_scale is not None and self.audio_guidance_scale > 1.0:
                 raise ValueError(
                     f"model.audio_guidance_scale={self.audio_guidance_scale} needs sampling.guidance_scale > 1 "
                     f"(got {scale}): the stage encodes the uncond prompt only for a guided video"
                 )
-            return (x - (x - forward(x, sigma, self.branch(cond)) * s)) / s
-        v_uncond, v_cond = self.cfg_branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
-        x0_cond, x0_uncond = x - v_cond * s, x - v_uncond * s
-        audio_scale = self.audio_guidance_scale or scale
+            if not extra.active:
+                return (x - (x - forward(x, sigma, self.branch(cond)) * s)) / s
+        positive = self.branch(cond)
+        if scale > 1.0:
+            v_uncond, v_cond = self.cfg_branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
+        else:
+            v_cond = forward(x, sigma, positive)
+        x0_cond = x - v_cond * s
         video_tokens = x.shape[-1] - self.audio_frames
-        gains = torch.full((x.shape[-1],), scale - 1.0, dtype=x.dtype, device=x.device)
-        gains[video_tokens:] = audio_scale - 1.0
-        x0 = x0_cond + gains * (x0_cond - x0_uncond)
+
+        def gains(video: float, audio: float) -> torch.Tensor:
+            out = torch.full((x.shape[-1],), video, dtype=x.dtype, device=x.device)
+            out[video_tokens:] = audio
+            return out
+
+        x0 = x0_cond
+        if scale > 1.0:
+            audio_scale = self.audio_guidance_scale or scale
+            x0 = x0 + gains(scale - 1.0, audio_scale - 1.0) * (x0_cond - (x - v_uncond * s))
+        if extra.stg:
+            with self.uncond_context(detach_uncond):
+                v_stg = forward(x, sigma, positive, stg_blocks=list(extra.stg_blocks))
+            x0 = x0 + gains(extra.stg_scale, extra.audio("stg_scale")) * (x0_cond - (x - v_stg * s))
+        if extra.modality:
+            with self.uncond_context(detach_uncond):
+                v_mod = forward(x, sigma, positive, isolate_modalities=True)
+            mod = gains(extra.modality_scale - 1.0, extra.audio("modality_scale") - 1.0)
+            x0 = x0 + mod * (x0_cond - (x - v_mod * s))
+        if extra.rescale:
+            x0 = self.rescaled(x0, x0_cond, video_tokens)
         return (x - x0) / s
+
+    def rescaled(self, x0: torch.Tensor, x0_cond: torch.Tensor, video_tokens: int) -> torch.Tensor:
+        """The pipeline's `rescale_noise_cfg` of each stream's guided x0 toward its cond x0, on the
+        pipeline's packed [B, tokens, C] layout (the standard deviations over a sample's tokens and
+        channels reduce in its order)."""
+        streams = []
+        for part, rescale in (
+            (slice(None, video_tokens), self.extra.guidance_rescale),
+            (slice(video_tokens, None), self.extra.audio("guidance_rescale")),
+        ):
+            guided = x0[..., part].transpose(1, 2).contiguous()
+            if rescale > 0:
+                cond = x0_cond[..., part].transpose(1, 2).contiguous()
+                guided = rescale_noise_cfg(guided, cond, guidance_rescale=rescale)
+            streams.append(guided.transpose(1, 2))
+        return torch.cat(streams, dim=-1)
 
     def pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, F, 3, H, W] fp32 RGB frames in about [-1, 1] (unclamped), differentiable: the video
@@ -318,6 +421,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         frame_rate: float,
         audio_guidance_scale: float | None = None,
         dtype: torch.dtype = torch.float32,
+        extra_guidance: dict | None = None,
     ) -> LTX2Bundle:
         """Load a local diffusers LTX-2 directory (text-to-audio-video)."""
         if pretrained_pipeline_options(path):
@@ -327,7 +431,10 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
             dict(pipe.scheduler.config), os.path.join(path, "scheduler"), reproduced=("shift_terminal",)
         )
         pipe.transformer.to(torch.float32)
-        return cls(pipe, num_frames, frame_rate, sample_size=512, audio_guidance_scale=audio_guidance_scale)
+        return cls(
+            pipe, num_frames, frame_rate, sample_size=512, audio_guidance_scale=audio_guidance_scale,
+            extra_guidance=extra_guidance,
+        )  # fmt: skip
 
     @classmethod
     def tiny(
@@ -336,6 +443,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         num_frames: int,
         frame_rate: float,
         audio_guidance_scale: float | None = None,
+        extra_guidance: dict | None = None,
     ) -> LTX2Bundle:
         """A randomly initialized tiny model, deterministic in `cfg.seed`."""
         from transformers import Gemma3TextConfig, Gemma3TextModel
@@ -386,6 +494,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
             frame_rate,
             sample_size=cfg.resolution,
             audio_guidance_scale=audio_guidance_scale,
+            extra_guidance=extra_guidance,
         )
 
 
@@ -400,20 +509,25 @@ def tiny_transformer(cfg: TinyLTX2Config) -> LTX2VideoTransformer3DModel:
         audio_num_attention_heads=cfg.audio_num_attention_heads, audio_attention_head_dim=cfg.audio_attention_head_dim,
         audio_cross_attention_dim=cfg.audio_num_attention_heads * cfg.audio_attention_head_dim,
         num_layers=cfg.num_layers, caption_channels=cfg.text_hidden_size, rope_double_precision=False,
-        rope_type="split",
+        rope_type="split", perturbed_attn=cfg.perturbed_attn,
     )  # fmt: skip
 
 
 def load_checkpoint(
     path: str, num_frames: int, frame_rate: float, audio_guidance_scale: float | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, extra_guidance: dict | None = None,
 ) -> LTX2Bundle:  # fmt: skip
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` with the
     LoRA loaded by `LTX2Pipeline.load_lora_weights`, or the full `transformer/` directory."""
     return load_diffusers_checkpoint(
         path,
         lambda base: LTX2Bundle.from_pretrained(
-            base, num_frames, frame_rate, audio_guidance_scale=audio_guidance_scale, dtype=dtype
-        ),
+            base,
+            num_frames,
+            frame_rate,
+            audio_guidance_scale=audio_guidance_scale,
+            dtype=dtype,
+            extra_guidance=extra_guidance,
+        ),  # fmt: skip
         LTX2VideoTransformer3DModel,
     )

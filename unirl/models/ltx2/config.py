@@ -44,6 +44,9 @@ class TinyLTX2Config:
     followed by LTX-2's text connectors, over a byte-level BPE tokenizer where `words` are whole
     tokens.
 
+    `perturbed_attn` builds the blocks with LTX-2.x's perturbable self-attention (the transformer
+    config's `perturbed_attn`), which spatio-temporal guidance needs (`LTX2ModelConfig.stg_scale`).
+
     The audio latent tokens must be as wide as the video's (`audio_latent_channels` x `mel_bins`
     / 4 == `latent_channels`, as in the real model's 8 x 16 == 128): the stage samples one latent
     [C, video tokens + audio tokens].
@@ -62,6 +65,7 @@ class TinyLTX2Config:
     mel_bins: AtLeastOne = 8
     audio_channels: AtLeastOne = 2
     vae_width: AtLeastOne = 8
+    perturbed_attn: bool = False
     words: list[str] = field(default_factory=list)
     seed: int = 0
 
@@ -102,8 +106,24 @@ class LTX2ModelConfig(FlowFamilyConfig):
         audio_guidance_scale: the audio stream's classifier-free guidance scale (the pipeline's
             `audio_guidance_scale`); null: `sampling.guidance_scale`, as the pipeline's default
             when it is not given.
+        stg_scale, audio_stg_scale: spatio-temporal guidance (the pipeline's `stg_scale`,
+            `audio_stg_scale`): one more forward of the cond branch with the self-attention of
+            the `stg_blocks` transformer blocks perturbed, its x0 pushed away from by that scale;
+            0: off. The audio's null: the video's.
+        stg_blocks: the transformer block indices STG perturbs (the pipeline's
+            `spatio_temporal_guidance_blocks`; [28] for the released LTX-2.0 19B's 48 blocks).
+        modality_scale, audio_modality_scale: modality-isolation guidance (one more forward of the
+            cond branch with the audio-video cross-attention off, pushed away from by scale - 1);
+            1: off. The audio's null: the video's.
+        guidance_rescale, audio_guidance_rescale: the guided x0 rescaled toward the cond x0's
+            standard deviation, per stream (`rescale_noise_cfg`); 0: off. The audio's null: the
+            video's. (The pipeline reads an audio value of 0 as unset too; here 0 is 0.)
         dtype: parameter dtype of the frozen components (text encoder, connectors, VAEs, vocoder);
             the trainable transformer stays fp32 master weights unless the backend casts it.
+
+    The pipeline's defaults guide with all of them (STG 1.0 at block 28, modality 3.0, rescale 0.7,
+    audio CFG 7.0); the defaults here are all off, so that a recipe states the forwards it pays
+    for (each of STG and modality guidance is one more forward per step).
     """
 
     modality: ClassVar[str] = "diffusion"
@@ -118,20 +138,63 @@ class LTX2ModelConfig(FlowFamilyConfig):
     num_frames: AtLeastOne = 121
     frame_rate: Positive = 24.0
     audio_guidance_scale: float | None = None
+    stg_scale: float = 0.0
+    audio_stg_scale: float | None = None
+    stg_blocks: list[int] = field(default_factory=list)
+    modality_scale: float = 1.0
+    audio_modality_scale: float | None = None
+    guidance_rescale: float = 0.0
+    audio_guidance_rescale: float | None = None
     dtype: DType = "float32"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.audio_guidance_scale is not None and self.audio_guidance_scale < 1.0:
-            raise ValueError(
-                f"model.audio_guidance_scale must be >= 1 (1: no guidance) or null, got {self.audio_guidance_scale}"
+        problems = [
+            f"model.{key} must be >= {low}{' or null' if nullable else ''}{hint}, got {value}"
+            for key, low, hint, nullable in (
+                ("audio_guidance_scale", 1, " (1: no guidance)", True),
+                ("stg_scale", 0, " (0: off)", False),
+                ("audio_stg_scale", 0, " (0: off)", True),
+                ("modality_scale", 1, " (1: off)", False),
+                ("audio_modality_scale", 1, " (1: off)", True),
+                ("guidance_rescale", 0, " and <= 1 (0: off)", False),
+                ("audio_guidance_rescale", 0, " and <= 1 (0: off)", True),
             )
+            if (value := getattr(self, key)) is not None and (value < low or ("rescale" in key and value > 1))
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.stg_blocks = [int(b) for b in self.stg_blocks]
+        if self.stg_on() and not self.stg_blocks:
+            raise ValueError(
+                f"model.stg_scale={self.stg_scale} / audio_stg_scale={self.audio_stg_scale} turn spatio-temporal "
+                "guidance on but model.stg_blocks is empty: name the blocks it perturbs, e.g. [28] for LTX-2.0"
+            )
+        layers = self.tiny.num_layers if self.tiny is not None and not self.pretrained_path else None
+        bad = [b for b in self.stg_blocks if b < 0 or (layers is not None and b >= layers)]
+        if bad:
+            raise ValueError(
+                f"model.stg_blocks={self.stg_blocks}: {bad} outside the transformer's blocks "
+                f"0..{'num_layers - 1' if layers is None else layers - 1}"
+            )
+
+    def stg_on(self) -> bool:
+        return self.stg_scale > 0 or (self.audio_stg_scale or 0) > 0
 
     def bundle_options(self) -> dict[str, Any]:
         return {
             "num_frames": self.num_frames,
             "frame_rate": self.frame_rate,
             "audio_guidance_scale": self.audio_guidance_scale,
+            "extra_guidance": {
+                "stg_scale": self.stg_scale,
+                "audio_stg_scale": self.audio_stg_scale,
+                "stg_blocks": list(self.stg_blocks) if self.stg_on() else [],
+                "modality_scale": self.modality_scale,
+                "audio_modality_scale": self.audio_modality_scale,
+                "guidance_rescale": self.guidance_rescale,
+                "audio_guidance_rescale": self.audio_guidance_rescale,
+            },
         }
 
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
@@ -172,6 +235,29 @@ class LTX2ModelConfig(FlowFamilyConfig):
                 f"when the video is guided; set {key} > 1 or model.audio_guidance_scale to null or 1"
             ]
         return []
+
+    def directory_problems(self) -> list[str]:
+        """The family directory's checks, and with STG on, a transformer that can run it: its
+        config's `perturbed_attn` true and `model.stg_blocks` among its `num_layers` blocks."""
+        problems = super().directory_problems()
+        if problems or not self.pretrained_path or not self.stg_on():
+            return problems
+        path = os.path.join(self.pretrained_path, "transformer", "config.json")
+        try:
+            with open(path) as f:
+                transformer = json.load(f)
+        except (OSError, ValueError) as exc:
+            return [f"model.pretrained_path: cannot read {path} ({exc})"]
+        if not transformer.get("perturbed_attn", False):
+            problems.append(
+                f"model.stg_scale={self.stg_scale} / audio_stg_scale={self.audio_stg_scale}: {path} has no "
+                "perturbed_attn: true (its blocks cannot be perturbed), so STG would change nothing; set "
+                "model.stg_scale=0 (and audio_stg_scale 0 or null) for this transformer"
+            )
+        layers = int(transformer.get("num_layers", 0))
+        if any(b >= layers for b in self.stg_blocks):
+            problems.append(f"model.stg_blocks={self.stg_blocks}: {path} has blocks 0..{layers - 1}")
+        return problems
 
     def scales(self) -> tuple[int, int] | None:
         """(temporal, spatial) compression, from the tiny config (2, 2) or the directory's
