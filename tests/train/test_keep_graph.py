@@ -19,8 +19,8 @@ from unirl.algorithms.ddpo import DDPO, DDPOConfig
 from unirl.algorithms.diffusion_nft import DiffusionNFT
 from unirl.algorithms.dpok import DPOK, DPOKConfig
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
-from unirl.models.kept import KeptGraphs
 from unirl.models.sd3 import SD3Stage
+from unirl.rollout.kept import KeptGraphs
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
 from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend

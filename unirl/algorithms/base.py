@@ -32,7 +32,7 @@ class StageAlgorithm(ABC):
         requires_sde_logprobs: needs per-step log-probs (sampling.eta > 0).
         supports_kept_graph: can train from graphs kept at sampling
             (`rollout.keep_graph`): `prepare_segment` then takes `kept` (a
-            `unirl.models.kept.KeptGraphs`) as a keyword, and
+            `unirl.rollout.kept.KeptGraphs`) as a keyword, and
             `compute_loss_and_backward` reads `ctx["kept"]` for the pairs it
             covers and appends those losses (scaled as it would backpropagate
             them) to `ctx["deferred"]` instead of calling backward.

@@ -34,8 +34,7 @@ from unirl.algorithms.kl_control import (
     transition_std,
     velocity_scale,
 )
-from unirl.models.kept import KeptGraphs
-from unirl.models.stage import DiffusionStage, module_device
+from unirl.models.stage import DiffusionStage, GraphKeeper, module_device
 from unirl.types.constraints import Positive, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 
@@ -202,7 +201,7 @@ class FlowGRPO(StageAlgorithm):
 
     @torch.no_grad()
     def prepare_segment(
-        self, stage: DiffusionStage, track: RolloutTrack, kept: KeptGraphs | None = None
+        self, stage: DiffusionStage, track: RolloutTrack, kept: GraphKeeper | None = None
     ) -> RolloutTrack:
         """With `old_logp_source: replay`, pi_old is recomputed under the current weights;
         a chunk whose graphs were kept at sampling takes their value instead (the same

@@ -14,7 +14,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from unirl.models.kept import KeptGraphs
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment, TokenSegment
 
@@ -59,6 +58,33 @@ class ModuleOwner(ModuleDevice):
         return self
 
 
+class GraphKeeper(Protocol):
+    """Where a sampling forward's graphs are kept for the loss (`unirl.rollout.kept.KeptGraphs`
+    is the one the rollout engine builds): the stage writes into it, an on-policy loss reads it.
+
+    - `room(n) -> bool`: whether a forward of `n` samples still fits.
+    - `add(step, sample_ids, log_prob [b], mean [b, ...], std_dev_t)`: keep one SDE step's
+      values with their graphs.
+    - `lookup(sample_ids, steps) -> (log_probs [b, k], means [b, k, ...], std_dev_t [k]) | None`:
+      what `DiffusionStage.replay` would return for those steps, or None when any pair is missing.
+    """
+
+    def room(self, n: int) -> bool: ...
+
+    def add(
+        self,
+        step: int,
+        sample_ids: list[str],
+        log_prob: torch.Tensor,
+        mean: torch.Tensor,
+        std_dev_t: torch.Tensor,
+    ) -> None: ...
+
+    def lookup(
+        self, sample_ids: list[str], steps: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
+
+
 @runtime_checkable
 class DiffusionStage(Protocol):
     """Sampling and replay of a flow-matching denoiser (see `unirl/models/README.md`)."""
@@ -81,7 +107,7 @@ class DiffusionStage(Protocol):
         self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance_scale: float
     ) -> torch.Tensor: ...
 
-    def diffuse(self, req: RolloutReq, cond: dict, *, kept: KeptGraphs | None = None) -> LatentSegment: ...
+    def diffuse(self, req: RolloutReq, cond: dict, *, kept: GraphKeeper | None = None) -> LatentSegment: ...
 
     def replay(
         self, segment: LatentSegment, cond: dict, steps: list[int]

@@ -8,8 +8,8 @@ from typing import Annotated
 import torch
 from annotated_types import Ge
 
-from unirl.models.kept import KeptGraphs
 from unirl.models.stage import DiffusionStage, TextStage
+from unirl.rollout.kept import KeptGraphs
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutResp, RolloutTrack
 

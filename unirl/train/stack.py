@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from unirl.algorithms.base import StageAlgorithm
-from unirl.models.kept import KeptGraphs
 from unirl.models.stage import module_device
+from unirl.rollout.kept import KeptGraphs
 from unirl.train.backend import TrainBackend
 from unirl.types.batch import even_chunks
 from unirl.types.rollout_resp import RolloutTrack

@@ -33,8 +33,8 @@ from unirl.dataplane import BatchMeta, get_batch, make_transport, put_batch
 from unirl.distributed.cores import apply_thread_count, govern_threads, thread_metrics
 from unirl.distributed.device import build_bundle, init_process_group, resolve_device
 from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
-from unirl.models.kept import KeptGraphs
 from unirl.rollout.dedicated import is_dedicated
+from unirl.rollout.kept import KeptGraphs
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.rollout.unified import UnifiedEngine
 from unirl.sync import SyncPlan, SyncTicket, WeightSyncConfig, WeightSyncSender, make_sender, plan_for

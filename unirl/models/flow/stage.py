@@ -21,9 +21,8 @@ from annotated_types import Ge
 
 from unirl.models.flow.family import FlowFamily
 from unirl.models.images import load_image
-from unirl.models.kept import KeptGraphs
 from unirl.models.stage import AUTOCAST_DTYPES as AUTOCAST_DTYPES
-from unirl.models.stage import autocast_dtype_of
+from unirl.models.stage import GraphKeeper, autocast_dtype_of
 from unirl.sde.solvers import make_ode_solver
 from unirl.sde.strategies import SDE_STRATEGIES, make_strategy
 from unirl.types.rollout_req import RolloutReq
@@ -176,7 +175,7 @@ class FlowMatchingStage:
         req: RolloutReq,
         cond: dict,
         traj_dtype: torch.dtype = torch.float32,
-        kept: KeptGraphs | None = None,
+        kept: GraphKeeper | None = None,
     ) -> LatentSegment:
         """Sample `len(req)` trajectories with the request's pinned sigmas.
 
