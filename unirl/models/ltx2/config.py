@@ -111,7 +111,8 @@ class LTX2ModelConfig(FlowFamilyConfig):
             the `stg_blocks` transformer blocks perturbed, its x0 pushed away from by that scale;
             0: off. The audio's null: the video's.
         stg_blocks: the transformer block indices STG perturbs (the pipeline's
-            `spatio_temporal_guidance_blocks`; [28] for the released LTX-2.0 19B's 48 blocks).
+            `spatio_temporal_guidance_blocks`: its default [28]; its docs recommend [29] for LTX-2.0
+            and [28] for LTX-2.3).
         modality_scale, audio_modality_scale: modality-isolation guidance (one more forward of the
             cond branch with the audio-video cross-attention off, pushed away from by scale - 1);
             1: off. The audio's null: the video's.
@@ -168,7 +169,7 @@ class LTX2ModelConfig(FlowFamilyConfig):
         if self.stg_on() and not self.stg_blocks:
             raise ValueError(
                 f"model.stg_scale={self.stg_scale} / audio_stg_scale={self.audio_stg_scale} turn spatio-temporal "
-                "guidance on but model.stg_blocks is empty: name the blocks it perturbs, e.g. [28] for LTX-2.0"
+                "guidance on but model.stg_blocks is empty: name the blocks it perturbs, e.g. [28] (the pipeline's default)"
             )
         layers = self.tiny.num_layers if self.tiny is not None and not self.pretrained_path else None
         bad = [b for b in self.stg_blocks if b < 0 or (layers is not None and b >= layers)]
