@@ -8,8 +8,8 @@ BOI). Its unconditional twin is the same row with every token but the family's
 `JanusForConditionalGeneration.generate(generation_mode="image")` builds it). Text positions are
 embedded by the family's `embed_text`, image positions by its `embed_image`; the hidden state of
 the last position goes through its `image_logits` to logits over the codebook [K]. With
-guidance scale s the guided
-logits are g = u + s (c - u) (cond c, uncond u; s = 1 runs the cond rows only). A token is
+guidance scale s the guided logits are g = u + s (c - u) (cond c, uncond u; s = 1 runs the cond
+rows only). A token is
 *chosen* from softmax(g / T) restricted by top-k / top-p with one uniform per step from the
 sample's own generator; the *recorded* log-prob is `log_softmax(g / T)` at the token, which
 `token_log_probs` recomputes, so the first on-policy ratio is 1.
