@@ -125,6 +125,56 @@ def test_ode_sampling_matches_wan_image_to_video_pipeline(boundary) -> None:
     assert torch.equal(v_cond, c) and torch.equal(v_uncond, u)
 
 
+def test_a_last_frame_is_the_pipelines_last_image() -> None:
+    """A row with a first and a last frame: the condition marks both given (the mask's first and
+    last pixel frames) and the ODE samples equal `WanImageToVideoPipeline(image, last_image)`'s
+    within the batch-composition tolerance (module doc); a clip too short for a frame between
+    the two is refused naming the row."""
+    bundle = i2v_config(boundary_ratio=None).build()
+    num_steps, size = 3, 16
+    sp = DiffusionSamplingParams(
+        num_steps=num_steps, samples_per_prompt=1, height=size, width=size, guidance_scale=4.0, eta=0.0,
+        shift=3.0, max_sequence_length=8,
+    )  # fmt: skip
+    first, last = frame(3), frame(4)
+    sigmas = sigmas_for(sp, bundle.image_seq_len(size, size))
+    req = RolloutReq.from_prompts([PromptExample(PROMPTS[0], "0", {"images": [first, last]})], sp, sigmas, 0)
+    stage = WanStage(bundle)
+    cond = stage.encode_request(req)
+    # the mask's 2 channels are the pixel frames of a latent frame (the VAE's temporal 2): frames
+    # 0 and 4 of 5 are given, i.e. latent frame 0 whole and the second half of latent frame 2
+    mask = cond["condition"][:, :2]
+    assert mask[:, :, 0].all() and mask[:, 1, -1].all() and not mask[:, 0, -1].any()
+    assert not mask[:, :, 1:-1].any()
+    ours = stage.diffuse(req, cond).at(num_steps)
+    x_t = torch.randn(
+        bundle.latent_shape(size, size), generator=torch.Generator().manual_seed(req.init_seeds[0])
+    )
+    pipe = WanImageToVideoPipeline(**bundle.pipeline.components)
+    pipe.set_progress_bar_config(disable=True)
+    final = {}
+
+    def keep_last(pipe, step, t, tensors):
+        final["latents"] = tensors["latents"]
+        return tensors
+
+    with torch.no_grad():
+        pipe(
+            image=first, last_image=last, prompt=PROMPTS[0], height=size, width=size, num_frames=bundle.num_frames,
+            num_inference_steps=num_steps, guidance_scale=4.0, latents=x_t[None], max_sequence_length=8,
+            output_type="latent", callback_on_step_end=keep_last,
+        )  # fmt: skip
+    err = (ours - final["latents"]).abs().max().item()
+    assert err <= BATCH_ATOL, f"max |stage - pipeline| = {err}"
+    alone = stage.encode_request(
+        RolloutReq.from_prompts([PromptExample(PROMPTS[0], "0", {"images": [first]})], sp, sigmas, 0)
+    )
+    assert not torch.equal(alone["condition"], cond["condition"])  # the last frame is read
+    short = WanI2VModelConfig(tiny=TinyWanConfig(resolution=16, pixel_space=False), num_frames=1).build()
+    with pytest.raises(ValueError, match=r"sample '[^']*' gives a first and a last frame, but model.num_frames=1"):
+        WanStage(short).encode_request(req)
+
+
 def test_the_first_frame_changes_the_velocity() -> None:
     bundle = i2v_config().build()
     stage = WanStage(bundle)
@@ -153,8 +203,8 @@ def test_bad_first_frames_are_named(tmp_path) -> None:
 
     with pytest.raises(ValueError, match=r"row7.*one first frame.*got none"):
         stage.encode_conditions(req({}))
-    with pytest.raises(ValueError, match=r"row7.*got 2"):
-        stage.encode_conditions(req({"images": [frame(0), frame(1)]}))
+    with pytest.raises(ValueError, match=r"row7.*a first and a last frame.*one or two images\), got 3"):
+        stage.encode_conditions(req({"images": [frame(0), frame(1), frame(2)]}))
     with pytest.raises(ValueError, match=r"row7.*no image file"):
         stage.encode_conditions(req({"images": [str(tmp_path / "missing.png")]}))
     good = tmp_path / "ok.png"
@@ -166,7 +216,12 @@ def test_bad_first_frames_are_named(tmp_path) -> None:
     ]
     problems = i2v_config().condition_problems(rows, "data_source")
     assert len(problems) == 2
-    assert "prompt 'bare' carries no first frame(s)" in problems[0] and "'lost'" in problems[1]
+    assert "prompt 'bare' carries no frame(s)" in problems[0] and "'lost'" in problems[1]
+    three = [PromptExample("a", "many", {"images": [str(good)] * 3})]
+    assert i2v_config().condition_problems(three, "data_source") == [
+        "data_source: prompt 'many' carries 3 frame(s) in metadata 'images'; Wan I2V animates one first frame, "
+        "or a first and a last frame"
+    ]
     with pytest.raises(ValueError, match=r"pixel_space must be false"):
         i2v_config(pixel_space=True)
 
@@ -207,5 +262,5 @@ def test_the_tiny_i2v_recipe_trains_and_both_experts_loras_load_into_the_pipelin
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "a clip", "prompt_id": "bare"}) + "\n")
-    with pytest.raises(ConfigError, match=r"prompt 'bare' carries no first frame"):
+    with pytest.raises(ConfigError, match=r"prompt 'bare' carries no frame\(s\)"):
         recipe("diffusion/tiny_wan22_i2v_flowgrpo", tmp_path / "bad", *small, f"data_source.data_path={bad}")

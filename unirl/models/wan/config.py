@@ -264,11 +264,16 @@ class WanI2VModelConfig(WanModelConfig):
         return {**super().bundle_options(), "condition_key": self.condition_key}
 
     def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
-        """Every prompt row of `where` (its examples) names exactly one first frame that reads
-        (any size: it is resized to the sampled one); problems name the row."""
+        """Every prompt row of `where` (its examples) names a first frame, or a first and a last
+        frame, that read (any size: they are resized to the sampled one); problems name the row."""
         from unirl.models.images import row_images
 
         problems: list[str] = []
-        need = "Wan I2V animates exactly one"
-        row_images(examples, self.condition_key, where, problems, "first frame(s)", need, True)
+        need = "Wan I2V animates one first frame, or a first and a last frame"
+        for row, images in row_images(examples, self.condition_key, where, problems, "frame(s)", need, False):
+            if len(images) > 2:
+                problems.append(
+                    f"{where}: prompt {row.prompt_id!r} carries {len(images)} frame(s) in metadata "
+                    f"{self.condition_key!r}; {need}"
+                )
         return problems

@@ -3,19 +3,20 @@ without an image encoder, the Wan 2.2 I2V-A14B layout: two experts switched at `
 0.9, or one transformer).
 
 The same text encoder, VAE, guidance and experts as Wan T2V (`bundle.py`, `experts.py`); what
-differs is the condition. Each prompt row names its first frame (`metadata[condition_key]`, one
-image: a file resolved against the prompt file, an array or a PIL image). Once per request
-(`encode_conditions`) each row's frame is resized to the sampled size and encoded as the
-pipeline's `prepare_latents` does it (called here, so the arithmetic is the pipeline's): the frame
-followed by `num_frames - 1` black frames through the VAE (its mode, normalised by the latents'
-mean / std), behind a mask of `temporal` channels that marks the first frame's latents as given.
+differs is the condition. Each prompt row names its first frame, or its first and last frames
+(`metadata[condition_key]`, a list of one or two images: files resolved against the prompt file,
+arrays or PIL images; the pipeline's `image` and `last_image`). Once per request
+(`encode_conditions`) each row's frames are resized to the sampled size and encoded as the
+pipeline's `prepare_latents` does it (called here, so the arithmetic is the pipeline's): the first
+frame followed by black frames (and the last frame, when given) through the VAE (its mode,
+normalised by the latents' mean / std), behind a mask of `temporal` channels that marks the given
+frames' latents.
 That `condition` [B, temporal + C, f, h, w] rides with the track; every network call concatenates
 it after the noisy latents along the channels (the transformer takes 2C + temporal channels in, C
 out), and both CFG branches read it (`shared_keys`).
 
 Not built: Wan 2.1 I2V (its transformer also reads CLIP image embeddings, `image_dim`), Wan 2.2
-TI2V-5B (`expand_timesteps`: per-token timesteps), a last frame (`last_image`). A model of those
-is refused when built. Pixel space cannot run (the condition is VAE latents).
+TI2V-5B (`expand_timesteps`: per-token timesteps). A model of those is refused when built. Pixel space cannot run (the condition is VAE latents).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from unirl.models.wan.config import TinyWanConfig
 from unirl.types import RolloutReq
 
 CONDITION_KEY = "images"
-"""The default prompt-row metadata key naming a sample's first frame."""
+"""The default prompt-row metadata key naming a sample's first frame (and last frame)."""
+FRAMES_NEED = "Wan I2V animates one first frame, or a first and a last frame"
 
 
 class WanI2VBundle(WanBundle):
@@ -73,11 +75,11 @@ class WanI2VBundle(WanBundle):
 
     @torch.no_grad()
     def encode_conditions(self, req: RolloutReq, guided: bool) -> dict[str, torch.Tensor]:
-        """{"condition": [B, temporal + C, f, h, w] fp32}: each row's first frame (one image under
-        `condition_key`; the samples of a group share their row's, encoded once) resized to the
-        sampled size, VAE-encoded behind the first-frame mask by the pipeline's own
-        `prepare_latents`. `guided` changes nothing (both branches read it). Errors name the
-        sample."""
+        """{"condition": [B, temporal + C, f, h, w] fp32}: each row's first frame (and last frame:
+        one or two images under `condition_key`; the samples of a group share their row's, encoded
+        once) resized to the sampled size, VAE-encoded behind the given-frame mask by the
+        pipeline's own `prepare_latents`. `guided` changes nothing (both branches read it). Errors
+        name the sample."""
         sp = req.sampling
         rows = {
             group: self._encode_frame(req.metadata[i], req.sample_ids[i], sp.height, sp.width)
@@ -89,20 +91,28 @@ class WanI2VBundle(WanBundle):
         self, metadata: dict[str, Any], sample_id: str, height: int, width: int
     ) -> torch.Tensor:
         entries = metadata.get(self.condition_key)
-        if not isinstance(entries, list | tuple) or len(entries) != 1:
+        if not isinstance(entries, list | tuple) or len(entries) not in (1, 2):
             got = "none" if not entries else f"{len(entries)}"
             raise ValueError(
-                f"sample {sample_id!r}: Wan I2V animates one first frame (metadata {self.condition_key!r}: a list of "
-                f"one image), got {got}"
+                f"sample {sample_id!r}: {FRAMES_NEED} (metadata {self.condition_key!r}: a list of one or two "
+                f"images), got {got}"
+            )
+        if len(entries) == 2 and self.num_frames < 3:
+            raise ValueError(
+                f"sample {sample_id!r} gives a first and a last frame, but model.num_frames={self.num_frames} has no "
+                "frame between them: give 5 or more frames"
             )
         pipe = self.pipeline
-        image = pipe.video_processor.preprocess(
-            load_image(entries[0], sample_id, 0), height=height, width=width
+        first, *last = (
+            pipe.video_processor.preprocess(load_image(entry, sample_id, i), height=height, width=width).to(
+                self.device, torch.float32
+            )
+            for i, entry in enumerate(entries)
         )
         shape = (1, *self.latent_shape(height, width))
         _, condition = pipe.prepare_latents(
-            image.to(self.device, torch.float32), 1, self.latent_channels, height, width, self.num_frames,
-            torch.float32, self.device, None, latents=torch.zeros(shape, device=self.device),
+            first, 1, self.latent_channels, height, width, self.num_frames, torch.float32, self.device, None,
+            latents=torch.zeros(shape, device=self.device), last_image=last[0] if last else None,
         )  # fmt: skip
         return condition.float()
 
