@@ -171,12 +171,19 @@ class LTX2ModelConfig(FlowFamilyConfig):
                 f"model.stg_scale={self.stg_scale} / audio_stg_scale={self.audio_stg_scale} turn spatio-temporal "
                 "guidance on but model.stg_blocks is empty: name the blocks it perturbs, e.g. [28] (the pipeline's default)"
             )
-        layers = self.tiny.num_layers if self.tiny is not None and not self.pretrained_path else None
+        tiny = self.tiny if self.tiny is not None and not self.pretrained_path else None
+        layers = tiny.num_layers if tiny is not None else None
         bad = [b for b in self.stg_blocks if b < 0 or (layers is not None and b >= layers)]
         if bad:
             raise ValueError(
                 f"model.stg_blocks={self.stg_blocks}: {bad} outside the transformer's blocks "
                 f"0..{'num_layers - 1' if layers is None else layers - 1}"
+            )
+        if tiny is not None and self.stg_on() and not tiny.perturbed_attn:
+            raise ValueError(
+                f"model.stg_scale={self.stg_scale} / audio_stg_scale={self.audio_stg_scale}: the tiny transformer is "
+                "built without perturbable self-attention, so STG would change nothing; set "
+                "model.tiny.perturbed_attn=true, or model.stg_scale=0"
             )
 
     def stg_on(self) -> bool:
