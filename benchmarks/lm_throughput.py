@@ -34,7 +34,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig  # noqa: E402
+from unirl.models.causal_lm import CausalLMStage, TinyLMConfig  # noqa: E402
+from unirl.models.qwen import QwenConfig
 from unirl.types.rollout_req import PromptExample, RolloutReq  # noqa: E402
 from unirl.types.sampling import TextSamplingParams  # noqa: E402
 from unirl.types.segments import TokenSegment, pad_right  # noqa: E402
@@ -114,7 +115,7 @@ def main() -> None:
         num_key_value_heads=2,
         intermediate_size=2 * args.hidden,
     )
-    stage = CausalLMStage(CausalLMConfig(tiny=tiny).build().to(device))
+    stage = CausalLMStage(QwenConfig(tiny=tiny).build().to(device))
     num_params = sum(p.numel() for p in stage.module.parameters())
     examples = [
         PromptExample(" ".join(WORDS[: 2 + (3 * i) % len(WORDS)]), f"p{i}") for i in range(args.prompts)

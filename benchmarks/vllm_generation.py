@@ -37,12 +37,13 @@ TARGETS = {"qwen3_25m": 1.25, "arith_lm": 1 / 1.3}  # vLLM / ours, tokens/s: at 
 
 
 def models() -> dict:
-    from unirl.models.causal_lm import CausalLMConfig, TinyLMConfig
+    from unirl.models.causal_lm import TinyLMConfig
+    from unirl.models.qwen import QwenConfig
 
     return {
-        "arith_lm": (CausalLMConfig(pretrained_path=os.path.join(REPO, "checkpoints", "arith_lm")), 8, False),
+        "arith_lm": (QwenConfig(pretrained_path=os.path.join(REPO, "checkpoints", "arith_lm")), 8, False),
         "qwen3_25m": (
-            CausalLMConfig(
+            QwenConfig(
                 tiny=TinyLMConfig(
                     hidden_size=512,
                     num_layers=8,

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from unirl.models.causal_lm import CausalLMConfig, CausalLMStage
+from unirl.models.causal_lm import CausalLMStage
+from unirl.models.qwen import QwenConfig
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.trainer.text_eval import TextEvalSampling, eval_requests, text_accuracies
 from worlds.shapes import RewriteMatchesScene, ShapesPEDataset, parse_prompt, same_scene
@@ -43,7 +44,7 @@ def floor(examples: list) -> dict[str, float]:
 @torch.no_grad()
 def evaluate(model: str, seed: int, per_scene: int, sampling: TextEvalSampling, rl_share: float) -> dict:
     """{slice: {"prompts", accuracies (text_eval keys), floor, "examples": a few greedy rewrites}}."""
-    bundle = CausalLMConfig(pretrained_path=model).build()
+    bundle = QwenConfig(pretrained_path=model).build()
     engine = TrainsideEngine(CausalLMStage(bundle), sampling.forward_batch_size)
     scorer = RewriteMatchesScene()
     out = {}

@@ -56,11 +56,12 @@ def image_only_processor(path: str):
 def held_out_greedy(model_dir: str, rows) -> dict[str, float]:
     """Greedy accuracy of the model in `model_dir` on `rows`, overall and by holdout / question type
     (UniRL's `CausalLMStage` and `VQAAnswer`, the recipe's evaluation settings)."""
-    from unirl.models.causal_lm import CausalLMStage, VLMConfig
+    from unirl.models.causal_lm import CausalLMStage
+    from unirl.models.qwen_vl import QwenVLConfig
     from unirl.types import RolloutReq, TextSamplingParams
     from worlds.shapes.vqa import VQAAnswer, strip_answer
 
-    stage = CausalLMStage(VLMConfig(pretrained_path=model_dir).build())
+    stage = CausalLMStage(QwenVLConfig(pretrained_path=model_dir).build())
     sampling = TextSamplingParams(
         samples_per_prompt=1, max_new_tokens=6, temperature=0.0, stop_tokens=[], max_prompt_length=64,
         chat_template=False, seed=0,

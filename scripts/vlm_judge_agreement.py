@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from unirl.models.qwen_vl import QwenVLConfig  # noqa: E402
 from unirl.reward.judge import VLMJudge  # noqa: E402
 from unirl.types.reward import RewardRequest  # noqa: E402
 from worlds.shapes import GenEvalMini, parse_prompt  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> None:
     parser.add_argument("--aggregate", default="product", choices=["product", "mean"])
     args = parser.parse_args()
     data = np.load(HELDOUT)
-    judge = VLMJudge(args.judge, questions=JudgeQuestions(), aggregate=args.aggregate)
+    judge = VLMJudge(QwenVLConfig(pretrained_path=args.judge), questions=JudgeQuestions(), aggregate=args.aggregate)
     result = {"judge": args.judge, "aggregate": args.aggregate}
     t0 = time.time()
     for name in ("heldout_train", "heldout_eval"):

@@ -12,8 +12,8 @@ import torch
 from tests.algorithms.test_grpo_family import BigramStage
 from unirl.algorithms.advantages import gae, track_advantages, track_value_targets
 from unirl.algorithms.ppo import PPO, ValueLoss
-from unirl.models.causal_lm import CausalLMBundle, TinyLMConfig
-from unirl.models.causal_lm.value import CausalLMValueConfig
+from unirl.models.causal_lm import TinyLMConfig
+from unirl.models.qwen import QwenBundle, QwenValueConfig
 from unirl.train.backend import OptimConfig, TrainBackend
 from unirl.train.stack import TrainStack, TrainStackConfig
 from unirl.types import AdvantageConfig, RolloutTrack, TokenSegment
@@ -145,9 +145,9 @@ def test_clipped_value_loss_and_gradient_match_a_direct_computation():
 def test_critic_values_sit_on_response_tokens_row_by_row():
     """A tiny Qwen3 critic: V_t is the score at position P_i - 1 + t of the row's own unpadded
     forward, 0 past R_i; the backbone starts as the policy's, the head is seeded."""
-    cfg = CausalLMValueConfig(tiny=TinyLMConfig(num_layers=1))
+    cfg = QwenValueConfig(tiny=TinyLMConfig(num_layers=1))
     stage = cfg.build_value_stage()
-    policy = CausalLMBundle.tiny(TinyLMConfig(num_layers=1)).model
+    policy = QwenBundle.tiny(TinyLMConfig(num_layers=1)).model
     assert all(
         torch.equal(p, stage.module.model.state_dict()[k]) for k, p in policy.model.state_dict().items()
     )

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from unirl.algorithms.sft import LMSFT
-from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig
-from unirl.models.causal_lm.bundle import encode_pairs
+from unirl.models.causal_lm import CausalLMStage, TinyLMConfig
+from unirl.models.causal_lm.loading import encode_pairs
+from unirl.models.qwen import QwenConfig
 from unirl.rollout.demonstrations import DemonstrationEngine
 from unirl.train.backend import OptimConfig, TrainBackend
 from unirl.train.lm_sft import completion_loss
@@ -32,7 +33,7 @@ def _request(pairs=PAIRS, keys=None, max_new_tokens=8) -> RolloutReq:
 
 def _stage() -> CausalLMStage:
     torch.manual_seed(0)
-    return CausalLMStage(CausalLMConfig(tiny=TinyLMConfig(hidden_size=32, num_layers=2)).build())
+    return CausalLMStage(QwenConfig(tiny=TinyLMConfig(hidden_size=32, num_layers=2)).build())
 
 
 def _grads(module) -> torch.Tensor:
@@ -211,10 +212,11 @@ def test_lmsft_on_a_vlm_is_the_completion_cross_entropy_of_its_image_rows():
     rollout, and the loss is `completion_loss` of `pair_batch`'s image rows."""
     import numpy as np
 
-    from unirl.models.causal_lm.vision import TinyVLMConfig, VLMConfig
+    from unirl.models.causal_lm import TinyVLMConfig
+    from unirl.models.qwen_vl import QwenVLConfig
 
     torch.manual_seed(0)
-    stage = CausalLMStage(VLMConfig(tiny=TinyVLMConfig()).build())
+    stage = CausalLMStage(QwenVLConfig(tiny=TinyVLMConfig()).build())
     rng = np.random.default_rng(0)
     rows = [
         ("<image>what colour?", "red", [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)]),

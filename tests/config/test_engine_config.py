@@ -83,7 +83,7 @@ VLLM = "llm/tiny_lm_grpo_vllm"
         ),
         (
             VLLM,
-            ["model._target_=unirl.models.causal_lm.VLMConfig", "model.tiny.architecture=qwen2_5_vl"],
+            ["model._target_=unirl.models.qwen_vl.QwenVLConfig", "model.tiny.architecture=qwen2_5_vl"],
             "samples text-only causal LMs",
         ),
     ],

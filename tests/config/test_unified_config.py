@@ -154,11 +154,11 @@ def test_all_segment_weights_zero_names_the_keys() -> None:
         ),
         (
             [
-                "model._target_=unirl.models.causal_lm.CausalLMConfig",
+                "model._target_=unirl.models.qwen.QwenConfig",
                 "~model.tiny",
                 "+model.tiny={hidden_size: 32}",
             ],
-            "model: unirl.models.causal_lm.CausalLMConfig is not a unified model",
+            "model: unirl.models.qwen.QwenConfig is not a unified model",
         ),
     ],
 )

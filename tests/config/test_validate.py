@@ -544,10 +544,11 @@ def test_bad_prompt_file_is_named_before_ray(tmp_path, content, expected):
 def test_pretrained_lm_directory_checks(tmp_path, monkeypatch):
     """A real Qwen3 directory validates; one whose tokenizer outgrows the model's vocabulary, or
     whose context the token budget exceeds, is named with both sizes before Ray starts."""
-    from unirl.models.causal_lm import CausalLMBundle, TinyLMConfig
+    from unirl.models.causal_lm import TinyLMConfig
+    from unirl.models.qwen import QwenBundle
 
     good = tmp_path / "qwen3"
-    CausalLMBundle.tiny(TinyLMConfig(max_position_embeddings=2048)).save_pretrained(str(good))
+    QwenBundle.tiny(TinyLMConfig(max_position_embeddings=2048)).save_pretrained(str(good))
     monkeypatch.setenv("PRETRAINED_MODEL", str(good))
     validate_recipe(recipe("llm/qwen3_grpo"), expect="text")
     msg = problems_of(["sampling.max_new_tokens=4000"], name="llm/qwen3_grpo")
@@ -565,7 +566,7 @@ def test_pretrained_lm_directory_checks(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
     bad = tmp_path / "mismatch"
-    CausalLMBundle.tiny(TinyLMConfig()).save_pretrained(str(bad))
+    QwenBundle.tiny(TinyLMConfig()).save_pretrained(str(bad))
     tok = AutoTokenizer.from_pretrained(str(bad))
     tok.add_tokens([f"<extra_{i}>" for i in range(10)])
     tok.save_pretrained(str(bad))

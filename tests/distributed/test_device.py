@@ -67,9 +67,9 @@ def test_random_weights_are_constructed_on_the_device_and_a_checkpoint_where_it_
 
 
 def test_a_tiny_model_built_for_the_cpu_is_the_plain_build() -> None:
-    from unirl.models.causal_lm.bundle import CausalLMConfig
+    from unirl.models.qwen import QwenConfig
 
-    cfg = CausalLMConfig(tiny={})
+    cfg = QwenConfig(tiny={})
     torch.manual_seed(0)
     built = build_bundle(cfg, torch.device("cpu"))
     torch.manual_seed(0)

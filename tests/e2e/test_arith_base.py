@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO, run_module
 from unirl.config.validate import validate_sft_config
-from unirl.models.causal_lm import CausalLMConfig
+from unirl.models.qwen import QwenConfig
 from unirl.trainer.worker import build
 
 pytestmark = pytest.mark.e2e
@@ -39,7 +39,7 @@ def base():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     assert sum(f.stat().st_size for f in BASE.iterdir()) < 20e6
-    bundle = CausalLMConfig(pretrained_path=str(BASE)).build()
+    bundle = QwenConfig(pretrained_path=str(BASE)).build()
     assert next(bundle.model.parameters()).dtype == torch.float32  # fp16 weights, read as fp32
     yield bundle
     torch.set_num_threads(threads)
@@ -79,7 +79,7 @@ def test_recipe_trains_and_exports_through_the_entry_point(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
-    bundle = CausalLMConfig(pretrained_path=str(out)).build()
+    bundle = QwenConfig(pretrained_path=str(out)).build()
     assert bundle.model.config.hidden_size == 32
     ids = bundle.tokenizer("12+3=", add_special_tokens=False)["input_ids"]
     assert len(ids) == 5 and bundle.tokenizer.decode(ids) == "12+3="  # one token per character

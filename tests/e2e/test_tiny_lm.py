@@ -11,7 +11,8 @@ import pytest
 from tests.conftest import run_module
 from tests.recipes import rows as read_rows
 from tests.recipes import run
-from unirl.models.causal_lm import CausalLMBundle, CausalLMStage, TinyLMConfig, load_checkpoint
+from unirl.models.causal_lm import CausalLMStage, TinyLMConfig
+from unirl.models.qwen import QwenBundle, load_checkpoint
 from unirl.types import PromptExample, RolloutReq, TextSamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -69,7 +70,7 @@ def test_exported_model_answers_in_digits(run_dir):
         rollout_id=0,
     )
     trained = CausalLMStage(load_checkpoint(str(run_dir / "checkpoints" / "final"))).generate(req)[1]
-    base = CausalLMStage(CausalLMBundle.from_pretrained(str(run_dir / "base_model"))).generate(req)[1]
+    base = CausalLMStage(QwenBundle.from_pretrained(str(run_dir / "base_model"))).generate(req)[1]
     assert digit_fraction(trained) > 0.3 > 0.1 > digit_fraction(base)
 
 
@@ -77,7 +78,7 @@ def test_qwen3_recipe_on_a_local_directory(tmp_path, monkeypatch):
     """`llm/qwen3_grpo` (bf16 autocast, KL loss to the reference, boxed-answer reward) on a Qwen3
     directory written by save_pretrained, shrunk to 2 steps in this process: runs, exactly on-policy."""
     model = tmp_path / "qwen3"
-    CausalLMBundle.tiny(TinyLMConfig(max_position_embeddings=1024)).save_pretrained(str(model))
+    QwenBundle.tiny(TinyLMConfig(max_position_embeddings=1024)).save_pretrained(str(model))
     monkeypatch.setenv("PRETRAINED_MODEL", str(model))
     out = tmp_path / "run"
     rows = run(

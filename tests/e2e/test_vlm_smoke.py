@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.recipes import run
-from unirl.models.causal_lm.vision import VLMConfig
+from unirl.models.qwen_vl import QwenVLConfig
 from worlds.shapes.vqa import ShapesVQADataset
 
 pytestmark = [pytest.mark.e2e]
@@ -39,8 +39,8 @@ def test_vqa_smoke_recipe_trains_the_vlm_and_evaluates(tmp_path):
     assert len(samples) == 8 and all(s["prompt"].startswith("<image>") for s in samples)
     # the export loads back as a VLM whose weights moved from the seed's, the vision tower's too
     tiny = OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml").model.tiny)
-    start = VLMConfig(tiny=tiny).build().model.state_dict()
-    loaded = VLMConfig(tiny=tiny).load_checkpoint(str(tmp_path / "checkpoints" / "final"))
+    start = QwenVLConfig(tiny=tiny).build().model.state_dict()
+    loaded = QwenVLConfig(tiny=tiny).load_checkpoint(str(tmp_path / "checkpoints" / "final"))
     final = loaded.model.state_dict()
     assert loaded.has_vision and final.keys() == start.keys()
     moved = {k for k, v in final.items() if not torch.equal(v, start[k])}

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from unirl.models.qwen_vl import QwenVLConfig
 from unirl.reward import LocalRewardBackend
 from unirl.reward.chat import ChatJudge, ChatModel, JudgeError, decode_data_url, image_data_url
 from unirl.reward.server import RewardServer
@@ -24,13 +25,14 @@ from unirl.types.reward import RewardRequest
 from worlds.shapes.world import parse_prompt, render
 
 BASE = "checkpoints/shapes_vqa"
+VLM = QwenVLConfig(pretrained_path=BASE)
 PROMPTS = ["a red circle", "two green triangles", "a blue square"]
 QUESTION = "is there a {prompt}?"
 
 
 @pytest.fixture(scope="module")
 def chat_model() -> ChatModel:
-    return ChatModel(BASE)
+    return ChatModel(VLM)
 
 
 @pytest.fixture(scope="module")

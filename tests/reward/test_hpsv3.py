@@ -41,8 +41,8 @@ def tiny_hpsv3(root, seed: int = 0):
     the head) of a tiny random HPSv3 in its upstream layout."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    from unirl.models.causal_lm.bundle import tiny_tokenizer
-    from unirl.models.causal_lm.vision import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, VISION_TOKENS
+    from unirl.models.causal_lm import tiny_tokenizer
+    from unirl.models.causal_lm.tiny import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, VISION_TOKENS
 
     base = os.path.join(root, "Qwen2-VL-7B-Instruct")
     tokenizer = tiny_tokenizer(extra_special=VISION_TOKENS)

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from unirl.models.qwen import QwenConfig
+from unirl.models.qwen_vl import QwenVLConfig
 from unirl.reward import LocalRewardBackend, RemoteRewardBackend
 from unirl.reward.judge import VLMJudge, vqascore_question
 from unirl.reward.server import RewardServer, ServerConfig
@@ -15,7 +17,7 @@ from unirl.types.reward import RewardRequest
 from worlds.shapes.vqa import ANSWERS, JudgeQuestions, prompt_questions
 from worlds.shapes.world import SceneSpec, ShapeSpec, parse_prompt, render
 
-BASE = "checkpoints/shapes_vqa"
+BASE = QwenVLConfig(pretrained_path="checkpoints/shapes_vqa")
 PROMPTS = ["a red circle left of a blue square", "two green triangles", "a blue square and a red circle"]
 
 
@@ -120,8 +122,12 @@ def test_bad_input_is_named(judge, tmp_path):
         VLMJudge(BASE, aggregate="max")
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         VLMJudge(BASE, batch_size=0)
-    with pytest.raises(ValueError, match=r"VLMJudge model_path .*nope.*is not a directory"):
-        VLMJudge(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match=r"VLMJudge model: model.pretrained_path.*nope"):
+        VLMJudge(QwenVLConfig(pretrained_path=str(tmp_path / "nope")))
+    with pytest.raises(ValueError, match=r"is not a vision-language model config"):
+        VLMJudge("checkpoints/shapes_vqa")  # a bare directory: give the model's config
+    with pytest.raises(ValueError, match=r"is not a vision-language model config"):
+        VLMJudge(QwenConfig(pretrained_path="checkpoints/arith_lm"))
     with pytest.raises(ValueError, match=r"threads must be an int >= 1 or null"):
         VLMJudge(BASE, threads=0)
     with pytest.raises(ValueError, match="questions must be callable"):
@@ -129,9 +135,8 @@ def test_bad_input_is_named(judge, tmp_path):
     text_only = tmp_path / "text_only"
     text_only.mkdir()
     (text_only / "config.json").write_text('{"model_type": "qwen3"}')
-    for path in (text_only, tmp_path):  # a text-only model, a directory without config.json
-        with pytest.raises(ValueError, match="holds no vision-language model"):
-            VLMJudge(str(path))
+    with pytest.raises(ValueError, match="holds a text-only model"):
+        VLMJudge(QwenVLConfig(pretrained_path=str(text_only)))
     with pytest.raises(ValueError, match=r"sample 's0'.*cannot parse prompt 'a purple blob'"):
         judge(request(["a purple blob"], scene_images(PROMPTS[:1])))
     texts = RewardRequest(sample_ids=["t0"], prompts=["a red circle"], texts=["yes"])

@@ -8,7 +8,8 @@ import os
 import torch
 
 from tests.conftest import REPO
-from unirl.models.causal_lm import CausalLMConfig, CausalLMStage
+from unirl.models.causal_lm import CausalLMStage
+from unirl.models.qwen import QwenConfig
 from unirl.models.sd3 import SD3ModelConfig, SD3Stage
 from unirl.rollout.composed import ComposedEngine
 from unirl.types import DiffusionSamplingParams, PromptExample, RolloutReq, TextSamplingParams
@@ -30,7 +31,7 @@ def test_unreadable_rewrites_are_low_reward_samples_not_crashes() -> None:
     image = DiffusionSamplingParams(
         num_steps=4, samples_per_prompt=2, height=32, width=32, eta=0.0, max_sequence_length=12, seed=3
     )
-    pe = CausalLMConfig(pretrained_path=os.path.join(REPO, "checkpoints", "shapes_pe")).build()
+    pe = QwenConfig(pretrained_path=os.path.join(REPO, "checkpoints", "shapes_pe")).build()
     sd3 = SD3ModelConfig(pretrained_path=os.path.join(REPO, "checkpoints", "shapes_sd3")).build()
     engine = ComposedEngine(["ar", "diffusion"]).bind(
         {"ar": CausalLMStage(bundle=pe), "diffusion": SD3Stage(bundle=sd3)}, {"ar": text, "diffusion": image}

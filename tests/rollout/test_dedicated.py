@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model_config
-from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig
+from unirl.models.causal_lm import CausalLMStage, TinyLMConfig
+from unirl.models.qwen import QwenConfig
 from unirl.models.sd3 import SD3Stage
 from unirl.rollout.dedicated import DedicatedEngine, EngineStateError
 from unirl.rollout.trainside import TrainsideEngine
@@ -73,7 +74,7 @@ def diffusion_req(bundle, rollout_id: int = 3) -> RolloutReq:
 
 
 def text_pair():
-    cfg = CausalLMConfig(tiny=TinyLMConfig())
+    cfg = QwenConfig(tiny=TinyLMConfig())
     trainer = CausalLMStage(cfg.build())
     trained(trainer.module, only_lora=False)  # a full fine-tune: every weight moved
     engine = DedicatedEngine(CausalLMStage(cfg.build()), forward_batch_size=3, rebuild=cfg.build)
@@ -130,7 +131,7 @@ def test_sampling_needs_synced_weights_and_an_awake_engine() -> None:
         engine.generate(text_req())
     engine.wake_up()
     engine.generate(text_req())
-    no_source = DedicatedEngine(CausalLMStage(CausalLMConfig(tiny=TinyLMConfig()).build()))
+    no_source = DedicatedEngine(CausalLMStage(QwenConfig(tiny=TinyLMConfig()).build()))
     with pytest.raises(ValueError, match="rebuild"):
         no_source.sleep(2)
     with pytest.raises(ValueError, match="sleep level"):
@@ -148,7 +149,7 @@ def test_sampling_needs_synced_weights_and_an_awake_engine() -> None:
     ],
 )
 def test_settings_are_range_checked(kwargs, match) -> None:
-    stage = CausalLMStage(CausalLMConfig(tiny=TinyLMConfig()).build())
+    stage = CausalLMStage(QwenConfig(tiny=TinyLMConfig()).build())
     with pytest.raises(ValueError, match=match):
         DedicatedEngine(stage, **kwargs)
 
@@ -182,7 +183,7 @@ def test_sleep_releases_memory_and_wake_up_restores_it() -> None:
     (resident set measured before and after); waking up restores the same tokens and log-probs
     (level 2 rebuilds the tensors from the model source; a full fine-tune's sync would then
     overwrite every weight, and here the weights are the source's)."""
-    cfg = CausalLMConfig(
+    cfg = QwenConfig(
         tiny=TinyLMConfig(hidden_size=384, num_layers=8, num_attention_heads=6, intermediate_size=1536)
     )
     engine = DedicatedEngine(CausalLMStage(cfg.build()), rebuild=cfg.build)

@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig
+from unirl.models.causal_lm import CausalLMStage, TinyLMConfig
+from unirl.models.qwen import QwenConfig
 from unirl.rollout.dedicated import EngineStateError
 from unirl.train.backend import LoRAConfig, inject_lora
 from unirl.types.rollout_req import PromptExample, RolloutReq
@@ -49,7 +50,7 @@ def copy_into(src: torch.nn.Module, dst: torch.nn.Module) -> None:
 
 
 def lora_stage() -> CausalLMStage:
-    stage = CausalLMStage(CausalLMConfig(tiny=TINY).build())
+    stage = CausalLMStage(QwenConfig(tiny=TINY).build())
     inject_lora(stage.module, LORA)
     return stage
 
@@ -59,7 +60,7 @@ def pair():
     """(trainer stage, engine): the engine refuses to sample until the first push."""
     trainer = lora_stage()
     moved(trainer.module, 1)
-    engine = VLLMEngine(lora_stage(), forward_batch_size=4, rebuild=CausalLMConfig(tiny=TINY).build)
+    engine = VLLMEngine(lora_stage(), forward_batch_size=4, rebuild=QwenConfig(tiny=TINY).build)
     with pytest.raises(EngineStateError, match="no synced weights"):
         engine.generate(request())
     copy_into(trainer.module, engine.stage.module)
@@ -188,7 +189,7 @@ def test_bad_input_is_named(pair) -> None:
     with pytest.raises(ValueError, match="sample 'r0/g0:p0::sample:0'.*max_prompt_length"):
         engine.generate(long)
     with pytest.raises(ValueError, match="head size 16.*32, 64"):
-        VLLMEngine(CausalLMStage(CausalLMConfig(tiny=TinyLMConfig()).build()))
+        VLLMEngine(CausalLMStage(QwenConfig(tiny=TinyLMConfig()).build()))
     assert head_dim_problem(16, "cuda", "x") is None
 
 
@@ -225,7 +226,7 @@ def test_adapter_mode_serves_the_lora_as_a_vllm_adapter(pair) -> None:
 def test_adapter_mode_refusals() -> None:
     """No adapter, whole modules saved, a rank above the cap: named before vLLM starts."""
     with pytest.raises(ValueError, match="train.lora is null"):
-        VLLMEngine(CausalLMStage(CausalLMConfig(tiny=TINY).build()), lora_mode="adapter")
+        VLLMEngine(CausalLMStage(QwenConfig(tiny=TINY).build()), lora_mode="adapter")
     with pytest.raises(ValueError, match="train.lora.rank=4 is above rollout.max_lora_rank=1"):
         VLLMEngine(lora_stage(), lora_mode="adapter", max_lora_rank=1)
     with pytest.raises(ValueError, match="max_lora_rank must be one of vLLM's"):

@@ -33,9 +33,10 @@ def sd3(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
 
 def lm(seed: int = 0) -> torch.nn.Module:
-    from unirl.models.causal_lm.bundle import CausalLMBundle, TinyLMConfig
+    from unirl.models.causal_lm import TinyLMConfig
+    from unirl.models.qwen import QwenBundle
 
-    return fill(CausalLMBundle.tiny(TinyLMConfig()).model, seed)
+    return fill(QwenBundle.tiny(TinyLMConfig()).model, seed)
 
 
 def with_lora(

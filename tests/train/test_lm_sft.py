@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.models.causal_lm import CausalLMBundle, CausalLMConfig, CausalLMStage, TinyLMConfig
+from unirl.models.causal_lm import CausalLMStage, TinyLMConfig
+from unirl.models.qwen import QwenBundle, QwenConfig
 from unirl.train.lm_sft import CausalLMSFT, CausalLMSFTConfig, completion_loss, encode_pairs
 from unirl.train_sft import trainer_class
 from unirl.trainer.text_eval import LMEvaluator, TextEvalSampling
@@ -42,8 +43,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_bundle(**kw) -> CausalLMBundle:
-    return CausalLMBundle.tiny(TinyLMConfig(max_position_embeddings=32, **kw))
+def tiny_bundle(**kw) -> QwenBundle:
+    return QwenBundle.tiny(TinyLMConfig(max_position_embeddings=32, **kw))
 
 
 def make_sft(tmp_path, steps: int, **kw) -> CausalLMSFT:
@@ -150,7 +151,7 @@ def test_export_loads_back_as_fp16_model_and_tokenizer(tmp_path):
     sft.run()
     sft.export(str(tmp_path / "export"))
     assert next(sft.model.parameters()).dtype == torch.float32
-    loaded = CausalLMConfig(pretrained_path=str(tmp_path / "export")).build()
+    loaded = QwenConfig(pretrained_path=str(tmp_path / "export")).build()
     for p, q in zip(sft.model.parameters(), loaded.model.parameters(), strict=True):
         assert torch.equal(p.detach().half().float(), q.detach())
     text = "12+3=45<|endoftext|>"
@@ -187,7 +188,7 @@ def test_entry_point_picks_the_trainer_by_config_type():
     from unirl.models.sd3 import SD3ModelConfig
     from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig
 
-    lm = CausalLMConfig(tiny=TinyLMConfig())
+    lm = QwenConfig(tiny=TinyLMConfig())
     assert trainer_class(CausalLMSFTConfig(), lm) is CausalLMSFT
     assert trainer_class(FlowMatchingSFTConfig(), SD3ModelConfig(pretrained_path="x")) is FlowMatchingSFT
     with pytest.raises(TypeError, match="CausalLMSFTConfig trains text models"):
@@ -201,11 +202,12 @@ def test_vlm_loss_is_the_mean_over_samples_forwarded_alone_with_their_images(tmp
     cross-entropy summed over each sample's own no-padding forward with its image, divided by
     the batch's completion (+ EOS) tokens; the image reaches the loss (the vision tower gets
     gradient); a text-only model refuses image rows."""
-    from unirl.models.causal_lm.vision import TinyVLMConfig, VLMConfig
+    from unirl.models.causal_lm import TinyVLMConfig
+    from unirl.models.qwen_vl import QwenVLConfig
     from worlds.shapes.vqa import ShapesVQASFTSource
 
     tiny = TinyVLMConfig(patch_size=8, min_pixels=256, max_pixels=1024)
-    bundle = VLMConfig(tiny=tiny).build()
+    bundle = QwenVLConfig(tiny=tiny).build()
     cfg = CausalLMSFTConfig(num_steps=1, batch_size=3, warmup_steps=0, eval_every=0)
     run = CausalLMSFT(bundle, ShapesVQASFTSource(), cfg, str(tmp_path))
     rows = ShapesVQASFTSource().sample_batch(3, np.random.default_rng(run.cfg.seed))
@@ -229,6 +231,6 @@ def test_vlm_loss_is_the_mean_over_samples_forwarded_alone_with_their_images(tmp
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in bundle.model.model.visual.parameters())
     text_run = CausalLMSFT(tiny_bundle(), ShapesVQASFTSource(), cfg, str(tmp_path / "text"))
     with pytest.raises(
-        ValueError, match="images with its pairs but the model is a text-only causal LM.*VLMConfig"
+        ValueError, match="images with its pairs but the model is a text-only causal LM.*QwenVLConfig"
     ):
         text_run.batch_loss()

@@ -82,14 +82,15 @@ def _lm_setup(sp: int | None, samples: list[int]):
     its GRPO stack, and the track of `samples` of 4 prompts of different lengths x 2 samples
     (responses of different lengths, rows right-padded): replay shards the rows' tokens."""
     from unirl.algorithms.grpo import GRPO, GRPOConfig
-    from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig
+    from unirl.models.causal_lm import CausalLMStage, TinyLMConfig
+    from unirl.models.qwen import QwenConfig
     from unirl.rollout.trainside import TrainsideEngine
     from unirl.train.backend import LoRAConfig
     from unirl.train.fsdp import FSDPConfig
     from unirl.train.stack import TrainStack, TrainStackConfig
     from unirl.types import PromptExample, RolloutReq, TextSamplingParams
 
-    stage = CausalLMStage(CausalLMConfig(tiny=TinyLMConfig(num_layers=2)).build())
+    stage = CausalLMStage(QwenConfig(tiny=TinyLMConfig(num_layers=2)).build())
     fsdp = FSDPConfig(block_classes=["Qwen3DecoderLayer"]) if sp else None
     lora = LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     backend = _backend(stage.module, lora, fsdp, sp)
@@ -519,17 +520,18 @@ def test_sd3_under_sp_keeps_its_text_whole_so_any_text_length_validates(tmp_path
 
 
 def test_a_text_only_causal_lm_takes_sp_and_a_vision_language_model_is_refused():
-    from unirl.models.causal_lm import CausalLMConfig, TinyLMConfig, VLMConfig
-    from unirl.models.causal_lm.vision import TinyVLMConfig
+    from unirl.models.causal_lm import TinyLMConfig, TinyVLMConfig
+    from unirl.models.qwen import QwenConfig
+    from unirl.models.qwen_vl import QwenVLConfig
     from unirl.train.sequence_parallel import cp_plan_problem
 
-    lm = CausalLMConfig(tiny=TinyLMConfig(num_attention_heads=4, num_key_value_heads=2)).trainable_on_meta()
+    lm = QwenConfig(tiny=TinyLMConfig(num_attention_heads=4, num_key_value_heads=2)).trainable_on_meta()
     assert cp_plan_problem(lm, 4) is None  # key / value heads repeated to the query heads
     assert cp_plan_problem(lm, 3) == (
         "train.parallel.sp=3 does not divide the transformer's 4 attention heads; valid values (also dividing "
         "num_devices): [1, 2, 4]"
     )
-    vlm = VLMConfig(tiny=TinyVLMConfig()).trainable_on_meta()
+    vlm = QwenVLConfig(tiny=TinyVLMConfig()).trainable_on_meta()
     assert "is a vision-language model (set train.parallel.sp=1)" in cp_plan_problem(vlm, 2)
 
 

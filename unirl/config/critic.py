@@ -45,7 +45,7 @@ def check_critic(
     if model is not None and not hasattr(model, "build_value_stage"):
         problems.append(
             f"critic.model: {type(model).__name__} is not a value-model config; use the policy family's "
-            "(unirl.models.causal_lm.value.CausalLMValueConfig, unirl.models.flow.value.FlowValueConfig)"
+            "(unirl.models.qwen.QwenValueConfig, unirl.models.flow.value.FlowValueConfig)"
         )
         return
     value_modality = getattr(model, "modality", None) if model is not None else None

@@ -137,19 +137,19 @@ def check_vllm(cfg: DictConfig, passed: dict[str, Any], problems: list[str], key
     kernels serve, and prompts + responses that fit `rollout.max_model_len`."""
     import importlib.util
 
-    from unirl.models.causal_lm import CausalLMConfig
-
     rollout = cfg.rollout
     if importlib.util.find_spec("vllm") is None:
         problems.append(f"{key}._target_={rollout._target_}: {INSTALL_HINT}")
     model = passed.get("model")
-    if model is not None and type(model) is not CausalLMConfig:
+    if model is not None and (getattr(model, "modality", None) != "text" or getattr(model, "vision", True)):
         problems.append(
             f"{key}._target_={rollout._target_} samples text-only causal LMs; model._target_ builds a "
-            f"{type(model).__name__}: use unirl.models.causal_lm.CausalLMConfig or the dedicated engine "
+            f"{type(model).__name__}: use unirl.models.qwen.QwenConfig or the dedicated engine "
             "(unirl.rollout.dedicated.DedicatedEngine)"
         )
-    elif model is not None and (model.tiny is not None or os.path.isfile(os.path.join(model.pretrained_path, "config.json"))):
+    elif model is not None and (
+        model.tiny is not None or os.path.isfile(os.path.join(model.pretrained_path, "config.json"))
+    ):
         if model.tiny is not None:
             head_dim, where = model.tiny.hidden_size // model.tiny.num_attention_heads, "model.tiny"
         else:
@@ -185,7 +185,11 @@ def check_vllm(cfg: DictConfig, passed: dict[str, Any], problems: list[str], key
                 f"train.lora.rank={lora.get('rank')}; raise it or set it to null"
             )
     sampling, limit = passed.get("sampling"), rollout.get("max_model_len")
-    if sampling is not None and limit is not None and sampling.max_prompt_length + sampling.max_new_tokens > limit:
+    if (
+        sampling is not None
+        and limit is not None
+        and sampling.max_prompt_length + sampling.max_new_tokens > limit
+    ):
         problems.append(
             f"sampling.max_prompt_length ({sampling.max_prompt_length}) + sampling.max_new_tokens "
             f"({sampling.max_new_tokens}) exceeds {key}.max_model_len={limit}: raise it (or null: the "

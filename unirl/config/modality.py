@@ -102,7 +102,7 @@ def check_text(
                     f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={context} ({path})"
                 )
     elif not path and tiny is not None and getattr(model, "modality", None) == "text":
-        from unirl.models.causal_lm import tiny_tokenizer
+        from unirl.models.causal_lm.tiny import tiny_tokenizer
 
         tokenizer = tiny_tokenizer()
     if tokenizer is not None:

@@ -145,7 +145,9 @@ class ChatJudge:
         headers = {}
         if api_key_env is not None:
             key = env_secret(
-                "ChatJudge api_key_env", api_key_env, "export the judge server's key, or set api_key_env: null"
+                "ChatJudge api_key_env",
+                api_key_env,
+                "export the judge server's key, or set api_key_env: null",
             )
             headers["Authorization"] = f"Bearer {key}"
         self.url = check_http_url(url, "an OpenAI-style chat server (the part before /v1)")
@@ -250,40 +252,41 @@ class ChatJudge:
 
 
 class ChatModel:
-    """`complete(body) -> answer`: OpenAI-style chat completions of a local VLM directory, greedy.
+    """`complete(body) -> answer`: OpenAI-style chat completions of a vision-language model, greedy.
 
     Takes one user message whose content is text parts and `image_url` parts (data URLs only);
     the images go first, each as an `<image>` placeholder, then the text joined by newlines: the
-    tokens a supervised VQA base learned on (`CausalLMBundle.pair_batch`, as `VLMJudge` asks).
+    tokens a supervised VQA base learned on (`TextBundle.pair_batch`, as `VLMJudge` asks).
     Decodes greedily up to `max_tokens` (at most `max_new_tokens`) or EOS; with `logprobs`, each
     generated token's log-prob and its `top_logprobs` alternatives (log_softmax of the logits).
     `temperature` must be 0 or absent and `n` 1: this server samples nothing. A body it cannot
     answer raises `ChatRequestError` naming the field. One request decodes at a time (a lock).
 
     Args:
-        model_path: the VLM directory (e.g. `checkpoints/shapes_vqa`).
+        model: the vision-language model's config (`vision` True), e.g.
+            `QwenVLConfig(pretrained_path="checkpoints/shapes_vqa")` (the server's `--chat-model DIR`).
         name: the model name clients ask for (default: the directory's base name).
         max_new_tokens: the largest `max_tokens` served.
     """
 
-    def __init__(self, model_path: str, name: str | None = None, max_new_tokens: int = 64) -> None:
-        from unirl.models.causal_lm import VLMConfig
-        from unirl.models.causal_lm.vision import is_vlm_directory
-
-        if is_vlm_directory(model_path) is not True:
+    def __init__(self, model: Any, name: str | None = None, max_new_tokens: int = 64) -> None:
+        path = getattr(model, "pretrained_path", None)
+        if getattr(model, "vision", False) is not True or not path:
             raise ValueError(
-                f"--chat-model {model_path!r} holds no vision-language model (config.json missing or without "
-                "vision_config); point it at a local VLM directory such as checkpoints/shapes_vqa"
+                f"the chat model must be a vision-language model read from a directory, got {model!r}"
             )
-        self.name = name or os.path.basename(os.path.normpath(model_path))
+        problems = model.directory_problems()
+        if problems:
+            raise ValueError(f"--chat-model {path!r}: " + "; ".join(problems))
+        self.name = name or os.path.basename(os.path.normpath(path))
         self.max_new_tokens = max_new_tokens
-        self.bundle = VLMConfig(pretrained_path=model_path).build()
+        self.bundle = model.build()
         self.bundle.model.eval().requires_grad_(False)
         self._lock = threading.Lock()
 
     def parse(self, body: Any) -> tuple[str, list[np.ndarray], int, int | None]:
         """(prompt, images, max_tokens, top_logprobs or None without logprobs) of a request body."""
-        from unirl.models.causal_lm.vision import IMAGE_PLACEHOLDER
+        from unirl.models.causal_lm.family import IMAGE_PLACEHOLDER
 
         if not isinstance(body, dict):
             raise ChatRequestError("the body must be a JSON object")

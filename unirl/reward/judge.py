@@ -6,7 +6,7 @@ judge scores a pair as the model's probability of the expected answer,
     P_q = P(answer + EOS | image, "<image>" + question)
         = exp(sum of the log-probs of the answer's tokens and of the EOS, teacher-forced),
 
-on the tokens `CausalLMBundle.pair_batch` makes (the ones a supervised VQA base learned on:
+on the tokens `TextBundle.pair_batch` makes (the ones a supervised VQA base learned on:
 prompt, then answer, then EOS). The EOS term makes "2" and "20" different answers. A sample's
 score aggregates its questions':
 
@@ -18,25 +18,24 @@ Without `questions`, one question per sample, VQAScore's template:
 'does this image show "<prompt>"?' -> "yes".
 
 All (image, question) pairs of a request go through the model in forwards of at most
-`batch_size` pairs, in request order. The model is a local VLM directory
-(`VLMConfig(pretrained_path=...)`), checked when the judge is built (recipe validation builds
-it) and loaded, frozen, on the first call. Not differentiable. It runs wherever the reward
+`batch_size` pairs, in request order. The model is a vision-language model config, as a track's
+`model` node is (`unirl.models.qwen_vl.QwenVLConfig(pretrained_path=...)`, a local directory),
+checked when the judge is built (recipe validation builds it) and loaded, frozen, on the first
+call. Not differentiable. It runs wherever the reward
 backend runs: in-process (`LocalRewardBackend`) or in the reward server
 (`python -m unirl.reward.server`), whose clients send it images and prompts.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from unirl.models.causal_lm import VLMConfig
-from unirl.models.causal_lm.bundle import IGNORE_INDEX
-from unirl.models.causal_lm.vision import IMAGE_PLACEHOLDER, is_vlm_directory
+from unirl.models.causal_lm.family import IMAGE_PLACEHOLDER
+from unirl.models.causal_lm.loading import IGNORE_INDEX
 from unirl.reward.placement import on_device_while_scoring
 from unirl.types.reward import RewardRequest
 
@@ -55,7 +54,9 @@ class VLMJudge:
     """Scorer: `[B]` fp32 scores in [0, 1] of `req.images` against their prompts (module docstring).
 
     Args:
-        model_path: a local VLM directory (a supervised VQA base such as `checkpoints/shapes_vqa`).
+        model: the vision-language model's config (`vision` True; its `build()` gives a bundle with
+            `pair_batch`), e.g. `QwenVLConfig(pretrained_path="checkpoints/shapes_vqa")`, the
+            committed supervised VQA base; in a recipe a node with its `_target_`.
         questions: `(prompt, metadata) -> [(question, answer)]`, e.g. the shapes world's
             `worlds.shapes.vqa.JudgeQuestions`; None: VQAScore's one question.
         aggregate: "product" or "mean" over a sample's questions.
@@ -68,7 +69,7 @@ class VLMJudge:
 
     def __init__(
         self,
-        model_path: str,
+        model: Any,
         questions: Questions | None = None,
         aggregate: str = "product",
         batch_size: int = 64,
@@ -86,17 +87,15 @@ class VLMJudge:
             raise ValueError(
                 f"VLMJudge questions must be callable (prompt, metadata) -> pairs, got {questions!r}"
             )
-        if not isinstance(model_path, str) or not os.path.isdir(model_path):
+        if not callable(getattr(model, "build", None)) or getattr(model, "vision", False) is not True:
             raise ValueError(
-                f"VLMJudge model_path {model_path!r} is not a directory; point it at a local vision-language "
-                "model directory (a supervised VQA base such as checkpoints/shapes_vqa)"
+                f"VLMJudge model {model!r} is not a vision-language model config; give one, e.g. "
+                "{_target_: unirl.models.qwen_vl.QwenVLConfig, pretrained_path: checkpoints/shapes_vqa}"
             )
-        if is_vlm_directory(model_path) is not True:
-            raise ValueError(
-                f"VLMJudge model_path {model_path!r} holds no vision-language model (its config.json is missing "
-                "or has no vision_config); the judge needs a VLM (Qwen2.5-VL / Qwen3-VL)"
-            )
-        self.model_path = model_path
+        problems = model.directory_problems() if hasattr(model, "directory_problems") else []
+        if problems:
+            raise ValueError("VLMJudge model: " + "; ".join(problems))
+        self.model = model
         self.questions: Questions = questions if questions is not None else vqascore_question
         self.aggregate = aggregate
         self.batch_size = batch_size
@@ -108,7 +107,7 @@ class VLMJudge:
     def bundle(self) -> Any:
         """The judge's VLM bundle, loaded (fp32, eval mode, no gradients) on first use."""
         if self._bundle is None:
-            bundle = VLMConfig(pretrained_path=self.model_path).build()
+            bundle = self.model.build()
             bundle.model.eval().requires_grad_(False).to("cpu" if self.offload else self.device)
             self._bundle = bundle
         return self._bundle

@@ -364,6 +364,17 @@ async def _serve_forever(app: web.Application, host: str, port: int, describe: s
         await runner.cleanup()
 
 
+CHAT_MODEL = "unirl.models.qwen_vl.QwenVLConfig"  # the model config of a --chat-model directory
+
+
+def chat_model_config(path: str) -> Any:
+    """The model config `--chat-model DIR` names: a Qwen-VL directory (`CHAT_MODEL`)."""
+    import importlib
+
+    module, name = CHAT_MODEL.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)(pretrained_path=path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m unirl.reward.server", description=__doc__.split("\n")[0])
     defaults = ServerConfig()
@@ -397,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.config is None and args.chat_model is None:
             raise ValueError("give --config (a reward backend), --chat-model (a judge VLM), or both")
         backend = load_backend(args.config) if args.config else None
-        chat = ChatModel(args.chat_model, args.chat_name) if args.chat_model else None
+        chat = ChatModel(chat_model_config(args.chat_model), args.chat_name) if args.chat_model else None
     except (OSError, ValueError) as e:
         print(f"unirl reward server: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ class CriticConfig:
 
     Attributes:
         model: the value network's config, from the policy's family (the causal LM's:
-            `unirl.models.causal_lm.value.CausalLMValueConfig`); it has `build_value_stage()`
+            `unirl.models.qwen.QwenValueConfig`); it has `build_value_stage()`
             and `trainable_on_meta()`.
         optim: its AdamW and LR schedule (verl: lr about 10x the actor's).
         lora: LoRA on its backbone (the value head is trained whole), or null for a full fine-tune.

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from unirl.models.causal_lm.bundle import IGNORE_INDEX, CausalLMBundle, encode_pairs  # noqa: F401 (re-exported)
+from unirl.models.causal_lm.family import TextBundle
+from unirl.models.causal_lm.loading import IGNORE_INDEX, encode_pairs  # noqa: F401 (re-exported)
 from unirl.train.backend import LRSchedule
 from unirl.train.supervised import SupervisedConfig, SupervisedRun
 from unirl.types.constraints import AtLeastOne, NonNegativeInt
@@ -71,15 +72,15 @@ class CausalLMSFT(SupervisedRun):
 
     def __init__(
         self,
-        bundle: CausalLMBundle,
+        bundle: TextBundle,
         data: TextPairSource,
         cfg: CausalLMSFTConfig,
         output_dir: str,
-        evaluator: Callable[[CausalLMBundle], dict[str, float]] | None = None,
+        evaluator: Callable[[TextBundle], dict[str, float]] | None = None,
     ) -> None:
-        if not isinstance(bundle, CausalLMBundle):
+        if not isinstance(bundle, TextBundle):
             raise TypeError(
-                f"CausalLMSFT trains a causal LM (model: unirl.models.causal_lm.CausalLMConfig), "
+                f"CausalLMSFT trains a causal LM (model: unirl.models.qwen.QwenConfig), "
                 f"got {type(bundle).__name__}"
             )
         self.bundle, self.data, self.model = bundle, data, bundle.model
@@ -95,7 +96,7 @@ class CausalLMSFT(SupervisedRun):
 
     def export(self, path: str, dtype: torch.dtype = torch.float16) -> None:
         """Write model (weights in `dtype`) and tokenizer to `path`, a directory that
-        `CausalLMConfig(pretrained_path=path)` loads; the in-memory model keeps its dtype."""
+        `QwenConfig(pretrained_path=path)` loads; the in-memory model keeps its dtype."""
         trained = next(self.model.parameters()).dtype
         self.model.to(dtype)
         try:

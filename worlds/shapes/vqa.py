@@ -2,7 +2,7 @@
 the verifier, and the splits.
 
 A row is a rendered shapes scene (`world.render`) and a question about it; the prompt is
-`"<image>" + question` (one image placeholder, `VLMBundle.prepare` expands it) and the
+`"<image>" + question` (one image placeholder, `QwenVLBundle.prepare` expands it) and the
 image travels in `metadata["images"]`. Question types (`QTYPES`), all asked of the scenes
 `world.all_scenes` enumerates:
 

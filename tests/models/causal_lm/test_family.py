@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig, TinyVLMConfig, VLMConfig
+from unirl.models.causal_lm import CausalLMStage, TinyLMConfig, TinyVLMConfig
 from unirl.models.causal_lm.family import TextFamily, VisionTextFamily, text_family_problems
 from unirl.models.janus import JanusModelConfig, TinyJanusConfig
+from unirl.models.qwen import QwenConfig
+from unirl.models.qwen_vl import QwenVLConfig
 
 
 @pytest.fixture(scope="module")
 def bundles() -> dict:
     return {
-        "lm": CausalLMConfig(tiny=TinyLMConfig()).build(),
-        "vlm": VLMConfig(tiny=TinyVLMConfig()).build(),
+        "lm": QwenConfig(tiny=TinyLMConfig()).build(),
+        "vlm": QwenVLConfig(tiny=TinyVLMConfig()).build(),
         "janus": JanusModelConfig(tiny=TinyJanusConfig()).build(),
     }
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig
+from unirl.models.causal_lm import CausalLMStage, TinyLMConfig
+from unirl.models.qwen import QwenConfig
 from unirl.models.stage import TextStage
 from unirl.types.rollout_req import PromptExample, RolloutReq
 from unirl.types.sampling import TextSamplingParams
@@ -16,7 +17,7 @@ PROMPTS = ["Hi", "Name a colour, please.", "What is 2 + 2? Answer briefly and po
 
 
 def make_stage(arch: str = "qwen3", **tiny) -> CausalLMStage:
-    return CausalLMStage(CausalLMConfig(tiny=TinyLMConfig(architecture=arch, **tiny)).build())
+    return CausalLMStage(QwenConfig(tiny=TinyLMConfig(architecture=arch, **tiny)).build())
 
 
 def make_req(prompts=PROMPTS, rollout_id: int = 0, **sampling) -> RolloutReq:

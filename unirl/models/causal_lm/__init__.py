@@ -1,24 +1,19 @@
-"""Causal-LM model family (Qwen2 / Qwen3, and the Qwen2.5-VL / Qwen3-VL vision-language models,
-through transformers): bundles, the text stage, tiny builders."""
+"""The shared text stage (`CausalLMStage`) over any text family (`family.TextFamily`; the
+transformers plumbing of a family's bundle: `family.TextBundle`), what the families share to load
+(`loading.py`) and the tiny models built in code (`tiny.py`). The families are packages of their
+own: `unirl.models.qwen`, `unirl.models.qwen_vl`, `unirl.models.janus`."""
 
-from unirl.models.causal_lm.bundle import (
-    CausalLMBundle,
-    CausalLMConfig,
-    TinyLMConfig,
-    load_checkpoint,
-    tiny_tokenizer,
-)
+from unirl.models.causal_lm.family import IMAGE_PLACEHOLDER, TextBundle, TextFamily, VisionTextFamily
 from unirl.models.causal_lm.stage import CausalLMStage
-from unirl.models.causal_lm.vision import TinyVLMConfig, VLMBundle, VLMConfig
+from unirl.models.causal_lm.tiny import TinyLMConfig, TinyVLMConfig, tiny_tokenizer
 
 __all__ = [
-    "CausalLMBundle",
-    "CausalLMConfig",
+    "IMAGE_PLACEHOLDER",
     "CausalLMStage",
+    "TextBundle",
+    "TextFamily",
     "TinyLMConfig",
     "TinyVLMConfig",
-    "VLMBundle",
-    "VLMConfig",
-    "load_checkpoint",
+    "VisionTextFamily",
     "tiny_tokenizer",
 ]

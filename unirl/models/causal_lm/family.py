@@ -1,9 +1,10 @@
 """What a text family gives the shared text stage (`CausalLMStage`): the contract a causal-LM
-bundle implements, as `unirl.models.flow.family.FlowFamily` is the diffusion families' one.
+bundle implements, as `unirl.models.flow.family.FlowFamily` is the diffusion families' one, and
+`TextBundle`, the transformers plumbing the families' bundles share.
 
-Structural typing (no base class to inherit): `CausalLMBundle` (Qwen3 / Qwen2 / Llama),
-`VLMBundle` (Qwen2.5-VL / Qwen3-VL) and `JanusBundle` (Janus's text side) satisfy it, and a new
-text family is a bundle with these members. The stage checks a bundle against it when built
+Structural typing (no base class to inherit): `unirl.models.qwen.QwenBundle` (Qwen3 / Qwen2),
+`unirl.models.qwen_vl.QwenVLBundle` (Qwen2.5-VL / Qwen3-VL) and `unirl.models.janus.JanusBundle`
+(Janus's text side) satisfy it, and a new text family is a bundle with these members. The stage checks a bundle against it when built
 (`text_family_problems`), so a bundle that lacks a member is refused naming it, not failed on
 deep inside a rollout.
 
@@ -13,9 +14,16 @@ sample's images.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import os
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+
+from unirl.models.causal_lm.loading import encode_pairs
+from unirl.models.stage import module_device
+
+IMAGE_PLACEHOLDER = "<image>"  # marks an image in a prompt, once per image (`VisionTextFamily.prepare`)
 
 
 @runtime_checkable
@@ -80,3 +88,126 @@ def text_family_problems(bundle: Any) -> list[str]:
         f"{'VisionTextFamily' if m in VISION_MEMBERS else 'TextFamily'})"
         for m in missing
     ]
+
+
+class TextBundle:
+    """A transformers causal LM and its tokenizer: the plumbing every text family's bundle shares
+    (as `unirl.models.flow.family.DiffusersBundle` is the diffusion families'). A family subclasses
+    it, sets `auto_model` (the transformers auto class of its directories) and adds its builders
+    (`unirl.models.qwen.QwenBundle.tiny`) or its vision members (`unirl.models.qwen_vl`).
+
+    Attributes:
+        model: the `AutoModelForCausalLM` (Qwen3ForCausalLM, Qwen2ForCausalLM, ...).
+        tokenizer: its fast tokenizer; `eos_token_id` ends responses, `pad_token_id`
+            pads batches (EOS when the tokenizer has no pad token).
+        has_vision: False here; a vision-language bundle (`unirl.models.qwen_vl.QwenVLBundle`)
+            also takes images with its prompts.
+        vision_token_ids: () here: a text-only model has no token a response must not hold.
+
+    A `TextFamily`.
+    """
+
+    has_vision: ClassVar[bool] = False
+    vision_token_ids: ClassVar[tuple[int, ...]] = ()
+    auto_model: ClassVar[type] = AutoModelForCausalLM
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, where: str) -> None:
+        rows = model.get_input_embeddings().num_embeddings
+        if len(tokenizer) > rows:
+            raise ValueError(
+                f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+                f"{rows} rows; token ids >= {rows} would index past it. Use the tokenizer saved with "
+                "this model (or resize the model's embeddings to the tokenizer)"
+            )
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"{where}: the tokenizer has no eos_token; set it in tokenizer_config.json")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> TextBundle:
+        """Load a local directory (model and tokenizer files side by side), never the hub."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model.pretrained_path {path!r} is not a directory")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(
+                f"model.pretrained_path {path!r} has no config.json: not a Hugging Face model directory"
+            )
+        model = cls.auto_model.from_pretrained(path, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(model, tokenizer, where=f"model.pretrained_path {path!r}")
+
+    @property
+    def device(self) -> torch.device:
+        return module_device(self.model)
+
+    def to(self, device: str | torch.device) -> TextBundle:
+        """Move the model to `device`; returns self."""
+        self.model.to(device)
+        return self
+
+    def pair_batch(
+        self, rows: list[tuple], where: str, max_positions: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """One right-padded batch of (prompt, completion) rows, or (prompt, completion, images)
+        for a vision-language bundle, on the bundle's device: (the forward's keyword arguments,
+        labels [B, L] long). Tokens as `encode_pairs` makes them (prompt + completion + EOS,
+        labels only at completion and EOS); a VLM's `<image>` placeholders are expanded as
+        rollouts expand them (`prepare`, sample ids `<where>/<i>`) and the arguments add
+        `pixel_values`, `image_grid_thw` and the rotary `position_ids`. `max_positions` (None:
+        the model's) bounds a row. Rows with images for a text-only bundle are an error."""
+        if max_positions is None:
+            max_positions = self.model.config.get_text_config().max_position_embeddings
+        if self.has_vision:
+            prepared = [
+                self.prepare(r[0], list(r[2]) if len(r) > 2 else [], f"{where}/{i}")
+                for i, r in enumerate(rows)
+            ]
+            pairs = [(text, r[1]) for (text, _, _), r in zip(prepared, rows, strict=True)]
+        elif any(len(r) > 2 and r[2] for r in rows):
+            raise ValueError(
+                f"{where}: the data gives images with its pairs but the model is a text-only causal LM; use "
+                "model._target_=unirl.models.qwen_vl.QwenVLConfig"
+            )
+        else:
+            pairs = [(r[0], r[1]) for r in rows]
+        input_ids, mask, labels = encode_pairs(self.tokenizer, pairs, max_positions)
+        device = self.device
+        inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+        if self.has_vision:
+            inputs.update(self.vision_inputs([p[1] for p in prepared], [p[2] for p in prepared], device))
+            inputs["position_ids"] = self.positions(
+                inputs["input_ids"], inputs["attention_mask"], inputs.get("image_grid_thw")
+            )
+        return inputs, labels.to(device)
+
+    @staticmethod
+    def write_weights(path: str, kind: str, state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+        """The train backend's exporter: a LoRA state as a peft adapter directory
+        (`adapter_model.safetensors` + `adapter_config.json`, what `PeftModel.from_pretrained`
+        and transformers' `load_adapter` read), a full state as a transformers model
+        directory (`from_pretrained` reads it)."""
+        if kind == "lora":
+            from peft.utils import SAFETENSORS_WEIGHTS_NAME
+            from safetensors.torch import save_file
+
+            config = module.peft_config["default"]
+            config.save_pretrained(path)
+            # peft's own names: "base_model.model." + the module path of each adapter weight
+            save_file(
+                {f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
+                os.path.join(path, SAFETENSORS_WEIGHTS_NAME),
+                metadata={"format": "pt"},
+            )
+            return
+        cls = next(c for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+        fresh = cls(module.config)
+        fresh.load_state_dict(state)
+        fresh.save_pretrained(path)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write model and tokenizer into `path` (`from_pretrained` reads them back)."""
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)

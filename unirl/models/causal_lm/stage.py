@@ -139,7 +139,7 @@ class CausalLMStage(ModuleDevice):
         The chat template is applied as one user turn with the generation prompt when
         `sampling.chat_template`. A vision-language bundle reads each sample's
         `metadata["images"]` and expands the prompt's `<image>` placeholders into vision
-        tokens (`VLMBundle.prepare`); a text-only bundle rejects rows that carry images.
+        tokens (`VisionTextFamily.prepare`); a text-only bundle rejects rows that carry images.
         Too long or empty is an error naming the sample.
         """
         sp: TextSamplingParams = req.sampling
@@ -157,7 +157,7 @@ class CausalLMStage(ModuleDevice):
             elif images:
                 raise ValueError(
                     f"sample {sid!r}: the row carries {len(images)} image(s) (metadata['images']) but the model "
-                    "is a text-only causal LM; use model._target_=unirl.models.causal_lm.VLMConfig"
+                    "is a text-only causal LM; use model._target_=unirl.models.qwen_vl.QwenVLConfig"
                 )
             else:
                 prepared[key] = (prompt, None, None)
@@ -195,7 +195,7 @@ class CausalLMStage(ModuleDevice):
 
     def _positions(self, input_ids: torch.Tensor, mask: torch.Tensor, images: dict | None) -> torch.Tensor:
         """Positions of a padded batch: [B, L] from the mask for a text LM (`images` None), the
-        VLM's multimodal [3, B, L] from the forward's image arguments (`VLMBundle.vision_inputs`)."""
+        VLM's multimodal [3, B, L] from the forward's image arguments (`VisionTextFamily.vision_inputs`)."""
         if images is None:
             return (mask.cumsum(-1) - 1).clamp_(min=0)
         return self.bundle.positions(input_ids, mask, images.get("image_grid_thw"))

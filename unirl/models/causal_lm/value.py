@@ -1,13 +1,11 @@
-"""The causal-LM family's value model (PPO's critic): the policy's architecture with a scalar head.
+"""The text families' value model (PPO's critic): the policy's architecture with a scalar head.
 
-`CausalLMValueConfig` takes the keys of `CausalLMConfig` (point them at the policy's:
-`pretrained_path: ${model.pretrained_path}`, `tiny: ${model.tiny}`) and builds the
-transformers token-classification model of that architecture with one label
-(`Qwen3ForTokenClassification`: the decoder backbone + `score`, Linear(hidden, 1); verl's
-critic is the same `AutoModelForTokenClassification`, num_labels 1). The backbone starts
-from the policy's weights (the local directory, or the tiny model of the same seed); the
-head is drawn under `head_seed`. Dropout before the head is 0, so a sample's values do not
-depend on train / eval mode.
+`value_model(policy, head_seed)` builds the transformers token-classification model of the
+policy's architecture with one label (`Qwen3ForTokenClassification`: the decoder backbone +
+`score`, Linear(hidden, 1); verl's critic is the same `AutoModelForTokenClassification`,
+num_labels 1), its backbone starting from the policy's weights and its head drawn under
+`head_seed`. Dropout before the head is 0, so a sample's values do not depend on train / eval
+mode. A family's value config (`unirl.models.qwen.QwenValueConfig`) names the policy.
 
 `CausalLMValueStage.token_values(segment)` is the critic's forward: [B, Rmax] fp32, V_t the
 value of the state before response token t (the position whose logits score token t in
@@ -17,20 +15,16 @@ value of the state before response token t (the position whose logits score toke
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
-from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
+from transformers import AutoModelForTokenClassification, PreTrainedModel
 
-from unirl.models.causal_lm.bundle import CausalLMBundle, CausalLMConfig
-from unirl.models.source import DTYPES
-from unirl.models.stage import AUTOCAST_DTYPES, ModuleOwner, autocast_dtype_of
+from unirl.models.stage import AUTOCAST_DTYPES, ModuleOwner
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment, pad_right
 
 
-def _value_config(config):
+def value_config(config):
     """A copy of a causal-LM config for a one-label token-classification model without dropout."""
     config = copy.deepcopy(config)
     config.num_labels = 1
@@ -38,50 +32,15 @@ def _value_config(config):
     return config
 
 
-@dataclass
-class CausalLMValueConfig(CausalLMConfig):
-    """The critic's network (see the module docstring).
-
-    Attributes (beyond `CausalLMConfig`'s):
-        autocast_dtype: run the critic's forward under `torch.autocast` in this dtype
-            ("bfloat16", "float16"; None: the parameters' dtype); values are fp32.
-        head_seed: seed of the value head's initial weights.
-    """
-
-    autocast_dtype: str | None = None
-    head_seed: int = 0
-
-    head_name: ClassVar[str] = "score"  # the head's module name (trained whole under LoRA)
-    modality: ClassVar[str] = "text"  # the tracks it values (checked by the validator)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        autocast_dtype_of(self.autocast_dtype, "critic.model.autocast_dtype")
-
-    def trainable_on_meta(self) -> torch.nn.Module:
-        """The critic's module tree on the meta device (validators read its names)."""
-        if self.pretrained_path is not None:
-            config = AutoConfig.from_pretrained(self.pretrained_path, local_files_only=True)
-        else:
-            with torch.device("meta"):
-                config = CausalLMBundle.tiny(self.tiny).model.config
-        with torch.device("meta"):
-            return AutoModelForTokenClassification.from_config(_value_config(config))
-
-    def build_value_stage(self, policy: object = None) -> CausalLMValueStage:
-        """The critic (backbone and head in `dtype`), on the CPU. `policy` (the policy's stage)
-        is not read: this config names the architecture and weights itself."""
-        dtype = DTYPES[self.dtype]
-        if self.pretrained_path is not None:
-            policy = CausalLMBundle.from_pretrained(self.pretrained_path, dtype=dtype)
-        else:
-            policy = CausalLMBundle.tiny(self.tiny, dtype=dtype)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.head_seed)
-            model = AutoModelForTokenClassification.from_config(_value_config(policy.model.config))
-        backbone = policy.model.base_model_prefix
-        getattr(model, backbone).load_state_dict(getattr(policy.model, backbone).state_dict())
-        return CausalLMValueStage(model.to(dtype), policy.tokenizer.pad_token_id, self.autocast_dtype)
+def value_model(policy: PreTrainedModel, head_seed: int) -> PreTrainedModel:
+    """The one-label token-classification model of `policy`'s architecture and dtype, its backbone
+    a copy of the policy's weights, its head drawn under `head_seed`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(head_seed)
+        model = AutoModelForTokenClassification.from_config(value_config(policy.config))
+    backbone = policy.base_model_prefix
+    getattr(model, backbone).load_state_dict(getattr(policy, backbone).state_dict())
+    return model.to(policy.dtype)
 
 
 class CausalLMValueStage(ModuleOwner):

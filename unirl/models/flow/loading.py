@@ -249,8 +249,7 @@ def tiny_qwen_tokenizer(words: list[str], template: str, qwen_split: bool = Fals
     HunyuanVideo 1.5)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from unirl.models.causal_lm.bundle import fast_tokenizer
-    from unirl.models.causal_lm.vision import VISION_TOKENS
+    from unirl.models.causal_lm.tiny import VISION_TOKENS, fast_tokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not qwen_split)

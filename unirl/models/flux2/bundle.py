@@ -274,7 +274,7 @@ class Flux2KleinBundle(Flux2BundleBase, TrueCFGGuidance):
         template whose words are the template's and `cfg.words`."""
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        from unirl.models.causal_lm.bundle import CHAT_TEMPLATE, EOS_TOKEN
+        from unirl.models.causal_lm.tiny import CHAT_TEMPLATE, EOS_TOKEN
 
         tokenizer = tiny_qwen_tokenizer(cfg.words, "user\nassistant\n")
         tokenizer.chat_template = CHAT_TEMPLATE  # Qwen's ChatML; `enable_thinking` changes nothing in it

@@ -230,7 +230,7 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
             T5EncoderModel,
         )
 
-        from unirl.models.causal_lm.bundle import CHAT_TEMPLATE, EOS_TOKEN
+        from unirl.models.causal_lm.tiny import CHAT_TEMPLATE, EOS_TOKEN
 
         torch.manual_seed(cfg.seed)
         tokenizer_2 = ByT5Tokenizer()

@@ -7,7 +7,7 @@ Two ways to build one, same code path afterwards:
   converted to transformers' format: `config.json`, weights, tokenizer files), read with
   `local_files_only`.
 - `JanusModelConfig(tiny=TinyJanusConfig(...))`: a tiny random Janus built from a config, with
-  the byte-level tokenizer of `unirl.models.causal_lm.tiny_tokenizer` plus Janus's image tokens.
+  the byte-level tokenizer of `unirl.models.causal_lm.tiny.tiny_tokenizer` plus Janus's image tokens.
 
 `save_pretrained(dir)` writes model and tokenizer so that `JanusModelConfig(pretrained_path=dir)`
 loads them back offline. Image geometry: `num_image_tokens = num_patches ** 2` codebook indices
@@ -25,7 +25,9 @@ from typing import ClassVar
 import torch
 from transformers import JanusConfig, JanusForConditionalGeneration
 
-from unirl.models.causal_lm.bundle import CausalLMBundle, load_checkpoint, model_on_meta, tiny_tokenizer
+from unirl.models.causal_lm.family import TextBundle
+from unirl.models.causal_lm.loading import load_checkpoint, model_on_meta
+from unirl.models.causal_lm.tiny import tiny_tokenizer
 from unirl.models.source import DTYPES, DType, check_source
 from unirl.types.constraints import AtLeastOne, check_fields
 
@@ -129,7 +131,7 @@ class TinyJanusConfig:
         )
 
 
-class JanusBundle(CausalLMBundle):
+class JanusBundle(TextBundle):
     """A Janus model and its tokenizer: a text family (the text stage, `CausalLMStage`, runs on
     it as on any causal LM: `model(input_ids=...)` gives text logits) and an image-token family
     (`unirl.models.image_tokens.VQImageStage` draws its image tokens).
@@ -251,7 +253,7 @@ class JanusModelConfig:
 
     def load_checkpoint(self, path: str) -> JanusBundle:
         """The bundle of a UniRL checkpoint of a unified run, fp32 (LoRA merged or full weights)."""
-        return load_checkpoint(path, bundle_cls=JanusBundle)
+        return load_checkpoint(path, JanusBundle)
 
     def text_problems(self, sampling) -> list[str]:
         """The plan's sampling vs this model, as `sampling.<key>: ...` problems: prompt + plan +

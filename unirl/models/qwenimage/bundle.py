@@ -236,8 +236,7 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
 def tiny_text_encoder(cfg: TinyQwenImageConfig, tokenizer):
     """A tiny random `Qwen2_5_VLForConditionalGeneration` over `tokenizer` (the causal-LM package's
     tiny VLM builder: 2 heads, a 1-layer vision tower the pipeline never calls)."""
-    from unirl.models.causal_lm.bundle import EOS_TOKEN
-    from unirl.models.causal_lm.vision import VISION_TOKENS, TinyVLMConfig, tiny_vlm_model
+    from unirl.models.causal_lm.tiny import EOS_TOKEN, VISION_TOKENS, TinyVLMConfig, tiny_vlm_model
 
     vlm = TinyVLMConfig(
         architecture="qwen2_5_vl",

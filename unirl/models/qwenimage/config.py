@@ -40,7 +40,7 @@ class TinyQwenImageConfig(PackedTinyConfig):
     gives `latent_channels` latents, normalized per channel by a fixed latents mean / std as
     Qwen-Image's VAE is, packed 2x2. `axes_dims_rope` (frame, row, column) must sum to
     `attention_head_dim`. The text encoder is a tiny `Qwen2_5_VLForConditionalGeneration`
-    (`unirl.models.causal_lm.vision.tiny_vlm_model`, `text_hidden_size` wide, `text_layers`
+    (`unirl.models.causal_lm.tiny.tiny_vlm_model`, `text_hidden_size` wide, `text_layers`
     deep); its tokenizer is byte-level BPE with the prompt template's words and `words` as whole
     tokens, so the template's system prefix is the 34 tokens QwenImagePipeline drops, as with
     Qwen2.5-VL's own tokenizer. `zero_cond_t` (Qwen-Image-Edit-2511's transformer) modulates an

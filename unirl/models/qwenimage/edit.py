@@ -43,7 +43,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
 from transformers import Qwen2VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from unirl.models.causal_lm.vision import TinyVLMConfig, tiny_image_processor
+from unirl.models.causal_lm.tiny import TinyVLMConfig, tiny_image_processor
 from unirl.models.flow.loading import tiny_qwen_tokenizer
 from unirl.models.flow.packing import pack
 from unirl.models.images import metadata_images

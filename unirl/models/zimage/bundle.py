@@ -174,7 +174,7 @@ class ZImageBundle(Packed2x2Bundle, ClassifierFreeGuidance):
         """A randomly initialized tiny Z-Image, deterministic in `cfg.seed`."""
         from transformers import Qwen3Config, Qwen3Model
 
-        from unirl.models.causal_lm.bundle import CHAT_TEMPLATE, EOS_TOKEN
+        from unirl.models.causal_lm.tiny import CHAT_TEMPLATE, EOS_TOKEN
 
         torch.manual_seed(cfg.seed)
         tokenizer = tiny_qwen_tokenizer(cfg.words, CHAT_WORDS)

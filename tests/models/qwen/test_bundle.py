@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from unirl.models.causal_lm import CausalLMConfig, TinyLMConfig, load_checkpoint, tiny_tokenizer
+from unirl.models.causal_lm import TinyLMConfig, tiny_tokenizer
+from unirl.models.qwen import QwenConfig, load_checkpoint
 
 
 def test_tiny_tokenizer_round_trips_text_and_renders_chatml() -> None:
@@ -36,7 +37,7 @@ def test_tiny_tokenizer_round_trips_text_and_renders_chatml() -> None:
 
 @pytest.mark.parametrize(("arch", "cls"), [("qwen3", Qwen3ForCausalLM), ("qwen2", Qwen2ForCausalLM)])
 def test_save_pretrained_loads_back_offline(tmp_path, arch, cls) -> None:
-    bundle = CausalLMConfig(tiny=TinyLMConfig(architecture=arch, num_layers=1)).build()
+    bundle = QwenConfig(tiny=TinyLMConfig(architecture=arch, num_layers=1)).build()
     assert type(bundle.model) is cls
     bundle.save_pretrained(str(tmp_path))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True)
@@ -48,7 +49,7 @@ def test_save_pretrained_loads_back_offline(tmp_path, arch, cls) -> None:
     ids = torch.tensor([tok.encode(text)])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, bundle.model(ids).logits)
-    again = CausalLMConfig(pretrained_path=str(tmp_path)).build()
+    again = QwenConfig(pretrained_path=str(tmp_path)).build()
     assert type(again.model) is cls and len(again.tokenizer) == len(bundle.tokenizer)
 
 
@@ -56,10 +57,10 @@ def test_tiny_build_is_deterministic_in_seed_and_leaves_global_rng() -> None:
     torch.manual_seed(123)
     before = torch.rand(1)
     torch.manual_seed(123)
-    a = CausalLMConfig(tiny=TinyLMConfig(seed=1)).build().model
+    a = QwenConfig(tiny=TinyLMConfig(seed=1)).build().model
     assert torch.equal(torch.rand(1), before)  # the global RNG is untouched
-    b = CausalLMConfig(tiny=TinyLMConfig(seed=1)).build().model
-    c = CausalLMConfig(tiny=TinyLMConfig(seed=2)).build().model
+    b = QwenConfig(tiny=TinyLMConfig(seed=1)).build().model
+    c = QwenConfig(tiny=TinyLMConfig(seed=2)).build().model
     wa, wb, wc = (m.get_input_embeddings().weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
 
@@ -80,22 +81,22 @@ def test_tiny_config_errors_name_the_key(kwargs, match) -> None:
 
 def test_model_config_errors() -> None:
     with pytest.raises(ValueError, match="exactly one of model.pretrained_path"):
-        CausalLMConfig()
+        QwenConfig()
     with pytest.raises(ValueError, match="exactly one of model.pretrained_path"):
-        CausalLMConfig(pretrained_path="/x", tiny=TinyLMConfig())
+        QwenConfig(pretrained_path="/x", tiny=TinyLMConfig())
     with pytest.raises(ValueError, match="model.dtype must be one of"):
-        CausalLMConfig(tiny=TinyLMConfig(), dtype="fp8")
-    assert CausalLMConfig(tiny={"num_layers": 1}).tiny.num_layers == 1  # a recipe's plain dict
+        QwenConfig(tiny=TinyLMConfig(), dtype="fp8")
+    assert QwenConfig(tiny={"num_layers": 1}).tiny.num_layers == 1  # a recipe's plain dict
 
 
 def test_load_errors_name_the_directory(tmp_path) -> None:
     missing = str(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match=r"model\.pretrained_path .*nope.* is not a directory"):
-        CausalLMConfig(pretrained_path=missing).build()
+        QwenConfig(pretrained_path=missing).build()
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty.* has no config\.json"):
-        CausalLMConfig(pretrained_path=str(empty)).build()
+        QwenConfig(pretrained_path=str(empty)).build()
     # a model with fewer embedding rows than the tokenizer has tokens
     small = tmp_path / "small"
     Qwen3ForCausalLM(
@@ -105,7 +106,7 @@ def test_load_errors_name_the_directory(tmp_path) -> None:
     tiny_tokenizer().save_pretrained(str(small))
     assert os.path.isfile(small / "config.json")
     with pytest.raises(ValueError, match=r"small.*259 tokens.*100 rows"):
-        CausalLMConfig(pretrained_path=str(small)).build()
+        QwenConfig(pretrained_path=str(small)).build()
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
@@ -114,9 +115,9 @@ def test_write_weights_then_load_checkpoint(tmp_path, kind) -> None:
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    base = CausalLMConfig(tiny=TinyLMConfig(num_layers=1)).build()
+    base = QwenConfig(tiny=TinyLMConfig(num_layers=1)).build()
     base.save_pretrained(str(tmp_path / "base"))
-    bundle = CausalLMConfig(pretrained_path=str(tmp_path / "base")).build()
+    bundle = QwenConfig(pretrained_path=str(tmp_path / "base")).build()
     model = bundle.model
     if kind == "lora":  # as TrainBackend injects and exports it
         model.add_adapter(

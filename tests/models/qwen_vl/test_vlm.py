@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.models.causal_lm import CausalLMConfig, CausalLMStage, TinyLMConfig
-from unirl.models.causal_lm.vision import IMAGE_PAD, VISION_END, VISION_START, TinyVLMConfig, VLMConfig
+from unirl.models.causal_lm import CausalLMStage, TinyLMConfig, TinyVLMConfig
+from unirl.models.causal_lm.tiny import IMAGE_PAD, VISION_END, VISION_START
+from unirl.models.qwen import QwenConfig
+from unirl.models.qwen_vl import QwenVLConfig
 from unirl.types.rollout_req import PromptExample, RolloutReq
 from unirl.types.sampling import TextSamplingParams
 
@@ -28,7 +30,7 @@ ROWS = [
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def stage(request) -> CausalLMStage:
-    return CausalLMStage(VLMConfig(tiny=TinyVLMConfig(architecture=request.param)).build())
+    return CausalLMStage(QwenVLConfig(tiny=TinyVLMConfig(architecture=request.param)).build())
 
 
 def make_req(rows=ROWS, **sampling) -> RolloutReq:
@@ -137,21 +139,21 @@ def test_bad_images_name_the_sample_and_the_file(stage, tmp_path) -> None:
 
 
 def test_a_text_only_model_rejects_rows_with_images() -> None:
-    text = CausalLMStage(CausalLMConfig(tiny=TinyLMConfig()).build())
-    with pytest.raises(ValueError, match=r"sample 'r0/g0:p0::sample:0'.*text-only causal LM.*VLMConfig"):
+    text = CausalLMStage(QwenConfig(tiny=TinyLMConfig()).build())
+    with pytest.raises(ValueError, match=r"sample 'r0/g0:p0::sample:0'.*text-only causal LM.*QwenVLConfig"):
         text.generate(make_req(ROWS[:1]))
 
 
 def test_save_and_load_a_directory(stage, tmp_path) -> None:
-    """`save_pretrained` writes what `VLMConfig(pretrained_path=...)` reads: same weights, same tokens."""
+    """`save_pretrained` writes what `QwenVLConfig(pretrained_path=...)` reads: same weights, same tokens."""
     stage.bundle.save_pretrained(str(tmp_path))
-    loaded = CausalLMStage(VLMConfig(pretrained_path=str(tmp_path)).build())
+    loaded = CausalLMStage(QwenVLConfig(pretrained_path=str(tmp_path)).build())
     a, _ = stage.generate(make_req(ROWS[:2]))
     b, _ = loaded.generate(make_req(ROWS[:2]))
     assert all(torch.equal(x, y) for x, y in zip(a.response_ids, b.response_ids, strict=True))
-    assert VLMConfig(pretrained_path=str(tmp_path)).directory_problems() == []
-    problems = CausalLMConfig(pretrained_path=str(tmp_path)).directory_problems()
-    assert len(problems) == 1 and "vision-language" in problems[0] and "VLMConfig" in problems[0]
+    assert QwenVLConfig(pretrained_path=str(tmp_path)).directory_problems() == []
+    problems = QwenConfig(pretrained_path=str(tmp_path)).directory_problems()
+    assert len(problems) == 1 and "vision-language" in problems[0] and "QwenVLConfig" in problems[0]
 
 
 def test_recipes_reject_the_other_kind_of_model_directory(tmp_path) -> None:
@@ -161,9 +163,9 @@ def test_recipes_reject_the_other_kind_of_model_directory(tmp_path) -> None:
     from unirl.config.validate import ConfigError
 
     vlm_dir, text_dir = tmp_path / "vlm", tmp_path / "text"
-    VLMConfig(tiny=TinyVLMConfig()).build().save_pretrained(str(vlm_dir))
-    CausalLMConfig(tiny=TinyLMConfig()).build().save_pretrained(str(text_dir))
-    with pytest.raises(ConfigError, match=r"model.pretrained_path: .* holds a vision-language model.*VLMConfig"):
+    QwenVLConfig(tiny=TinyVLMConfig()).build().save_pretrained(str(vlm_dir))
+    QwenConfig(tiny=TinyLMConfig()).build().save_pretrained(str(text_dir))
+    with pytest.raises(ConfigError, match=r"model.pretrained_path: .* holds a vision-language model.*QwenVLConfig"):
         recipe("llm/tiny_lm_grpo", tmp_path / "a", f"model.pretrained_path={vlm_dir}", "model.tiny=null")
-    with pytest.raises(ConfigError, match=r"model.pretrained_path: .* holds a text-only model.*CausalLMConfig"):
+    with pytest.raises(ConfigError, match=r"model.pretrained_path: .* holds a text-only model.*QwenConfig"):
         recipe("vlm/shapes_vqa_grpo", tmp_path / "b", f"model.pretrained_path={text_dir}")
