@@ -46,6 +46,20 @@ VLLM = "llm/tiny_lm_grpo_vllm"
         (COLOCATE, ["weight_sync.bucket_mb=0"], "weight_sync.bucket_mb must be > 0"),
         (COLOCATE, ["+weight_sync.compress=true"], "weight_sync.compress: unknown key"),
         ("llm/tiny_lm_dedicated", ["advantage.kl_coef=0.1"], "a dedicated engine holds no reference policy"),
+        ("llm/tiny_lm_dedicated", ["rollout.partial_tokens=4"], "with rollout.max_staleness=0 none is in flight"),
+        (
+            "llm/tiny_lm_dedicated",
+            [
+                "rollout.placement=separate",
+                "rollout.sleep_level=0",
+                "rollout.max_staleness=1",
+                "algorithm.config.old_logp_source=rollout",
+                "rollout.partial_tokens=16",
+            ],
+            "rollout.partial_tokens=16 >= sampling.max_new_tokens=16",
+        ),
+        ("llm/tiny_lm_dedicated", ["rollout.partial_tokens=0"], "rollout.partial_tokens"),
+        (SEPARATE, ["+rollout.partial_tokens=4"], "partial rollouts resume text samples"),
         (
             "llm/tiny_lm_dedicated",
             [

@@ -8,6 +8,7 @@ the trainer's own forward (`CausalLMStage.token_log_probs`) on the tokens vLLM c
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -162,6 +163,43 @@ def test_a_push_changes_the_policy_and_the_prefix_cache_is_emptied(pair) -> None
     engine.weights_loaded(2)
     assert engine.weights_version == 2
     assert max_gap(trainer, engine.generate(req).track("text")) < TOL
+
+
+def test_a_partial_rollout_resumes_in_vllm_by_the_new_weights(pair) -> None:
+    """vLLM's segments (`VLLMTextStage.extend`, `rollout.partial_tokens`): a greedy draft sampled
+    4 tokens at a time is one greedy generate; a sampled draft paused after 4 tokens and resumed
+    after a push records each token's log-prob by the weights that sampled it (the trainer's
+    forward of that version: the old weights for the first 4, the new ones after)."""
+    trainer, engine = pair
+    req = request(temperature=0.0)
+    whole = engine.generate(req).track("text").segment
+    draft = engine.draft(req)
+    engine.extend(draft, 4)
+    engine.extend(draft, 4)
+    greedy = engine.finish(draft).segment
+    for got, want in zip(greedy.response_ids, whole.response_ids, strict=True):
+        assert torch.equal(got, want)
+    req = request(temperature=1.0)
+    old = copy.deepcopy(trainer)
+    draft = engine.draft(req)
+    engine.extend(draft, 4)
+    before = engine.weights_version
+    moved(trainer.module, 5)
+    copy_into(trainer.module, engine.stage.module)
+    engine.weights_loaded(before + 1)
+    track = engine.finish(draft)
+    seg = track.segment
+    with torch.no_grad():
+        by_old, by_new = old.token_log_probs(seg), trainer.token_log_probs(seg)
+    resumed = 0
+    for i, lp in enumerate(seg.log_probs):
+        first = min(4, lp.numel())
+        assert draft.versions[i].tolist() == [before] * first + [before + 1] * (lp.numel() - first)
+        assert float((by_old[i, :first] - lp[:first]).abs().max()) < TOL
+        if lp.numel() > first:
+            assert float((by_new[i, first : lp.numel()] - lp[first:]).abs().max()) < TOL
+            resumed += 1
+    assert resumed > 0
 
 
 def test_sleep_on_cpu_keeps_the_samples(pair) -> None:

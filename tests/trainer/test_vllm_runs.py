@@ -51,6 +51,27 @@ def test_vllm_run_resumes_exactly_with_mismatch_measured_and_corrected(tmp_path)
         assert r["sync/probe_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0
 
 
+def test_vllm_partial_rollouts_pause_at_each_sync_and_resume_by_the_new_weights(tmp_path):
+    """Partial rollouts on the vLLM engine (separate, max_staleness 2, 4 tokens a segment): step 2's
+    rollout starts by version 0, pauses at the step-1 sync and is resumed and finished in vLLM by
+    version 1 (pushed and probed), so its tokens are 1 to 2 versions behind and some samples span
+    both; the engine's recorded log-probs are the behaviour policy's (`old_logp_source: rollout`)."""
+    rows = run(
+        RECIPE,
+        tmp_path,
+        "num_steps=3",
+        "rollout.placement=separate",
+        "rollout.max_staleness=2",
+        "rollout.partial_tokens=4",
+        "algorithm.config.old_logp_source=rollout",
+    )
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 2]
+    assert rows[1]["rollout/token_staleness_mean"] == 1.0 and rows[1]["rollout/resumed_frac"] == 0.0
+    assert 1.0 < rows[2]["rollout/token_staleness_mean"] < 2.0 and rows[2]["rollout/resumed_frac"] > 0.0
+    assert all(r["sync/probe_max_abs_diff"] < 1e-3 for r in rows[:2])  # a probed push at every step
+    assert rows[2]["off_policy/ratio_mean"] != 1.0
+
+
 def test_vllm_samples_the_prompt_enhancer_of_a_composed_run(tmp_path):
     """`pe/tiny_pe_vllm`: the enhancer track's rewrites come from vLLM (synced and probed before every
     rollout, its log-probs kept beside the trainer's replay: `ar/mismatch/*` at kernel rounding),

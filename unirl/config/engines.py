@@ -103,6 +103,9 @@ def check_rollout(cfg: DictConfig, passed: dict[str, Any], problems: list[str], 
                 f"algorithm.config.old_logp_source=rollout (got {source!r}"
                 + (")" if source is not None else ": this algorithm has no importance ratio)")
             )
+    partial = rollout.get("partial_tokens")
+    if partial is not None:
+        check_partial(int(partial), staleness, passed, problems, key)
     limit = getattr(passed.get("algorithm"), "dynamic_sampling_limit", lambda: None)()
     if staleness > 1 and limit is not None:
         problems.append(
@@ -130,6 +133,32 @@ def group_scorers(reward: Any) -> list[str]:
     """The components of a built reward service that score whole groups (`groupwise = True`)."""
     components = getattr(getattr(reward, "backend", None), "components", None) or {}
     return [name for name, scorer in components.items() if getattr(scorer, "groupwise", False)]
+
+
+def check_partial(partial: int, staleness: int, passed: dict[str, Any], problems: list[str], key: str) -> None:
+    """Partial rollouts (`partial_tokens`): rollouts in flight at a sync (max_staleness >= 1) of a
+    text model, paused before they could end in one segment."""
+    if staleness == 0:
+        problems.append(
+            f"{key}.partial_tokens={partial}: partial rollouts pause the rollouts in flight at a weight sync "
+            f"and resume them by the new weights, and with {key}.max_staleness=0 none is in flight; set "
+            f"{key}.max_staleness >= 1 (or {key}.partial_tokens=null)"
+        )
+    model = passed.get("model")
+    if model is not None and getattr(model, "modality", None) != "text":
+        problems.append(
+            f"{key}.partial_tokens={partial}: partial rollouts resume text samples from their tokens so far; "
+            f"model._target_ builds a {type(model).__name__} ({getattr(model, 'modality', None)} model): set "
+            f"{key}.partial_tokens=null"
+        )
+    sampling = passed.get("sampling")
+    max_new = getattr(sampling, "max_new_tokens", None)
+    if max_new is not None and partial >= max_new:
+        problems.append(
+            f"{key}.partial_tokens={partial} >= sampling.max_new_tokens={max_new}: every sample ends within "
+            f"its first segment, so no rollout would ever be paused; set {key}.partial_tokens below "
+            f"{max_new} (or null)"
+        )
 
 
 def check_vllm(cfg: DictConfig, passed: dict[str, Any], problems: list[str], key: str = "rollout") -> None:

@@ -73,6 +73,13 @@ class DedicatedEngine:
             (the next k steps' rollouts run while this step and the next ones
             train, on this step's weights: step n + j's samples are j versions
             behind, 1 <= j <= k; needs placement separate). Read by the trainer.
+        partial_tokens: None (a rollout in flight finishes under the weights it
+            started with; the engines sync once they are idle) or T >= 1 (partial
+            rollouts, text stages, with max_staleness >= 1: the engines sync at every
+            step and each rollout in flight samples at most T more tokens per sample
+            between two syncs; at a sync its unfinished samples stop, and resume under
+            the new weights from their prompt and tokens so far, every token's
+            log-prob recorded by the weights that sampled it). Read by the trainer.
         sleep_level: what `sleep` does between rollouts on colocated engines:
             0 nothing, 1 offload and restore the weights, 2 drop them (restored
             from the model source and the next sync). Must be 0 with separate.
@@ -95,6 +102,7 @@ class DedicatedEngine:
         overlap_reward: bool = True,
         rebuild: Callable[[], Any] | None = None,
         track_name: str | None = None,
+        partial_tokens: Annotated[int, Ge(1)] | None = None,
     ) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"rollout.placement must be one of {PLACEMENTS}, got {placement!r}")
@@ -104,6 +112,11 @@ class DedicatedEngine:
             raise ValueError(f"rollout.num_engines must be >= 1, got {num_engines}")
         if max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0, got {max_staleness}")
+        if partial_tokens is not None and (partial_tokens < 1 or not isinstance(stage, TextStage)):
+            raise ValueError(
+                f"rollout.partial_tokens={partial_tokens}: partial rollouts sample text stages, at least one "
+                f"token per segment; got a {type(stage).__name__}"
+            )
         self.sampler = TrainsideEngine(stage, forward_batch_size, track_name)
         self.stage = stage
         self.track_name = self.sampler.track_name
@@ -113,6 +126,7 @@ class DedicatedEngine:
         self.max_staleness = max_staleness
         self.sleep_level = sleep_level
         self.overlap_reward = overlap_reward
+        self.partial_tokens = partial_tokens
         self.rebuild = rebuild
         self.weights_version: int | None = None
         self.asleep = 0  # the level it sleeps at; 0 awake
@@ -143,6 +157,25 @@ class DedicatedEngine:
         forward batch as soon as it is sampled (their concatenation is `generate`'s)."""
         self._check_ready()
         yield from self.sampler.generate_chunks(req)
+
+    # ---- partial rollouts (text) --------------------------------------------------------------
+    def draft(self, req: RolloutReq) -> Any:
+        """An empty `unirl.models.causal_lm.stage.Draft` of `req` for `extend` and `finish`."""
+        self._check_ready()
+        return self.stage.draft(req)
+
+    def extend(self, draft: Any, max_tokens: int) -> None:
+        """At most `max_tokens` more tokens for each unfinished sample of `draft`, sampled (and
+        recorded) by the weights this engine holds now (`CausalLMStage.extend`)."""
+        self._check_ready()
+        self.stage.extend(draft, max_tokens, self.weights_version)
+
+    def finish(self, draft: Any) -> RolloutTrack:
+        """Sample the draft's unfinished samples to their end with the weights held now; the
+        track a rollout of its request produces."""
+        self.extend(draft, draft.req.sampling.max_new_tokens)
+        segment, texts = self.stage.segment_of(draft)
+        return RolloutTrack.of_request(self.track_name, draft.req, segment, texts=texts)
 
     def weights_loaded(self, version: int) -> dict[str, float]:
         """The engine's module now holds the trainer's weights of `version` (a sync or a

@@ -84,7 +84,6 @@ class EngineWorker(Worker):
         stage = build(cfg["stage"], bundle=bundle)
         self.freeze_as_trained(stage.module, cfg)
         return build(cfg["rollout"], stage=stage, rebuild=rebuild)
-        self.chunks: Iterator[RolloutTrack] = iter(())
 
     def start_engine(self, cfg: dict[str, Any], device: str | None) -> tuple[Any, Any]:
         """Set up this engine's process (library logs quiet, torch threads, the seed, `self.device`)
@@ -111,6 +110,8 @@ class EngineWorker(Worker):
         self.transport.attach(transport_info or {})
         self.receiver: WeightSyncReceiver | None = None
         self.partition = ""
+        self.chunks: Iterator[RolloutTrack] = iter(())
+        self.drafts: dict[str, Any] = {}  # partial rollouts in flight, by partition
 
     @dispatch(Dispatch.DP_SCATTER)
     def rollout(self, req: RolloutReq, partition: str, chunked: bool) -> None:
@@ -133,6 +134,65 @@ class EngineWorker(Worker):
         if track is None:
             raise RuntimeError(f"rollout_next: the rollout into {self.partition!r} has no chunk left")
         return put_batch(self.transport, self.partition, track)
+
+    # ---- partial rollouts (`rollout.partial_tokens`) -----------------------------------------
+    @dispatch(Dispatch.DP_SCATTER)
+    def partial_start(self, req: RolloutReq, partition: str, max_tokens: int) -> None:
+        """Start this engine's shard `req` of a partial rollout into `partition` and sample its
+        first segment: at most `max_tokens` tokens per sample, by the weights held now."""
+        apply_thread_count()
+        self.drafts[partition] = self.engine.draft(req)
+        self.engine.extend(self.drafts[partition], max_tokens)
+
+    @dispatch(Dispatch.BROADCAST)
+    def partial_extend(self, partition: str, max_tokens: int) -> None:
+        """The next segment of the partial rollout into `partition`: its unfinished samples resume
+        by the weights held now (synced since the last segment) for at most `max_tokens` tokens."""
+        apply_thread_count()
+        self.engine.extend(self._draft(partition), max_tokens)
+
+    @dispatch(Dispatch.BROADCAST)
+    def partial_finish(self, partition: str) -> tuple[BatchMeta, dict[str, Any]]:
+        """Sample the partial rollout into `partition` to its end by the weights held now, put its
+        track into the transport; returns (meta, {"tokens_by_version": {version: tokens},
+        "resumed": samples whose tokens span several versions, "samples": n})."""
+        apply_thread_count()
+        draft = self._draft(partition)
+        track = self.engine.finish(draft)
+        del self.drafts[partition]
+        stats = {
+            "tokens_by_version": draft.version_counts(),
+            "resumed": sum(int(v.unique().numel() > 1) for v in draft.versions),
+            "samples": len(draft.versions),
+        }
+        return put_batch(self.transport, partition, track), stats
+
+    def _draft(self, partition: str) -> Any:
+        if partition not in self.drafts:
+            raise RuntimeError(
+                f"engine {self.rank_info.rank}: no partial rollout into {partition!r} is in flight "
+                f"(in flight: {sorted(self.drafts)})"
+            )
+        return self.drafts[partition]
+
+    @dispatch(Dispatch.BROADCAST)
+    def save_drafts(self, path: str) -> None:
+        """Write this engine's partial rollouts in flight (each one's request and draft state) to
+        `<path>/engine_drafts_<rank>.pt` (a checkpoint taken with them in flight)."""
+        state = {p: {"req": d.req, **d.state_dict()} for p, d in self.drafts.items()}
+        torch.save(state, os.path.join(path, f"engine_drafts_{self.rank_info.rank}.pt"))
+
+    @dispatch(Dispatch.BROADCAST)
+    def load_drafts(self, path: str) -> list[str]:
+        """Restore what `save_drafts` wrote (the requests re-encoded, the drafts' tokens, log-probs,
+        versions and generators loaded); returns the partitions in flight."""
+        saved = torch.load(os.path.join(path, f"engine_drafts_{self.rank_info.rank}.pt"), weights_only=False)
+        self.drafts = {}
+        for partition, state in saved.items():
+            draft = self.engine.draft(state.pop("req"))
+            draft.load_state_dict(state)
+            self.drafts[partition] = draft
+        return sorted(self.drafts)
 
     @dispatch(Dispatch.BROADCAST)
     def sleep(self, level: int | None = None) -> None:

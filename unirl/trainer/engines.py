@@ -48,6 +48,7 @@ class RolloutSettings:
     sleep_level: int = 0
     overlap_reward: bool = False
     forward_batch_size: int | None = None
+    partial_tokens: int | None = None
 
     @classmethod
     def of(cls, cfg: Any) -> RolloutSettings:
@@ -68,6 +69,7 @@ class RolloutSettings:
             sleep_level=int(node.get("sleep_level", 1)),
             overlap_reward=bool(node.get("overlap_reward", True)),
             forward_batch_size=node.get("forward_batch_size"),
+            partial_tokens=node.get("partial_tokens"),
         )
 
     def pool_devices(self, num_devices: int) -> int:
@@ -126,6 +128,55 @@ class InFlightRollout:
         """Wait for every chunk; the meta in request order (one chunk: a shared backbone's
         `{track: BatchMeta}`)."""
         return request_order([chunk() for chunk in self.chunks], self.parts)
+
+
+class PartialRollout:
+    """A partial rollout in flight on dedicated engines (`rollout.partial_tokens`): started by
+    weight `version` with its first segment, then one segment per sync (`extend`, by the weights
+    just synced), finished by `collect` / `wait` with the weights held then. `stats` (after
+    collecting): the tokens each weight version sampled, and the samples whose tokens span
+    several versions (`resumed`), over every engine."""
+
+    def __init__(self, group: Any, partition: str, version: int, calls: list[PendingCall]) -> None:
+        self.group = group
+        self.partition = partition
+        self.version = version
+        self.calls = calls  # the segments queued so far (their errors surface when collected)
+        self.stats: dict[str, Any] = {}
+
+    def extend(self, max_tokens: int) -> None:
+        """Queue the next segment: at most `max_tokens` tokens per unfinished sample."""
+        self.calls.append(self.group.submit("partial_extend", self.partition, max_tokens))
+
+    def _finish(self) -> BatchMeta:
+        finishing = self.group.submit("partial_finish", self.partition)
+        for call in self.calls:
+            call.result()
+        results = finishing.result()
+        by_version: dict[int, int] = {}
+        for _, stats in results:
+            for version, n in stats["tokens_by_version"].items():
+                by_version[version] = by_version.get(version, 0) + n
+        self.stats = {
+            "tokens_by_version": by_version,
+            "resumed": sum(r[1]["resumed"] for r in results),
+            "samples": sum(r[1]["samples"] for r in results),
+        }
+        return concat_metas([meta for meta, _ in results])
+
+    def collect(
+        self, transport: Any, fields: list[str], score: Callable[[RolloutTrack], Any]
+    ) -> tuple[BatchMeta, RolloutTrack, float]:
+        """Finish the rollout, fetch its `fields` and `score` it (one chunk, in request order);
+        returns (meta, scored view, the time it arrived)."""
+        meta = self._finish()
+        arrived = time.perf_counter()
+        track = get_batch(transport, meta, fields)
+        score(track)
+        return meta, track, arrived
+
+    def wait(self) -> BatchMeta:
+        return self._finish()
 
 
 class TrainsideRollouts:
@@ -240,7 +291,11 @@ class DedicatedRollouts:
         self.version = version
         out = {k: v for k, v in stats.items() if k != "sync/version"}
         # the slowest engine's times; an engine's own extras (a vLLM push and probe): their largest
-        for key in {k for r in received for k in r if k != "sync/version"} - set(out) - {"sync/bytes", "sync/buckets"}:
+        for key in (
+            {k for r in received for k in r if k != "sync/version"}
+            - set(out)
+            - {"sync/bytes", "sync/buckets"}
+        ):
             out[key] = max(r[key] for r in received if key in r)
         out["time/sync_s"] = time.perf_counter() - start
         return out
@@ -266,6 +321,29 @@ class DedicatedRollouts:
             return wait
 
         return InFlightRollout([chunk(c, i == 0) for i, c in enumerate(calls)], parts, self.version)
+
+    def submit_partial(self, req: RolloutReq, partition: str) -> PartialRollout:
+        """Start `req` as a partial rollout (split evenly, in engine order) and queue its first
+        segment of `settings.partial_tokens` tokens, by the weights the engines hold."""
+        if self.version is None:
+            raise RuntimeError(
+                "DedicatedRollouts.submit_partial before prepare(): the engines hold no weights"
+            )
+        started = self.group.submit("partial_start", req, partition, self.settings.partial_tokens)
+        return PartialRollout(self.group, partition, self.version, [started])
+
+    def save_drafts(self, path: str) -> None:
+        """Every engine writes its partial rollouts in flight into checkpoint directory `path`."""
+        self.group.save_drafts(path)
+
+    def load_drafts(self, path: str, versions: dict[int, int]) -> list[PartialRollout]:
+        """Every engine restores the partial rollouts `save_drafts` wrote; returns them as
+        `PartialRollout`s, step by step (`versions`: each step's starting weight version)."""
+        partitions = self.group.load_drafts(path)[0]
+        return [
+            PartialRollout(self.group, p, versions[int(p.removeprefix("step_"))], [])
+            for p in sorted(partitions, key=lambda p: int(p.removeprefix("step_")))
+        ]
 
     def release(self) -> None:
         """After a rollout: colocated engines with a sleep level release their weights' memory."""

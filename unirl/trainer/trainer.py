@@ -55,7 +55,7 @@ from unirl.trainer.checkpoints import (
     write_driver_state,
 )
 from unirl.trainer.engine_worker import EngineWorker
-from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, TrainsideRollouts
+from unirl.trainer.engines import DedicatedRollouts, InFlightRollout, PartialRollout, TrainsideRollouts
 from unirl.trainer.evaluation import Evaluator
 from unirl.trainer.graph import LINEAGE_FIELDS, PARENT_FIELDS, RunGraph, aggregate_children, track_recipe
 from unirl.trainer.modality import ImageModality, TextModality, modality_for
@@ -103,8 +103,20 @@ class AheadRollout:
     source's position before its prompts."""
 
     step: int
-    flight: InFlightRollout
+    flight: InFlightRollout | PartialRollout
     source_state: dict[str, Any]
+
+
+def partial_rollout_rows(stats: dict[str, Any], step: int) -> dict[str, float]:
+    """A partial rollout's row entries: how many versions behind step `step` its tokens were
+    sampled (mean over tokens, and the freshest), and the share of samples resumed across a sync."""
+    counts = stats["tokens_by_version"]
+    total = sum(counts.values())
+    return {
+        "rollout/token_staleness_mean": sum((step - v) * n for v, n in counts.items()) / max(total, 1),
+        "rollout/token_staleness_min": float(step - max(counts)) if counts else 0.0,
+        "rollout/resumed_frac": stats["resumed"] / max(stats["samples"], 1),
+    }
 
 
 class Trainer:
@@ -146,6 +158,7 @@ class Trainer:
         self.step_stats: dict[str, float] = {}  # weight-sync figures of the step, for its row
         self.ahead: list[AheadRollout] = []  # later steps' rollouts, in flight while this one trains
         self.resume_ahead: tuple[int, int] | None = None  # (first, last) step a checkpoint had in flight
+        self.resume_partial: tuple[str, dict[int, int]] | None = None  # (checkpoint, start version by step)
         self.restore_s: float | None = None
         self.transport = make_transport(cfg.transport)
         if self.graph.shared:
@@ -155,7 +168,9 @@ class Trainer:
         self.evaluator = self._evaluator(ev) if ev else None
 
     worker_class: type = RLWorker  # a train rank, of every kind of run
-    engine_class: type = EngineWorker  # a dedicated engine's actor (a shared backbone's: `UnifiedEngineWorker`)
+    engine_class: type = (
+        EngineWorker  # a dedicated engine's actor (a shared backbone's: `UnifiedEngineWorker`)
+    )
 
     def _evaluator(self, ev: DictConfig) -> Evaluator:
         """The run's evaluation: a single track's of its policy, or a chain's of prompt -> rewrite
@@ -163,7 +178,9 @@ class Trainer:
         if self.graph.single:
             return Evaluator.from_config(ev)
         leaf = self.graph.leaf
-        return Evaluator.from_config(ev, leaf, None if self.graph.shared else self.graph.tracks[leaf].sampling)
+        return Evaluator.from_config(
+            ev, leaf, None if self.graph.shared else self.graph.tracks[leaf].sampling
+        )
 
     def _base_models(self) -> str | dict[str, str]:
         """The directory exports load onto: the model's `pretrained_path`, or where a tiny model's
@@ -174,7 +191,9 @@ class Trainer:
             return os.path.abspath(str(path) if path else os.path.join(self.out, sub))
 
         if self.graph.per_track_models:
-            return {n: base(self.cfg.tracks[n].model, os.path.join("base_model", n)) for n in self.graph.order}
+            return {
+                n: base(self.cfg.tracks[n].model, os.path.join("base_model", n)) for n in self.graph.order
+            }
         return base(self.cfg.model, "base_model")
 
     def run(self) -> list[dict[str, Any]]:
@@ -366,8 +385,13 @@ class Trainer:
         if behind is not None and root.settings.max_staleness:
             # the checkpoint was taken with later steps' rollouts in flight: the engines get the weights
             # they sampled, and the resumed run samples those rollouts again from them (`_loop`)
-            self._guard(state["step"], "restore engine weights", self.engines[root.key].load_weights, path, behind)
-            self.resume_ahead = (int(state["step"]), int(state.get("ahead_until", state["step"])))
+            self._guard(
+                state["step"], "restore engine weights", self.engines[root.key].load_weights, path, behind
+            )
+            if root.settings.partial_tokens:  # partial rollouts: their drafts are in the checkpoint
+                self.resume_partial = (path, {int(k): v for k, v in state["partial_versions"].items()})
+            else:
+                self.resume_ahead = (int(state["step"]), int(state.get("ahead_until", state["step"])))
         self.last_checkpoint = path
         metrics = os.path.join(self.out, "metrics.jsonl")
         if os.path.exists(metrics):  # drop rows a stopped run wrote after its last checkpoint
@@ -382,15 +406,28 @@ class Trainer:
         (`self.ahead`, max_staleness >= 1) the checkpoint also holds the weights they sample (the
         engines', one version for all of them, behind the trainer's), the last step in flight and
         the data source's position before the first one's prompts, so a resumed run samples them
-        again identically."""
+        again identically. Partial rollouts (`rollout.partial_tokens`) in flight are saved as they
+        are (each engine's drafts: tokens, log-probs, versions, generators) with the weights the
+        engines hold, and resume from there."""
         path = checkpoint_dir(self.out, step)
         t0 = time.perf_counter()
         self._call(group, "save_checkpoint", step - 1, path, self.base_model)
         source, extra = self.data_source.state_dict(), {}
-        if self.ahead:
+        if self.ahead and self.graph.units[0].settings.partial_tokens:
+            engines = self.engines[self.graph.root]
+            self._guard(step - 1, "save engine weights", engines.save_weights, path)
+            self._guard(step - 1, "save partial rollouts", engines.save_drafts, path)
+            extra = {
+                "engine_weights_version": engines.version,
+                "partial_versions": {str(a.step): a.flight.version for a in self.ahead},
+            }
+        elif self.ahead:
             self._guard(step - 1, "save engine weights", self.engines[self.graph.root].save_weights, path)
             source = self.ahead[0].source_state
-            extra = {"engine_weights_version": self.ahead[0].flight.version, "ahead_until": self.ahead[-1].step}
+            extra = {
+                "engine_weights_version": self.ahead[0].flight.version,
+                "ahead_until": self.ahead[-1].step,
+            }
         write_driver_state(path, step, source, self.cfg, save_s=time.perf_counter() - t0, extra=extra)
         mark_complete(path)
         self.last_checkpoint = path
@@ -455,7 +492,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
 
-    def _rollout_and_score(self, group, step: int, partition: str, row: dict[str, Any], ahead: InFlightRollout | None):
+    def _rollout_and_score(
+        self, group, step: int, partition: str, row: dict[str, Any], ahead: InFlightRollout | None
+    ):
         """A single-track run's rollout: draw prompts, roll out, fetch what scoring needs and
         score; returns the train batch's (meta, scored track, time the first rollout ended) and
         adds the reward metrics to `row`.
@@ -505,6 +544,8 @@ class Trainer:
                     row.update(track.reward.metrics(view))
                 if settings.dedicated:
                     row["rollout/staleness"] = step - flight.version
+                if getattr(flight, "stats", None):  # a partial rollout: the versions its tokens came from
+                    row.update(partial_rollout_rows(flight.stats, step))
             offset = sum(len(m) for m in metas)
             metas.append(meta)
             tracks.append(view)
@@ -548,7 +589,9 @@ class Trainer:
                 fields = PARENT_FIELDS + (["root_ids"] if depth > 1 else [])
                 view = get_batch(self.transport, metas[graph.order[depth - 1]], fields)
                 sigmas = getattr(self.modalities[first], "sigmas", None)
-                req = child_request(view, view.texts, graph.tracks[first].sampling, sigmas, step, graph.prompt_key)
+                req = child_request(
+                    view, view.texts, graph.tracks[first].sampling, sigmas, step, graph.prompt_key
+                )
             engines = self.engines[unit.key]
             where = partition if unit.key is None else graph.tracks[unit.key].partition(partition)
             if unit.settings.dedicated:
@@ -566,7 +609,9 @@ class Trainer:
         for GAE), and a child's lineage."""
         track = self.graph.tracks[name]
         modality = TextModality if track.text else ImageModality
-        return track.score_fields(modality.reward_fields) + (LINEAGE_FIELDS if name != self.graph.root else [])
+        return track.score_fields(modality.reward_fields) + (
+            LINEAGE_FIELDS if name != self.graph.root else []
+        )
 
     def _score(self, step: int, metas: dict[str, BatchMeta], row: dict[str, Any]) -> dict[str, RolloutTrack]:
         """Fetch what scoring needs of every track of a chain and set its rewards, leaf first: the
@@ -591,7 +636,9 @@ class Trainer:
                 row[f"{name}/reward/mean"] = view.rewards.mean().item()
                 row[f"{name}/reward/std"] = view.rewards.std(unbiased=False).item()
             if view.metadata and "plan_truncated" in view.metadata[0]:  # a plan cut at its token budget
-                row[f"{name}/truncated_fraction"] = sum(bool(m["plan_truncated"]) for m in view.metadata) / len(view)
+                row[f"{name}/truncated_fraction"] = sum(
+                    bool(m["plan_truncated"]) for m in view.metadata
+                ) / len(view)
             views[name] = view
             child = view
         row["reward/mean"] = row[f"{self.graph.leaf}/reward/mean"]
@@ -638,8 +685,13 @@ class Trainer:
                 self._driver_phase(step, what, track_advantages, views[name], track.advantage)
         record.mark("reward")
         last = self.graph.units[-1]
-        self._guard(step, labelled("sleep", last.key), self.engines[last.key].release)  # colocated engines free the devices
-        if self.graph.units[0].settings.max_staleness and not self.ahead and step + 1 < self.num_steps:
+        self._guard(
+            step, labelled("sleep", last.key), self.engines[last.key].release
+        )  # colocated engines free the devices
+        settings = self.graph.units[0].settings
+        if settings.partial_tokens and step + 1 < self.num_steps:
+            self._advance_partials(step)
+        elif settings.max_staleness and not self.ahead and step + 1 < self.num_steps:
             self.ahead = self._submit_ahead(step)
         record.mark("train")
         self._train(group, step, metas, views, row)
@@ -673,8 +725,16 @@ class Trainer:
             for n, t in graph.tracks.items()
             if n == graph.root or not graph.shared
         }
-        if self.resume_ahead is not None:  # the checkpoint's rollouts in flight, from the weights they sampled
+        if (
+            self.resume_ahead is not None
+        ):  # the checkpoint's rollouts in flight, from the weights they sampled
             self.ahead = self._submit_steps(*self.resume_ahead)
+        if self.resume_partial is not None:  # the checkpoint's partial rollouts, where they were
+            path, versions = self.resume_partial
+            flights = self._guard(
+                start, "restore partial rollouts", self.engines[None].load_drafts, path, versions
+            )
+            self.ahead = [AheadRollout(int(f.partition.removeprefix("step_")), f, {}) for f in flights]
         log_cfg = self.cfg.get("logging") or {}
         every = int(log_cfg.get("save_images_every", 10))
         tracking = Tracking.from_recipe(self.out, self.cfg)
@@ -703,10 +763,16 @@ class Trainer:
                 finally:  # a failed step leaks nothing: its partitions and kept graphs go either way
                     for track in graph.tracks.values():
                         self.transport.clear(track.partition(partition))
-                    if self.graph.keep_graph and not trained:  # graphs kept by rollout for a train that never ran
+                    if (
+                        self.graph.keep_graph and not trained
+                    ):  # graphs kept by rollout for a train that never ran
                         self._release_kept(group, partition)
-                engine_stats = [s for e in self.engines.values() for s in self._guard(step, "dataplane_stats", e.stats)]
-                dataplane = self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
+                engine_stats = [
+                    s for e in self.engines.values() for s in self._guard(step, "dataplane_stats", e.stats)
+                ]
+                dataplane = (
+                    self._call(group, "dataplane_stats", step) + engine_stats + [self.transport.stats.drain()]
+                )
                 record.add_resources(dataplane, self._call(group, "peak_memory_mb", step))
                 row.update(self.step_stats)
                 self.step_stats = {}
@@ -744,6 +810,25 @@ class Trainer:
         self.step_stats.update(self._guard(step, "weight sync", engines.prepare, step))
         last = min(step + self.graph.units[0].settings.max_staleness, self.num_steps - 1)
         return self._submit_steps(step + 1, last)
+
+    def _advance_partials(self, step: int) -> None:
+        """Partial rollouts (`rollout.partial_tokens` T): sync this step's weights into the engines
+        (after the segments queued on them, which finish under the weights they started with),
+        queue one more segment of every rollout in flight (its unfinished samples resume from
+        their tokens so far, by the new weights, for at most T tokens), and start the rollouts of
+        the steps up to `step + max_staleness` not yet in flight, with their first segment. Step
+        m's rollout, started at step m - k, is finished when step m collects it."""
+        engines, settings = self.engines[None], self.graph.units[0].settings
+        self.step_stats.update(self._guard(step, "weight sync", engines.prepare, step))
+        for ahead in self.ahead:
+            ahead.flight.extend(settings.partial_tokens)
+        first = self.ahead[-1].step + 1 if self.ahead else step + 1
+        prompts = int(self.cfg.prompts_per_rollout)
+        for m in range(first, min(step + settings.max_staleness, self.num_steps - 1) + 1):
+            state = self.data_source.state_dict()
+            req = self.modalities[None].request(self.data_source.next_batch(prompts), m)
+            flight = self._guard(step, "rollout", engines.submit_partial, req, f"step_{m}")
+            self.ahead.append(AheadRollout(m, flight, state))
 
     def _submit_steps(self, first: int, last: int) -> list[AheadRollout]:
         """Submit the rollouts of steps `first`..`last` to the engines as they are (no sync), each

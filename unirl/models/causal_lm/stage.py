@@ -9,6 +9,7 @@ Shapes: B samples, P_i prompt and R_i response tokens of sample i, V vocab.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +75,79 @@ def done_on_every_rank(done: bool, sharded: bool, device: torch.device) -> bool:
     flag = torch.tensor([int(done)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+@dataclass
+class Draft:
+    """The responses of a request sampled over one or several calls (a partial rollout resumes
+    its unfinished samples after a weight sync): per sample i, `tokens[i]` [R_i] long and
+    `log_probs[i]` [R_i] fp32 so far, `versions[i]` [R_i] long the weight version that sampled
+    each token, `done[i]` (ended at a stop token or after `max_new_tokens`) and `gens[i]` its
+    generator (seeded by `req.seeds[i]`, continued by every call). `prompts`, `pixel_values`
+    and `grids` are the stage's encoding of the request (`CausalLMStage.encode`)."""
+
+    req: RolloutReq
+    prompts: list[torch.Tensor]
+    pixel_values: list[torch.Tensor] | None
+    grids: list[torch.Tensor] | None
+    tokens: list[torch.Tensor]
+    log_probs: list[torch.Tensor]
+    versions: list[torch.Tensor]
+    done: list[bool]
+    gens: list[torch.Generator]
+
+    @classmethod
+    def of(cls, req: RolloutReq, prompts: list, pixel_values: Any, grids: Any, device: Any) -> Draft:
+        """An empty draft of `req` (no token sampled yet)."""
+        n = len(prompts)
+        return cls(
+            req=req,
+            prompts=prompts,
+            pixel_values=pixel_values,
+            grids=grids,
+            tokens=[torch.zeros(0, dtype=torch.long, device=device) for _ in range(n)],
+            log_probs=[torch.zeros(0, dtype=torch.float32, device=device) for _ in range(n)],
+            versions=[torch.zeros(0, dtype=torch.long) for _ in range(n)],
+            done=[False] * n,
+            gens=[torch.Generator().manual_seed(int(s)) for s in req.seeds],
+        )
+
+    def add(self, i: int, tokens: torch.Tensor, log_probs: torch.Tensor, version: int, stopped: bool) -> None:
+        """Append sample i's new `tokens` and their `log_probs`, sampled by weight `version`;
+        it is done after a stop token or once it holds `max_new_tokens`."""
+        self.tokens[i] = torch.cat([self.tokens[i], tokens])
+        self.log_probs[i] = torch.cat([self.log_probs[i], log_probs.float()])
+        self.versions[i] = torch.cat(
+            [self.versions[i], torch.full((tokens.numel(),), version, dtype=torch.long)]
+        )
+        self.done[i] = stopped or self.tokens[i].numel() >= self.req.sampling.max_new_tokens
+
+    def version_counts(self) -> dict[int, int]:
+        """Tokens sampled so far by each weight version."""
+        counts: dict[int, int] = {}
+        for v in self.versions:
+            for version, n in zip(*torch.unique(v, return_counts=True), strict=True):
+                counts[int(version)] = counts.get(int(version), 0) + int(n)
+        return counts
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps to resume the draft (the request and the encoding are rebuilt)."""
+        return {
+            "tokens": [t.cpu() for t in self.tokens],
+            "log_probs": [lp.cpu() for lp in self.log_probs],
+            "versions": list(self.versions),
+            "done": list(self.done),
+            "gens": [g.get_state() for g in self.gens],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        device = self.tokens[0].device if self.tokens else "cpu"
+        self.tokens = [t.to(device) for t in state["tokens"]]
+        self.log_probs = [lp.to(device) for lp in state["log_probs"]]
+        self.versions = list(state["versions"])
+        self.done = list(state["done"])
+        for g, st in zip(self.gens, state["gens"], strict=True):
+            g.set_state(st)
 
 
 class CausalLMStage(ModuleDevice):
@@ -236,36 +310,69 @@ class CausalLMStage(ModuleDevice):
         (as top-k, this shapes the choice, not the recorded log-prob). A sample ends at EOS or a stop token (kept in its
         response ids, left out of its text) or after `max_new_tokens`. Over an FSDP-sharded
         module the loop runs until every rank's samples have ended (`done_on_every_rank`).
+        It is `draft`, one `extend` by `max_new_tokens`, then `segment_of`.
 
         Returns (TokenSegment on the module's device, decoded response texts).
         """
+        draft = self.draft(req)
+        self.extend(draft, req.sampling.max_new_tokens)
+        return self.segment_of(draft)
+
+    def draft(self, req: RolloutReq) -> Draft:
+        """An empty `Draft` of `req` (its prompts encoded, each sample's generator seeded by
+        `req.seeds[i]`), for `extend` to sample into."""
         sp: TextSamplingParams = req.sampling
         if not isinstance(sp, TextSamplingParams):
             raise TypeError(f"CausalLMStage.generate needs TextSamplingParams, got {type(sp).__name__}")
         prompts, pixel_values, grids = self.encode(req)
+        return Draft.of(req, prompts, pixel_values, grids, self.device)
+
+    @torch.no_grad()
+    def extend(self, draft: Draft, max_tokens: int, version: int = 0) -> None:
+        """Sample at most `max_tokens` more tokens for each unfinished sample of `draft` (a
+        partial rollout's segment) with the weights the module holds now, recorded as weight
+        `version`. The unfinished samples' prompts and tokens so far are prefilled as one
+        left-padded batch, then extended with the KV cache, as `generate` describes; a sample
+        stops at a stop token or at `max_new_tokens` in all (then it is done) or after
+        `max_tokens` here (then a later `extend` resumes it). Only a running sample draws its
+        uniform, so extending a draft in several calls under unchanged weights samples what one
+        call does."""
+        sp: TextSamplingParams = draft.req.sampling
+        rows = [i for i, d in enumerate(draft.done) if not d]
+        if not rows or max_tokens < 1:
+            return
         stop_ids = torch.tensor(self.stop_token_ids(sp))
         device = self.device
-        b = len(prompts)
-        width = max(int(p.numel()) for p in prompts)
-        input_ids = torch.full((b, width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(b, width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - p.numel() :] = p
-            mask[i, width - p.numel() :] = 1
-        input_ids, mask, stop_ids = input_ids.to(device), mask.to(device), stop_ids.to(device)
-        images = None if grids is None else self.bundle.vision_inputs(pixel_values, grids, device)
+        prefixes = [torch.cat([draft.prompts[i].to(device), draft.tokens[i]]) for i in rows]
+        b = len(rows)
+        width = max(int(p.numel()) for p in prefixes)
+        input_ids = torch.full((b, width), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
+        mask = torch.zeros(b, width, dtype=torch.long, device=device)
+        for k, p in enumerate(prefixes):
+            input_ids[k, width - p.numel() :] = p
+            mask[k, width - p.numel() :] = 1
+        stop_ids = stop_ids.to(device)
+        images = None
+        if draft.grids is not None:
+            images = self.bundle.vision_inputs(
+                [draft.pixel_values[i] for i in rows], [draft.grids[i] for i in rows], device
+            )
         positions = self._positions(input_ids, mask, images)
         images = images or {}
-        gens = [torch.Generator().manual_seed(s) for s in req.seeds]
+        gens = [draft.gens[i] for i in rows]
+        budget = torch.tensor(
+            [min(max_tokens, sp.max_new_tokens - int(draft.tokens[i].numel())) for i in rows], device=device
+        )
         tokens, log_probs = [], []
-        done = torch.zeros(b, dtype=torch.bool, device=device)
+        stopped = budget <= 0
+        hit_stop = torch.zeros(b, dtype=torch.bool, device=device)
         lengths = torch.zeros(b, dtype=torch.long, device=device)
         cache = None
         sharded = is_sharded(self.module)  # then every rank runs the same number of forwards
         was_training = self.module.training
         self.module.eval()
         try:
-            for _ in range(sp.max_new_tokens):
+            for _ in range(int(budget.max())):
                 out = self._forward(
                     input_ids=input_ids,
                     attention_mask=mask,
@@ -285,16 +392,25 @@ class CausalLMStage(ModuleDevice):
                 if sp.greedy:
                     token = choice.argmax(dim=-1)
                 else:
-                    uniforms = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in gens])
+                    running = (~stopped).tolist()
+                    uniforms = torch.cat(
+                        [
+                            torch.rand(1, 1, generator=g, dtype=torch.float64)
+                            if r
+                            else torch.zeros(1, 1, dtype=torch.float64)
+                            for g, r in zip(gens, running, strict=True)
+                        ]
+                    )
                     token = draw(
                         sampling_probs(choice, sp.temperature, sp.top_k, sp.top_p), uniforms.to(device)
                     )
-                token = token.masked_fill(done, self.tokenizer.pad_token_id)
+                token = token.masked_fill(stopped, self.tokenizer.pad_token_id)
                 tokens.append(token)
                 log_probs.append(token_log_probs_of(logits, token, sp.logit_temperature))
-                lengths += ~done
-                done |= torch.isin(token, stop_ids)
-                if done_on_every_rank(bool(done.all()), sharded, device):
+                lengths += ~stopped
+                hit_stop |= torch.isin(token, stop_ids) & ~stopped
+                stopped |= hit_stop | (lengths >= budget)
+                if done_on_every_rank(bool(stopped.all()), sharded, device):
                     break
                 input_ids = token[:, None]
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -302,16 +418,21 @@ class CausalLMStage(ModuleDevice):
         finally:
             self.module.train(was_training)
         token_mat, lp_mat = torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
-        lens = lengths.tolist()
-        responses = [token_mat[i, :n] for i, n in enumerate(lens)]
-        texts = self.decode_responses(responses, stop_ids.tolist())
+        for k, (i, n) in enumerate(zip(rows, lengths.tolist(), strict=True)):
+            draft.add(i, token_mat[k, :n], lp_mat[k, :n], version, bool(hit_stop[k]))
+
+    def segment_of(self, draft: Draft) -> tuple[TokenSegment, list[str]]:
+        """(TokenSegment, decoded texts) of the draft's responses so far."""
+        sp: TextSamplingParams = draft.req.sampling
+        device = self.device
+        texts = self.decode_responses(draft.tokens, self.stop_token_ids(sp))
         segment = TokenSegment(
-            prompt_ids=[p.to(device) for p in prompts],
-            response_ids=responses,
-            log_probs=[lp_mat[i, :n] for i, n in enumerate(lens)],
+            prompt_ids=[p.to(device) for p in draft.prompts],
+            response_ids=[t.to(device) for t in draft.tokens],
+            log_probs=[lp.to(device) for lp in draft.log_probs],
             temperature=sp.logit_temperature,
-            pixel_values=pixel_values,
-            image_grid_thw=grids,
+            pixel_values=draft.pixel_values,
+            image_grid_thw=draft.grids,
         )
         return segment, texts
 

