@@ -40,7 +40,7 @@ import torch
 
 from unirl.models.image_tokens import VQImageStage
 from unirl.models.janus import JanusModelConfig, TinyJanusConfig
-from unirl.models.janus.bundle import PLAN_END_TOKEN
+from unirl.models.janus.config import PLAN_END_TOKEN
 from unirl.models.janus.pretrain import nearest_codes, pixels, plan_ids, teacher_forced_losses
 from unirl.types.sampling import ImageTokenSamplingParams
 from worlds.shapes import GenEvalMini, ShapesPESFTSource

@@ -261,3 +261,23 @@ def test_family_checker_flags(module: str, source: str, expected: str) -> None:
 )
 def test_family_checker_accepts(module: str, source: str) -> None:
     assert family_violations(module, False, source) == []
+
+
+def test_every_family_is_a_config_and_a_bundle() -> None:
+    """A family folder holds `config.py` (the model config, data) and `bundle.py` (the modeling
+    the config names); the config never imports its bundle at module level (it names it, or
+    imports it inside the calls that build), so reading a recipe's model node loads no modeling."""
+    families = sorted({p.parent.name for p in (PKG / "models").glob("*/__init__.py")} - SHARED_MODELS)
+    assert {"sd3", "qwen", "qwen_vl", "janus"} <= set(families)
+    bad = []
+    for fam in families:
+        folder = PKG / "models" / fam
+        missing = [f for f in ("config.py", "bundle.py") if not (folder / f).exists()]
+        if missing:
+            bad.append(f"unirl/models/{fam}/ lacks {missing}")
+            continue
+        tree = ast.parse((folder / "config.py").read_text(encoding="utf-8"))
+        for node in tree.body:  # module-level statements only
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"unirl.models.{fam}.bundle"):
+                bad.append(f"unirl/models/{fam}/config.py:{node.lineno} imports its bundle at module level")
+    assert not bad, "\n".join(bad)

@@ -4,6 +4,7 @@ image tokens (through the shared image-token stage `unirl.models.image_tokens.VQ
 with Janus's classifier-free guidance and VQ-VAE decode). `JanusBundle` is both a
 `TextFamily` and an `ImageTokenFamily`."""
 
-from unirl.models.janus.bundle import JanusBundle, JanusModelConfig, TinyJanusConfig
+from unirl.models.janus.bundle import JanusBundle
+from unirl.models.janus.config import JanusModelConfig, TinyJanusConfig
 
 __all__ = ["JanusBundle", "JanusModelConfig", "TinyJanusConfig"]

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from unirl.models.image_tokens import VQImageStage, unwrapped
-from unirl.models.janus.bundle import PLAN_END_TOKEN, JanusBundle
+from unirl.models.janus.bundle import JanusBundle
+from unirl.models.janus.config import PLAN_END_TOKEN
 from unirl.types.segments import pad_right
 
 
