@@ -55,11 +55,14 @@ def test_vllm_partial_rollouts_pause_at_each_sync_and_resume_by_the_new_weights(
     """Partial rollouts on the vLLM engine (separate, max_staleness 2, 4 tokens a segment): step 2's
     rollout starts by version 0, pauses at the step-1 sync and is resumed and finished in vLLM by
     version 1 (pushed and probed), so its tokens are 1 to 2 versions behind and some samples span
-    both; the engine's recorded log-probs are the behaviour policy's (`old_logp_source: rollout`)."""
+    both; the engine's recorded log-probs are the behaviour policy's (`old_logp_source: rollout`).
+    The weights travel by the in-band `broadcast` sync (gloo here, NCCL on GPUs) into the staging
+    module, whose receive waits behind the segments queued on the engine, then into vLLM."""
     rows = run(
         RECIPE,
         tmp_path,
         "num_steps=3",
+        "weight_sync.backend=broadcast",
         "rollout.placement=separate",
         "rollout.max_staleness=2",
         "rollout.partial_tokens=4",
