@@ -217,9 +217,10 @@ def agreement(net: SceneNet, data: dict[str, np.ndarray]) -> dict[str, float]:
     return out
 
 
-def train(args, pool: dict[str, np.ndarray]) -> tuple[SceneNet, float]:
-    """Train (or resume) the detector on `pool`'s images; returns it and the seconds spent
-    training in this call. Loss per batch: cross-entropy of the cell classes, binary
+def train(args, pool: dict[str, np.ndarray]) -> tuple[SceneNet, float, bool]:
+    """Train (or resume) the detector on `pool`'s images; returns it, the seconds spent training
+    in this call and whether it reached `args.steps` (False: `args.max_seconds` stopped it after
+    saving the train state, and the next call resumes from there). Loss per batch: cross-entropy of the cell classes, binary
     cross-entropy of the centre heat (as a fraction of `HEAT_MAX`, clipped at 1 where two
     objects' centres overlap; weighted 30) and the squared error of each class's total heat
     (its object count)."""
@@ -259,10 +260,13 @@ def train(args, pool: dict[str, np.ndarray]) -> tuple[SceneNet, float]:
         step += 1
         if step % 100 == 0:
             print(f"step {step} loss {loss.item():.4f}", file=sys.stderr)
-        if step % args.save_every == 0 or step == args.steps:
+        out_of_time = args.max_seconds is not None and time.perf_counter() - t0 >= args.max_seconds
+        if step % args.save_every == 0 or step == args.steps or out_of_time:
             torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "step": step}, state_path + ".tmp")
             os.replace(state_path + ".tmp", state_path)
-    return net.eval(), time.perf_counter() - t0
+        if out_of_time and step < args.steps:
+            return net.eval(), time.perf_counter() - t0, False
+    return net.eval(), time.perf_counter() - t0, True
 
 
 @dataclass(kw_only=True)
@@ -280,6 +284,9 @@ class RewardModelRun:
         eval_seeds: held-out base samples per eval prompt.
         chunk: base samples per cached chunk.
         steps, batch, lr, save_every, seed: the training (AdamW, cosine learning rate).
+        max_seconds: bounds this invocation's training wall clock (checked after each step); when
+            it stops the run, the train state is saved, nothing is exported, and the next run of
+            the same recipe resumes where it stopped (null: no bound).
         threads: torch threads.
         hydra: Hydra's own settings.
     """
@@ -297,6 +304,7 @@ class RewardModelRun:
     batch: AtLeastOne = 64
     lr: Positive = 2e-3
     save_every: AtLeastOne = 200
+    max_seconds: Positive | None = None
     seed: int = 0
     threads: AtLeastOne = 1
     hydra: Any = None
@@ -339,7 +347,15 @@ def run(cfg: DictConfig) -> int:
     t0 = time.perf_counter()
     pool, heldout = build_data(args)
     t_data = time.perf_counter() - t0
-    net, t_train = train(args, pool)
+    net, t_train, finished = train(args, pool)
+    if not finished:
+        step = torch.load(os.path.join(args.work, "train_state.pt"))["step"]
+        print(
+            f"stopped at step {step} of {args.steps} after max_seconds={args.max_seconds}; the train state is in "
+            f"{args.work}: run the same recipe again to resume",
+            file=sys.stderr,
+        )
+        return 0
     result = {name: agreement(net, data) for name, data in heldout.items()}
     result["train_pool"] = agreement(net, pool)
     extra = {
