@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from tests.recipes import run, same_weights
+from tests.recipes import recipe, run, same_weights
 from tests.trainer.test_dedicated_runs import training
+from unirl.config.tree import ConfigError
 
 pytestmark = pytest.mark.ray
 
@@ -39,7 +40,8 @@ def test_partial_rollouts_resume_by_each_new_version_and_from_a_checkpoint(tmp_p
 
     Resume: the step-2 checkpoint holds the engine's weights (version 1) and both rollouts in
     flight (step 2's after its second segment, step 3's after its first) as they were; the run
-    resumed from it writes the uninterrupted run's rows and weights."""
+    resumed from it writes the uninterrupted run's rows and weights. Resuming it without
+    `partial_tokens` is refused before Ray, naming why."""
     full = run(RECIPE, tmp_path / "full", "num_steps=4", *PARTIAL)
     assert [r["rollout/staleness"] for r in full] == [0, 1, 2, 2]
     assert "rollout/token_staleness_mean" not in full[0]  # step 0: an ordinary on-policy rollout
@@ -57,6 +59,12 @@ def test_partial_rollouts_resume_by_each_new_version_and_from_a_checkpoint(tmp_p
     state = json.loads((ckpt / "driver_state.json").read_text())
     assert state["engine_weights_version"] == 1 and state["partial_versions"] == {"2": 0, "3": 1}
     assert (ckpt / "engine_drafts_0.pt").exists()
+    whole = [o for o in PARTIAL if not o.startswith("rollout.partial_tokens")]
+    with pytest.raises(
+        ConfigError,
+        match="taken with partial rollouts in flight but the recipe has rollout.partial_tokens=None",
+    ):
+        recipe(RECIPE, tmp_path / "wrong", "num_steps=4", *whole, f"resume_from={ckpt}")
     resumed = run(RECIPE, tmp_path / "resumed", "num_steps=4", *PARTIAL, f"resume_from={ckpt}")
     assert [r["step"] for r in resumed] == [3, 4]
     assert [training(r) for r in resumed] == [training(r) for r in full[2:]]

@@ -164,7 +164,14 @@ def validate_recipe(
     check_tracking(cfg, problems)
     if "" in passed and ("model" in passed or "model" not in cfg):  # resume compares the model
         try:
-            resolve_resume_path(cfg)
+            resume = resolve_resume_path(cfg)
+            if resume is not None and cfg.get("rollout") is not None:  # rollouts in flight vs this recipe
+                from unirl.trainer.checkpoints import read_driver_state, resume_problem
+                from unirl.trainer.engines import RolloutSettings
+
+                problem = resume_problem(read_driver_state(resume), RolloutSettings.of(cfg), resume)
+                if problem:
+                    problems.append(problem)
         except (ValueError, OSError, KeyError) as exc:
             problems.append(str(exc))
     if problems:

@@ -121,3 +121,19 @@ def resolve_resume_path(cfg: DictConfig) -> str | None:
         details = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs recipe {current[k]!r}" for k in diff)
         raise ValueError(f"resume_from={path!r} does not match the recipe ({details})")
     return path
+
+
+def resume_problem(state: dict[str, Any], settings: Any, path: str) -> str | None:
+    """Why a checkpoint's rollouts in flight cannot resume under the recipe's rollout settings (a
+    checkpoint with partial rollouts in flight needs `partial_tokens`, one with whole rollouts in
+    flight needs it off), or None."""
+    if state.get("engine_weights_version") is None:
+        return None
+    partial = "partial_versions" in state
+    if partial == bool(settings.partial_tokens):
+        return None
+    return (
+        f"resume_from={path}: the checkpoint was taken with {'partial' if partial else 'whole'} rollouts in "
+        f"flight but the recipe has rollout.partial_tokens={settings.partial_tokens}; resume with the "
+        "partial_tokens of the run that wrote it (or from a checkpoint without rollouts in flight)"
+    )
