@@ -166,9 +166,13 @@ class DedicatedEngine:
 
     def extend(self, draft: Any, max_tokens: int) -> None:
         """At most `max_tokens` more tokens for each unfinished sample of `draft`, sampled (and
-        recorded) by the weights this engine holds now (`CausalLMStage.extend`)."""
+        recorded) by the weights this engine holds now (`CausalLMStage.extend`), in forward
+        batches of at most `forward_batch_size` unfinished samples."""
         self._check_ready()
-        self.stage.extend(draft, max_tokens, self.weights_version)
+        running = [i for i, done in enumerate(draft.done) if not done]
+        size = self.forward_batch_size or max(len(running), 1)
+        for k in range(0, len(running), size):
+            self.stage.extend(draft, max_tokens, self.weights_version, rows=running[k : k + size])
 
     def finish(self, draft: Any) -> RolloutTrack:
         """Sample the draft's unfinished samples to their end with the weights held now; the

@@ -105,3 +105,20 @@ def test_extend_of_a_finished_draft_samples_nothing() -> None:
     stage.extend(draft, 6, version=9)
     assert all(torch.equal(a, b) for a, b in zip(tokens, draft.tokens, strict=True))
     assert 9 not in draft.version_counts()
+
+
+def test_a_segment_in_forward_batches_samples_what_one_batch_does() -> None:
+    """`rows` (a forward batch of the draft's samples, as `DedicatedEngine.extend` splits a
+    segment by `forward_batch_size`): each sample's tokens do not depend on its batch-mates."""
+    stage = make_stage()
+    req = make_req(max_new_tokens=8, temperature=1.0)
+    whole = stage.draft(req)
+    stage.extend(whole, 8)
+    split = stage.draft(req)
+    for rows in ([0, 1, 2], [3, 4], [5]):
+        stage.extend(split, 8, rows=rows)
+    assert all(split.done)
+    for a, b in zip(split.tokens, whole.tokens, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(split.log_probs, whole.log_probs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -328,17 +328,17 @@ class CausalLMStage(ModuleDevice):
         return Draft.of(req, prompts, pixel_values, grids, self.device)
 
     @torch.no_grad()
-    def extend(self, draft: Draft, max_tokens: int, version: int = 0) -> None:
-        """Sample at most `max_tokens` more tokens for each unfinished sample of `draft` (a
-        partial rollout's segment) with the weights the module holds now, recorded as weight
-        `version`. The unfinished samples' prompts and tokens so far are prefilled as one
+    def extend(self, draft: Draft, max_tokens: int, version: int = 0, rows: list[int] | None = None) -> None:
+        """Sample at most `max_tokens` more tokens for each unfinished sample of `draft` (of `rows`,
+        its sample indices, when given: a forward batch) (a partial rollout's segment) with the
+        weights the module holds now, recorded as weight `version`. The unfinished samples' prompts and tokens so far are prefilled as one
         left-padded batch, then extended with the KV cache, as `generate` describes; a sample
         stops at a stop token or at `max_new_tokens` in all (then it is done) or after
         `max_tokens` here (then a later `extend` resumes it). Only a running sample draws its
         uniform, so extending a draft in several calls under unchanged weights samples what one
         call does."""
         sp: TextSamplingParams = draft.req.sampling
-        rows = [i for i, d in enumerate(draft.done) if not d]
+        rows = [i for i in (range(len(draft.done)) if rows is None else rows) if not draft.done[i]]
         if not rows or max_tokens < 1:
             return
         stop_ids = torch.tensor(self.stop_token_ids(sp))

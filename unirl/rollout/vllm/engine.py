@@ -258,7 +258,7 @@ class VLLMTextStage:
         return draft
 
     @torch.no_grad()
-    def extend(self, draft: Draft, max_tokens: int, version: int = 0) -> None:
+    def extend(self, draft: Draft, max_tokens: int, version: int = 0, rows: list[int] | None = None) -> None:
         """At most `max_tokens` more tokens for each unfinished sample of `draft`, in vLLM: one
         request per sample whose prompt is its prompt ids and tokens so far (prefilled by the
         weights vLLM holds now), `max_tokens` capped by what `max_new_tokens` leaves, seeded by
@@ -267,7 +267,7 @@ class VLLMTextStage:
         from vllm.inputs import TokensPrompt
 
         sp: TextSamplingParams = draft.req.sampling
-        rows = [i for i, d in enumerate(draft.done) if not d]
+        rows = [i for i in (range(len(draft.done)) if rows is None else rows) if not draft.done[i]]
         if not rows or max_tokens < 1:
             return
         stop_ids = self.inner.stop_token_ids(sp)
