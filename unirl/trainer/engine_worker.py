@@ -145,11 +145,13 @@ class EngineWorker(Worker):
         self.engine.extend(self.drafts[partition], max_tokens)
 
     @dispatch(Dispatch.BROADCAST)
-    def partial_extend(self, partition: str, max_tokens: int) -> None:
+    def partial_extend(self, partition: str, max_tokens: int | None) -> None:
         """The next segment of the partial rollout into `partition`: its unfinished samples resume
-        by the weights held now (synced since the last segment) for at most `max_tokens` tokens."""
+        by the weights held now (synced since the last segment) for at most `max_tokens` tokens
+        (None: to their end)."""
         apply_thread_count()
-        self.engine.extend(self._draft(partition), max_tokens)
+        draft = self._draft(partition)
+        self.engine.extend(draft, draft.req.sampling.max_new_tokens if max_tokens is None else max_tokens)
 
     @dispatch(Dispatch.BROADCAST)
     def partial_finish(self, partition: str) -> tuple[BatchMeta, dict[str, Any]]:

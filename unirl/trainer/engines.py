@@ -144,8 +144,9 @@ class PartialRollout:
         self.calls = calls  # the segments queued so far (their errors surface when collected)
         self.stats: dict[str, Any] = {}
 
-    def extend(self, max_tokens: int) -> None:
-        """Queue the next segment: at most `max_tokens` tokens per unfinished sample."""
+    def extend(self, max_tokens: int | None) -> None:
+        """Queue the next segment: at most `max_tokens` tokens per unfinished sample (None: to
+        their end)."""
         self.calls.append(self.group.submit("partial_extend", self.partition, max_tokens))
 
     def _finish(self) -> BatchMeta:

@@ -75,7 +75,9 @@ def eval_request(
     Euler sampling (eta 0) with the evaluation steps, guidance, seeds and size; `model_info` is the
     model's (its schedule's token count: `unirl.sde.schedules.schedule_tokens`)."""
     sp = eval_params(base, cfg)
-    return RolloutReq.from_prompts(examples, sp, sigmas_for(sp, schedule_tokens(sp, model_info)), rollout_id=0)
+    return RolloutReq.from_prompts(
+        examples, sp, sigmas_for(sp, schedule_tokens(sp, model_info)), rollout_id=0
+    )
 
 
 def eval_params(base: DiffusionSamplingParams, cfg: EvalSampling) -> DiffusionSamplingParams:

@@ -93,7 +93,11 @@ class Track:
     def score_fields(self, reward_fields: list[str]) -> list[str]:
         """What the driver fetches of the track's samples to score them and compute their
         advantages: its modality's `reward_fields`, and a critic's per-step values for GAE."""
-        if self.advantage is not None and self.advantage.estimator == "gae" and "segment" not in reward_fields:
+        if (
+            self.advantage is not None
+            and self.advantage.estimator == "gae"
+            and "segment" not in reward_fields
+        ):
             return [*reward_fields, "segment.values"]
         return list(reward_fields)
 
@@ -156,7 +160,9 @@ class RunGraph:
         """The graph of a validated recipe of any kind."""
         if "tracks" not in cfg:
             engine = RolloutSettings.of(cfg)
-            track = Track(None, build(cfg.sampling), True, build(cfg.advantage), build(cfg.reward), None, engine)
+            track = Track(
+                None, build(cfg.sampling), True, build(cfg.advantage), build(cfg.reward), None, engine
+            )
             return cls(
                 {None: track},
                 False,
@@ -195,7 +201,9 @@ class RunGraph:
     def pool_devices(self, num_devices: int) -> int:
         """Devices the run reserves: the training devices, plus every separate engine's own."""
         return num_devices + sum(
-            u.settings.num_engines for u in self.units if u.settings.dedicated and u.settings.placement == "separate"
+            u.settings.num_engines
+            for u in self.units
+            if u.settings.dedicated and u.settings.placement == "separate"
         )
 
 

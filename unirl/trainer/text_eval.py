@@ -62,7 +62,9 @@ class TextEvalSampling:
         """The sampling of `samples_per_prompt` samples per prompt at `temperature`; every other
         key the training sampling has is this config's own of that name."""
         shared = {f.name: getattr(self, f.name) for f in fields(TextSamplingParams) if hasattr(self, f.name)}
-        return TextSamplingParams(**{**shared, "temperature": temperature, "samples_per_prompt": samples_per_prompt})
+        return TextSamplingParams(
+            **{**shared, "temperature": temperature, "samples_per_prompt": samples_per_prompt}
+        )
 
 
 def eval_requests(examples: list[PromptExample], cfg: TextEvalSampling) -> dict[str, RolloutReq]:

@@ -823,18 +823,22 @@ class Trainer:
         (after the segments queued on them, which finish under the weights they started with),
         queue one more segment of every rollout in flight (its unfinished samples resume from
         their tokens so far, by the new weights, for at most T tokens), and start the rollouts of
-        the steps up to `step + max_staleness` not yet in flight, with their first segment. Step
-        m's rollout, started at step m - k, is finished when step m collects it."""
+        the steps up to `step + max_staleness` not yet in flight, with their first segment. The
+        rollout of step `step + 1`, collected before the next sync, is sampled to its end now (by
+        these weights, as its collection would, while this step trains). Step m's rollout starts
+        at step m - k."""
         engines, settings = self.engines[None], self.graph.units[0].settings
         self.step_stats.update(self._guard(step, "weight sync", engines.prepare, step))
         for ahead in self.ahead:
-            ahead.flight.extend(settings.partial_tokens)
+            ahead.flight.extend(None if ahead.step == step + 1 else settings.partial_tokens)
         first = self.ahead[-1].step + 1 if self.ahead else step + 1
         prompts = int(self.cfg.prompts_per_rollout)
         for m in range(first, min(step + settings.max_staleness, self.num_steps - 1) + 1):
             state = self.data_source.state_dict()
             req = self.modalities[None].request(self.data_source.next_batch(prompts), m)
             flight = self._guard(step, "rollout", engines.submit_partial, req, f"step_{m}")
+            if m == step + 1:  # max_staleness 1: collected before the next sync
+                flight.extend(None)
             self.ahead.append(AheadRollout(m, flight, state))
 
     def _submit_steps(self, first: int, last: int) -> list[AheadRollout]:

@@ -365,7 +365,9 @@ def build_backbone(
     engine = UnifiedEngine(order, node.get("forward_batch_size"), node.get("prompt_key", "user_prompt"))
     engine.bind(stages, {n: build(tracks[n]["sampling"]) for n in order})
     parts = {
-        n: TrackParts(n, bundle, stages[n], backend if n in algorithms else None, algorithms.get(n), sampler=engine)
+        n: TrackParts(
+            n, bundle, stages[n], backend if n in algorithms else None, algorithms.get(n), sampler=engine
+        )
         for n in order
     }
     return Backbone(bundle, backend, joint, segments, engine), parts
@@ -414,7 +416,9 @@ class RLWorker(ProcessWorker):
         self.backbone: Backbone | None = None
         rank = rank_info.rank
         if self.composed and "model" in cfg:  # the tracks share one model
-            self.backbone, self.tracks = build_backbone(cfg, total_optimizer_steps, base_model_dir, rank, self.device)
+            self.backbone, self.tracks = build_backbone(
+                cfg, total_optimizer_steps, base_model_dir, rank, self.device
+            )
             self.engine = self.backbone.engine
         elif self.composed:
             order = list(cfg["rollout"]["tracks"])
@@ -521,7 +525,9 @@ class RLWorker(ProcessWorker):
         apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
         if self.backbone is not None:
             resp = self.engine.generate(req)
-            return {n: put_batch(self.transport, track_partition(partition, n), t) for n, t in resp.tracks.items()}
+            return {
+                n: put_batch(self.transport, track_partition(partition, n), t) for n, t in resp.tracks.items()
+            }
         parts = self.track(track)
         kept = parts.kept
         if kept is not None and kept.partition != partition:
@@ -635,7 +641,9 @@ class RLWorker(ProcessWorker):
         batches = {}
         for name, meta in metas.items():
             batch = get_batch(self.transport, meta)
-            if name == self.engine.tracks[1]:  # image tokens from the transport: in the codebook, named if not
+            if (
+                name == self.engine.tracks[1]
+            ):  # image tokens from the transport: in the codebook, named if not
                 self.tracks[name].stage.check_tokens(batch.segment, batch.sample_ids)
             batch.rewards = rewards[name].to(self.device)
             batch.advantages = advantages[name].to(self.device)
