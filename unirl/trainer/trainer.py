@@ -169,9 +169,8 @@ class Trainer:
         self.evaluator = self._evaluator(ev) if ev else None
 
     worker_class: type = RLWorker  # a train rank, of every kind of run
-    engine_class: type = (
-        EngineWorker  # a dedicated engine's actor (a shared backbone's: `UnifiedEngineWorker`)
-    )
+    # a dedicated engine's actor (a shared backbone's: `UnifiedEngineWorker`)
+    engine_class: type = EngineWorker
 
     def _evaluator(self, ev: DictConfig) -> Evaluator:
         """The run's evaluation: a single track's of its policy, or a chain's of prompt -> rewrite
