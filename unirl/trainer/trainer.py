@@ -51,7 +51,6 @@ from unirl.trainer.checkpoints import (
     mark_complete,
     read_driver_state,
     resolve_resume_path,
-    resume_problem,
     saves_base_model,
     write_driver_state,
 )
@@ -202,12 +201,6 @@ class Trainer:
         with open(os.path.join(self.out, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
         resume = resolve_resume_path(self.cfg)
-        if resume is not None:  # before any process starts
-            in_flight_problem = resume_problem(
-                read_driver_state(resume), self.graph.units[0].settings, resume
-            )
-            if in_flight_problem:
-                raise ValueError(in_flight_problem)
         with governed_threads(), self._workers() as group:
             start = 0
             if resume is not None:
