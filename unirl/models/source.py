@@ -1,9 +1,10 @@
 """Where every model config's weights come from and in which dtype: one rule for all families.
 
-A model config has `pretrained_path` (a local directory in its library's layout), `tiny` (a
-tiny-model config built from random weights; a dict from a recipe becomes the family's tiny
-config class) and `dtype` (`DType`, the frozen components' parameter dtype, or the whole
-model's for a causal LM). `check_source` runs in every family's `__post_init__`: the typed
+A model config is a `ModelSource` dataclass: `pretrained_path` (a local directory in its
+library's layout) and `dtype` (`DType`, the frozen components' parameter dtype, or the whole
+model's for a causal LM) here, and `tiny` (a tiny-model config built from random weights; a dict
+from a recipe becomes the family's tiny config class), which each family declares with its own
+tiny config type and default. `check_source` runs in every family's `__post_init__`: the typed
 ranges (`unirl.types.constraints.check_fields`, keys under `model.`), then which of the two
 sources is set. `missing_directory_problems` is every family's first answer to the validator about
 `pretrained_path`, `read_checkpoint_meta` the first step of every family's `load_checkpoint`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -21,6 +23,24 @@ from unirl.types.constraints import check_fields
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSource:
+    """The fields every model config (a recipe's `model:` node) starts with; a family's config
+    subclasses it (through its kind's shared body: `FlowFamilyConfig`, `TransformersFamilyConfig`)
+    and adds `tiny` and its own options.
+
+    Attributes:
+        pretrained_path: a local directory of the family's weights, in its library's layout (a
+            diffusers pipeline, a transformers model with its tokenizer); null: build `tiny`.
+        dtype: parameter dtype ("float32", "bfloat16", "float16") of the frozen components (a
+            diffusion family's text encoders and VAE: the trainable denoiser stays fp32 master
+            weights unless the backend casts it), or of the whole model (a text or unified family).
+    """
+
+    pretrained_path: str | None = None
+    dtype: DType = "float32"
 
 
 def check_source(config: Any, tiny_class: type, what: str, exclusive: bool = False) -> None:

@@ -1,21 +1,79 @@
-"""What the text families share to load and train: the supervised pair encoding, the module
-tree on the meta device, the checkpoint load, the VLM directory check."""
+"""What the text families share to load and train: the body of their model configs
+(`TransformersFamilyConfig`), the supervised pair encoding, the module tree on the meta device,
+the checkpoint load, the VLM directory check."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from unirl.models.source import read_checkpoint_meta
+from unirl.models.source import DTYPES, ModelSource, check_source, read_checkpoint_meta
 
 if TYPE_CHECKING:
     from unirl.models.causal_lm.family import TextBundle
 
 IGNORE_INDEX = -100  # a label position no loss reads (prompt, padding)
+
+
+class TransformersFamilyConfig(ModelSource):
+    """The shared body of a transformers family's model config (Qwen, Qwen-VL, Janus), a dataclass
+    that adds `tiny` (default None: exactly one of `pretrained_path` / `tiny`) to `ModelSource`.
+    From class attributes it answers the source check, `build`, `load_checkpoint` and
+    `trainable_on_meta`:
+
+    - `MODELING`, `BUNDLE`: the modeling module and its bundle class (`from_pretrained(path,
+      dtype=)`, `tiny(tiny, dtype=)`, `auto_model`), named, not imported, so that building a
+      recipe node reads no weights and pulls in no bundle;
+    - `TINY`: the tiny config class; `WHAT`: the directory in the source error ("causal-LM");
+    - `MODEL_CLASS`, `CONFIG_CLASS`: transformers' names of what builds the model from a
+      directory's config (an Auto class's `from_config`, or a model class itself) and what reads
+      that config (None: `AutoConfig`), for the module tree on the meta device.
+    The family answers `directory_problems` itself."""
+
+    MODELING: ClassVar[str]
+    BUNDLE: ClassVar[str]
+    TINY: ClassVar[type]
+    WHAT: ClassVar[str]
+    MODEL_CLASS: ClassVar[str]
+    CONFIG_CLASS: ClassVar[str | None] = None
+
+    def __post_init__(self) -> None:
+        check_source(self, self.TINY, self.WHAT, exclusive=True)
+
+    def bundle_class(self) -> Any:
+        """The family's bundle class (`MODELING`.`BUNDLE`)."""
+        return getattr(importlib.import_module(self.MODELING), self.BUNDLE)
+
+    def build(self) -> Any:
+        """The bundle: from `pretrained_path`, else from the tiny config, in `dtype`."""
+        bundle = self.bundle_class()
+        if self.pretrained_path is not None:
+            return bundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
+        return bundle.tiny(self.tiny, dtype=DTYPES[self.dtype])
+
+    def load_checkpoint(self, path: str) -> Any:
+        """The bundle of a UniRL checkpoint of this family's run, fp32 (a LoRA merged, or the full
+        weights: `load_checkpoint`)."""
+        return load_checkpoint(path, self.bundle_class())
+
+    def trainable_on_meta(self) -> torch.nn.Module:
+        """The model's module tree on the meta device (no weights read): for validators that
+        check names (FSDP blocks, LoRA targets) before any work starts."""
+        import transformers
+
+        model_class = getattr(transformers, self.MODEL_CLASS)
+        config_class = getattr(transformers, self.CONFIG_CLASS) if self.CONFIG_CLASS else None
+        return model_on_meta(
+            self.pretrained_path,
+            getattr(model_class, "from_config", model_class),  # an Auto class, or the model class
+            lambda: self.bundle_class().tiny(self.tiny).model,
+            config_cls=config_class,
+        )
 
 
 def model_on_meta(

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from unirl.models.flow.loading import pipeline_directory_problems
-from unirl.models.source import DTYPES, check_source
+from unirl.models.source import DTYPES, ModelSource, check_source
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,15 @@ class FamilySpec:
     directory: str
 
 
-class FlowFamilyConfig:
-    """The shared body of a flow family's model config, a dataclass with `pretrained_path`, `tiny`
-    and `dtype` (`unirl.models.source`): `build`, `load_checkpoint`, `trainable_on_meta`,
+class FlowFamilyConfig(ModelSource):
+    """The shared body of a flow family's model config, a dataclass that adds its `tiny` (default
+    its tiny config) to `ModelSource`'s `pretrained_path` and `dtype`: `build`, `load_checkpoint`, `trainable_on_meta`,
     `directory_problems` and the source check, from its `SPEC` (a `FamilySpec`), its tiny config
     class `TINY` and `bundle_options()`, what its bundle takes beyond the weights (Wan's
     `num_frames`, Qwen-Image's `negative_prompt`; {} by default). The config never imports its
     modeling module, so building a recipe node reads no weights and pulls in no bundle."""
 
+    modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec]
     TINY: ClassVar[type]
 

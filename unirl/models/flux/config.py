@@ -20,7 +20,6 @@ from unirl.models.flow.config import (
     cell_size_problems,
     read_vae_config,
 )
-from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -82,21 +81,15 @@ class FluxModelConfig(FlowFamilyConfig):
 
     Attributes:
         pretrained_path: local diffusers directory of a FLUX.1 model (`FluxPipeline`).
-        tiny: tiny-model config used when `pretrained_path` is null.
-        dtype: parameter dtype of the frozen components (text encoders, VAE); the trainable
-            transformer stays fp32 master weights unless the backend casts it.
     """
 
-    modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec] = FamilySpec(
         name="FLUX.1", modeling="unirl.models.flux.bundle", bundle="FluxBundle",
         transformer="FluxTransformer2DModel", pipeline="FluxPipeline", directory="FLUX.1",
     )
     TINY: ClassVar[type] = TinyFluxConfig
 
-    pretrained_path: str | None = None
     tiny: TinyFluxConfig | None = field(default_factory=TinyFluxConfig)
-    dtype: DType = "float32"
 
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """height and width must be multiples of vae_scale_factor * 2 (the VAE's downsample times

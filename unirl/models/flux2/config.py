@@ -25,7 +25,6 @@ from unirl.models.flow.config import (
     check_vae_downsample,
     latent_patch_cell,
 )
-from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
 LORA_TARGETS = [
@@ -128,12 +127,8 @@ class Flux2ModelConfig(FlowFamilyConfig):
 
     Attributes:
         pretrained_path: local diffusers directory of a FLUX.2-dev model (`Flux2Pipeline`).
-        tiny: tiny-model config used when `pretrained_path` is null.
-        dtype: parameter dtype of the frozen components (text encoder, VAE); the trainable
-            transformer stays fp32 master weights unless the backend casts it.
     """
 
-    modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec] = FamilySpec(
         name="FLUX.2", modeling="unirl.models.flux2.bundle", bundle="Flux2Bundle",
         transformer="Flux2Transformer2DModel", pipeline="Flux2Pipeline", directory="FLUX.2-dev",
@@ -141,9 +136,7 @@ class Flux2ModelConfig(FlowFamilyConfig):
     TINY: ClassVar[type] = TinyFlux2Config
     ENCODER: ClassVar[str] = "mistral3"
 
-    pretrained_path: str | None = None
     tiny: TinyFlux2Config | None = field(default_factory=TinyFlux2Config)
-    dtype: DType = "float32"
 
     def __post_init__(self) -> None:
         super().__post_init__()

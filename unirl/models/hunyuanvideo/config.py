@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, clip_size_problems, read_vae_config
-from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -118,14 +117,10 @@ class HunyuanVideo15ModelConfig(FlowFamilyConfig):
 
     Attributes:
         pretrained_path: local diffusers directory of a HunyuanVideo 1.5 T2V model.
-        tiny: tiny-model config used when `pretrained_path` is null.
         num_frames: frames per video, 1 + k x the VAE's temporal compression (the real VAE's 4:
             1, 5, ..., 121).
-        dtype: parameter dtype of the frozen components (text encoders, VAE); the trainable
-            transformer stays fp32 master weights unless the backend casts it.
     """
 
-    modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec] = FamilySpec(
         name="HunyuanVideo 1.5", modeling="unirl.models.hunyuanvideo.bundle", bundle="HunyuanVideo15Bundle",
         transformer="HunyuanVideo15Transformer3DModel", pipeline="HunyuanVideo15Pipeline",
@@ -133,10 +128,8 @@ class HunyuanVideo15ModelConfig(FlowFamilyConfig):
     )  # fmt: skip
     TINY: ClassVar[type] = TinyHunyuanVideo15Config
 
-    pretrained_path: str | None = None
     tiny: TinyHunyuanVideo15Config | None = field(default_factory=TinyHunyuanVideo15Config)
     num_frames: AtLeastOne = 121
-    dtype: DType = "float32"
 
     def bundle_options(self) -> dict[str, Any]:
         return {"num_frames": self.num_frames}

@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-import torch
-from transformers import JanusConfig, JanusForConditionalGeneration
+from transformers import JanusConfig
 
-from unirl.models.causal_lm.loading import load_checkpoint, model_on_meta
+from unirl.models.causal_lm.loading import TransformersFamilyConfig
 from unirl.models.causal_lm.tiny import tiny_tokenizer
-from unirl.models.source import DTYPES, DType, check_source
 from unirl.types.constraints import AtLeastOne, check_fields
 
 BOI_TOKEN = "<begin_of_image>"
@@ -120,48 +118,22 @@ class TinyJanusConfig:
 
 
 @dataclass
-class JanusModelConfig:
+class JanusModelConfig(TransformersFamilyConfig):
     """Which Janus to build (exactly one of `pretrained_path` / `tiny`).
 
     Attributes:
         pretrained_path: local Hugging Face Janus directory (model and tokenizer).
-        tiny: tiny-model config used when `pretrained_path` is null.
-        dtype: parameter dtype ("float32", "bfloat16", "float16").
     """
 
     modality: ClassVar[str] = "unified"
+    MODELING: ClassVar[str] = "unirl.models.janus.bundle"
+    BUNDLE: ClassVar[str] = "JanusBundle"
+    TINY: ClassVar[type] = TinyJanusConfig
+    WHAT: ClassVar[str] = "Janus"
+    MODEL_CLASS: ClassVar[str] = "JanusForConditionalGeneration"
+    CONFIG_CLASS: ClassVar[str] = "JanusConfig"
 
-    pretrained_path: str | None = None
     tiny: TinyJanusConfig | None = None
-    dtype: DType = "float32"
-
-    def __post_init__(self) -> None:
-        check_source(self, TinyJanusConfig, "Janus", exclusive=True)
-
-    def trainable_on_meta(self) -> torch.nn.Module:
-        """The model's module tree on the meta device (no weights read), for name checks."""
-        from unirl.models.janus.bundle import JanusBundle
-
-        return model_on_meta(
-            self.pretrained_path,
-            JanusForConditionalGeneration,
-            lambda: JanusBundle.tiny(self.tiny).model,
-            config_cls=JanusConfig,
-        )
-
-    def build(self) -> Any:
-        """The `JanusBundle` (`bundle.py`)."""
-        from unirl.models.janus.bundle import JanusBundle
-
-        if self.pretrained_path is not None:
-            return JanusBundle.from_pretrained(self.pretrained_path, dtype=DTYPES[self.dtype])
-        return JanusBundle.tiny(self.tiny, dtype=DTYPES[self.dtype])
-
-    def load_checkpoint(self, path: str) -> Any:
-        """The bundle of a UniRL checkpoint of a unified run, fp32 (LoRA merged or full weights)."""
-        from unirl.models.janus.bundle import JanusBundle
-
-        return load_checkpoint(path, JanusBundle)
 
     def text_problems(self, sampling) -> list[str]:
         """The plan's sampling vs this model, as `sampling.<key>: ...` problems: prompt + plan +

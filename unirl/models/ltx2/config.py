@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, clip_size_problems, read_vae_config
-from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, Positive, check_fields
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -98,7 +97,6 @@ class LTX2ModelConfig(FlowFamilyConfig):
 
     Attributes:
         pretrained_path: local diffusers directory of an LTX-2 (text-to-audio-video) model.
-        tiny: tiny-model config used when `pretrained_path` is null.
         num_frames: frames per video, 1 + k x the VAE's temporal compression (the real VAE's 8:
             1, 9, ..., 121, the pipeline's default).
         frame_rate: frames per second: the soundtrack lasts num_frames / frame_rate seconds, and
@@ -119,22 +117,18 @@ class LTX2ModelConfig(FlowFamilyConfig):
         guidance_rescale, audio_guidance_rescale: the guided x0 rescaled toward the cond x0's
             standard deviation, per stream (`rescale_noise_cfg`); 0: off. The audio's null: the
             video's. (The pipeline reads an audio value of 0 as unset too; here 0 is 0.)
-        dtype: parameter dtype of the frozen components (text encoder, connectors, VAEs, vocoder);
-            the trainable transformer stays fp32 master weights unless the backend casts it.
 
     The pipeline's defaults guide with all of them (STG 1.0 at block 28, modality 3.0, rescale 0.7,
     audio CFG 7.0); the defaults here are all off, so that a recipe states the forwards it pays
     for (each of STG and modality guidance is one more forward per step).
     """
 
-    modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec] = FamilySpec(
         name="LTX-2", modeling="unirl.models.ltx2.bundle", bundle="LTX2Bundle",
         transformer="LTX2VideoTransformer3DModel", pipeline="LTX2Pipeline", directory="LTX-2",
     )  # fmt: skip
     TINY: ClassVar[type] = TinyLTX2Config
 
-    pretrained_path: str | None = None
     tiny: TinyLTX2Config | None = field(default_factory=TinyLTX2Config)
     num_frames: AtLeastOne = 121
     frame_rate: Positive = 24.0
@@ -146,7 +140,6 @@ class LTX2ModelConfig(FlowFamilyConfig):
     audio_modality_scale: float | None = None
     guidance_rescale: float = 0.0
     audio_guidance_rescale: float | None = None
-    dtype: DType = "float32"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -19,7 +19,6 @@ from unirl.models.flow.config import (
     cell_size_problems,
     read_vae_config,
 )
-from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -80,24 +79,18 @@ class QwenImageModelConfig(FlowFamilyConfig):
 
     Attributes:
         pretrained_path: local diffusers directory of a Qwen-Image model (`QwenImagePipeline`).
-        tiny: tiny-model config used when `pretrained_path` is null.
-        dtype: parameter dtype of the frozen components (text encoder, VAE); the trainable
-            transformer stays fp32 master weights unless the backend casts it.
         negative_prompt: the prompt of true CFG's uncond branch (QwenImagePipeline's
             `negative_prompt`; " " is its documented default). With `sampling.guidance_scale` > 1
             it must be set: QwenImagePipeline runs no CFG without one.
     """
 
-    modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec] = FamilySpec(
         name="Qwen-Image", modeling="unirl.models.qwenimage.bundle", bundle="QwenImageBundle",
         transformer="QwenImageTransformer2DModel", pipeline="QwenImagePipeline", directory="Qwen-Image",
     )
     TINY: ClassVar[type] = TinyQwenImageConfig
 
-    pretrained_path: str | None = None
     tiny: TinyQwenImageConfig | None = field(default_factory=TinyQwenImageConfig)
-    dtype: DType = "float32"
     negative_prompt: str | None = " "
 
     def bundle_options(self) -> dict[str, str | None]:

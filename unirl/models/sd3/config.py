@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, check_vae_downsample
-from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, check_fields
 
 
@@ -87,22 +86,15 @@ class SD3ModelConfig(FlowFamilyConfig):
 
     Attributes:
         pretrained_path: local diffusers directory of a real SD3 / SD3.5 model.
-        tiny: tiny-model config used when `pretrained_path` is null.
-        dtype: parameter dtype of the frozen components ("float32",
-            "bfloat16", "float16"); the trainable transformer stays fp32
-            master weights unless the backend casts it.
     """
 
-    modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec] = FamilySpec(
         name="SD3", modeling="unirl.models.sd3.bundle", bundle="SD3Bundle",
         transformer="SD3Transformer2DModel", pipeline="StableDiffusion3Pipeline", directory="SD3 / SD3.5",
     )
     TINY: ClassVar[type] = TinySD3Config
 
-    pretrained_path: str | None = None
     tiny: TinySD3Config | None = field(default_factory=TinySD3Config)
-    dtype: DType = "float32"
 
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """height / width vs the latent patch grid (vae scale x patch size pixels per token) and,

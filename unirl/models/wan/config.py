@@ -26,7 +26,6 @@ from unirl.models.flow.config import (
     frames_problems,
     read_vae_config,
 )
-from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, OpenUnit, check_fields
 
 PATCH = (1, 2, 2)
@@ -109,18 +108,14 @@ class WanModelConfig(FlowFamilyConfig):
 
     Attributes:
         pretrained_path: local diffusers directory of a Wan 2.1 T2V model (`WanPipeline`).
-        tiny: tiny-model config used when `pretrained_path` is null.
         num_frames: frames per video; with a VAE of temporal compression t it must be 1 + k t
             (Wan's VAE: 1, 5, ..., 81).
-        dtype: parameter dtype of the frozen components (UMT5, VAE); the trainable transformer
-            stays fp32 master weights unless the backend casts it.
         guidance_scale_2: Wan 2.2 A14B's `guidance_scale_2`: the classifier-free guidance scale
             of the steps the low-noise expert denoises (the anchors' T2V: 3.0 beside 4.0); null:
             `sampling.guidance_scale` on every step. Two experts only (checked before Ray); the
             uncond branch runs when `sampling.guidance_scale` > 1, as in `WanPipeline`.
     """
 
-    modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec] = FamilySpec(
         name="Wan 2.1",
         modeling="unirl.models.wan.bundle",
@@ -131,10 +126,8 @@ class WanModelConfig(FlowFamilyConfig):
     )
     TINY: ClassVar[type] = TinyWanConfig
 
-    pretrained_path: str | None = None
     tiny: TinyWanConfig | None = field(default_factory=TinyWanConfig)
     num_frames: AtLeastOne = 81
-    dtype: DType = "float32"
     guidance_scale_2: Annotated[float, Ge(1)] | None = None
 
     def bundle_options(self) -> dict[str, int]:

@@ -21,7 +21,6 @@ from unirl.models.flow.config import (
     cell_size_problems,
     latent_patch_cell,
 )
-from unirl.models.source import DType
 from unirl.types.constraints import AtLeastOne, NonNegative, check_fields
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -86,25 +85,19 @@ class ZImageModelConfig(FlowFamilyConfig):
 
     Attributes:
         pretrained_path: local diffusers directory of a Z-Image model (`ZImagePipeline`).
-        tiny: tiny-model config used when `pretrained_path` is null.
-        dtype: parameter dtype of the frozen components (text encoder, VAE); the trainable
-            transformer stays fp32 master weights unless the backend casts it.
         cfg_normalization: `ZImagePipeline`'s: a guided row whose norm exceeds this multiple of
             its cond output's norm is scaled down to it; 0: off (the pipeline's default).
         cfg_truncation: `ZImagePipeline`'s: no guidance on the steps whose `(1000 - t) / 1000`
             exceeds it (late, low-noise steps); null: off (the pipeline's 1.0 never truncates).
     """
 
-    modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec] = FamilySpec(
         name="Z-Image", modeling="unirl.models.zimage.bundle", bundle="ZImageBundle",
         transformer="ZImageTransformer2DModel", pipeline="ZImagePipeline", directory="Z-Image",
     )  # fmt: skip
     TINY: ClassVar[type] = TinyZImageConfig
 
-    pretrained_path: str | None = None
     tiny: TinyZImageConfig | None = field(default_factory=TinyZImageConfig)
-    dtype: DType = "float32"
     cfg_normalization: NonNegative = 0.0
     cfg_truncation: Annotated[float, Ge(0.0), Le(1.0)] | None = None
 
