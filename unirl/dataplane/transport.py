@@ -42,7 +42,7 @@ class DataPlaneError(RuntimeError):
 
 
 @dataclass
-class BatchMeta:
+class BatchMeta(batch_ops.SampleBatch):
     """Where a batch lives: small, picklable, split and concatenated by sample.
 
     Attributes:
@@ -69,13 +69,6 @@ class BatchMeta:
 
     def __len__(self) -> int:
         return len(self.sample_ids)
-
-    def select(self, idx: list[int]) -> BatchMeta:
-        return batch_ops.select(self, idx)
-
-    def split(self, parts: int) -> list[BatchMeta]:
-        """`parts` contiguous equal shards (a rank's shard of the batch)."""
-        return batch_ops.split(self, parts)
 
     @staticmethod
     def concat(parts: list[BatchMeta]) -> BatchMeta:

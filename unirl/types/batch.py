@@ -5,7 +5,7 @@ Each batch dataclass names its per-sample fields in a class attribute
 length batch, a dict of those, or a nested batch dataclass. Every other field
 (sigmas, step indices, configs) is shared by the whole batch and copied as is.
 Tracks split by sample for data-parallel ranks and concatenate back in order
-through these helpers.
+through these helpers; `SampleBatch` gives a batch dataclass them as methods.
 """
 
 from __future__ import annotations
@@ -78,3 +78,21 @@ def even_chunks(n: int, parts: int) -> list[list[int]]:
 def split(obj: T, parts: int) -> list[T]:
     """Split a batch dataclass with `len(obj)` samples into `parts` equal chunks."""
     return [select(obj, idx) for idx in even_chunks(len(obj), parts)]
+
+
+class SampleBatch:
+    """`select`, `split` and `concat` as methods of a batch dataclass (one that names its
+    per-sample fields in `PER_SAMPLE` and counts its samples with `len`)."""
+
+    def select(self: T, idx: list[int]) -> T:
+        """A copy with the per-sample fields restricted to `idx`."""
+        return select(self, idx)
+
+    def split(self: T, parts: int) -> list[T]:
+        """`parts` contiguous equal shards by sample (data-parallel scatter)."""
+        return split(self, parts)
+
+    @staticmethod
+    def concat(parts: list[T]) -> T:
+        """Reassemble shards in order (data-parallel gather); shared fields from the first."""
+        return concat(parts)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from unirl.types.batch import concat, select, split
+from unirl.types.batch import SampleBatch
 from unirl.types.sampling import DiffusionSamplingParams, TextSamplingParams
 
 
@@ -21,7 +21,7 @@ class PromptExample:
 
 
 @dataclass
-class RolloutReq:
+class RolloutReq(SampleBatch):
     """A batch of samples to generate: `len(prompts)` prompts x `samples_per_prompt`.
 
     Sample order is group-major: the `samples_per_prompt` siblings of a prompt
@@ -136,14 +136,3 @@ class RolloutReq:
         for i, group in enumerate(self.group_ids):
             first.setdefault(group, i)
         return first
-
-    def select(self, idx: list[int]) -> RolloutReq:
-        return select(self, idx)
-
-    def split(self, parts: int) -> list[RolloutReq]:
-        """`parts` contiguous equal shards by sample (data-parallel scatter)."""
-        return split(self, parts)
-
-    @staticmethod
-    def concat(parts: list[RolloutReq]) -> RolloutReq:
-        return concat(parts)

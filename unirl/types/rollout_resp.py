@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from unirl.types.batch import concat, select, split
+from unirl.types.batch import SampleBatch
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment, TokenSegment
 
@@ -19,7 +19,7 @@ __all__ = ["RolloutResp", "RolloutTrack"]
 
 
 @dataclass
-class RolloutTrack:
+class RolloutTrack(SampleBatch):
     """One generation stage's output for a batch of samples.
 
     Attributes:
@@ -104,18 +104,6 @@ class RolloutTrack:
 
     def __len__(self) -> int:
         return len(self.sample_ids)
-
-    def select(self, idx: list[int]) -> RolloutTrack:
-        return select(self, idx)
-
-    def split(self, parts: int) -> list[RolloutTrack]:
-        """`parts` contiguous equal shards by sample (data-parallel scatter)."""
-        return split(self, parts)
-
-    @staticmethod
-    def concat(parts: list[RolloutTrack]) -> RolloutTrack:
-        """Reassemble shards in order (data-parallel gather)."""
-        return concat(parts)
 
 
 @dataclass
