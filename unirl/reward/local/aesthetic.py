@@ -12,12 +12,11 @@ so a smaller CLIP with a predictor trained on its embeddings loads the same way.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from unirl.reward.local.clip import ClipBackbone
+from unirl.reward.local.files import require_file
 from unirl.types.reward import RewardRequest
 
 LAYERS = (
@@ -65,11 +64,12 @@ class AestheticScore:
         self.clip = ClipBackbone(
             "AestheticScore", clip_path, processor_path, device, dtype, what, batch_size, offload
         )
-        if not os.path.isfile(mlp_path):
-            raise ValueError(
-                f"AestheticScore: mlp_path {mlp_path} does not exist; it is the predictor's "
-                "sac+logos+ava1-l14-linearMSE.pth (improved-aesthetic-predictor)"
-            )
+        require_file(
+            "AestheticScore",
+            "mlp_path",
+            mlp_path,
+            "the predictor's sac+logos+ava1-l14-linearMSE.pth (improved-aesthetic-predictor)",
+        )
         state = torch.load(mlp_path, map_location="cpu", weights_only=True)
         want = {f"{name}.{p}" for name in LAYERS for p in ("weight", "bias")}
         if not isinstance(state, dict) or set(state) != want:

@@ -14,12 +14,12 @@ std; the same BPE vocabulary, pooled at the end-of-text token).
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
 from unirl.reward.local.clip import ClipBackbone
+from unirl.reward.local.files import require_file
 from unirl.types.reward import RewardRequest
 
 _BLOCK = re.compile(r"^(visual\.)?transformer\.resblocks\.(\d+)\.(.+)$")
@@ -117,11 +117,12 @@ class HPSv2:
         dtype: str = "float32",
         offload: bool = False,
     ) -> None:
-        if not os.path.isfile(checkpoint_path):
-            raise ValueError(
-                f"HPSv2: checkpoint_path {checkpoint_path} does not exist; it is HPS_v2_compressed.pt or "
-                "HPS_v2.1_compressed.pt (xswu/HPSv2)"
-            )
+        require_file(
+            "HPSv2",
+            "checkpoint_path",
+            checkpoint_path,
+            "HPS_v2_compressed.pt or HPS_v2.1_compressed.pt (xswu/HPSv2)",
+        )
         self.checkpoint_path = checkpoint_path
         what = " (laion/CLIP-ViT-H-14-laion2B-s32B-b79K's config, preprocessor and tokenizer files)"
         self.clip = ClipBackbone(

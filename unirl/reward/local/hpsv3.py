@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from unirl.reward.local.files import require_file
 from unirl.reward.placement import on_device_while_scoring
 from unirl.types.reward import RewardRequest
 
@@ -163,10 +164,7 @@ class HPSv3:
         dtype: str = "float32",
         offload: bool = False,
     ) -> None:
-        if not os.path.isfile(checkpoint_path):
-            raise ValueError(
-                f"HPSv3: checkpoint_path {checkpoint_path} does not exist; it is HPSv3.safetensors (MizzenAI/HPSv3)"
-            )
+        require_file("HPSv3", "checkpoint_path", checkpoint_path, "HPSv3.safetensors (MizzenAI/HPSv3)")
         missing = [
             f
             for f in ("config.json", "preprocessor_config.json")

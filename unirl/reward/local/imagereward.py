@@ -24,6 +24,7 @@ import re
 import torch
 
 from unirl.reward.local.aesthetic import LAYERS, aesthetic_mlp
+from unirl.reward.local.files import require_file
 from unirl.reward.placement import on_device_while_scoring
 from unirl.types.reward import RewardRequest
 
@@ -135,10 +136,7 @@ class ImageReward:
         dtype: str = "float32",
         offload: bool = False,
     ) -> None:
-        if not os.path.isfile(checkpoint_path):
-            raise ValueError(
-                f"ImageReward: checkpoint_path {checkpoint_path} does not exist; it is ImageReward.pt (THUDM/ImageReward)"
-            )
+        require_file("ImageReward", "checkpoint_path", checkpoint_path, "ImageReward.pt (THUDM/ImageReward)")
         if not any(os.path.isfile(os.path.join(tokenizer_path, f)) for f in ("vocab.txt", "tokenizer.json")):
             raise ValueError(
                 f"ImageReward: tokenizer_path {tokenizer_path} holds no vocab.txt or tokenizer.json; "
