@@ -42,25 +42,25 @@ class _Branches:
         return torch.no_grad() if detach_uncond else contextlib.nullcontext()
 
 
-class ClassifierFreeGuidance(_Branches):
-    """ "cfg": v_u + s (v_c - v_u), the cond and `NEGATIVE` halves batched in one forward (or, with
-    `separate_uncond`, two; the uncond one without autograd when `detach_uncond`: a sampling step
-    whose graph is kept then keeps only the cond half's activations). SD3, Wan."""
+class _TwoBranches(_Branches):
+    """What the two-branch styles ("cfg", "true_cfg") share: at `scale` <= 1 the cond branch alone
+    (whether the uncond branch runs at all is `scale`'s alone, as in the pipelines); else the
+    style's `branches` (v_uncond, v_cond), combined by `combine_guidance` at `row_scales`."""
 
-    guidance = "cfg"
     encodes_uncond = True
 
     def row_scales(self, sigma: torch.Tensor, scale: float) -> float | torch.Tensor:
         """The scale each row's branches combine with: `scale` (a family whose pipeline guides
-        some steps with another scale overrides it: Wan 2.2's low-noise expert, `guidance_scale_2`).
-        Whether the uncond branch runs at all is `scale`'s alone, as in the pipelines."""
+        some steps with another scale overrides it: Wan 2.2's low-noise expert, `guidance_scale_2`;
+        Z-Image's truncation)."""
         return scale
 
     @staticmethod
-    def combine_cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
-        """The guided velocity from the two branches' velocities: v_u + s (v_c - v_u) (a family
-        whose pipeline writes the same combination another way overrides it, so that sampling
-        equals its pipeline bit for bit)."""
+    def combine_guidance(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """The guided velocity from the two branches' [B, *latent_shape] fp32 velocities,
+        differentiable in both: v_u + s (v_c - v_u) (a family whose pipeline writes the
+        combination another way overrides it, so that sampling equals its pipeline bit for bit:
+        Qwen-Image rescales to the norm of v_c, Z-Image writes v_c + (s - 1) (v_c - v_u))."""
         return v_uncond + scale * (v_cond - v_uncond)
 
     def guided_velocity(
@@ -75,10 +75,18 @@ class ClassifierFreeGuidance(_Branches):
     ) -> torch.Tensor:
         if scale <= 1.0:
             return forward(x, sigma, self.branch(cond))
-        v_uncond, v_cond = self.cfg_branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
-        return self.combine_cfg(v_uncond, v_cond, self.row_scales(sigma, scale))
+        v_uncond, v_cond = self.branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
+        return self.combine_guidance(v_uncond, v_cond, self.row_scales(sigma, scale))
 
-    def cfg_branches(
+
+class ClassifierFreeGuidance(_TwoBranches):
+    """ "cfg": v_u + s (v_c - v_u), the cond and `NEGATIVE` halves batched in one forward (or, with
+    `separate_uncond`, two; the uncond one without autograd when `detach_uncond`: a sampling step
+    whose graph is kept then keeps only the cond half's activations). SD3, Wan."""
+
+    guidance = "cfg"
+
+    def branches(
         self,
         forward: Forward,
         x: torch.Tensor,
@@ -137,34 +145,25 @@ class EmbeddedGuidance(_Branches):
         return forward(x, sigma, self.branch(cond), guidance=torch.full_like(sigma, scale))
 
 
-class TrueCFGGuidance(_Branches):
+class TrueCFGGuidance(_TwoBranches):
     """ "true_cfg": the cond half, then the `NEGATIVE` half (without autograd when
     `detach_uncond`), in forwards of their own (their conditioning may differ in length),
     combined by the family's `combine_guidance(v_uncond, v_cond, s)`. Qwen-Image (its combine
     rescales to the norm of v_c)."""
 
     guidance = "true_cfg"
-    encodes_uncond = True
 
-    @staticmethod
-    def combine_guidance(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
-        """The guided velocity from the two branches' [B, *latent_shape] fp32 velocities,
-        differentiable in both (the plain v_u + s (v_c - v_u) unless the family overrides it)."""
-        return v_uncond + scale * (v_cond - v_uncond)
-
-    def guided_velocity(
+    def branches(
         self,
         forward: Forward,
         x: torch.Tensor,
         sigma: torch.Tensor,
         cond: dict,
-        scale: float,
         detach_uncond: bool,
         separate_uncond: bool = False,
-    ) -> torch.Tensor:
-        if scale <= 1.0:
-            return forward(x, sigma, self.branch(cond))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v_uncond, v_cond): the cond forward, then the `NEGATIVE` one (always separate)."""
         v_cond = forward(x, sigma, self.branch(cond))
         with self.uncond_context(detach_uncond):
             v_uncond = forward(x, sigma, self.branch(cond, negative=True))
-        return self.combine_guidance(v_uncond, v_cond, scale)
+        return v_uncond, v_cond

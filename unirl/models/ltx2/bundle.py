@@ -333,7 +333,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
                 return (x - (x - forward(x, sigma, self.branch(cond)) * s)) / s
         positive = self.branch(cond)
         if scale > 1.0:
-            v_uncond, v_cond = self.cfg_branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
+            v_uncond, v_cond = self.branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
         else:
             v_cond = forward(x, sigma, positive)
         x0_cond = x - v_cond * s

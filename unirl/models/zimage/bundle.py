@@ -58,7 +58,7 @@ class ZImageBundle(Packed2x2Bundle, ClassifierFreeGuidance):
         latent_channels, vae_scale_factor: the latent grid.
         sample_size: the image side in pixels (a tiny model's resolution; 1024 for a directory).
         cond_keys: `encode_text`'s keys. guidance: "cfg" (written as the pipeline does:
-            `combine_cfg`).
+            `combine_guidance`).
     """
 
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
@@ -115,7 +115,7 @@ class ZImageBundle(Packed2x2Bundle, ClassifierFreeGuidance):
         out = module(list(x.to(dtype).unsqueeze(2).unbind(0)), t.to(dtype), captions, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)
 
-    def combine_cfg(
+    def combine_guidance(
         self, v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float | torch.Tensor
     ) -> torch.Tensor:
         """v_c + (s - 1) (v_c - v_u): `ZImagePipeline`'s pos + g (pos - neg) with g = s - 1, on
