@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from unirl.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from unirl.algorithms.ppo import require_gae
 from unirl.types.advantages import AdvantageConfig
 
 
@@ -45,11 +46,7 @@ class FlowPPO(FlowGRPO):
 
     @staticmethod
     def check_advantage(advantage: AdvantageConfig) -> None:
-        if advantage.estimator != "gae":
-            raise ValueError(
-                f"advantage.estimator={advantage.estimator!r}: FlowPPO trains on the critic's per-step GAE "
-                "advantages; set advantage.estimator: gae"
-            )
+        require_gae(advantage, "FlowPPO trains on the critic's per-step GAE advantages")
         if advantage.kl_coef != 0:
             raise ValueError(
                 f"advantage.kl_coef={advantage.kl_coef}: a diffusion track has no per-step KL to fold into "

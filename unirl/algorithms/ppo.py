@@ -52,11 +52,15 @@ class PPO(GRPO):
 
     @staticmethod
     def check_advantage(advantage: AdvantageConfig) -> None:
-        if advantage.estimator != "gae":
-            raise ValueError(
-                f"advantage.estimator={advantage.estimator!r}: PPO trains on the critic's GAE advantages; "
-                "set advantage.estimator: gae"
-            )
+        require_gae(advantage, "PPO trains on the critic's GAE advantages")
+
+
+def require_gae(advantage: AdvantageConfig, why: str) -> None:
+    """The check of a loss that trains on a critic's values (`uses_values`): return if
+    `advantage.estimator` is gae, else raise ValueError `advantage.estimator=<its value>: <why>;
+    set advantage.estimator: gae`."""
+    if advantage.estimator != "gae":
+        raise ValueError(f"advantage.estimator={advantage.estimator!r}: {why}; set advantage.estimator: gae")
 
 
 class ValueNorm:
