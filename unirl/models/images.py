@@ -74,6 +74,17 @@ def row_images(
     return rows
 
 
+def one_metadata_image(metadata: dict, key: str, sample_id: str, need: str) -> Any:
+    """The PIL image of a sample's `metadata[key]`, a list of exactly one: otherwise "sample <id>:
+    <need> (metadata <key>: a list of one image), got <none | n>"; an image that does not read is
+    `load_image`'s error."""
+    entries = metadata.get(key)
+    if not isinstance(entries, list | tuple) or len(entries) != 1:
+        got = "none" if not entries else f"{len(entries)}"
+        raise ValueError(f"sample {sample_id!r}: {need} (metadata {key!r}: a list of one image), got {got}")
+    return load_image(entries[0], sample_id, 0)
+
+
 def metadata_images(metadata: dict, key: str, sample_id: str, need: str) -> list:
     """The PIL images of a sample's `metadata[key]` (one or more); none is "sample <id>: <need>
     (metadata <key>: a list of images), got none"; an image that does not read is `load_image`'s

@@ -100,6 +100,26 @@ class FlowFamilyConfig(ModelSource):
         return pipeline_directory_problems(self.pretrained_path, self.SPEC.pipeline, self.SPEC.directory)
 
 
+class ConditionedFamilyConfig:
+    """Mixin, listed before the family's config in the bases, of a model config whose prompt rows
+    carry condition media (reference images, a first frame) under `condition_key`, a field the
+    dataclass declares: the bundle it builds or loads reads that key of each row (`conditioned`).
+    The family answers `condition_problems` itself."""
+
+    condition_key: str
+
+    def conditioned(self, bundle: Any) -> Any:
+        """`bundle`, reading `condition_key` of each prompt row."""
+        bundle.condition_key = self.condition_key
+        return bundle
+
+    def build(self) -> Any:
+        return self.conditioned(super().build())
+
+    def load_checkpoint(self, path: str) -> Any:
+        return self.conditioned(super().load_checkpoint(path))
+
+
 def check_vae_downsample(vae_downsample: int) -> None:
     """A tiny model's `vae_downsample` must be a power of 2 >= 2 (ValueError naming
     `model.tiny.vae_downsample`)."""

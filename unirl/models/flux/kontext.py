@@ -25,10 +25,11 @@ from typing import Any, ClassVar
 import torch
 from diffusers import FluxKontextPipeline
 
-from unirl.models.flow.config import FamilySpec
-from unirl.models.flux.bundle import FluxBundle, image_ids, load_checkpoint, pack, tiny_transformer  # noqa: F401 (the tiny denoiser: FLUX.1's)
+from unirl.models.flow.config import ConditionedFamilyConfig, FamilySpec
+from unirl.models.flux import bundle as flux
+from unirl.models.flux.bundle import FluxBundle, image_ids, pack, tiny_transformer  # noqa: F401 (the tiny denoiser: FLUX.1's)
 from unirl.models.flux.config import FluxModelConfig
-from unirl.models.images import load_image, row_images
+from unirl.models.images import one_metadata_image, row_images
 from unirl.types import RolloutReq
 
 CONDITION_KEY = "images"
@@ -59,14 +60,9 @@ class FluxKontextBundle(FluxBundle):
         call, shifted and scaled (the pixels themselves in pixel space). Errors name the sample."""
         images, sample_ids = [], req.sample_ids
         for sid, meta in zip(sample_ids, req.metadata, strict=True):
-            entries = meta.get(self.condition_key)
-            if not isinstance(entries, list | tuple) or len(entries) != 1:
-                got = "none" if not entries else f"{len(entries)}"
-                raise ValueError(
-                    f"sample {sid!r}: FLUX.1-Kontext edits one condition image (metadata {self.condition_key!r}: "
-                    f"a list of one image), got {got}"
-                )
-            image = load_image(entries[0], sid, 0)
+            image = one_metadata_image(
+                meta, self.condition_key, sid, "FLUX.1-Kontext edits one condition image"
+            )
             if image.width % self.cell or image.height % self.cell:
                 raise ValueError(
                     f"sample {sid!r}: condition image of {image.width}x{image.height} px; FLUX.1-Kontext takes "
@@ -100,8 +96,14 @@ class FluxKontextBundle(FluxBundle):
         return torch.cat([tokens, pack(reference)], dim=1), torch.cat([ids, ref_ids])
 
 
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> FluxKontextBundle:
+    """The bundle of a UniRL checkpoint of a Kontext run (FLUX.1's `load_checkpoint` into this
+    bundle)."""
+    return flux.load_checkpoint(path, dtype, bundle_class=FluxKontextBundle)
+
+
 @dataclass
-class FluxKontextModelConfig(FluxModelConfig):
+class FluxKontextModelConfig(ConditionedFamilyConfig, FluxModelConfig):
     """Which FLUX.1-Kontext model to build: a local `FluxKontextPipeline` directory, or the tiny
     FLUX.1 of `tiny` (the same architecture; Kontext differs in its inputs, not its modules).
     Its prompt rows each carry one condition image under `condition_key` (`condition_problems`;
@@ -115,16 +117,6 @@ class FluxKontextModelConfig(FluxModelConfig):
         directory="FLUX.1-Kontext",
     )
     condition_key: str = CONDITION_KEY
-
-    def build(self) -> FluxKontextBundle:
-        bundle = super().build()
-        bundle.condition_key = self.condition_key
-        return bundle
-
-    def load_checkpoint(self, path: str) -> FluxKontextBundle:
-        bundle = load_checkpoint(path, bundle_class=FluxKontextBundle)
-        bundle.condition_key = self.condition_key
-        return bundle
 
     def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
         """Every prompt row of `where` (its examples) names exactly one condition image that reads

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from unirl.models.flow.config import (
+    ConditionedFamilyConfig,
     FamilySpec,
     FlowFamilyConfig,
     cell_size_problems,
@@ -232,17 +233,10 @@ def reference_layout(width: int, height: int, cell: int) -> tuple[int, int]:
     return height // cell, width // cell
 
 
-class ReferenceConditions:
+class ReferenceConditions(ConditionedFamilyConfig):
     """What a FLUX.2 config adds for reference images (`unirl.models.flux2.references`): the
     bundle reads `condition_key` of each row, and `condition_problems` checks every prompt row
     before Ray. The dataclass that mixes it in declares `condition_key`."""
-
-    condition_key: str
-
-    def build(self):
-        bundle = super().build()
-        bundle.condition_key = self.condition_key
-        return bundle
 
     def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
         """Every prompt row of `where` (its examples) names one or more references that read and
@@ -285,11 +279,6 @@ class Flux2EditModelConfig(ReferenceConditions, Flux2ModelConfig):
     )
     condition_key: str = REFERENCE_KEY
 
-    def load_checkpoint(self, path: str):
-        bundle = self.modeling().load_checkpoint(path)
-        bundle.condition_key = self.condition_key
-        return bundle
-
 
 @dataclass
 class Flux2KleinEditModelConfig(ReferenceConditions, Flux2KleinModelConfig):
@@ -302,6 +291,4 @@ class Flux2KleinEditModelConfig(ReferenceConditions, Flux2KleinModelConfig):
 
     def load_checkpoint(self, path: str):
         modeling = self.modeling()
-        bundle = modeling.load_checkpoint(path, bundle_class=modeling.Flux2KleinEditBundle)
-        bundle.condition_key = self.condition_key
-        return bundle
+        return self.conditioned(modeling.load_checkpoint(path, bundle_class=modeling.Flux2KleinEditBundle))

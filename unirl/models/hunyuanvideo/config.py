@@ -17,7 +17,13 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, clip_size_problems, read_vae_config
+from unirl.models.flow.config import (
+    ConditionedFamilyConfig,
+    FamilySpec,
+    FlowFamilyConfig,
+    clip_size_problems,
+    read_vae_config,
+)
 from unirl.types.constraints import AtLeastOne, check_fields
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -191,7 +197,7 @@ class HunyuanVideo15ModelConfig(FlowFamilyConfig):
 
 
 @dataclass
-class HunyuanVideo15I2VModelConfig(HunyuanVideo15ModelConfig):
+class HunyuanVideo15I2VModelConfig(ConditionedFamilyConfig, HunyuanVideo15ModelConfig):
     """Which HunyuanVideo 1.5 image-to-video model to build (`HunyuanVideo15ImageToVideoPipeline`:
     the T2V modules plus a SigLIP `image_encoder/` and `feature_extractor/`), or a tiny one (the
     T2V tiny model with a one-layer random SigLIP). Each prompt row names its first frame under
@@ -207,16 +213,6 @@ class HunyuanVideo15I2VModelConfig(HunyuanVideo15ModelConfig):
         directory="HunyuanVideo 1.5 I2V",
     )
     condition_key: str = "images"
-
-    def build(self) -> Any:
-        bundle = super().build()
-        bundle.condition_key = self.condition_key
-        return bundle
-
-    def load_checkpoint(self, path: str) -> Any:
-        bundle = super().load_checkpoint(path)
-        bundle.condition_key = self.condition_key
-        return bundle
 
     def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
         """Every prompt row of `where` (its examples) names exactly one first frame that reads;

@@ -27,7 +27,7 @@ from diffusers import HunyuanVideo15ImageToVideoPipeline
 
 from unirl.models.hunyuanvideo.bundle import HunyuanVideo15Bundle, tiny_transformer  # noqa: F401 (the tiny denoiser: T2V's)
 from unirl.models.hunyuanvideo.config import TinyHunyuanVideo15Config
-from unirl.models.images import load_image
+from unirl.models.images import one_metadata_image
 from unirl.types import RolloutReq
 
 
@@ -48,14 +48,8 @@ class HunyuanVideo15I2VBundle(HunyuanVideo15Bundle):
     def first_frame(self, metadata: dict[str, Any], sample_id: str):
         """The PIL first frame of a row (exactly one image under `condition_key`); errors name
         the sample."""
-        entries = metadata.get(self.condition_key)
-        if not isinstance(entries, list | tuple) or len(entries) != 1:
-            got = "none" if not entries else f"{len(entries)}"
-            raise ValueError(
-                f"sample {sample_id!r}: HunyuanVideo 1.5 image-to-video starts from one first frame (metadata "
-                f"{self.condition_key!r}: a list of one image), got {got}"
-            )
-        return load_image(entries[0], sample_id, 0)
+        need = "HunyuanVideo 1.5 image-to-video starts from one first frame"
+        return one_metadata_image(metadata, self.condition_key, sample_id, need)
 
     @torch.no_grad()
     def encode_conditions(self, req: RolloutReq, guided: bool = False) -> dict[str, torch.Tensor]:

@@ -284,6 +284,8 @@ def load_checkpoint(
     `options` go to `bundle_class` (an edit family's condition settings)."""
     return load_diffusers_checkpoint(
         path,
-        lambda base: bundle_class.from_pretrained(base, dtype=dtype, negative_prompt=negative_prompt, **options),
+        lambda base: bundle_class.from_pretrained(
+            base, dtype=dtype, negative_prompt=negative_prompt, **options
+        ),
         QwenImageTransformer2DModel,
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from unirl.models.flow.config import (
+    ConditionedFamilyConfig,
     FamilySpec,
     FlowFamilyConfig,
     PackedTinyConfig,
@@ -85,8 +86,12 @@ class QwenImageModelConfig(FlowFamilyConfig):
     """
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="Qwen-Image", modeling="unirl.models.qwenimage.bundle", bundle="QwenImageBundle",
-        transformer="QwenImageTransformer2DModel", pipeline="QwenImagePipeline", directory="Qwen-Image",
+        name="Qwen-Image",
+        modeling="unirl.models.qwenimage.bundle",
+        bundle="QwenImageBundle",
+        transformer="QwenImageTransformer2DModel",
+        pipeline="QwenImagePipeline",
+        directory="Qwen-Image",
     )
     TINY: ClassVar[type] = TinyQwenImageConfig
 
@@ -148,7 +153,7 @@ class TinyQwenImageEditConfig(TinyQwenImageConfig):
 
 
 @dataclass
-class QwenImageEditPlusModelConfig(QwenImageModelConfig):
+class QwenImageEditPlusModelConfig(ConditionedFamilyConfig, QwenImageModelConfig):
     """Which Qwen-Image-Edit-Plus model to build (a local `QwenImageEditPlusPipeline` directory
     such as Qwen-Image-Edit-2509 / 2511, or the tiny model of `tiny`), and how it reads its
     references. Its prompt rows each carry one or more references under `condition_key`
@@ -179,7 +184,6 @@ class QwenImageEditPlusModelConfig(QwenImageModelConfig):
     def bundle_options(self) -> dict[str, Any]:
         return {
             **super().bundle_options(),
-            "condition_key": self.condition_key,
             "condition_area": self.condition_area,
             "vae_area": self.vae_area,
         }

@@ -76,7 +76,9 @@ PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 """The pipeline's label of the k-th reference in the prompt (its `_get_qwen_prompt_embeds`)."""
 
 
-def encoded_prompt_lengths(processor: Qwen2VLProcessor, rows: list[tuple[str, list]], condition_area: int) -> list[int]:
+def encoded_prompt_lengths(
+    processor: Qwen2VLProcessor, rows: list[tuple[str, list]], condition_area: int
+) -> list[int]:
     """Tokens of the prompt encoder's conditioning for each (prompt, references) of `rows`: the
     pipeline's template around a "Picture k:" label and the vision tokens of each reference
     resized to `condition_area` pixels, less the template's dropped system tokens (what
@@ -123,7 +125,7 @@ class QwenImageEditPlusBundle(QwenImageBundle):
     conditioned on the references of each sample's row.
 
     Attributes (beyond `QwenImageBundle`'s):
-        condition_key: the metadata key of a row's references.
+        condition_key: the metadata key of a row's references (set by the config).
         condition_area: pixels of a reference as the prompt encoder sees it.
         vae_area: pixels of a reference as the VAE encodes it.
     """
@@ -134,18 +136,17 @@ class QwenImageEditPlusBundle(QwenImageBundle):
     LORA_PIPELINE: ClassVar[type] = QwenImageEditPlusPipeline
     PIPELINE: ClassVar[type] = QwenImageEditPlusPipeline
     TEMPLATE: ClassVar[str] = EDIT_TEMPLATE_WORDS
+    condition_key: str = CONDITION_KEY
 
     def __init__(
         self,
         pipeline: QwenImageEditPlusPipeline,
         sample_size: int,
         negative_prompt: str | None = " ",
-        condition_key: str = CONDITION_KEY,
         condition_area: int = CONDITION_IMAGE_SIZE,
         vae_area: int = VAE_IMAGE_SIZE,
     ) -> None:
         super().__init__(pipeline, sample_size, negative_prompt)
-        self.condition_key = condition_key
         self.condition_area = condition_area
         self.vae_area = vae_area
 

@@ -184,12 +184,9 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
 
     # ---- building and saving ----------------------------------------------------------------
     @classmethod
-    def from_pretrained(
-        cls, path: str, num_frames: int, dtype: torch.dtype = torch.float32, **options
-    ) -> WanBundle:
+    def from_pretrained(cls, path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> WanBundle:
         """Load a local diffusers directory of `PIPELINE`; a missing vae/ means pixel space. The
-        directory's scheduler is replaced by the Euler scheduler at its flow shift (module doc).
-        `options` go to the bundle's constructor (an I2V model's condition key)."""
+        directory's scheduler is replaced by the Euler scheduler at its flow shift (module doc)."""
         extra = pretrained_pipeline_options(path)
         shift = _flow_shift(os.path.join(path, "scheduler", "scheduler_config.json"))
         pipe = cls.PIPELINE.from_pretrained(
@@ -200,12 +197,12 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
         for name in EXPERTS:  # fp32 master weights (transformer_2: Wan 2.2 A14B's low-noise expert)
             if getattr(pipe, name, None) is not None:
                 getattr(pipe, name).to(torch.float32)
-        return cls(pipe, num_frames, sample_size=480, any_size=True, **options)
+        return cls(pipe, num_frames, sample_size=480, any_size=True)
 
     @classmethod
-    def tiny(cls, cfg: TinyWanConfig, num_frames: int, **options) -> WanBundle:
+    def tiny(cls, cfg: TinyWanConfig, num_frames: int) -> WanBundle:
         """A randomly initialized tiny model of `PIPELINE`, deterministic in `cfg.seed`."""
-        return cls(cls.PIPELINE(**cls.tiny_modules(cfg)), num_frames, sample_size=cfg.resolution, **options)
+        return cls(cls.PIPELINE(**cls.tiny_modules(cfg)), num_frames, sample_size=cfg.resolution)
 
     @classmethod
     def tiny_modules(cls, cfg: TinyWanConfig) -> dict:
@@ -261,7 +258,9 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
             return super().write_weights(path, kind, state, module)
         for name, part in expert_states(state).items():
             where = path if name == EXPERTS[0] else os.path.join(path, name)
-            write_diffusers_weights(cls.LORA_PIPELINE, where, kind, part, getattr(module, name), adapter=module)
+            write_diffusers_weights(
+                cls.LORA_PIPELINE, where, kind, part, getattr(module, name), adapter=module
+            )
 
 
 def _flow_shift(scheduler_config: str) -> float:
@@ -294,16 +293,15 @@ def tiny_transformer(cfg: TinyWanConfig, condition_channels: int = 0) -> WanTran
 
 
 def load_checkpoint(
-    path: str, num_frames: int, dtype: torch.dtype = torch.float32, bundle_class: type = WanBundle, **options
+    path: str, num_frames: int, dtype: torch.dtype = torch.float32, bundle_class: type = WanBundle
 ) -> WanBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
     `unirl_checkpoint.json`) with the LoRA loaded by `WanPipeline.load_lora_weights`, or the full
     `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`); for two
-    experts also the low-noise expert's, from `transformer_2/` (`WanBundle.write_weights`).
-    `options` go to `bundle_class` (an I2V model's condition key)."""
+    experts also the low-noise expert's, from `transformer_2/` (`WanBundle.write_weights`)."""
     bundle = load_diffusers_checkpoint(
         path,
-        lambda base: bundle_class.from_pretrained(base, num_frames, dtype=dtype, **options),
+        lambda base: bundle_class.from_pretrained(base, num_frames, dtype=dtype),
         WanTransformer3DModel,
     )
     low = os.path.join(path, EXPERTS[1])

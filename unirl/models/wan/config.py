@@ -20,6 +20,7 @@ import torch
 from annotated_types import Ge
 
 from unirl.models.flow.config import (
+    ConditionedFamilyConfig,
     FamilySpec,
     FlowFamilyConfig,
     cell_size_problems,
@@ -228,7 +229,7 @@ class WanModelConfig(FlowFamilyConfig):
 
 
 @dataclass
-class WanI2VModelConfig(WanModelConfig):
+class WanI2VModelConfig(ConditionedFamilyConfig, WanModelConfig):
     """Which Wan 2.2 image-to-video model to build: a local `WanImageToVideoPipeline` directory of
     the Wan 2.2 I2V-A14B layout (no image encoder; two experts at `boundary_ratio` 0.9), or the
     tiny model of `tiny` (latent space; its transformer takes the latents, the first-frame mask and
@@ -252,9 +253,6 @@ class WanI2VModelConfig(WanModelConfig):
             raise ValueError(
                 "model.tiny.pixel_space must be false: Wan I2V encodes its first frame with the VAE"
             )
-
-    def bundle_options(self) -> dict[str, Any]:
-        return {**super().bundle_options(), "condition_key": self.condition_key}
 
     def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:
         """Every prompt row of `where` (its examples) names a first frame, or a first and a last

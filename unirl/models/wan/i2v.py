@@ -41,14 +41,13 @@ class WanI2VBundle(WanBundle):
     """A Wan 2.2 I2V model: `WanBundle` over a `WanImageToVideoPipeline`, conditioned on each
     sample's row's first frame (`cond_keys` adds `condition`).
 
-    Attributes (beyond `WanBundle`'s):
-        condition_key: the metadata key of a row's first frame.
     """
 
     cond_keys = ("prompt_embeds", "condition")
     shared_keys = ("condition",)
     LORA_PIPELINE: ClassVar[type] = WanImageToVideoPipeline
     PIPELINE: ClassVar[type] = WanImageToVideoPipeline
+    condition_key: str = CONDITION_KEY  # the metadata key of a row's first frame (set by the config)
 
     def __init__(
         self,
@@ -56,7 +55,6 @@ class WanI2VBundle(WanBundle):
         num_frames: int,
         sample_size: int,
         any_size: bool = False,
-        condition_key: str = CONDITION_KEY,
     ) -> None:
         transformer = pipeline.transformer
         if pipeline.vae is None:
@@ -71,7 +69,6 @@ class WanI2VBundle(WanBundle):
                 "layout (no image encoder) is"
             )
         super().__init__(pipeline, num_frames, sample_size, any_size)
-        self.condition_key = condition_key
 
     @torch.no_grad()
     def encode_conditions(self, req: RolloutReq, guided: bool) -> dict[str, torch.Tensor]:
@@ -140,8 +137,6 @@ def tiny_transformer(cfg: TinyWanConfig) -> WanTransformer3DModel:
     return wan.tiny_transformer(cfg, condition_channels=cfg.vae_temporal + cfg.latent_channels)
 
 
-def load_checkpoint(
-    path: str, num_frames: int, dtype: torch.dtype = torch.float32, **options
-) -> WanI2VBundle:
+def load_checkpoint(path: str, num_frames: int, dtype: torch.dtype = torch.float32) -> WanI2VBundle:
     """The bundle of a UniRL checkpoint of an I2V run (Wan's `load_checkpoint` into this bundle)."""
-    return wan.load_checkpoint(path, num_frames, dtype, bundle_class=WanI2VBundle, **options)
+    return wan.load_checkpoint(path, num_frames, dtype, bundle_class=WanI2VBundle)
