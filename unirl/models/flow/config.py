@@ -197,13 +197,20 @@ def clip_size_problems(
 def frames_problems(num_frames: int, temporal: int, vae: str) -> list[str]:
     """`model.num_frames` = 1 + k x `temporal` (the causal video VAE `vae`'s clip lengths: 1,
     1 + t, 1 + 2t, ...), or one problem naming the key and the nearest valid lengths."""
-    if not (num_frames - 1) % temporal:
+    if num_frames >= 1 and not (num_frames - 1) % temporal:
         return []
     below = max(1, (num_frames - 1) // temporal * temporal + 1)
     return [
         f"model.num_frames={num_frames}: {vae} (temporal compression {temporal}) takes 1 + {temporal}k frames "
         f"(1, {1 + temporal}, {1 + 2 * temporal}, ...), e.g. {below} or {below + temporal}"
     ]
+
+
+def check_frames(num_frames: int, temporal: int, vae: str) -> None:
+    """A video bundle's own check of its clip length: `frames_problems` as a ValueError."""
+    problems = frames_problems(num_frames, temporal, vae)
+    if problems:
+        raise ValueError(problems[0])
 
 
 def latent_patch_cell(pretrained_path: str | None, tiny) -> int | None:

@@ -30,6 +30,7 @@ from unirl.models.stage import module_device
 
 __all__ = ["NEGATIVE", "DiffusersBundle", "FlowFamily", "FlowModelConfig", "training_guidance"]
 
+
 @runtime_checkable
 class FlowFamily(Protocol):
     """The built modules of one flow-matching model and what its family does differently.
@@ -205,9 +206,11 @@ class DiffusersBundle:
     Wan): a mixin, not part of the `FlowFamily` contract (a family may write its own).
 
     The bundle provides `pipeline` (the diffusers pipeline that owns every module), `transformer`
-    (the trainable denoiser), `vae` (None in pixel space), `text_encoders()` and `LORA_PIPELINE`
-    (the diffusers pipeline class whose `load_lora_weights` reads the exported LoRA). This gives
-    `denoiser` (the transformer), `frozen_modules()` (the text encoders and the VAE), `device`
+    (the trainable denoiser), `vae` (None in pixel space), `TEXT_ENCODERS` (the pipeline's
+    attributes holding the prompt encoders, in `encode_prompt`'s order; `("text_encoder",)` by
+    default) and `LORA_PIPELINE` (the diffusers pipeline class whose `load_lora_weights` reads the
+    exported LoRA). This gives `denoiser` (the transformer), `text_encoders()` (those of
+    `TEXT_ENCODERS` the pipeline has), `frozen_modules()` (the text encoders and the VAE), `device`
     (the transformer's), `to` (moves or casts the whole pipeline, returns the bundle),
     `save_pretrained` (the pipeline's diffusers layout, what the family's `from_pretrained`
     reads) and `write_weights` (the train backend's exporter). `freeze_frozen_modules()`, called
@@ -219,11 +222,29 @@ class DiffusersBundle:
     transformer: torch.nn.Module
     vae: torch.nn.Module | None
     LORA_PIPELINE: ClassVar[type]
+    TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder",)
 
     @property
     def denoiser(self) -> torch.nn.Module:
         """The trainable network (`FlowFamily.denoiser`): the transformer."""
         return self.transformer
+
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """The pipeline's modules named in `TEXT_ENCODERS` that it has (SD3.5 may drop T5)."""
+        modules = (getattr(self.pipeline, name, None) for name in self.TEXT_ENCODERS)
+        return [m for m in modules if m is not None]
+
+    def encode_text_keys(
+        self, prompts: list[str], guided: bool, max_sequence_length: int
+    ) -> dict[str, torch.Tensor]:
+        """`encode_text` of a family whose encoding is a tuple of tensors (`_encode(prompts,
+        length)`, one per key of its `TEXT_KEYS`): the prompts' under `TEXT_KEYS`; with `guided`
+        the empty prompt's under the `NEGATIVE` twins (the pipelines' default negative prompt)."""
+        out = dict(zip(self.TEXT_KEYS, self._encode(list(prompts), max_sequence_length), strict=True))
+        if guided:
+            negative = self._encode([""] * len(prompts), max_sequence_length)
+            out.update(zip((NEGATIVE + k for k in self.TEXT_KEYS), negative, strict=True))
+        return out
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """The family's `text_encoders()` and the VAE (if any): everything but the transformer."""

@@ -229,9 +229,7 @@ def tiny_clip_t5_text(cfg, t5_max_length: int, t5_heads: int, **clip_options):
     return clip_tok, t5_tok, clip_cfg, t5_cfg
 
 
-QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+QWEN_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 """Qwen2's pre-tokenization pattern (its `tokenizer.json`): a word with at most one non-letter
 before it, every digit alone, punctuation runs, newlines, and whitespace runs that leave their
 last space to the next piece."""

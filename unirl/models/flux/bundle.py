@@ -61,6 +61,8 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
 
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
     LORA_PIPELINE: ClassVar[type] = FluxPipeline  # reads write_weights' LoRA
+    # the prompt encoders: CLIP (pooled output) and T5, in `encode_prompt`'s order
+    TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
     PIPELINE: ClassVar[type] = FluxPipeline  # the diffusers pipeline class this bundle owns and saves
 
     def __init__(self, pipeline: FluxPipeline, sample_size: int) -> None:
@@ -78,10 +80,6 @@ class FluxBundle(Packed2x2Bundle, EmbeddedGuidance):
     def guidance_embeds(self) -> bool:
         """Whether the transformer takes the guidance scale (FLUX.1-dev) or none (FLUX.1-schnell)."""
         return bool(self.transformer.config.guidance_embeds)
-
-    def text_encoders(self) -> list[torch.nn.Module]:
-        """CLIP (pooled output) and T5, in `encode_prompt`'s order."""
-        return [self.pipeline.text_encoder, self.pipeline.text_encoder_2]
 
     # ---- network ----------------------------------------------------------------------------
     def encode_text(
@@ -199,7 +197,9 @@ def tiny_transformer(cfg: TinyFluxConfig) -> FluxTransformer2DModel:
     )
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, bundle_class: type = FluxBundle) -> FluxBundle:
+def load_checkpoint(
+    path: str, dtype: torch.dtype = torch.float32, bundle_class: type = FluxBundle
+) -> FluxBundle:
     """A bundle with the trained weights of a UniRL checkpoint directory: its `base_model` (from
     `unirl_checkpoint.json`) with the LoRA loaded by `FluxPipeline.load_lora_weights`, or the
     full `transformer/` directory (`unirl.models.flow.loading.load_diffusers_checkpoint`)."""

@@ -101,10 +101,6 @@ class Flux2BundleBase(Packed2x2Bundle):
         self.text_layers = TEXT_LAYERS[self.ENCODER]
         self.freeze_frozen_modules()
 
-    def text_encoders(self) -> list[torch.nn.Module]:
-        """The one prompt encoder."""
-        return [self.pipeline.text_encoder]
-
     # ---- network ----------------------------------------------------------------------------
     def encode_text(
         self, prompts: list[str], guided: bool, max_sequence_length: int

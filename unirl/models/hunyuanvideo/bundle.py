@@ -40,6 +40,7 @@ from diffusers import (
 )
 from diffusers.loaders import HunyuanVideoLoraLoaderMixin
 
+from unirl.models.flow.config import check_frames
 from unirl.models.flow.family import DiffusersBundle
 from unirl.models.flow.guidance import TrueCFGGuidance
 from unirl.models.flow.loading import (
@@ -78,6 +79,8 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
     # writes the LoRA file (`write_weights`): HunyuanVideo15Pipeline has no LoRA loader in diffusers
     # 0.42; its transformer's `load_lora_adapter` reads the file (`load_checkpoint`)
     LORA_PIPELINE: ClassVar[type] = HunyuanVideoLoraLoaderMixin
+    # the prompt encoders: the Qwen2.5-VL text model and ByT5, in the pipeline's order
+    TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
     PIPELINE: ClassVar[type] = HunyuanVideo15Pipeline
 
     def __init__(self, pipeline: HunyuanVideo15Pipeline, num_frames: int, sample_size: int) -> None:
@@ -87,18 +90,10 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
         self.latent_channels = self.transformer.config.out_channels
         self.temporal = int(self.vae.config.temporal_compression_ratio)
         self.spatial = int(self.vae.config.spatial_compression_ratio)
-        if num_frames < 1 or (num_frames - 1) % self.temporal:
-            raise ValueError(
-                f"model.num_frames={num_frames}: this HunyuanVideo 1.5 VAE (temporal compression "
-                f"{self.temporal}) takes 1 + {self.temporal}k frames"
-            )
+        check_frames(num_frames, self.temporal, "this HunyuanVideo 1.5 VAE")
         self.num_frames = num_frames
         self.sample_size = sample_size
         self.freeze_frozen_modules()
-
-    def text_encoders(self) -> list[torch.nn.Module]:
-        """The Qwen2.5-VL text model and ByT5, in the pipeline's order."""
-        return [self.pipeline.text_encoder, self.pipeline.text_encoder_2]
 
     # ---- geometry ---------------------------------------------------------------------------
     def _check(self, height: int, width: int) -> None:
@@ -140,11 +135,7 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
         max_sequence_length, the Qwen2.5-VL text after the cropped template), prompt_embeds_2
         [U, 256, D2] and its mask (ByT5 over the quoted text; zeros without any); with `guided`
         the empty prompt's under `negative_` keys (the pipeline's default negative prompt)."""
-        out = dict(zip(self.TEXT_KEYS, self._encode(list(prompts), max_sequence_length), strict=True))
-        if guided:
-            negative = self._encode([""] * len(prompts), max_sequence_length)
-            out.update(zip(("negative_" + k for k in self.TEXT_KEYS), negative, strict=True))
-        return out
+        return self.encode_text_keys(prompts, guided, max_sequence_length)
 
     def _encode(self, prompts: list[str], length: int) -> tuple[torch.Tensor, ...]:
         """`HunyuanVideo15Pipeline.encode_prompt`'s two encodings, the first at `length` tokens

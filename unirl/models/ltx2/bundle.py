@@ -46,6 +46,7 @@ from diffusers import (
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
+from unirl.models.flow.config import check_frames
 from unirl.models.flow.family import DiffusersBundle
 from unirl.models.flow.guidance import ClassifierFreeGuidance
 from unirl.models.flow.loading import (
@@ -111,6 +112,9 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
     cond_keys = (*TEXT_KEYS, "grid")
     shared_keys = ("grid",)
     LORA_PIPELINE: ClassVar[type] = LTX2Pipeline
+    # the prompt encoders: Gemma 3 and the text connectors (the connectors turn its states into each
+    # stream's text tokens; both are frozen)
+    TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors")
     PIPELINE: ClassVar[type] = LTX2Pipeline
     USE_CROSS_TIMESTEP: ClassVar[bool] = True  # the pipeline's default
 
@@ -145,11 +149,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
                 f"{pipeline.audio_vae_mel_compression_ratio}) and its video tokens {self.latent_channels}: UniRL "
                 "samples both streams in one latent, which needs them equal (the released model: 128 and 128)"
             )
-        if num_frames < 1 or (num_frames - 1) % self.temporal:
-            raise ValueError(
-                f"model.num_frames={num_frames}: this LTX-2 VAE (temporal compression {self.temporal}) takes "
-                f"1 + {self.temporal}k frames"
-            )
+        check_frames(num_frames, self.temporal, "this LTX-2 VAE")
         self.num_frames = num_frames
         self.frame_rate = float(frame_rate)
         seconds = num_frames / self.frame_rate
@@ -181,11 +181,6 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         self._decoded_grid: tuple[int, int, int] | None = None
         self.audio_sample_rate = int(self.vocoder.config.output_sampling_rate)
         self.freeze_frozen_modules()
-
-    def text_encoders(self) -> list[torch.nn.Module]:
-        """Gemma 3 and the text connectors (the connectors turn its states into each stream's text
-        tokens; both are frozen)."""
-        return [self.pipeline.text_encoder, self.pipeline.connectors]
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """The prompt encoders, both VAEs and the vocoder."""
@@ -242,11 +237,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         """The pipeline's encoding: video_embeds [U, L, Dv] and audio_embeds [U, L, Da] from the
         connectors, their mask text_mask [U, L] (L = max_sequence_length); with `guided` the empty
         prompt's under `negative_` keys (the pipeline's default negative prompt)."""
-        out = dict(zip(self.TEXT_KEYS, self._encode(list(prompts), max_sequence_length), strict=True))
-        if guided:
-            negative = self._encode([""] * len(prompts), max_sequence_length)
-            out.update(zip(("negative_" + k for k in self.TEXT_KEYS), negative, strict=True))
-        return out
+        return self.encode_text_keys(prompts, guided, max_sequence_length)
 
     def _encode(self, prompts: list[str], length: int) -> tuple[torch.Tensor, ...]:
         pipe = self.pipeline

@@ -85,10 +85,6 @@ class QwenImageBundle(Packed2x2Bundle, TrueCFGGuidance):
         self.negative_prompt = negative_prompt
         self.freeze_frozen_modules()
 
-    def text_encoders(self) -> list[torch.nn.Module]:
-        """The Qwen2.5-VL encoder (`Qwen2_5_VLForConditionalGeneration`)."""
-        return [self.pipeline.text_encoder]
-
     # ---- network ----------------------------------------------------------------------------
     def _encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`QwenImagePipeline.encode_prompt` ([U, L', D], L' the longest prompt's tokens, at most

@@ -60,6 +60,8 @@ class SD3Bundle(DiffusersBundle, ClassifierFreeGuidance):
 
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
     LORA_PIPELINE: ClassVar[type] = StableDiffusion3Pipeline  # reads write_weights' LoRA
+    # the prompt encoders: CLIP-L, CLIP-G and T5, in `encode_prompt`'s order
+    TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     def __init__(self, pipeline: StableDiffusion3Pipeline) -> None:
         self.pipeline = pipeline
@@ -71,11 +73,6 @@ class SD3Bundle(DiffusersBundle, ClassifierFreeGuidance):
             2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         )
         self.freeze_frozen_modules()
-
-    def text_encoders(self) -> list[torch.nn.Module]:
-        """CLIP-L, CLIP-G and T5, in `encode_prompt`'s order."""
-        p = self.pipeline
-        return [m for m in (p.text_encoder, p.text_encoder_2, p.text_encoder_3) if m is not None]
 
     @property
     def sample_size(self) -> int:

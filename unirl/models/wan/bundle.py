@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
+from unirl.models.flow.config import check_frames
 from unirl.models.flow.family import DiffusersBundle
 from unirl.models.flow.guidance import ClassifierFreeGuidance
 from unirl.models.flow.loading import (
@@ -85,18 +86,10 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
         else:
             self.temporal = int(self.vae.config.scale_factor_temporal)
             self.spatial = int(self.vae.config.scale_factor_spatial)
-        if num_frames < 1 or (num_frames - 1) % self.temporal:
-            raise ValueError(
-                f"model.num_frames={num_frames}: this Wan VAE (temporal compression {self.temporal}) takes "
-                f"1 + {self.temporal}k frames"
-            )
+        check_frames(num_frames, self.temporal, "this Wan VAE")
         self.num_frames = num_frames
         self.sample_size = sample_size
         self.freeze_frozen_modules()
-
-    def text_encoders(self) -> list[torch.nn.Module]:
-        """UMT5 (the encoder stack only)."""
-        return [self.pipeline.text_encoder]
 
     # ---- geometry ---------------------------------------------------------------------------
     def _cell(self, height: int, width: int) -> int:

@@ -75,10 +75,6 @@ class ZImageBundle(Packed2x2Bundle, ClassifierFreeGuidance):
         self.sample_size = sample_size
         self.freeze_frozen_modules()
 
-    def text_encoders(self) -> list[torch.nn.Module]:
-        """The Qwen3 encoder."""
-        return [self.pipeline.text_encoder]
-
     # ---- network ----------------------------------------------------------------------------
     def encode_text(
         self, prompts: list[str], guided: bool, max_sequence_length: int
