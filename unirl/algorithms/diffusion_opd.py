@@ -51,6 +51,7 @@ import torch
 from unirl.algorithms.base import StageAlgorithm
 from unirl.algorithms.kl_control import transition_std, velocity_scale
 from unirl.models.stage import DiffusionStage
+from unirl.models.weights import swapped_weights
 from unirl.types.constraints import AtLeastOne, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import LatentSegment
@@ -191,22 +192,6 @@ def _lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-@contextlib.contextmanager
-def swapped_lora(params: list[torch.Tensor], values: list[torch.Tensor]) -> Iterator[None]:
-    """Run the body with `values` copied into `params`; the live values come back bit-exactly
-    on exit, also when the body raises."""
-    with torch.no_grad():
-        live = [p.detach().clone() for p in params]
-        for p, v in zip(params, values, strict=True):
-            p.copy_(v)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, v in zip(params, live, strict=True):
-                p.copy_(v)
-
-
 # ---- the loss -----------------------------------------------------------------------------
 
 
@@ -294,7 +279,7 @@ class DiffusionOPD(StageAlgorithm):
                 f"a sample's data source {source!r} (prompt metadata `{self.config.source_key}`) has no teacher; "
                 f"algorithm.config.teachers names {sorted(self._teachers)}"
             )
-        with swapped_lora(self._params, self._teachers[source]):
+        with swapped_weights(self._params, self._teachers[source]):
             yield
 
     # -- rows

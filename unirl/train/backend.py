@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from annotated_types import Interval
 
+from unirl.models.weights import swapped_weights
 from unirl.train.ema import EMA, EMAConfig
-from unirl.train.fsdp import FSDPConfig, ParallelConfig, checkpoint_blocks, shard_module, swapped_weights
+from unirl.train.fsdp import FSDPConfig, ParallelConfig, checkpoint_blocks, shard_module
 from unirl.types.constraints import AtLeastOne, NonNegative, NonNegativeInt, Positive, check_fields
 
 LRSchedule = Literal["constant", "linear", "cosine"]
-
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from unirl.train.fsdp import reshard_all, swapped_weights
+from unirl.models.weights import reshard_all, swapped_weights
 
 EMA_SCHEDULES = ("constant", "warmup", "linear")
 EMA_UPDATE_ON = ("optimizer_step", "rollout")

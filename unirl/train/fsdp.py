@@ -7,14 +7,11 @@ found by class name, from the recipe; a name that matches nothing is an error
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
 from unirl.types.constraints import AtLeastOne, check_fields
 
@@ -54,9 +51,7 @@ class ParallelConfig:
         node = dict(node or {})
         unknown = sorted(set(node) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(
-                f"train.parallel: unknown key(s) {unknown}; valid keys: replicate, shard, sp"
-            )
+            raise ValueError(f"train.parallel: unknown key(s) {unknown}; valid keys: replicate, shard, sp")
         return cls(**node)
 
 
@@ -221,38 +216,3 @@ def submodule_named(module: torch.nn.Module, name: str) -> torch.nn.Module:
             "it must name exactly one"
         )
     return found[0]
-
-
-def reshard_all(module: torch.nn.Module | None) -> None:
-    """Reshard every FSDP module in `module` (no-op for None or an unsharded module).
-
-    FSDP2 keeps the root's all-gathered weights after a forward without backward
-    (a no_grad rollout) and the next forward reuses them, so writes to the
-    sharded parameters go unseen until every FSDP module is resharded.
-    """
-    if module is None:
-        return
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
-
-
-@contextlib.contextmanager
-def swapped_weights(
-    params: list[torch.Tensor], values: list[torch.Tensor], module: torch.nn.Module | None = None
-) -> Iterator[None]:
-    """Run the body with `values` copied into `params` (cast to their dtype); the
-    live values come back bit-exactly on exit, also when the body raises.
-    `module`: the FSDP root to reshard on entry and exit (see `reshard_all`)."""
-    with torch.no_grad():
-        reshard_all(module)
-        live = [p.detach().clone() for p in params]
-        for p, v in zip(params, values, strict=True):
-            p.copy_(v)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            reshard_all(module)
-            for p, v in zip(params, live, strict=True):
-                p.copy_(v)
