@@ -240,3 +240,44 @@ def test_lmsft_on_a_vlm_is_the_completion_cross_entropy_of_its_image_rows():
     stack = TrainStack(stage, backend, LMSFT(), TrainStackConfig(micro_batch_size=1))
     stack.backward(*stack.prepare(track, 0.0))
     assert float((_grads(stage.module) - want).norm() / want.norm()) < 1e-5
+
+
+def test_a_video_familys_demonstration_is_a_clip():
+    """A pixel-space Wan's demonstration is a uint8 [F, H, W, 3] clip, its x0 the [3, F, H, W]
+    pixels in [-1, 1] (exact round trip); a clip of other frames or dtype is named."""
+    import numpy as np
+
+    from unirl.data import SampledDemonstrations
+    from unirl.models.wan import WanModelConfig, WanStage
+    from unirl.sde.schedules import sigmas_for
+    from unirl.types import DiffusionSamplingParams
+    from worlds.shapes import MovingSquares
+
+    torch.manual_seed(0)
+    model = WanModelConfig(
+        num_frames=5, tiny={"resolution": 16, "pixel_space": True, "words": ["a", "red", "square"]}
+    )
+    stage = WanStage(model.build())
+    rows = SampledDemonstrations(MovingSquares(5, 16, 2), rows=3, seed=0, key="video").examples
+    sampling = DiffusionSamplingParams(
+        num_steps=2, samples_per_prompt=1, height=16, width=16, max_sequence_length=8
+    )
+    req = RolloutReq.from_prompts(rows, sampling, sigmas_for(sampling, 5 * 8 * 8), rollout_id=0)
+    track = DemonstrationEngine(stage, target_key="video").generate(req).track("diffusion")
+    for i, row in enumerate(rows):
+        x0 = track.segment.latents[i, -1]
+        assert x0.shape == (3, 5, 16, 16)
+        assert torch.equal(
+            ((x0 + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0),
+            torch.from_numpy(row.metadata["video"]),
+        )
+    req.metadata[1]["video"] = req.metadata[1]["video"][:3]
+    with pytest.raises(
+        ValueError, match=r"the demonstration is 3 frames of 16 x 16 pixels but the track samples 5 frames"
+    ):
+        DemonstrationEngine(stage, target_key="video").generate(req)
+    req.metadata[1]["video"] = np.zeros((5, 16, 16, 3), dtype=np.float32)
+    with pytest.raises(
+        ValueError, match=r"a demonstration clip is a uint8 \[F, H, W, 3\] array, got float32"
+    ):
+        DemonstrationEngine(stage, target_key="video").generate(req)

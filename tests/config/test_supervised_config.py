@@ -111,3 +111,39 @@ def test_an_offline_preference_track_pairs_a_group_loss_with_a_group_of_demonstr
     assert "rollout.target_key" in refused("rollout.target_key=[chosen,missing]") and "missing" in refused(
         "rollout.target_key=[chosen,missing]"
     )
+
+
+def test_the_track_recipes_of_every_committed_base_validate(tmp_path):
+    for name in (
+        "diffusion/shapes_sft",
+        "diffusion/ocr_sft",
+        "diffusion/squares_wan_sft",
+        "diffusion/shapes_edit_sft",
+    ):
+        validate_recipe(composed(name, tmp_path), expect="diffusion")
+    for name in ("llm/shapes_pe_sft",):
+        validate_recipe(composed(name, tmp_path), expect="text")
+
+
+def test_a_clip_demonstration_is_checked_against_the_frames(tmp_path):
+    """A video family's demonstration is an [F, H, W, 3] clip of its `model.num_frames`."""
+    name = "diffusion/squares_wan_sft"
+    with pytest.raises(ConfigError) as info:
+        validate_recipe(composed(name, tmp_path, "data_source.sampler.num_frames=3", "data_source.rows=4"))
+    assert (
+        "data_source: row 'squares/0' has a [3, 16, 16, 3] clip under metadata['video'], but the track samples "
+        "model.num_frames=5 frames of sampling.height x width = 16 x 16; give [5, 16, 16, 3] clips"
+    ) in str(info.value)
+
+
+def test_export_dir_needs_a_base_and_a_dtype(tmp_path):
+    found = problems(tmp_path, "+export_dir=out", "+checkpoint.save_base_model=false", "+export_dtype=int8")
+    assert "export_dtype must be one of ['float32', 'bfloat16', 'float16'], got 'int8'" in found
+    with pytest.raises(ConfigError) as info:
+        validate_recipe(
+            composed(SFT, tmp_path, "+export_dir=out", "+checkpoint.save_base_model=false"), expect="text"
+        )
+    assert (
+        "export_dir='out' writes the trained model onto its base, but checkpoint.save_base_model=false leaves a "
+        "random model's base unwritten"
+    ) in str(info.value)

@@ -13,9 +13,12 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from tests.conftest import untimed
 from tests.recipes import IN_PROCESS, exported_weights, run, same_weights
+from tests.recipes import composed as composed_recipe
+from unirl.trainer.worker import build
 
 RECIPES = {  # recipe -> (an evaluation key, the steps that evaluate)
     "llm/arith_sft_smoke": ("eval/accuracy/greedy", [0, 2, 4]),
@@ -28,7 +31,9 @@ RECIPES = {  # recipe -> (an evaluation key, the steps that evaluate)
 def test_sft_on_two_fsdp_workers_learns_and_resumes_exactly(ray_cluster, tmp_path, recipe):
     full = run(recipe, tmp_path / "full", "checkpoint.every_n_steps=2")
     # the run as it stood at its step-2 checkpoint, resumed from there
-    shutil.copytree(tmp_path / "full", tmp_path / "part", ignore=shutil.ignore_patterns("step_000004", "final"))
+    shutil.copytree(
+        tmp_path / "full", tmp_path / "part", ignore=shutil.ignore_patterns("step_000004", "final")
+    )
     step_2 = tmp_path / "part" / "checkpoints" / "step_000002"
     resumed = run(recipe, tmp_path / "part", "checkpoint.every_n_steps=2", f"resume_from={step_2}")
     train = [r for r in full if "loss" in r]
@@ -47,6 +52,32 @@ def test_sft_on_two_fsdp_workers_learns_and_resumes_exactly(ray_cluster, tmp_pat
     for a, b in zip(one, train, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+
+
+def _trainable(bundle) -> dict[str, torch.Tensor]:
+    module = bundle.denoiser if hasattr(bundle, "denoiser") else bundle.model
+    return {k: v.detach().float() for k, v in module.named_parameters()}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_export_dir_writes_the_whole_trained_model(tmp_path, recipe):
+    """`export_dir`: after the last step the run writes the whole trained model in its library's
+    layout, fp16 by default, which `model.pretrained_path` loads: the trained weights are the
+    final checkpoint's rounded to fp16, a flow model's frozen modules the base's."""
+    out = tmp_path / "export"
+    run(recipe, tmp_path / "run", *IN_PROCESS, "num_steps=1", "eval.every_n_steps=0", f"+export_dir={out}")
+    model_cfg = build(composed_recipe(recipe, tmp_path / "run").model)
+    final = _trainable(model_cfg.load_checkpoint(str(tmp_path / "run" / "checkpoints" / "final")))
+    exported = type(model_cfg)(pretrained_path=str(out)).build()
+    loaded = _trainable(exported)
+    assert final.keys() == loaded.keys()
+    assert all(torch.equal(final[k].half().float(), loaded[k]) for k in final)
+    assert any(not torch.equal(final[k], loaded[k]) for k in final)  # fp16 on disk
+    if hasattr(exported, "frozen_modules"):  # the text encoders and VAE: the run's tiny base
+        base = model_cfg.build().frozen_modules()
+        for m, n in zip(base, exported.frozen_modules(), strict=True):
+            for p, q in zip(m.parameters(), n.parameters(), strict=True):
+                assert torch.equal(p.detach().half().float(), q.detach().float())
 
 
 def test_vlm_sft_trains_its_answers_in_process(tmp_path):
@@ -72,7 +103,9 @@ def test_offline_dpo_trains_the_files_pairs_on_two_fsdp_workers_and_resumes_exac
     workers' rows (pairs stay whole on a rank)."""
     recipe = "diffusion/shapes_diffusiondpo_offline_smoke"
     full = run(recipe, tmp_path / "full", "checkpoint.every_n_steps=2")
-    shutil.copytree(tmp_path / "full", tmp_path / "part", ignore=shutil.ignore_patterns("step_000004", "final"))
+    shutil.copytree(
+        tmp_path / "full", tmp_path / "part", ignore=shutil.ignore_patterns("step_000004", "final")
+    )
     step_2 = tmp_path / "part" / "checkpoints" / "step_000002"
     resumed = run(recipe, tmp_path / "part", "checkpoint.every_n_steps=2", f"resume_from={step_2}")
     assert [r["step"] for r in full] == [1, 2, 3, 4]
@@ -82,6 +115,8 @@ def test_offline_dpo_trains_the_files_pairs_on_two_fsdp_workers_and_resumes_exac
     assert [untimed(r) for r in resumed if r["step"] > 2] == [untimed(r) for r in full if r["step"] > 2]
     assert same_weights(tmp_path / "full", tmp_path / "part")
     one = run(recipe, tmp_path / "one", *IN_PROCESS, "num_steps=2")
-    for a, b in zip(one, full[:2], strict=True):  # one rank's reductions vs two's: 2.4e-5 apart at step 2 on AVX2
+    for a, b in zip(
+        one, full[:2], strict=True
+    ):  # one rank's reductions vs two's: 2.4e-5 apart at step 2 on AVX2
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)

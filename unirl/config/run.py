@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from unirl.models.source import DTYPES, DType
 from unirl.sync.config import WeightSyncConfig
 from unirl.train.fsdp import ParallelConfig
 
@@ -109,6 +110,11 @@ class RunConfig(RunBase):
             (`unirl.sync.WeightSyncConfig`); only with a dedicated engine.
         critic: PPO's value model and its training (`unirl.train.critic.CriticConfig`),
             or null (checked by `unirl.config.critic.check_critic`).
+        export_dir: where the trained model is written after the last step as a whole model
+            directory in its library's layout (`model.pretrained_path` loads it: what a supervised
+            track that makes a base, such as `diffusion/shapes_sft`, ends with), its weights in
+            `export_dtype`; null: only `checkpoints/final`.
+        export_dtype: "float16" (default), "bfloat16" or "float32".
     """
 
     sampling: Any
@@ -121,6 +127,8 @@ class RunConfig(RunBase):
     train: Any
     weight_sync: Any = None
     critic: Any = None
+    export_dir: str | None = None
+    export_dtype: DType = "float16"
 
     COMPONENTS: ClassVar[tuple[str, ...]] = (
         "sampling",
@@ -131,6 +139,17 @@ class RunConfig(RunBase):
         "data_source",
     )
     OPTIONAL: ClassVar[tuple[str, ...]] = ("reward", "advantage")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.export_dtype not in DTYPES:
+            raise ValueError(f"export_dtype must be one of {list(DTYPES)}, got {self.export_dtype!r}")
+        random_model = not (self.model or {}).get("pretrained_path")
+        if self.export_dir and random_model and not (self.checkpoint or {}).get("save_base_model", True):
+            raise ValueError(
+                f"export_dir={self.export_dir!r} writes the trained model onto its base, but "
+                "checkpoint.save_base_model=false leaves a random model's base unwritten; drop one of them"
+            )
 
 
 @dataclass
@@ -193,7 +212,13 @@ class EvalConfig:
     group_by: list[str] = field(default_factory=list)
     references: bool = True
 
-    CHAIN_KEYS: ClassVar[tuple[str, ...]] = ("text_sampling", "intent_key", "rewrite_scorer", "group_by", "references")
+    CHAIN_KEYS: ClassVar[tuple[str, ...]] = (
+        "text_sampling",
+        "intent_key",
+        "rewrite_scorer",
+        "group_by",
+        "references",
+    )
 
     def __post_init__(self) -> None:
         self.group_by = list(self.group_by)
@@ -216,11 +241,15 @@ def check_eval_keys(cfg: Any, chain: bool, problems: list[str]) -> None:
         )
     if chain and ev.get("use_ema") is True:
         tracks = cfg.get("tracks") if hasattr(cfg.get("tracks"), "items") else {}
-        trains = {"train": cfg.get("train")} if cfg.get("train") is not None else {
-            f"tracks.{name}.train": node.get("train")
-            for name, node in tracks.items()
-            if hasattr(node, "get") and node.get("trained", True) is not False
-        }
+        trains = (
+            {"train": cfg.get("train")}
+            if cfg.get("train") is not None
+            else {
+                f"tracks.{name}.train": node.get("train")
+                for name, node in tracks.items()
+                if hasattr(node, "get") and node.get("trained", True) is not False
+            }
+        )
         problems.extend(
             f"eval.use_ema=true evaluates every trained track's EMA weights, but {key}.ema is null; set "
             "it to {_target_: unirl.train.ema.EMAConfig, decay: 0.999} or eval.use_ema: false"

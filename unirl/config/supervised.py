@@ -90,7 +90,8 @@ def check_supervised(
 def check_demonstrations(cfg: DictConfig, passed: dict[str, Any], problems: list[str]) -> None:
     """A single-track recipe whose rollout replays demonstrations, against its training rows and
     model before the run: every row carries `rollout.target_key`; an image demonstration is an
-    [H, W, 3] array of the sampling size (a file is read when the track samples); a tiny
+    [H, W, 3] array of the sampling size, a video family's clip an [F, H, W, 3] one of its
+    `num_frames` (a file is read when the track samples); a tiny
     diffusion model samples in pixel space (a demonstration enters as x0; no VAE encoder)."""
     engine = target_class(cfg, "rollout") if cfg.get("rollout") is not None else None
     if engine is None or getattr(engine, "samples_policy", True) is not False:
@@ -109,13 +110,19 @@ def check_demonstrations(cfg: DictConfig, passed: dict[str, Any], problems: list
             "model.tiny.pixel_space=false: a demonstration image enters a supervised track as a pixel-space "
             "model's x0 (the bundles expose no VAE encoder); set model.tiny.pixel_space: true"
         )
-    want = (sampling.height, sampling.width, 3)
+    frames = getattr(passed.get("model"), "num_frames", None)  # a video family's clip length
+    want = (
+        (sampling.height, sampling.width, 3)
+        if frames is None
+        else (frames, sampling.height, sampling.width, 3)
+    )
+    what = "image" if frames is None else "clip"
     for ex, k in ((ex, k) for ex in examples or [] for k in keys):
         image = ex.metadata.get(k)
         if isinstance(image, np.ndarray) and image.shape != want:
             problems.append(
-                f"data_source: row {ex.prompt_id!r} has a {list(image.shape)} image under metadata[{k!r}], but "
-                f"the track samples sampling.height x width = {sampling.height} x {sampling.width}; give "
-                f"[{sampling.height}, {sampling.width}, 3] images or change the sampling size"
+                f"data_source: row {ex.prompt_id!r} has a {list(image.shape)} {what} under metadata[{k!r}], but the "
+                f"track samples {'' if frames is None else f'model.num_frames={frames} frames of '}sampling.height x "
+                f"width = {sampling.height} x {sampling.width}; give {list(want)} {what}s or change the sampling size"
             )
             break

@@ -206,9 +206,10 @@ def _one_track_rules(track: TrackCheck, problems: list[str]) -> None:
     check_module_tree(model, passed.get("train.lora"), fsdp, problems, sp=sp)
     check_algorithm(algorithm, sampling, stack, train, track.ev, problems)
     check_mini_batches(cfg, stack, algorithm, problems)
-    check_supervised(cfg, algorithm, sampling, run is None, problems)
+    chained = track.name is not None  # a track of a chain (`run` is also None when phase 1 failed)
+    check_supervised(cfg, algorithm, sampling, chained, problems)
     check_ema_use(built, train, problems)
-    if run is None:  # a track of a chain
+    if chained:
         check_chained_algorithm(built, problems)
     check_keep_graph(cfg, passed, modality, problems)
     check_reward_backprop(cfg, algorithm, built, sampling, problems)

@@ -1,6 +1,12 @@
 """Prompt data: file loading (`load_prompts`) and resumable batch sources."""
 
-from unirl.data.data_source import DEFAULT_PROMPTS, DefaultDataSource, ListDataSource, PromptDataSource
+from unirl.data.data_source import (
+    DEFAULT_PROMPTS,
+    DefaultDataSource,
+    ListDataSource,
+    PromptDataSource,
+    SampledDemonstrations,
+)
 from unirl.data.datasets import SUPPORTED_EXTENSIONS, PromptFileError, load_prompts
 
 __all__ = [
@@ -10,5 +16,6 @@ __all__ = [
     "ListDataSource",
     "PromptDataSource",
     "PromptFileError",
+    "SampledDemonstrations",
     "load_prompts",
 ]

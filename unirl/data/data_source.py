@@ -1,7 +1,8 @@
 """Prompt data sources: epoch-based, resumable batches of `PromptExample`.
 
 `ListDataSource` holds the batching logic once; `PromptDataSource` (a prompt
-file) and `DefaultDataSource` (built-in smoke prompts) only supply the list.
+file), `DefaultDataSource` (built-in smoke prompts) and `SampledDemonstrations` (a world's drawn
+images or clips, a supervised track's rows) only supply the list.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import random
 from typing import Any
+
+import numpy as np
 
 from unirl.data.datasets import load_prompts
 from unirl.types.rollout_req import PromptExample
@@ -167,3 +170,48 @@ class DefaultDataSource(ListDataSource):
     def __init__(self, seed: int = 0, shuffle: bool = True):
         examples = [PromptExample(prompt=p, prompt_id=f"default:{i}") for i, p in enumerate(DEFAULT_PROMPTS)]
         super().__init__(examples, shuffle=shuffle, seed=seed, source="<built-in DEFAULT_PROMPTS>")
+
+
+class SampledDemonstrations(ListDataSource):
+    """`rows` demonstrations drawn once from a world's sampler, as the rows of a supervised track
+    (`unirl.rollout.demonstrations.DemonstrationEngine` with `target_key: key`).
+
+    Args:
+        sampler: an object with `sample_batch(n, rng) -> (media, prompts)`: uint8 images
+            [n, H, W, 3], or clips [n, F, H, W, 3] for a video family, and their n prompts (the
+            OCR world's `OCRWords`, the moving squares' `MovingSquares`).
+        rows: how many to draw (>= 1), with `numpy.random.default_rng(seed)`, in one call.
+        seed: the draw's seed and the epochs' shuffle seed.
+        key: the metadata key of a row's demonstration.
+        name: the rows' `prompt_id` prefix (`<name>/<i>`).
+
+    Row i is prompt i with `{key: media[i]}`; the rows are fixed, and each epoch visits them in a
+    fresh order (`ListDataSource`).
+    """
+
+    def __init__(
+        self,
+        sampler: Any,
+        rows: int,
+        seed: int = 0,
+        key: str = "image",
+        name: str = "demo",
+        shuffle: bool = True,
+    ) -> None:
+        if rows < 1:
+            raise ValueError(f"SampledDemonstrations rows must be >= 1, got {rows}")
+        if not callable(getattr(sampler, "sample_batch", None)):
+            raise TypeError(
+                f"SampledDemonstrations sampler {type(sampler).__name__} has no sample_batch(n, rng) -> (media, prompts)"
+            )
+        media, prompts = sampler.sample_batch(rows, np.random.default_rng(seed))
+        examples = [
+            PromptExample(prompt=p, prompt_id=f"{name}/{i}", metadata={key: media[i]})
+            for i, p in enumerate(prompts)
+        ]
+        super().__init__(
+            examples,
+            shuffle=shuffle,
+            seed=seed,
+            source=f"<{rows} demonstrations of {type(sampler).__name__} seed={seed}>",
+        )

@@ -1,5 +1,6 @@
 """Images a prompt row carries (a vision-language prompt's images, an edit's condition image),
-read into PIL for any family: files, arrays or PIL images, a bad one named with its sample."""
+read into PIL for any family: files, arrays or PIL images, a bad one named with its sample; and a
+supervised row's demonstration as pixels (an image, or a video family's clip)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,22 @@ def row_images(
         except ValueError as exc:
             problems.append(f"{where}: {exc}")
     return rows
+
+
+def demonstration_pixels(entry: Any, sample_id: str) -> torch.Tensor:
+    """A supervised row's demonstration as fp32 pixels in [-1, 1]: an image (`load_image`'s
+    entries) as [3, H, W], or a clip, a uint8 [F, H, W, 3] array, as [3, F, H, W]. A clip that is
+    not uint8 or not [F, H, W, 3] is an error naming the sample."""
+    if isinstance(entry, (np.ndarray, torch.Tensor)) and entry.ndim == 4:
+        arr = entry.numpy() if isinstance(entry, torch.Tensor) else entry
+        if arr.dtype != np.uint8 or arr.shape[-1] != 3:
+            raise ValueError(
+                f"sample {sample_id!r}: a demonstration clip is a uint8 [F, H, W, 3] array, got "
+                f"{arr.dtype} {list(arr.shape)}"
+            )
+    else:
+        arr = np.array(load_image(entry, sample_id, 0))
+    return torch.from_numpy(np.ascontiguousarray(arr)).float().movedim(-1, 0) / 127.5 - 1.0
 
 
 def one_metadata_image(metadata: dict, key: str, sample_id: str, need: str) -> Any:

@@ -1,11 +1,13 @@
 """Weights swapped in place for the body of a `with`: the reference policy, an EMA snapshot, a
 teacher's LoRA. Shared by the train backend, the EMA and the algorithms that evaluate other
-weights inside their loss; FSDP2-aware (`reshard_all`)."""
+weights inside their loss; FSDP2-aware (`reshard_all`). And a whole bundle written with its
+weights in another dtype (`export_bundle`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -44,3 +46,13 @@ def swapped_weights(
             reshard_all(module)
             for p, v in zip(params, live, strict=True):
                 p.copy_(v)
+
+
+def export_bundle(bundle: Any, path: str, dtype: torch.dtype = torch.float16) -> None:
+    """Write the whole bundle (`save_pretrained`: its library's layout, what the family's
+    `pretrained_path` loads) with its weights in `dtype`; the bundle goes back to fp32 after."""
+    bundle.to(dtype)
+    try:
+        bundle.save_pretrained(path)
+    finally:
+        bundle.to(torch.float32)

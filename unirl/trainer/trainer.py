@@ -329,11 +329,18 @@ class Trainer:
 
     def _export(self, group) -> None:
         """Write `checkpoints/final/` (and `final_ema/` with a one-model run's `train.ema`) after
-        the last step."""
+        the last step, and with `export_dir` the whole trained model there (`export_bundle` of the
+        model config's `load_checkpoint` of `final`)."""
         final = os.path.join(self.out, "checkpoints", "final")
         self._call(group, "save_weights", self.num_steps - 1, final, self.base_model)
         if not self.graph.per_track_models and self.cfg.train.get("ema"):
             self._call(group, "save_weights", self.num_steps - 1, final + "_ema", self.base_model, True)
+        if self.cfg.get("export_dir"):  # a single-track recipe's whole model, in its library's layout
+            from unirl.models.source import DTYPES
+            from unirl.models.weights import export_bundle
+
+            bundle = build(self.cfg.model).load_checkpoint(final)
+            export_bundle(bundle, str(self.cfg.export_dir), DTYPES[self.cfg.get("export_dtype", "float16")])
 
     def _call(self, group, method: str, step: int, *args: Any) -> Any:
         """Call a worker-group method; a worker failure becomes a `TrainingError` naming the step."""

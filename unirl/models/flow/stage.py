@@ -15,12 +15,11 @@ import math
 from collections.abc import Iterator
 from typing import Annotated, Any
 
-import numpy as np
 import torch
 from annotated_types import Ge
 
 from unirl.models.flow.family import FlowFamily
-from unirl.models.images import load_image
+from unirl.models.images import demonstration_pixels
 from unirl.models.stage import AUTOCAST_DTYPES as AUTOCAST_DTYPES
 from unirl.models.stage import GraphKeeper, autocast_dtype_of
 from unirl.sde.solvers import make_ode_solver
@@ -29,6 +28,12 @@ from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment
 
 EMPTY = "empty_"  # a demonstration track's empty-prompt conditions ride beside its own as `empty_<key>`
+
+
+def _pixels(shape: tuple[int, ...]) -> str:
+    """'W x H pixels' of a [C, H, W] image, 'F frames of W x H pixels' of a [C, F, H, W] clip."""
+    frames = f"{shape[1]} frames of " if len(shape) == 4 else ""
+    return f"{frames}{shape[-1]} x {shape[-2]} pixels"
 
 
 class FlowMatchingStage:
@@ -251,7 +256,8 @@ class FlowMatchingStage:
     def teacher_forced(self, req: RolloutReq, images: list) -> LatentSegment:
         """The segment of `req` whose final samples are the given images rather than samples (a
         supervised track's demonstrations): image i ([H, W, 3] uint8 array, PIL image or file path,
-        `unirl.models.images.load_image`) as the model's x0, held at position `num_steps` alone (no
+        `unirl.models.images.load_image`; a video family's clip, a uint8 [F, H, W, 3] array:
+        `demonstration_pixels`) as the model's x0, held at position `num_steps` alone (no
         SDE step, no log-prob). Pixel-space families only (x0 = the image in [-1, 1]); a latent
         family's demonstration needs its VAE's encoder, which the bundles do not expose: refused
         naming the key. An image of another size than `sampling.height` x `width` is an error naming
@@ -265,11 +271,12 @@ class FlowMatchingStage:
         shape = tuple(self.bundle.latent_shape(sp.height, sp.width))
         rows = []
         for sid, entry in zip(req.sample_ids, images, strict=True):
-            x0 = torch.from_numpy(np.array(load_image(entry, sid, 0))).float().movedim(-1, 0) / 127.5 - 1.0
+            x0 = demonstration_pixels(entry, sid)
             if tuple(x0.shape) != shape:
                 raise ValueError(
-                    f"sample {sid!r}: the demonstration is {x0.shape[2]} x {x0.shape[1]} pixels but the track samples "
-                    f"sampling.width x height = {sp.width} x {sp.height}; give images of that size"
+                    f"sample {sid!r}: the demonstration is {_pixels(tuple(x0.shape))} but the track samples "
+                    f"{_pixels(shape)} (sampling.width x height = {sp.width} x {sp.height}); give demonstrations "
+                    "of that size"
                 )
             rows.append(x0)
         device = self.bundle.device
