@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from worlds.ocr import HEIGHT, WIDTH, OCRWords  # noqa: E402
 
 BASE = "checkpoints/ocr_sd3"
-TEXT_TOKENS = 16  # the base's pretraining max_sequence_length (examples/sft/ocr_pretrain.yaml)
+TEXT_TOKENS = 16  # the base's pretraining max_sequence_length (the retired examples/sft/ocr_pretrain.yaml; diffusion/ocr_sft today)
 
 OVERRIDES = {
     # the base and the world (examples/diffusion/ocr_flowgrpo.yaml)

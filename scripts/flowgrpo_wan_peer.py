@@ -44,7 +44,7 @@ from flowgrpo_checkout import load_trainer, set_key  # noqa: E402
 from worlds.shapes.motion import SQUARE_SIDES, square_prompt
 
 BASE = "checkpoints/squares_wan"
-TEXT_TOKENS = 8  # the base's pretraining max_sequence_length (examples/sft/squares_wan_pretrain.yaml)
+TEXT_TOKENS = 8  # the base's pretraining max_sequence_length (the retired examples/sft/squares_wan_pretrain.yaml; diffusion/squares_wan_sft today)
 BASE_SHIFT = 1.0  # the base's pretraining noise levels (sft.shift; the recipe's sampling.shift)
 
 OVERRIDES = {

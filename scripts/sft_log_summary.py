@@ -1,8 +1,9 @@
-"""Print markdown tables summarising a `train_sft` run's `sft_log.jsonl`.
+"""Print markdown tables summarising an `sft_log.jsonl` of the retired `unirl.train_sft` loop (the
+logs committed beside the bases it made, `checkpoints/*/TRAINING.md`).
 
     python scripts/sft_log_summary.py RUN_DIR_OR_LOG [--every 500]
 
-RUN_DIR_OR_LOG is a `train_sft` output_dir (its `sft_log.jsonl` is read) or a log file itself
+RUN_DIR_OR_LOG is a directory holding `sft_log.jsonl` or a log file itself
 (e.g. `checkpoints/shapes_sd3/sft_log_stage2.jsonl`).
 
 Loss table: the logged loss (mean over each logging window) and lr every
@@ -32,13 +33,13 @@ EVAL_COLUMNS = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", help="a train_sft output_dir, or an sft_log .jsonl file")
+    parser.add_argument("run_dir", help="a directory with sft_log.jsonl, or an sft_log .jsonl file")
     parser.add_argument("--every", type=int, default=500, help="loss rows every this many steps")
     args = parser.parse_args(argv)
     path = args.run_dir if os.path.isfile(args.run_dir) else os.path.join(args.run_dir, "sft_log.jsonl")
     if not os.path.isfile(path):
         print(
-            f"error: {path} does not exist (is {args.run_dir} a train_sft output_dir or log?)",
+            f"error: {path} does not exist (is {args.run_dir} a directory with sft_log.jsonl, or such a log?)",
             file=sys.stderr,
         )
         return 2

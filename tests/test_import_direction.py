@@ -255,7 +255,7 @@ def test_family_checker_flags(module: str, source: str, expected: str) -> None:
     ("module", "source"),
     [
         ("unirl.models.sd3.bundle", "from unirl.models.sd3.other import x\nfrom unirl.models.flow import F\n"),
-        ("unirl.train_sft", "BASE = 'unirl.models.sd3.SD3ModelConfig'\n"),
+        ("unirl.evaluate", "BASE = 'unirl.models.sd3.SD3ModelConfig'\n"),
         ("unirl.trainer.evaluation", "from unirl.models.flow.stage import FlowMatchingStage\n"),
     ],
 )

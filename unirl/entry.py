@@ -9,8 +9,8 @@ one `Trainer` (`unirl.trainer.trainer`), which sees every kind as a graph of tra
 `python -m unirl.train` runs any recipe (the kind read from the recipe); the four names users
 know are the same function (`entry_point`) with the kind (and a single-track run's modality)
 they expect: `unirl.train_diffusion` and `unirl.train_vlm` (single-track, diffusion / text),
-`unirl.train_pe` (composed) and `unirl.train_unified_model` (unified). A supervised recipe (an
-`sft` node) runs `unirl.train_sft`'s loop in this process.
+`unirl.train_pe` (composed) and `unirl.train_unified_model` (unified). A supervised recipe is a
+single-track one whose rollout replays the data's demonstrations (`examples/*/*_sft.yaml`).
 """
 
 from __future__ import annotations
@@ -24,18 +24,15 @@ from omegaconf import DictConfig
 
 from unirl.config.validate import ConfigError, recipe_kind, validate_recipe
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")  # the recipes
+EXAMPLES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"
+)  # the recipes
 
 
 def run(cfg: DictConfig, kind: str | None = None, modality: str | None = None) -> None:
     """Validate `cfg` as a recipe of `kind` (None: `recipe_kind(cfg)`), then run its trainer
     (`validate_then_run`)."""
     kind = kind or recipe_kind(cfg)
-    if kind == "sft":  # one process, no Ray: its own loop (`unirl.train_sft`)
-        from unirl.train_sft import run_sft
-
-        run_sft(cfg)
-        return
     validate_then_run(cfg, lambda c: validate_recipe(c, kind, expect=modality))
 
 

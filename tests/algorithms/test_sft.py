@@ -1,6 +1,7 @@
 """Supervised fine-tuning as a track's loss (issue 41, item 5): the demonstration track and
-`LMSFT` give the completion cross-entropy of `unirl.train.lm_sft` (loss and gradient), through
-the train stack's micro-batches; bad rows are named."""
+`LMSFT` give the completion cross-entropy of the encoded pairs (loss and gradient, against
+`completion_loss` written out here), through the train stack's micro-batches; `FlowSFT` gives the
+flow-matching loss written out here; bad rows are named."""
 
 from __future__ import annotations
 
@@ -9,15 +10,28 @@ import torch
 
 from unirl.algorithms.sft import LMSFT
 from unirl.models.causal_lm import CausalLMStage, TinyLMConfig
-from unirl.models.causal_lm.loading import encode_pairs
+from unirl.models.causal_lm.loading import IGNORE_INDEX, encode_pairs
 from unirl.models.qwen import QwenConfig
 from unirl.rollout.demonstrations import DemonstrationEngine
 from unirl.train.backend import OptimConfig, TrainBackend
-from unirl.train.lm_sft import completion_loss
 from unirl.train.stack import TrainStack, TrainStackConfig
 from unirl.types import PromptExample, RolloutReq, TextSamplingParams
 
 PAIRS = [("12+3=", "15"), ("7*8=", "56"), ("100-1=", "99"), ("4+4=", "8")]
+
+
+def completion_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The reference: fp32 mean cross-entropy of `labels[:, 1:]` under `logits[:, :-1]` over the
+    labelled positions (IGNORE_INDEX: prompt and padding)."""
+    pred = logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(
+        pred.reshape(-1, pred.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+def flow_matching_loss(pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """The reference: mean squared error of the predicted velocity against eps - x0."""
+    return ((pred.float() - (eps - x0).float()) ** 2).mean()
 
 
 def _request(pairs=PAIRS, keys=None, max_new_tokens=8) -> RolloutReq:
@@ -139,8 +153,6 @@ def _hand_flow_loss(stage, track, cond_dropout: float, seed: int = 0) -> torch.T
     t ~ logit-normal, eps and the dropout coin; x_t = (1 - t) x0 + t eps; the network's velocity
     against eps - x0 (the empty prompt's conditions, encoded here, for a dropped sample)."""
     import zlib
-
-    from unirl.train.sft import flow_matching_loss
 
     req = _flow_request(len(track))
     empty = stage.encode_prompts([""], 1.0, req.sampling.max_sequence_length)

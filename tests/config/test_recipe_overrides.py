@@ -1,11 +1,9 @@
 """Every recipe under `examples/` takes the command-line overrides the README documents.
 
 Each recipe is composed offline (Hydra's compose API, nothing built) with all of them at once and
-must hold the values given. An RL recipe (every entry point but `unirl.train_sft`) takes
-`tracking=[...]`, `num_steps`, `output_dir`, `num_devices`, `transport=<name>` and `resume_from`.
-A supervised recipe (`sft/`, `unirl.train_sft`: one process, resumes from `output_dir` by itself)
-takes `tracking`, `output_dir` and `sft.num_steps`, and refuses the RL-only keys by name rather
-than ignoring them. Recipes are found by globbing, so a new one is covered as it lands.
+must hold the values given: every recipe, supervised ones included, takes `tracking=[...]`,
+`num_steps`, `output_dir`, `num_devices`, `transport=<name>` and `resume_from`. Recipes are found
+by globbing, so a new one is covered as it lands.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import os
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from tests.conftest import EXAMPLES
@@ -36,14 +33,6 @@ RL_OVERRIDES = {
     "transport=tq_simple": ("transport.name", "tq_simple"),
     "resume_from=latest": ("resume_from", "latest"),
 }
-SFT_OVERRIDES = {
-    f"tracking=[{','.join(TRACKING)}]": ("tracking", TRACKING),
-    "sft.num_steps=2": ("sft.num_steps", 2),
-    "output_dir=/tmp/unirl_override": ("output_dir", "/tmp/unirl_override"),
-}
-RL_ONLY = ["num_steps=2", "num_devices=2", "transport=tq_simple", "resume_from=latest"]
-
-
 def compose_recipe(name: str, overrides: list[str]):
     """`examples/<name>.yaml` composed with `overrides`, unresolved (no `${oc.env:...}` read)."""
     with initialize_config_dir(config_dir=EXAMPLES, version_base=None):
@@ -51,22 +40,14 @@ def compose_recipe(name: str, overrides: list[str]):
 
 
 def test_recipes_are_found() -> None:
-    assert "diffusion/sd3_flowgrpo" in RECIPES and "sft/shapes_pretrain" in RECIPES
+    assert "diffusion/sd3_flowgrpo" in RECIPES and "diffusion/shapes_sft" in RECIPES
     assert not any(name.startswith("transport/") for name in RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_takes_the_documented_overrides(name: str) -> None:
-    overrides = SFT_OVERRIDES if name.startswith("sft/") else RL_OVERRIDES
-    cfg = compose_recipe(name, list(overrides))
-    for override, (key, value) in overrides.items():
+    cfg = compose_recipe(name, list(RL_OVERRIDES))
+    for override, (key, value) in RL_OVERRIDES.items():
         got = OmegaConf.select(cfg, key)
         got = OmegaConf.to_container(got) if OmegaConf.is_config(got) else got
         assert got == value, f"{name}: {override} left {key}={got!r}"
-
-
-@pytest.mark.parametrize("name", [name for name in RECIPES if name.startswith("sft/")])
-@pytest.mark.parametrize("override", RL_ONLY)
-def test_supervised_recipe_refuses_rl_only_keys(name: str, override: str) -> None:
-    with pytest.raises(ConfigCompositionException, match=f"Could not override '{override.split('=')[0]}'"):
-        compose_recipe(name, [override])

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import EXAMPLES, run_module
-from unirl.config.validate import ConfigError, validate_recipe, validate_sft_config
+from unirl.config.validate import ConfigError, validate_recipe
 
 RECIPES = ["diffusion/tiny_sd3_flowgrpo", "diffusion/sd3_flowgrpo"]
 
@@ -307,8 +307,8 @@ def test_unmodified_recipes_validate():
     for name in RL_RECIPES:
         if name not in NEEDS_MODEL_DIR:
             validate_recipe(recipe(name))
-    for name in ("sft/shapes_pretrain", "sft/shapes_pretrain_continue"):
-        validate_sft_config(recipe(name))
+    stage_two = ["model.pretrained_path=checkpoints/shapes_sd3", "~model.tiny", "seed=1", "train.optim.lr=5e-4"]
+    validate_recipe(recipe("diffusion/shapes_sft", stage_two))  # the committed base's second stage
 
 
 @pytest.mark.parametrize(
@@ -416,14 +416,18 @@ def test_algorithm_with_ema_rollouts_needs_train_ema(monkeypatch):
     assert "algorithm: DiffusionNFT samples rollouts from EMA weights, but train.ema is null" in msg
 
 
-def test_sft_recipe_leaves_are_checked():
+def test_supervised_recipe_leaves_are_checked():
     with pytest.raises(ConfigError) as info:
-        validate_sft_config(
-            recipe("sft/shapes_pretrain", ["sft.lr=abc", "sft.warmup_steps=-1", "eval.sampling.height=0"])
+        validate_recipe(
+            recipe(
+                "diffusion/shapes_sft",
+                ["train.optim.lr=abc", "algorithm.config.cond_dropout=1.5", "eval.sampling.num_steps=0"],
+            )
         )
     msg = str(info.value)
-    assert "sft.lr: expected a valid number, got 'abc'" in msg
-    assert "eval.sampling.height must be >= 1, got 0" in msg
+    assert "train.optim.lr: expected a valid number, got 'abc'" in msg
+    assert "algorithm.config.cond_dropout" in msg
+    assert "eval.sampling.num_steps must be >= 1, got 0" in msg
 
 
 def test_cli_reports_type_and_range_problems_with_exit_code_2(tmp_path):
@@ -645,9 +649,9 @@ def test_names_that_select_nothing_are_rejected_before_ray(name, override, key, 
     )
 
 
-def test_sft_model_path_must_exist():
+def test_supervised_model_path_must_exist():
     with pytest.raises(ConfigError) as info:
-        validate_sft_config(recipe("sft/shapes_pretrain_continue", ["model.pretrained_path=/no/such/model"]))
+        validate_recipe(recipe("diffusion/shapes_sft", ["model.pretrained_path=/no/such/model", "~model.tiny"]))
     assert "model.pretrained_path: '/no/such/model' is not a directory" in str(info.value)
 
 

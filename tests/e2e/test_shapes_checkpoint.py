@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.conftest import REPO, run_module
+from tests.conftest import REPO
 from tests.recipes import IN_PROCESS, run
 from unirl.config.validate import validate_recipe
 from unirl.evaluate import main as evaluate_main
@@ -39,27 +39,20 @@ def test_committed_base_leaves_rl_room(capsys):
 
 
 def test_stage_two_continues_from_the_committed_export(tmp_path):
-    """`sft/shapes_pretrain_continue` loads stage 1's export, trains it, and exports a model that
-    moved a little from it (same architecture, same data)."""
-    with initialize_config_dir(config_dir=str(Path(REPO) / "examples"), version_base=None):
-        stage1 = compose("sft/shapes_pretrain")
-        stage2 = compose("sft/shapes_pretrain_continue")
-    assert stage2.model.pretrained_path == stage1.export_dir and stage2.model.tiny is None
-    assert stage2.data == stage1.data and stage2.output_dir != stage1.output_dir
+    """`diffusion/shapes_sft` from the committed export (its second stage's settings) trains it and
+    exports a model that moved a little from it (same architecture, same data)."""
+    base = Path(REPO) / "checkpoints" / "shapes_sd3"
     out = tmp_path / "export"
-    res = run_module(
-        "unirl.train_sft",
-        "--config-name=sft/shapes_pretrain_continue",
-        f"output_dir={tmp_path / 'run'}",
-        f"export_dir={out}",
-        "~eval",
-        "sft.num_steps=2",
-        "sft.batch_size=2",
-        "sft.warmup_steps=1",
-        "threads=1",
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    source = SD3Bundle.from_pretrained(str(Path(REPO) / stage1.export_dir))
+    stage_two = [f"model.pretrained_path={base}", "~model.tiny", "seed=1", "train.optim.lr=5e-4"]
+    small = [
+        "num_steps=2",
+        "prompts_per_rollout=2",
+        "train.stack.micro_batch_size=2",
+        "train.optim.warmup_steps=1",
+    ]
+    small += ["eval.every_n_steps=0", "checkpoint.every_n_steps=0", "threads_per_worker=1"]
+    run("diffusion/shapes_sft", tmp_path / "run", *IN_PROCESS, *stage_two, *small, f"export_dir={out}")
+    source = SD3Bundle.from_pretrained(str(base))
     trained = SD3Bundle.from_pretrained(str(out))
     deltas = [
         float((p.detach() - q.detach()).abs().max())

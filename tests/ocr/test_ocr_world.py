@@ -1,6 +1,6 @@
 """The OCR world (worlds/ocr): disjoint splits, prompts the OCR reward reads its target from, renders
 PP-OCRv4 reads exactly, letter-by-letter tokenization of unseen words, and a tiny model that
-trains and samples at the world's 32x64."""
+trains at the world's 32x64 as a supervised track (`diffusion/ocr_sft`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import tiny_model_config
+from tests.recipes import IN_PROCESS, recipe, run
+from unirl.config.validate import ConfigError
 from unirl.models.flow.loading import tiny_clip_t5_tokenizers
 from unirl.reward.local.ocr import quoted_text
-from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig
 from worlds.ocr import (
     HEIGHT,
     LETTERS,
@@ -92,16 +92,19 @@ def test_training_batches_are_shifted_renders_of_the_split():
 
 
 def test_a_tiny_model_of_resolution_64_trains_on_32x64_and_refuses_wider(tmp_path):
-    bundle = tiny_model_config(resolution=64, words=["a", "sign", "that", "says"], clip_max_length=16).build()
-    cfg = FlowMatchingSFTConfig(batch_size=2, max_sequence_length=16, warmup_steps=1, eval_every=0)
-    sft = FlowMatchingSFT(bundle, OCRWords("train"), cfg, str(tmp_path))
-    loss = sft.train_step()
-    assert np.isfinite(loss["loss"])
-
-    class Wide:
-        def sample_batch(self, n, rng):
-            return np.zeros((n, 32, 72, 3), np.uint8), ["x"] * n
-
-    sft.data = Wide()
-    with pytest.raises(ValueError, match=r"sides of at most 64 \(raise model.tiny.resolution"):
-        sft.train_step()
+    """`diffusion/ocr_sft` (the world's renders as a supervised track's demonstrations) trains the
+    tiny SD3 of resolution 64 on 32x64 images; a width past its position embedding is refused
+    before the run, naming the key."""
+    small = ["num_steps=2", "prompts_per_rollout=2", "train.stack.micro_batch_size=2", "data_source.rows=8"]
+    small += [
+        "eval.every_n_steps=0",
+        "checkpoint.every_n_steps=0",
+        "threads_per_worker=1",
+        "model.tiny.num_layers=1",
+    ]
+    rows = run("diffusion/ocr_sft", tmp_path / "a", *IN_PROCESS, *small)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(
+        np.isfinite(r["loss"]) for r in rows if "loss" in r
+    )
+    with pytest.raises(ConfigError, match=r"sampling.width=128"):
+        recipe("diffusion/ocr_sft", tmp_path / "b", *small, "sampling.width=128")

@@ -1,5 +1,6 @@
 """The moving-squares world: clips as specified, the temporal reward's three values on them, the
-prompts as a data source, bad settings refused; and flow-matching pretraining on its videos."""
+prompts as a data source, bad settings refused; and flow-matching pretraining on its clips as a
+supervised track (`diffusion/squares_wan_sft`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.recipes import IN_PROCESS, run
 from unirl.data import ListDataSource
 from unirl.models.wan import WanModelConfig
-from unirl.models.wan.config import TinyWanConfig
 from unirl.reward.local.video import ColorMotion
-from unirl.train.sft import FlowMatchingSFT, FlowMatchingSFTConfig, images_to_model
 from unirl.types import RewardRequest
 from worlds.shapes.motion import SQUARE_SIDES, WORDS, MovingSquares, render_clip
 from worlds.shapes.world import BACKGROUND, PALETTE
@@ -106,89 +106,47 @@ def test_a_clip_leaving_the_frame_is_refused():
         render_clip(4, "right", 8, 0, 5, 16, 2)
 
 
-def tiny_wan(num_frames: int = 5):
-    tiny = TinyWanConfig(resolution=16, num_layers=1, words=list(WORDS))
-    return WanModelConfig(num_frames=num_frames, tiny=tiny).build()
+SMALL = [  # diffusion/squares_wan_sft at a test's size
+    "num_steps=12",
+    "prompts_per_rollout=4",
+    "train.stack.micro_batch_size=4",
+    "train.optim.lr=3e-3",
+    "train.optim.warmup_steps=1",
+    "data_source.rows=64",
+    "eval.every_n_steps=0",
+    "checkpoint.every_n_steps=0",
+    "threads_per_worker=1",
+]
 
 
-def test_videos_enter_the_model_frames_after_channels():
-    videos, _ = MovingSquares().sample_batch(2, np.random.default_rng(0))
-    x = images_to_model(videos)
-    assert x.shape == (2, 3, 5, 16, 16)
-    torch.testing.assert_close(
-        x[1, :, 3], torch.from_numpy(videos[1, 3]).permute(2, 0, 1).float() / 127.5 - 1
-    )
+def test_video_pretraining_on_the_clips_lowers_the_flow_matching_loss(tmp_path):
+    """`diffusion/squares_wan_sft` (the clips as a supervised track's demonstrations, FlowSFT on a
+    tiny pixel-space Wan): 12 steps lower the loss."""
+    rows = [
+        r for r in run("diffusion/squares_wan_sft", tmp_path, *IN_PROCESS, *SMALL, "model.tiny.num_layers=1")
+    ]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 12 and all(np.isfinite(losses))
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3])
 
 
-def test_video_pretraining_loss_is_the_flow_matching_loss_and_falls(tmp_path):
-    """The first step's loss equals the loss computed here from the same draws (the text
-    encoder's dropout too: the same global seed before each); 12 steps lower it."""
-    cfg = FlowMatchingSFTConfig(
-        num_steps=12,
-        batch_size=4,
-        lr=3e-3,
-        warmup_steps=1,
-        log_every=1,
-        eval_every=0,
-        cond_dropout=0.0,
-        max_sequence_length=8,
-        checkpoint_every=1000,
-    )
-    sft = FlowMatchingSFT(tiny_wan(), MovingSquares(), cfg, str(tmp_path))
-    rng, gen = np.random.default_rng(), torch.Generator()  # copies of the run's generators
-    rng.bit_generator.state = sft.rng.bit_generator.state
-    gen.set_state(sft.gen.get_state())
-    videos, prompts = MovingSquares().sample_batch(4, rng)
-    torch.rand(4, generator=gen)  # the cond-dropout draw
-    x0 = images_to_model(videos)
-    eps = torch.randn(x0.shape, generator=gen)
-    sigma = torch.sigmoid(torch.randn(4, generator=gen))
-    s = sigma.view(-1, 1, 1, 1, 1)
-    torch.manual_seed(7)
-    with torch.no_grad():
-        cond = sft.bundle.encode_text(prompts, False, 8)
-        pred = sft.bundle.predict(sft.bundle.denoiser, (1 - s) * x0 + s * eps, sigma, cond)
-        expected = float(((pred - (eps - x0)) ** 2).mean())
-    torch.manual_seed(7)
-    rows = sft.run()
-    assert rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
-    assert np.mean([r["loss"] for r in rows[-3:]]) < 0.8 * np.mean([r["loss"] for r in rows[:3]])
-
-
-def test_video_data_of_the_wrong_frame_count_or_images_are_refused_naming_the_key(tmp_path):
-    cfg = FlowMatchingSFTConfig(batch_size=2, max_sequence_length=8)
-    sft = FlowMatchingSFT(tiny_wan(num_frames=9), MovingSquares(num_frames=5), cfg, str(tmp_path / "a"))
-    with pytest.raises(ValueError, match=r"5-frame videos but model.num_frames=9"):
-        sft.train_step()
-
-    class Stills:
-        def sample_batch(self, n, rng):
-            return np.zeros((n, 16, 16, 3), dtype=np.uint8), ["a red square"] * n
-
-    sft = FlowMatchingSFT(tiny_wan(), Stills(), cfg, str(tmp_path / "b"))
-    with pytest.raises(ValueError, match=r"images but model.num_frames=5"):
-        sft.train_step()
-
-
-def test_pretraining_continues_from_a_saved_wan_directory_at_the_datas_frame_size(tmp_path):
+def test_pretraining_continues_from_the_committed_wan_directory(tmp_path):
     """A Wan directory does not record the frame size it was trained at (Wan's rotary embedding
-    takes any): supervised training from it takes 16 px clips, and refuses sides its 2x2 patch
-    does not divide, naming the multiple."""
-    tiny_wan().save_pretrained(str(tmp_path / "base"))
-    loaded = WanModelConfig(pretrained_path=str(tmp_path / "base"), num_frames=5, tiny=None).build()
-    cfg = FlowMatchingSFTConfig(batch_size=2, max_sequence_length=8, log_every=1, eval_every=0)
-    sft = FlowMatchingSFT(loaded, MovingSquares(), cfg, str(tmp_path / "a"))
-    before = [p.detach().clone() for p in sft.bundle.denoiser.parameters()]
-    row = sft.train_step()
-    assert np.isfinite(row["loss"])
-    assert any(not torch.equal(a, b) for a, b in zip(before, sft.bundle.denoiser.parameters(), strict=True))
-
-    class OddClips:
-        def sample_batch(self, n, rng):
-            return np.zeros((n, 5, 15, 15, 3), dtype=np.uint8), ["a red square"] * n
-
-    sft = FlowMatchingSFT(loaded, OddClips(), cfg, str(tmp_path / "b"))
-    with pytest.raises(
-        ValueError, match=r"\(15, 15\) frames but the model takes sides that are multiples of 2"
-    ):
-        sft.train_step()
+    takes any): the track trains the committed base on 16 px clips, and its weights move."""
+    base = "checkpoints/squares_wan"
+    run(
+        "diffusion/squares_wan_sft",
+        tmp_path,
+        *IN_PROCESS,
+        *SMALL,
+        "num_steps=1",
+        f"model.pretrained_path={base}",
+        "~model.tiny",
+    )
+    model = WanModelConfig(pretrained_path=base, num_frames=5, tiny=None)
+    before = model.build().denoiser
+    after = model.load_checkpoint(str(tmp_path / "checkpoints" / "final")).denoiser
+    deltas = [
+        float((p - q).abs().max()) for p, q in zip(before.parameters(), after.parameters(), strict=True)
+    ]
+    assert 0 < max(deltas) < 0.05

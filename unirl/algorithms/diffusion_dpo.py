@@ -17,7 +17,8 @@ a micro-batch (`compares_within_groups`: validation requires micro_batch_size to
 multiple of samples_per_prompt, and samples_per_prompt >= 2). The loss uses only the
 final latents, so rollouts may be ODE samples (`sampling.eta: 0`). Draws of (t, eps)
 are seeded by the pair's group id: batching and resume do not change them.
-Offline pairs from a file train through `unirl.train.preference` (same loss).
+Offline pairs from a file are a supervised track's groups (`DemonstrationEngine` with
+`target_key: [chosen, rejected]`, recipe `diffusion/shapes_diffusiondpo_offline`; same loss).
 """
 
 from __future__ import annotations

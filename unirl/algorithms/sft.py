@@ -7,7 +7,8 @@ log-probability at temperature 1 (`stage.token_log_probs`) and m_t its mask,
 
     L = - sum_{i,t} m_t log p_t / N,   N = the response tokens (EOS included) of the whole batch,
 
-the completion cross-entropy `unirl.train.lm_sft.completion_loss` computes for the same pairs.
+the completion cross-entropy of the (prompt, completion + EOS) pairs
+(`unirl.models.causal_lm.loading.encode_pairs`; the tests hold the two equal).
 Each micro-batch contributes its share (`aggregate(..., "token-mean", num_tokens)` with the
 batch's totals from the train stack), so micro-batching and data parallelism give the batch's loss
 exactly. No reward or advantage enters it (`uses_reward = False`); the run then has neither.
@@ -60,8 +61,8 @@ class LMSFT(StageAlgorithm):
 
 @dataclass
 class FlowSFTConfig:
-    """Settings of flow-matching SFT on a diffusion track (the single-process loop's
-    `FlowMatchingSFTConfig` less what the run owns: steps, batch, optimizer).
+    """Settings of flow-matching SFT on a diffusion track (the run owns steps, batch and
+    optimizer).
 
     Attributes:
         sigma_sampling: "logit_normal" (sigmoid of N(0, 1), SD3's default) or "uniform".

@@ -52,14 +52,15 @@ def check_eval_size(model: Any, sampling: Any, eval_sampling: Any, problems: lis
     problems.extend(p for p in found if (height and ".height=" in p) or (width and ".width=" in p))
 
 
-def check_training_guidance(model: Any, sft: Any, problems: list[str]) -> None:
-    """`sft.guidance_scale` of a supervised diffusion run vs the guidance the model takes (a FLUX
-    model without a guidance embedding takes none); a family that trains unguided refuses a
-    scale other than 1.0 when its trainer is built (`unirl.models.flow.family.training_guidance`)."""
+def check_training_guidance(model: Any, algorithm: Any, problems: list[str]) -> None:
+    """The guidance scale a supervised diffusion loss trains at (`algorithm.config.guidance_scale`:
+    FlowSFT's) vs the guidance the model takes (a FLUX model without a guidance embedding takes
+    none); a family that trains unguided refuses a scale other than 1.0 when the loss is built
+    (`unirl.models.flow.family.training_guidance`)."""
     ask = getattr(model, "guidance_problems", None)
-    scale = getattr(sft, "guidance_scale", None)
-    if ask is not None and scale is not None:
-        problems.extend(ask(scale, "sft.guidance_scale"))
+    scale = getattr(getattr(algorithm, "config", None), "guidance_scale", None)
+    if ask is not None and scale is not None and getattr(algorithm, "learns_from_demonstrations", False):
+        problems.extend(ask(scale, "algorithm.config.guidance_scale"))
 
 
 def check_guidance(model: Any, sampling: Any, eval_sampling: Any, problems: list[str]) -> None:

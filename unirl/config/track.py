@@ -33,7 +33,7 @@ from unirl.config.critic import check_critic, check_mini_batches
 from unirl.config.distill import check_distillation
 from unirl.config.distributed import check_module_tree
 from unirl.config.engines import group_scorers
-from unirl.config.geometry import check_eval_size, check_geometry, check_guidance
+from unirl.config.geometry import check_eval_size, check_geometry, check_guidance, check_training_guidance
 from unirl.config.modality import check_text
 from unirl.config.references import check_model_path
 from unirl.config.run import RunBase
@@ -81,7 +81,9 @@ def check_trained_parts(
         for part in needs:
             if node.get(part) is None:
                 what = "exactly one algorithm of its modality" if part == "algorithm" else f"a {part} node"
-                problems.append(f"{key}.{part}: track {name!r} is trained ({key}.trained: true) and needs {what}")
+                problems.append(
+                    f"{key}.{part}: track {name!r} is trained ({key}.trained: true) and needs {what}"
+                )
         return True
     extra = [p for p in needs + optional if node.get(p) is not None]
     if extra:
@@ -208,6 +210,8 @@ def _one_track_rules(track: TrackCheck, problems: list[str]) -> None:
     check_mini_batches(cfg, stack, algorithm, problems)
     chained = track.name is not None  # a track of a chain (`run` is also None when phase 1 failed)
     check_supervised(cfg, algorithm, sampling, chained, problems)
+    if modality == "diffusion":
+        check_training_guidance(model, built, problems)
     check_ema_use(built, train, problems)
     if chained:
         check_chained_algorithm(built, problems)

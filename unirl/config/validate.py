@@ -1,10 +1,10 @@
 """Validation of a recipe, run before any Ray work: one validator for every kind of run.
 
-A recipe is one of four kinds (`recipe_kind`): a single-track run (one model: no `tracks`), a
-composed run (`tracks.<name>`, each with its own model: a prompt enhancer feeding a diffusion
-model), a unified run (`tracks.<name>` sharing the recipe's one `model`: Janus's plan and image
-segments) or a supervised one (an `sft` node, `unirl.train_sft`). `validate_recipe` checks an RL
-recipe of any kind the same way, in four phases, reporting every problem it finds:
+A recipe is one of three kinds (`recipe_kind`): a single-track run (one model: no `tracks`; a
+supervised one replays its data's demonstrations), a composed run (`tracks.<name>`, each with its
+own model: a prompt enhancer feeding a diffusion model) or a unified run (`tracks.<name>` sharing
+the recipe's one `model`: Janus's plan and image segments). `validate_recipe` checks a recipe of
+any kind the same way, in four phases, reporting every problem it finds:
 
 1. Every node is type- and range-checked on its own (`unirl.config.tree.check_recipe`) against
    the sections of its kind (`RecipeShape.sections`): the top level and the plain sections
@@ -39,24 +39,21 @@ from omegaconf import DictConfig
 from unirl.config.critic import mini_batch_problem
 from unirl.config.distributed import check_distributed, check_this_machine, check_transport
 from unirl.config.engines import check_rollout
-from unirl.config.geometry import check_training_guidance
 from unirl.config.modality import check_entry_point, check_eval_sampling, check_modality, modality_of
-from unirl.config.references import check_conditions, check_model_path, check_prompt_keys, check_tracking
-from unirl.config.run import RL_SECTIONS, SFT_SECTIONS, check_eval_keys
+from unirl.config.references import check_conditions, check_prompt_keys, check_tracking
+from unirl.config.run import RL_SECTIONS, check_eval_keys
 from unirl.config.supervised import check_demonstrations
 from unirl.config.track import TrackCheck, check_track, own_group
 from unirl.config.tree import ConfigError, check_recipe, target_class
 
-__all__ = ["ConfigError", "KINDS", "recipe_kind", "validate_recipe", "validate_sft_config"]
+__all__ = ["ConfigError", "KINDS", "recipe_kind", "validate_recipe"]
 
-KINDS = ("single", "composed", "unified", "sft")
+KINDS = ("single", "composed", "unified")
 
 
 def recipe_kind(cfg: DictConfig) -> str:
-    """sft (an `sft` node: supervised, `unirl.train_sft`), single (no `tracks`), unified
-    (`tracks` and one top-level `model` they share) or composed (`tracks`, each with its own model)."""
-    if "sft" in cfg:
-        return "sft"
+    """single (no `tracks`), unified (`tracks` and one top-level `model` they share) or composed
+    (`tracks`, each with its own model)."""
     if "tracks" not in cfg:
         return "single"
     return "unified" if "model" in cfg else "composed"
@@ -139,9 +136,6 @@ def validate_recipe(
     from unirl.trainer.checkpoints import resolve_resume_path
 
     kind = kind or recipe_kind(cfg)
-    if kind == "sft":
-        validate_sft_config(cfg)
-        return
     shapes = _shapes()
     if kind not in shapes:
         raise ValueError(f"recipe kind must be one of {list(KINDS)}, got {kind!r}")
@@ -176,14 +170,3 @@ def validate_recipe(
             problems.append(str(exc))
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a shared key's problem is named once
-
-
-def validate_sft_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` listing every problem of a supervised (`unirl.train_sft`) recipe."""
-    problems: list[str] = []
-    passed = check_recipe(cfg, SFT_SECTIONS, problems)
-    check_model_path(passed.get("model"), problems)
-    check_training_guidance(passed.get("model"), passed.get("sft"), problems)
-    check_tracking(cfg, problems)
-    if problems:
-        raise ConfigError(problems)

@@ -55,7 +55,8 @@ def render_clip(
 
 class MovingSquares:
     """The world's prompts (a `ListDataSource`'s examples: `len`, `[i]`) and its clip/prompt
-    batches for supervised pretraining (`sample_batch`, the `ImageTextSource` contract with videos).
+    batches for supervised pretraining (`sample_batch(n, rng) -> (uint8 clips [n, F, H, W, 3],
+    prompts)`, the rows of `unirl.data.SampledDemonstrations`).
 
     Args:
         num_frames: frames per clip (>= 2).

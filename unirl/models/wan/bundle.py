@@ -62,9 +62,8 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
         sample_size: the frame side in pixels (a tiny model's resolution; 480 for a directory,
             Wan 2.1 1.3B's trained size).
         any_size: True for a directory: it does not record the frame size it was trained at, and
-            Wan's rotary embedding takes any size, so supervised training takes data of any side
-            the VAE and the 2x2 patch divide (`FlowMatchingSFT`); False for a tiny model, which
-            takes its `resolution`.
+            Wan's rotary embedding takes any size, so it samples any side the VAE and the 2x2
+            patch divide; False for a tiny model, which takes its `resolution`.
         cond_keys: `encode_text`'s keys. guidance: "cfg".
     """
 
