@@ -293,3 +293,56 @@ def test_a_video_familys_demonstration_is_a_clip():
         ValueError, match=r"a demonstration clip is a uint8 \[F, H, W, 3\] array, got float32"
     ):
         DemonstrationEngine(stage, target_key="video").generate(req)
+
+
+def _flux_stage(guidance_embeds: bool):
+    from unirl.models.flux import FluxModelConfig, FluxStage, TinyFluxConfig
+
+    torch.manual_seed(0)
+    tiny = TinyFluxConfig(resolution=16, guidance_embeds=guidance_embeds, clip_max_length=8)
+    return FluxStage(FluxModelConfig(tiny=tiny).build())
+
+
+def test_an_embedded_guidance_family_trains_at_its_guidance_scale():
+    """FLUX.1-dev's network takes the guidance scale: FlowSFT's loss is the flow-matching error of
+    the velocity at `guidance_scale` (a network input, written out here), not at 1.0."""
+    import zlib
+
+    from unirl.algorithms.sft import FlowSFT, FlowSFTConfig
+
+    stage = _flux_stage(guidance_embeds=True)
+    req = _flow_request()
+    track = DemonstrationEngine(stage, target_key="image").generate(req).track("diffusion")
+    losses = {}
+    for scale in (1.0, 3.5):
+        algorithm = FlowSFT(FlowSFTConfig(cond_dropout=0.0, guidance_scale=scale))
+        hand = []
+        for i, sid in enumerate(track.sample_ids):
+            gen = torch.Generator().manual_seed(zlib.crc32(f"0:{sid}".encode()))
+            t = torch.sigmoid(torch.randn(1, generator=gen))
+            x0 = (torch.from_numpy(req.metadata[i]["image"]).float().movedim(-1, 0) / 127.5 - 1)[None]
+            eps = torch.randn(x0.shape[1:], generator=gen)[None]
+            cond = {k: v[i : i + 1] for k, v in track.conditions.items() if not k.startswith("empty_")}
+            with torch.no_grad():
+                pred = stage.bundle.predict(
+                    stage.module, (1 - t) * x0 + t * eps, t, cond, guidance=torch.full((1,), scale)
+                )
+            hand.append(flow_matching_loss(pred, x0, eps))
+        stage.module.zero_grad(set_to_none=True)
+        rows = algorithm.compute_loss_and_backward(stage, track, {"loss_scale": 1.0})
+        losses[scale] = rows["loss"]
+        assert rows["loss"] == pytest.approx(float(torch.stack(hand).mean()), rel=1e-5)
+    assert losses[1.0] != pytest.approx(losses[3.5], rel=1e-3)  # the scale reaches the network
+
+
+def test_a_family_that_trains_unguided_refuses_a_guidance_scale():
+    from unirl.algorithms.sft import FlowSFT, FlowSFTConfig
+
+    stage = _flow_stage()  # SD3: classifier-free guidance by two branches at sampling
+    track = DemonstrationEngine(stage, target_key="image").generate(_flow_request()).track("diffusion")
+    with pytest.raises(
+        ValueError, match=r"algorithm.config.guidance_scale=2.0: SD3Bundle guides by two branches"
+    ):
+        FlowSFT(FlowSFTConfig(guidance_scale=2.0)).compute_loss_and_backward(
+            stage, track, {"loss_scale": 1.0}
+        )

@@ -147,3 +147,13 @@ def test_export_dir_needs_a_base_and_a_dtype(tmp_path):
         "export_dir='out' writes the trained model onto its base, but checkpoint.save_base_model=false leaves a "
         "random model's base unwritten"
     ) in str(info.value)
+
+
+def test_a_training_guidance_scale_the_model_cannot_take_is_refused(tmp_path):
+    """FlowSFT's `algorithm.config.guidance_scale` against the model: the edit base's FLUX has no
+    guidance embedding, so it takes none."""
+    cfg = composed("diffusion/shapes_edit_sft", tmp_path, "algorithm.config.guidance_scale=3.5")
+    with pytest.raises(
+        ConfigError, match=r"algorithm.config.guidance_scale=3.5: this FLUX model has no guidance"
+    ):
+        validate_recipe(cfg)
