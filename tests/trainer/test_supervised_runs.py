@@ -120,3 +120,32 @@ def test_offline_dpo_trains_the_files_pairs_on_two_fsdp_workers_and_resumes_exac
     ):  # one rank's reductions vs two's: 2.4e-5 apart at step 2 on AVX2
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+
+
+def test_export_dir_fuses_a_lora_into_the_whole_model(tmp_path):
+    """A LoRA run's `export_dir` holds the base with the LoRA fused into its weights (not the
+    base alone, nor adapter layers a plain load cannot read): its velocity is the final
+    checkpoint's (base + LoRA) to fp16 rounding, and far from the base's."""
+    from tests.recipes import SD3
+
+    out = tmp_path / "export"
+    run(
+        "diffusion/tiny_sd3_flowgrpo",
+        tmp_path / "run",
+        *IN_PROCESS,
+        *SD3,
+        "num_steps=2",
+        "train.optim.lr=3e-2",
+        f"+export_dir={out}",
+    )
+    model_cfg = build(composed_recipe("diffusion/tiny_sd3_flowgrpo", tmp_path / "run", *SD3).model)
+    final = model_cfg.load_checkpoint(str(tmp_path / "run" / "checkpoints" / "final"))
+    exported = type(model_cfg)(pretrained_path=str(out)).build()
+    base = type(model_cfg)(pretrained_path=str(tmp_path / "run" / "base_model")).build()
+    assert not any("lora" in name for name, _ in exported.denoiser.named_parameters())
+    x, sigma = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)), torch.tensor([0.3, 0.7])
+    cond = final.encode_text(["a red circle", "two blue squares"], False, 8)
+    with torch.no_grad():
+        v_final, v_export, v_base = (b.predict(b.denoiser, x, sigma, cond) for b in (final, exported, base))
+    to_final, to_base = float((v_export - v_final).abs().max()), float((v_export - v_base).abs().max())
+    assert to_final < 5e-3 and to_base > 10 * to_final, (to_final, to_base)

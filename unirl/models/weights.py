@@ -50,7 +50,15 @@ def swapped_weights(
 
 def export_bundle(bundle: Any, path: str, dtype: torch.dtype = torch.float16) -> None:
     """Write the whole bundle (`save_pretrained`: its library's layout, what the family's
-    `pretrained_path` loads) with its weights in `dtype`; the bundle goes back to fp32 after."""
+    `pretrained_path` loads) with its weights in `dtype`; the bundle goes back to fp32 after. A
+    LoRA a diffusers bundle's checkpoint loaded onto its modules is fused into their weights
+    first (a text bundle's checkpoint load merges it already), so the directory holds the trained
+    model alone."""
+    pipeline = getattr(bundle, "pipeline", None)
+    for module in getattr(pipeline, "components", {}).values():
+        if getattr(module, "peft_config", None) and callable(getattr(module, "fuse_lora", None)):
+            module.fuse_lora()
+            module.unload_lora()
     bundle.to(dtype)
     try:
         bundle.save_pretrained(path)
