@@ -11,7 +11,7 @@ from tests.config.test_recipe_overrides import RECIPES, compose_recipe
 from tests.conftest import run_module
 from unirl.config.validate import KINDS, recipe_kind, validate_recipe
 
-BY_FOLDER = {"pe": "composed", "unified": "unified", "sft": "sft"}  # every other folder: single-track
+BY_FOLDER = {"pe": "composed", "unified": "unified"}  # every other folder: single-track
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -20,8 +20,8 @@ def test_every_recipe_is_of_its_folders_kind(name: str) -> None:
 
 
 def test_an_unknown_kind_is_refused() -> None:
-    assert set(KINDS) == {"single", "composed", "unified", "sft"}
-    with pytest.raises(ValueError, match=r"recipe kind must be one of \['single', 'composed', 'unified', 'sft'\]"):
+    assert set(KINDS) == {"single", "composed", "unified"}
+    with pytest.raises(ValueError, match=r"recipe kind must be one of \['single', 'composed', 'unified'\]"):
         validate_recipe(compose_recipe("pe/tiny_pe_smoke", []), kind="chain")
 
 
