@@ -12,7 +12,7 @@ import importlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -20,6 +20,7 @@ import torch
 
 from unirl.models.flow.loading import pipeline_directory_problems
 from unirl.models.source import DTYPES, ModelSource, check_source
+from unirl.types.constraints import AtLeastOne
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,26 @@ def check_axes_dims_rope(axes_dims_rope: list[int], attention_head_dim: int) -> 
         raise ValueError(f"model.tiny.axes_dims_rope={axes_dims_rope} must be even sizes")
 
 
-class PackedTinyConfig:
-    """Mixin of a 2x2-packing family's tiny config (FLUX.1, Qwen-Image), a dataclass with
+@dataclass
+class TinyFlowConfig:
+    """What every flow family's tiny config (a model of random weights built from the config, for
+    CPU runs and tests) starts with; the family adds its geometry.
+
+    Attributes:
+        words: whole-word tokens of the tiny tokenizers, which are otherwise character-level: a
+            small text encoder learns words far more easily, and prompts get much shorter.
+        seed: the seed of the random weights.
+        latent_channels: the latent channels of a latent-space model's VAE (a pixel-space model
+            denoises its 3 RGB channels).
+    """
+
+    words: list[str] = field(default_factory=list)
+    seed: int = 0
+    latent_channels: AtLeastOne = 4
+
+
+class PackedTinyConfig(TinyFlowConfig):
+    """Base of a 2x2-packing family's tiny config (FLUX.1, Qwen-Image, Z-Image), a dataclass with
     `pixel_space`, `vae_downsample`, `attention_head_dim` and `axes_dims_rope`."""
 
     pixel_space: bool

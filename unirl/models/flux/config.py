@@ -56,9 +56,6 @@ class TinyFluxConfig(PackedTinyConfig):
     t5_hidden_size: AtLeastOne = 32
     text_layers: AtLeastOne = 1
     clip_max_length: AtLeastOne = 77
-    words: list[str] = field(default_factory=list)
-    seed: int = 0
-    latent_channels: AtLeastOne = 4
     vae_downsample: int = 2
     vae_scaling_factor: float = 0.3611
     vae_shift_factor: float = 0.1159

@@ -22,6 +22,7 @@ from unirl.models.flow.config import (
     ConditionedFamilyConfig,
     FamilySpec,
     FlowFamilyConfig,
+    TinyFlowConfig,
     cell_size_problems,
     check_vae_downsample,
     latent_patch_cell,
@@ -44,7 +45,7 @@ TEXT_LAYERS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
 
 
 @dataclass
-class TinyFlux2Config:
+class TinyFlux2Config(TinyFlowConfig):
     """A tiny FLUX.2-architecture model for CPU runs and tests (random weights).
 
     `resolution` is the image side in pixels the model is built for. A small random
@@ -71,9 +72,6 @@ class TinyFlux2Config:
     guidance_embeds: bool = True
     text_hidden_size: AtLeastOne = 16
     text_layers: AtLeastOne = 30
-    words: list[str] = field(default_factory=list)
-    seed: int = 0
-    latent_channels: AtLeastOne = 4
     vae_downsample: int = 2
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from unirl.models.flow.config import (
     ConditionedFamilyConfig,
     FamilySpec,
     FlowFamilyConfig,
+    TinyFlowConfig,
     clip_size_problems,
     read_vae_config,
 )
@@ -37,7 +38,7 @@ def _pow2(value: int) -> bool:
 
 
 @dataclass
-class TinyHunyuanVideo15Config:
+class TinyHunyuanVideo15Config(TinyFlowConfig):
     """A tiny HunyuanVideo 1.5-architecture video model for CPU runs and tests (random weights).
 
     `resolution` is the frame side in pixels the model is built for. A small random
@@ -65,9 +66,6 @@ class TinyHunyuanVideo15Config:
     text_layers: AtLeastOne = 2
     byt5_hidden_size: AtLeastOne = 16
     image_embed_dim: AtLeastOne = 8
-    words: list[str] = field(default_factory=list)
-    seed: int = 0
-    latent_channels: AtLeastOne = 4
     vae_spatial: int = 2
     vae_temporal: int = 2
     vae_widths: list[int] = field(default_factory=lambda: [8, 16])

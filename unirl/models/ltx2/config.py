@@ -16,7 +16,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, clip_size_problems, read_vae_config
+from unirl.models.flow.config import (
+    FamilySpec,
+    FlowFamilyConfig,
+    TinyFlowConfig,
+    clip_size_problems,
+    read_vae_config,
+)
 from unirl.types.constraints import AtLeastOne, Positive, check_fields
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -27,7 +33,7 @@ cross-attention) is named alike, so one list trains both streams; add "ff.net.0.
 
 
 @dataclass
-class TinyLTX2Config:
+class TinyLTX2Config(TinyFlowConfig):
     """A tiny LTX-2-architecture audio-video model for CPU runs and tests (random weights).
 
     `resolution` is the frame side in pixels the model is built for. A small random
@@ -59,14 +65,11 @@ class TinyLTX2Config:
     audio_attention_head_dim: AtLeastOne = 4
     text_hidden_size: AtLeastOne = 16
     text_layers: AtLeastOne = 2
-    latent_channels: AtLeastOne = 4
     audio_latent_channels: AtLeastOne = 2
     mel_bins: AtLeastOne = 8
     audio_channels: AtLeastOne = 2
     vae_width: AtLeastOne = 8
     perturbed_attn: bool = False
-    words: list[str] = field(default_factory=list)
-    seed: int = 0
 
     def __post_init__(self) -> None:
         self.words = list(self.words)

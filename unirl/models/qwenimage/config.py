@@ -55,9 +55,6 @@ class TinyQwenImageConfig(PackedTinyConfig):
     axes_dims_rope: list[int] = field(default_factory=lambda: [4, 6, 6])
     text_hidden_size: AtLeastOne = 32
     text_layers: AtLeastOne = 1
-    words: list[str] = field(default_factory=list)
-    seed: int = 0
-    latent_channels: AtLeastOne = 4
     vae_downsample: int = 2
     vae_base_dim: AtLeastOne = 8
     zero_cond_t: bool = False

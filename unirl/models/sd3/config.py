@@ -14,12 +14,12 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, check_vae_downsample
+from unirl.models.flow.config import FamilySpec, FlowFamilyConfig, TinyFlowConfig, check_vae_downsample
 from unirl.types.constraints import AtLeastOne, check_fields
 
 
 @dataclass
-class TinySD3Config:
+class TinySD3Config(TinyFlowConfig):
     """A tiny SD3-architecture model for CPU runs and tests.
 
     `resolution` is the image size in pixels. In pixel space the transformer
@@ -44,9 +44,6 @@ class TinySD3Config:
     t5_hidden_size: AtLeastOne = 64
     text_layers: AtLeastOne = 2
     clip_max_length: AtLeastOne = 77
-    words: list[str] = field(default_factory=list)
-    seed: int = 0
-    latent_channels: AtLeastOne = 4
     vae_downsample: int = 2
     qk_norm: str | None = None
     dual_attention_layers: list[int] = field(default_factory=list)

@@ -23,6 +23,7 @@ from unirl.models.flow.config import (
     ConditionedFamilyConfig,
     FamilySpec,
     FlowFamilyConfig,
+    TinyFlowConfig,
     cell_size_problems,
     frames_problems,
     read_vae_config,
@@ -43,7 +44,7 @@ def _pow2(value: int) -> bool:
 
 
 @dataclass
-class TinyWanConfig:
+class TinyWanConfig(TinyFlowConfig):
     """A tiny Wan 2.1-architecture video model for CPU runs and tests (random weights).
 
     `resolution` is the frame side in pixels the model is built for (Wan's rotary embedding takes
@@ -69,9 +70,6 @@ class TinyWanConfig:
     freq_dim: AtLeastOne = 32
     text_hidden_size: AtLeastOne = 32
     text_layers: AtLeastOne = 1
-    words: list[str] = field(default_factory=list)
-    seed: int = 0
-    latent_channels: AtLeastOne = 4
     vae_spatial: int = 2
     vae_temporal: int = 2
     vae_base_dim: AtLeastOne = 8
