@@ -113,7 +113,8 @@ class RunConfig(RunBase):
         export_dir: where the trained model is written after the last step as a whole model
             directory in its library's layout (`model.pretrained_path` loads it: what a supervised
             track that makes a base, such as `diffusion/shapes_sft`, ends with), its weights in
-            `export_dtype`; null: only `checkpoints/final`.
+            `export_dtype`: the weights of `checkpoints/final` (a LoRA fused in; not the EMA's of
+            `final_ema`); null: only `checkpoints/final`.
         export_dtype: "float16" (default), "bfloat16" or "float32".
     """
 
