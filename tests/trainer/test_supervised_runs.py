@@ -18,6 +18,8 @@ import torch
 from tests.conftest import untimed
 from tests.recipes import IN_PROCESS, exported_weights, run, same_weights
 from tests.recipes import composed as composed_recipe
+from tests.recipes import recipe as recipe_of
+from unirl.config.validate import ConfigError
 from unirl.trainer.worker import build
 
 RECIPES = {  # recipe -> (an evaluation key, the steps that evaluate)
@@ -149,3 +151,21 @@ def test_export_dir_fuses_a_lora_into_the_whole_model(tmp_path):
         v_final, v_export, v_base = (b.predict(b.denoiser, x, sigma, cond) for b in (final, exported, base))
     to_final, to_base = float((v_export - v_final).abs().max()), float((v_export - v_base).abs().max())
     assert to_final < 5e-3 and to_base > 10 * to_final, (to_final, to_base)
+
+
+def test_max_seconds_stops_with_a_checkpoint_and_resume_continues_exactly(tmp_path):
+    """`max_seconds` bounds one invocation: after the step that passes it the run writes a
+    checkpoint and stops (no final export); `resume_from=latest` then writes the uninterrupted
+    run's rows and weights. A bound that is not > 0 is refused before the run."""
+    recipe, small = "llm/arith_sft_smoke", [*IN_PROCESS, "eval.every_n_steps=0"]
+    full = run(recipe, tmp_path / "full", *small)
+    part = run(recipe, tmp_path / "part", *small, "+max_seconds=1e-6")
+    assert [r["step"] for r in part] == [1]
+    assert (tmp_path / "part" / "checkpoints" / "step_000001").is_dir()
+    assert not (tmp_path / "part" / "checkpoints" / "final").exists()
+    resumed = run(recipe, tmp_path / "part", *small, "resume_from=latest")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [untimed(r) for r in resumed[1:]] == [untimed(r) for r in full[1:]]
+    assert same_weights(tmp_path / "full", tmp_path / "part")
+    with pytest.raises(ConfigError, match=r"max_seconds must be > 0 or null, got 0"):
+        recipe_of(recipe, tmp_path / "bad", *small, "+max_seconds=0")

@@ -42,6 +42,8 @@ def check_run_top_level(run: Any, components: tuple[str, ...], optional: tuple[s
     _components("", run, components, optional)
     if run.launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {run.launcher!r}")
+    if run.max_seconds is not None and not run.max_seconds > 0:
+        raise ValueError(f"max_seconds must be > 0 or null, got {run.max_seconds}")
     transport = (run.transport or {}).get("name") if isinstance(run.transport, dict) else None
     if run.launcher == "in_process" and (run.num_devices != 1 or transport != "inband"):
         raise ValueError(
@@ -66,6 +68,9 @@ class RunBase:
         data_source, transport: the prompts (`_target_` node) and the data plane.
         threads_per_worker: torch threads per worker (null: CPU cores / num_devices).
         resume_from: a checkpoint directory, `latest`, or null.
+        max_seconds: the wall clock of one invocation (null: none): after the step that passes it
+            the run writes a checkpoint and stops (exit 0, no final export); `resume_from=latest`
+            continues it exactly.
         launcher: "ray" (workers are Ray actors) or "in_process" (one worker in
             the driver process, no Ray).
         checkpoint, logging, eval: plain sections (see their schemas).
@@ -83,6 +88,7 @@ class RunBase:
     transport: Any
     threads_per_worker: int | None = None
     resume_from: str | None = None
+    max_seconds: float | None = None
     launcher: str = "ray"
     checkpoint: Any = None
     logging: Any = None

@@ -160,6 +160,8 @@ class Trainer:
         self.resume_ahead: tuple[int, int] | None = None  # (first, last) step a checkpoint had in flight
         self.resume_partial: tuple[str, dict[int, int]] | None = None  # (checkpoint, start version by step)
         self.restore_s: float | None = None
+        self.max_seconds = cfg.get("max_seconds")  # one invocation's wall clock (None: none)
+        self.stopped_at: int | None = None  # the step a `max_seconds` stop checkpointed, else None
         self.transport = make_transport(cfg.transport)
         if self.graph.shared:
             self.engine_class = UnifiedEngineWorker
@@ -208,7 +210,8 @@ class Trainer:
                 start = self._restore(group, resume)
                 self.restore_s = time.perf_counter() - t0
             rows = self._loop(group, start)
-            self._export(group)
+            if self.stopped_at is None:
+                self._export(group)
             return rows
 
     @contextlib.contextmanager
@@ -756,6 +759,7 @@ class Trainer:
             desc="train",
             disable=not log_cfg.get("progress", True),
         )
+        started = time.perf_counter()
         try:
             for step in bar:
                 apply_thread_count()  # a step starts: the governor's count for all of it (cores.py)
@@ -790,8 +794,18 @@ class Trainer:
                     row["time/restore_s"] = self.restore_s
                 tracking.log(row)
                 rows.append(row)
-                if self.every_n and (step + 1) % self.every_n == 0:
+                saved = bool(self.every_n) and (step + 1) % self.every_n == 0
+                if saved:
                     self._save_checkpoint(group, step + 1)
+                if self._out_of_time(started) and step + 1 < self.num_steps:
+                    if not saved:
+                        self._save_checkpoint(group, step + 1)
+                    self.stopped_at = step + 1
+                    print(
+                        f"max_seconds={self.max_seconds} reached after step {step + 1} of {self.num_steps}: "
+                        f"checkpoint {self.last_checkpoint}; resume with resume_from=latest",
+                        file=sys.stderr,
+                    )
                 postfix = {"reward": f"{row.get('reward/mean', float('nan')):.4f}"}
                 if "loss" in row:  # none while a critic warms up alone, nor in a chain's row
                     postfix["loss"] = f"{row['loss']:.2e}"
@@ -801,11 +815,17 @@ class Trainer:
                     self._save_samples(views, stem)
                     write_gallery(self.out)
                     tracking.log_samples(step + 1, stem)
+                if self.stopped_at is not None:
+                    break
         finally:
             tracking.close()
             for ahead in self.ahead:  # a failed step leaves later steps' rollouts: drop what they put
                 self.transport.clear(f"step_{ahead.step}")
         return rows
+
+    def _out_of_time(self, started: float) -> bool:
+        """`max_seconds` has passed since this invocation's loop started."""
+        return self.max_seconds is not None and time.perf_counter() - started >= float(self.max_seconds)
 
     def _submit_ahead(self, step: int) -> list[AheadRollout]:
         """Sync this step's weights into a single track's engines and start the rollouts of the
