@@ -156,8 +156,9 @@ def test_export_dir_fuses_a_lora_into_the_whole_model(tmp_path):
 def test_max_seconds_stops_with_a_checkpoint_and_resume_continues_exactly(tmp_path):
     """`max_seconds` bounds one invocation: after the step that passes it the run writes a
     checkpoint and stops (no final export); `resume_from=latest` then writes the uninterrupted
-    run's rows and weights. A bound that is not > 0 is refused before the run."""
-    recipe, small = "llm/arith_sft_smoke", [*IN_PROCESS, "eval.every_n_steps=0"]
+    run's rows and weights (one torch thread, so that no thread-count change between the
+    invocations reorders a reduction). A bound that is not > 0 is refused before the run."""
+    recipe, small = "llm/arith_sft_smoke", [*IN_PROCESS, "eval.every_n_steps=0", "threads_per_worker=1"]
     full = run(recipe, tmp_path / "full", *small)
     part = run(recipe, tmp_path / "part", *small, "+max_seconds=1e-6")
     assert [r["step"] for r in part] == [1]
