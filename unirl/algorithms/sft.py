@@ -100,7 +100,7 @@ class FlowSFT(StageAlgorithm):
 
         L = mean_i mean_elements (v_theta(x_sigma_i, sigma_i, c_i) - (eps_i - x0_i))^2,
 
-    `flow_matching_loss` of the single-process loop per sample, averaged over the batch (each
+    the flow-matching loss of each sample, averaged over the batch (each
     micro-batch contributes its mean times `loss_scale`). sigma is drawn by `sample_sigmas`; with
     probability `cond_dropout` a sample's conditions are the empty prompt's (`empty_<key>`, which
     the `DemonstrationEngine` puts beside them). Every draw comes from a CPU generator seeded by

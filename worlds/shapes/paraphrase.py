@@ -424,8 +424,8 @@ class ShapesPEDemonstrations(ListDataSource):
     `target_key: canonical`).
 
     The `size` pairs are `ShapesPESFTSource(seed, nonce_rate).sample_batch(size, rng)` with `rng =
-    np.random.default_rng(seed)`, drawn once (the single-process loop draws fresh pairs every
-    step; the default `size` is what its 600 steps of 64 draw); epochs, shuffling and resume are
+    np.random.default_rng(seed)`, drawn once (the retired single-process loop drew fresh pairs
+    every step; the default `size` is what its 600 steps of 64 drew); epochs, shuffling and resume are
     `ListDataSource`'s.
     """
 

@@ -457,9 +457,9 @@ class ShapesDemonstrations(ListDataSource):
     demonstrations a flow-matching SFT track learns from (`unirl.algorithms.sft.FlowSFT` with
     `rollout: unirl.rollout.demonstrations.DemonstrationEngine`, `target_key: image`).
 
-    One placement per scene, drawn once from `seed` (the single-process loop's `sample_batch`
-    draws a new placement every time and a category before a scene; here every scene is a row of a
-    shuffled epoch). Epochs, shuffling and resume are `ListDataSource`'s.
+    One placement per scene, drawn once from `seed` (the retired single-process loop drew a new
+    placement every time and a category before a scene; here every scene is a row of a shuffled
+    epoch). Epochs, shuffling and resume are `ListDataSource`'s.
     """
 
     def __init__(self, split: str = "train", seed: int = 0, size: int = 32, shuffle: bool = True) -> None:

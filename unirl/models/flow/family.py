@@ -1,6 +1,6 @@
 """What a flow-matching model family supplies: the contract between a family's package
 (`unirl/models/<family>/`) and everything shared (the stage, the validator, the evaluator,
-the engines, the supervised trainers).
+the engines, the supervised losses).
 
 Two protocols, checked structurally (no base class to inherit):
 
