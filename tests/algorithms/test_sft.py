@@ -148,10 +148,13 @@ def _flow_stage():
     return SD3Stage(tiny_model_config().build())
 
 
-def _hand_flow_loss(stage, track, cond_dropout: float, seed: int = 0) -> torch.Tensor:
+def _hand_flow_loss(
+    stage, track, cond_dropout: float, seed: int = 0, guidance: float | None = None
+) -> torch.Tensor:
     """The flow-matching loss written out: per sample, its own generator seeded by (seed, id) draws
     t ~ logit-normal, eps and the dropout coin; x_t = (1 - t) x0 + t eps; the network's velocity
-    against eps - x0 (the empty prompt's conditions, encoded here, for a dropped sample)."""
+    (at the network's `guidance` input, for a family that takes one) against eps - x0 (the empty
+    prompt's conditions, encoded here, for a dropped sample)."""
     import zlib
 
     req = _flow_request(len(track))
@@ -164,7 +167,8 @@ def _hand_flow_loss(stage, track, cond_dropout: float, seed: int = 0) -> torch.T
         eps = torch.randn(x0.shape[1:], generator=gen)[None]
         drop = bool(torch.rand(1, generator=gen) < cond_dropout)
         cond = {k: (empty[k] if drop else v[i : i + 1]) for k, v in track.conditions.items() if k in empty}
-        pred = stage.bundle.predict(stage.module, (1 - t) * x0 + t * eps, t, cond)
+        extra = {} if guidance is None else {"guidance": torch.full((1,), guidance)}
+        pred = stage.bundle.predict(stage.module, (1 - t) * x0 + t * eps, t, cond, **extra)
         losses.append(flow_matching_loss(pred, x0, eps))
     return torch.stack(losses).mean()
 
@@ -306,32 +310,18 @@ def _flux_stage(guidance_embeds: bool):
 def test_an_embedded_guidance_family_trains_at_its_guidance_scale():
     """FLUX.1-dev's network takes the guidance scale: FlowSFT's loss is the flow-matching error of
     the velocity at `guidance_scale` (a network input, written out here), not at 1.0."""
-    import zlib
-
     from unirl.algorithms.sft import FlowSFT, FlowSFTConfig
 
     stage = _flux_stage(guidance_embeds=True)
-    req = _flow_request()
-    track = DemonstrationEngine(stage, target_key="image").generate(req).track("diffusion")
+    track = DemonstrationEngine(stage, target_key="image").generate(_flow_request()).track("diffusion")
     losses = {}
     for scale in (1.0, 3.5):
-        algorithm = FlowSFT(FlowSFTConfig(cond_dropout=0.0, guidance_scale=scale))
-        hand = []
-        for i, sid in enumerate(track.sample_ids):
-            gen = torch.Generator().manual_seed(zlib.crc32(f"0:{sid}".encode()))
-            t = torch.sigmoid(torch.randn(1, generator=gen))
-            x0 = (torch.from_numpy(req.metadata[i]["image"]).float().movedim(-1, 0) / 127.5 - 1)[None]
-            eps = torch.randn(x0.shape[1:], generator=gen)[None]
-            cond = {k: v[i : i + 1] for k, v in track.conditions.items() if not k.startswith("empty_")}
-            with torch.no_grad():
-                pred = stage.bundle.predict(
-                    stage.module, (1 - t) * x0 + t * eps, t, cond, guidance=torch.full((1,), scale)
-                )
-            hand.append(flow_matching_loss(pred, x0, eps))
+        with torch.no_grad():
+            hand = _hand_flow_loss(stage, track, cond_dropout=0.0, guidance=scale)
         stage.module.zero_grad(set_to_none=True)
-        rows = algorithm.compute_loss_and_backward(stage, track, {"loss_scale": 1.0})
-        losses[scale] = rows["loss"]
-        assert rows["loss"] == pytest.approx(float(torch.stack(hand).mean()), rel=1e-5)
+        algorithm = FlowSFT(FlowSFTConfig(cond_dropout=0.0, guidance_scale=scale))
+        losses[scale] = algorithm.compute_loss_and_backward(stage, track, {"loss_scale": 1.0})["loss"]
+        assert losses[scale] == pytest.approx(float(hand), rel=1e-5)
     assert losses[1.0] != pytest.approx(losses[3.5], rel=1e-3)  # the scale reaches the network
 
 

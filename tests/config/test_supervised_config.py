@@ -139,6 +139,7 @@ def test_a_clip_demonstration_is_checked_against_the_frames(tmp_path):
 def test_export_dir_needs_a_base_and_a_dtype(tmp_path):
     found = problems(tmp_path, "+export_dir=out", "+checkpoint.save_base_model=false", "+export_dtype=int8")
     assert "export_dtype must be one of ['float32', 'bfloat16', 'float16'], got 'int8'" in found
+    assert "export_dir is empty; give the directory" in problems(tmp_path, "+export_dir=''")
     with pytest.raises(ConfigError) as info:
         validate_recipe(
             composed(SFT, tmp_path, "+export_dir=out", "+checkpoint.save_base_model=false"), expect="text"

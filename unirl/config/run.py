@@ -151,6 +151,10 @@ class RunConfig(RunBase):
         super().__post_init__()
         if self.export_dtype not in DTYPES:
             raise ValueError(f"export_dtype must be one of {list(DTYPES)}, got {self.export_dtype!r}")
+        if self.export_dir is not None and not str(self.export_dir).strip():
+            raise ValueError(
+                "export_dir is empty; give the directory to write the model to, or null for none"
+            )
         random_model = not (self.model or {}).get("pretrained_path")
         if self.export_dir and random_model and not (self.checkpoint or {}).get("save_base_model", True):
             raise ValueError(
