@@ -38,13 +38,14 @@ def main() -> None:
     )
     ap.add_argument("--split", default="eval", choices=["train", "eval"])
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=None, help="the recipe's data_source.rows pool (seed 0)")
     ap.add_argument("--eta", type=float, default=0.7, help="0: the evaluation's ODE")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     config = FluxKontextModelConfig(pretrained_path=args.model, tiny=None)
     bundle = config.load_checkpoint(args.checkpoint) if args.checkpoint else config.build()
-    examples = ShapesEditDataset(args.split, 0, shuffle=False).examples
+    examples = ShapesEditDataset(args.split, 0, shuffle=False, rows=args.rows).examples
     sp = DiffusionSamplingParams(
         num_steps=10,
         samples_per_prompt=args.samples,
@@ -67,7 +68,7 @@ def main() -> None:
     k = args.samples
     rows = [results[i * k : (i + 1) * k] for i in range(len(examples))]
     print(
-        f"{args.model}{' + ' + args.checkpoint if args.checkpoint else ''}: {args.split}, {len(rows)} rows x {k} samples, eta {args.eta}"
+        f"{args.model}{' + ' + args.checkpoint if args.checkpoint else ''}: {args.split} (pool {args.rows}), {len(rows)} rows x {k} samples, eta {args.eta}"
     )
     print(f"| kind | graded reward | strict (pass@1) | pass@{k} |")
     print("|---|---|---|---|")

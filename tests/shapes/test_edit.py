@@ -147,3 +147,17 @@ def test_the_scorer_reads_the_rows_source_and_names_bad_samples():
         ShapesEditScore()(odd)
     with pytest.raises(ValueError, match="mode"):
         ShapesEditScore("exact")
+
+
+def test_a_pool_is_a_fixed_seeded_subset_of_the_split_and_bad_sizes_are_refused():
+    whole = [r.prompt_id for r in ShapesEditDataset("train", 0, shuffle=False).examples]
+    pool = [r.prompt_id for r in ShapesEditDataset("train", 0, shuffle=False, rows=32).examples]
+    assert len(pool) == len(set(pool)) == 32 and set(pool) <= set(whole)
+    assert pool == sorted(pool, key=whole.index)  # split order kept
+    assert pool == [r.prompt_id for r in ShapesEditDataset("train", 0, shuffle=False, rows=32).examples]
+    assert pool != [r.prompt_id for r in ShapesEditDataset("train", 1, shuffle=False, rows=32).examples][:32]
+    ds = ShapesEditDataset("train", 0, rows=8)  # the epochs visit the pool alone
+    assert {r.prompt_id for r in ds.next_batch(8)} == {r.prompt_id for r in ds.examples}
+    for bad in (0, len(whole) + 1):
+        with pytest.raises(ValueError, match=rf"data_source.rows={bad} must be in \[1, {len(whole)}\]"):
+            ShapesEditDataset("train", 0, rows=bad)

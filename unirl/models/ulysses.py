@@ -43,34 +43,24 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-class _GatherHeads(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
+    """`_all_gather` along `dim`. Backward returns this rank's shard of the gradient: of the sum
+    over the group's copies when `sum_copies` (each rank's copy fed its own loss terms), else of
+    this rank's own gradient (every rank computes the same loss from the whole tensor, so the
+    group's shards sum to the whole gradient)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather(x, group, 2)
+    def forward(ctx, x: torch.Tensor, group, dim: int, sum_copies: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.sum_copies = group, dim, sum_copies
+        return _all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # every rank's copy of the whole tensor fed its own loss terms: the gradient of rank i's
-        # head shard is the sum over the group of what each copy received there
-        total = grad.contiguous().clone()
-        dist.all_reduce(total, group=ctx.group)
-        own = total.chunk(dist.get_world_size(ctx.group), dim=2)[dist.get_rank(ctx.group)]
-        return own.contiguous(), None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather(x, group, 1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        # every rank computes the same loss from the whole tensor: each back-propagates its own
-        # tokens' share, and the group's gradients sum to the whole one
-        own = grad.chunk(dist.get_world_size(ctx.group), dim=1)[dist.get_rank(ctx.group)]
-        return own.contiguous(), None
+        if ctx.sum_copies:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+        own = grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)[dist.get_rank(ctx.group)]
+        return own.contiguous(), None, None, None
 
 
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -94,7 +84,7 @@ def own_heads(x: torch.Tensor, group) -> torch.Tensor:
 def gather_heads(x: torch.Tensor, group) -> torch.Tensor:
     """The group's head shards joined [B, T, H/P, D] -> [B, T, H, D] on every rank (the whole
     tensor again after `own_heads`); backward sums the copies' gradients."""
-    return _GatherHeads.apply(x, group)
+    return _Gather.apply(x, group, 2, True)
 
 
 def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -102,4 +92,4 @@ def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     output gather: every rank then computes the same loss from it, so backward keeps only this
     rank's shard of the gradient (the sum over the group is the whole gradient; FSDP's average
     over ranks is undone by `TrainBackend.loss_multiplier`)."""
-    return _GatherSeq.apply(x, group)
+    return _Gather.apply(x, group, 1, False)

@@ -235,17 +235,39 @@ class ShapesEditDataset(ListDataSource):
     """The editing world's rows as a data source (`edit_rows`; recipes: `_target_:
     worlds.shapes.ShapesEditDataset`): RL prompts (an edit family reads the source under
     "images"), evaluation examples (`.examples`), and the demonstrations of a flow-matching SFT
-    track (`rollout.target_key: target`). Epochs, shuffling and resume are `ListDataSource`'s."""
+    track (`rollout.target_key: target`). Epochs, shuffling and resume are `ListDataSource`'s.
+
+    `rows`: a fixed pool of that many of the split's rows (`pool_rows`: drawn once from `seed`,
+    in split order), visited epoch after epoch, as DDPO trains on a fixed prompt set; null: the
+    whole split."""
 
     def __init__(
-        self, split: str = "train", seed: int = 0, placements: int = 1, size: int = 32, shuffle: bool = True
+        self,
+        split: str = "train",
+        seed: int = 0,
+        placements: int = 1,
+        size: int = 32,
+        shuffle: bool = True,
+        rows: int | None = None,
     ) -> None:
+        examples = edit_rows(split, seed, placements, size)
         super().__init__(
-            edit_rows(split, seed, placements, size),
+            examples if rows is None else pool_rows(examples, rows, seed),
             shuffle=shuffle,
             seed=seed,
-            source=f"<shapes edits split={split} seed={seed} placements={placements} size={size}>",
+            source=f"<shapes edits split={split} seed={seed} placements={placements} size={size} rows={rows}>",
         )
+
+
+def pool_rows(examples: list[PromptExample], rows: int, seed: int) -> list[PromptExample]:
+    """`rows` of `examples` drawn without replacement from `seed`, in their order (ValueError naming
+    `data_source.rows` when it is not in [1, len(examples)])."""
+    if not 1 <= rows <= len(examples):
+        raise ValueError(
+            f"data_source.rows={rows} must be in [1, {len(examples)}] (the split's rows), or null for all"
+        )
+    keep = sorted(np.random.default_rng(seed).choice(len(examples), size=rows, replace=False).tolist())
+    return [examples[i] for i in keep]
 
 
 # ---------------------------------------------------------------- scoring

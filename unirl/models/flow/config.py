@@ -8,6 +8,7 @@ device (`transformer_on_meta`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -28,41 +29,48 @@ class FamilySpec:
     """What a flow family's model config names, as data (`FlowFamilyConfig.SPEC`).
 
     Attributes:
-        name: the family in the source error ("a local FLUX.1 directory").
-        modeling: the module holding the bundle class `bundle` (`from_pretrained(path, dtype=,
-            **options)`, `tiny(tiny, **options)`), `tiny_transformer(tiny)` (the tiny denoiser)
-            and `load_checkpoint(path, **options)`, and optionally `prepare_transformer(module)`
-            (what the bundle sets on every denoiser it builds, such as SD3's sequence-parallel
-            plan); named, not imported, by the config.
-        bundle: the bundle class's name in `modeling`.
+        name: the family (or the variant: "FLUX.1-Kontext") in the errors ("a local FLUX.1
+            directory", "a diffusers FLUX.1 directory").
+        bundle: the dotted path of the bundle class (`from_pretrained(path, dtype=, **options)`,
+            `tiny(tiny, **options)`); its module, the family's modeling module, also holds
+            `tiny_transformer(tiny)` (the tiny denoiser) and `load_checkpoint(path, **options)`, and
+            optionally `prepare_transformer(module)` (what the bundle sets on every denoiser it
+            builds, such as SD3's sequence-parallel plan); named, not imported, by the config.
         transformer: the diffusers class of the denoiser (`trainable_on_meta` reads its config
             from `transformer/` of a directory).
         pipeline: the pipeline class a directory's `model_index.json` must name.
-        directory: the family in the directory error ("diffusers SD3 / SD3.5").
     """
 
     name: str
-    modeling: str
     bundle: str
     transformer: str
     pipeline: str
-    directory: str
+
+    @property
+    def modeling(self) -> str:
+        """The modeling module: `bundle` without its class name."""
+        return self.bundle.rpartition(".")[0]
 
 
 class FlowFamilyConfig(ModelSource):
     """The shared body of a flow family's model config, a dataclass that adds its `tiny` (default
     its tiny config) to `ModelSource`'s `pretrained_path` and `dtype`: `build`, `load_checkpoint`, `trainable_on_meta`,
     `directory_problems` and the source check, from its `SPEC` (a `FamilySpec`), its tiny config
-    class `TINY` and `bundle_options()`, what its bundle takes beyond the weights (Wan's
-    `num_frames`, Qwen-Image's `negative_prompt`; {} by default). The config never imports its
-    modeling module, so building a recipe node reads no weights and pulls in no bundle."""
+    class (the `tiny` field's default factory, `tiny_class`) and `bundle_options()`, what its
+    bundle takes beyond the weights (Wan's `num_frames`, Qwen-Image's `negative_prompt`; {} by
+    default). The config never imports its modeling module, so building a recipe node reads no
+    weights and pulls in no bundle."""
 
     modality: ClassVar[str] = "diffusion"
     SPEC: ClassVar[FamilySpec]
-    TINY: ClassVar[type]
+
+    @classmethod
+    def tiny_class(cls) -> type:
+        """The family's tiny config class: the default factory of its `tiny` field."""
+        return next(f.default_factory for f in dataclasses.fields(cls) if f.name == "tiny")
 
     def __post_init__(self) -> None:
-        check_source(self, self.TINY, self.SPEC.name)
+        check_source(self, self.tiny_class(), self.SPEC.name)
 
     def modeling(self) -> ModuleType:
         """The family's modeling module (`SPEC.modeling`)."""
@@ -73,7 +81,7 @@ class FlowFamilyConfig(ModelSource):
 
     def build(self) -> Any:
         """The bundle: from `pretrained_path`, else from the tiny config."""
-        bundle = getattr(self.modeling(), self.SPEC.bundle)
+        bundle = getattr(self.modeling(), self.SPEC.bundle.rpartition(".")[2])
         if self.pretrained_path:
             return bundle.from_pretrained(
                 self.pretrained_path, dtype=DTYPES[self.dtype], **self.bundle_options()
@@ -98,7 +106,7 @@ class FlowFamilyConfig(ModelSource):
 
     def directory_problems(self) -> list[str]:
         """`pretrained_path`, when set, is a directory whose `model_index.json` names `SPEC.pipeline`."""
-        return pipeline_directory_problems(self.pretrained_path, self.SPEC.pipeline, self.SPEC.directory)
+        return pipeline_directory_problems(self.pretrained_path, self.SPEC.pipeline, self.SPEC.name)
 
 
 class ConditionedFamilyConfig:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from unirl.models.flow.guidance import NEGATIVE
+from unirl.models.flow.guidance import NEGATIVE, Uncond
 from unirl.models.flow.loading import write_diffusers_weights
 from unirl.models.stage import module_device
 
@@ -80,18 +80,11 @@ class FlowFamily(Protocol):
         ...
 
     def guided_velocity(
-        self,
-        forward: Any,
-        x: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: dict,
-        scale: float,
-        detach_uncond: bool,
-        separate_uncond: bool = False,
+        self, forward: Any, x: torch.Tensor, sigma: torch.Tensor, cond: dict, scale: float, uncond: Uncond
     ) -> torch.Tensor:
         """The guided velocity [B, *latent_shape] fp32 at guidance `scale` from the stage's network
-        call `forward(x, sigma, cond, **extra)` (`unirl.models.flow.guidance`: the shared styles
-        and their arithmetic)."""
+        call `forward(x, sigma, cond, **extra)`, its uncond branch run as `uncond` says
+        (`unirl.models.flow.guidance`: the shared styles and their arithmetic)."""
         ...
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,21 @@ NEGATIVE = "negative_"
 `cond["negative_" + k]` is the uncond branch's value of `cond[k]`."""
 
 Forward = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Uncond:
+    """How a guided call runs its unconditional branch (and a style's other extra branches, such
+    as LTX-2's perturbed ones): `detach`, without autograd (its velocity a constant of the loss);
+    `separate`, in a forward of its own rather than batched beside the cond half (a sampling
+    step whose graph is kept then keeps only the cond half's activations)."""
+
+    detach: bool = True
+    separate: bool = False
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """`no_grad` when `detach`, else a no-op."""
+        return torch.no_grad() if self.detach else contextlib.nullcontext()
 
 
 class _Branches:
@@ -36,10 +52,6 @@ class _Branches:
         return {
             k: cond[NEGATIVE + k if negative and k not in self.shared_keys else k] for k in self.cond_keys
         }
-
-    @staticmethod
-    def uncond_context(detach_uncond: bool) -> contextlib.AbstractContextManager:
-        return torch.no_grad() if detach_uncond else contextlib.nullcontext()
 
 
 class _TwoBranches(_Branches):
@@ -64,49 +76,36 @@ class _TwoBranches(_Branches):
         return v_uncond + scale * (v_cond - v_uncond)
 
     def guided_velocity(
-        self,
-        forward: Forward,
-        x: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: dict,
-        scale: float,
-        detach_uncond: bool,
-        separate_uncond: bool = False,
+        self, forward: Forward, x: torch.Tensor, sigma: torch.Tensor, cond: dict, scale: float, uncond: Uncond
     ) -> torch.Tensor:
         if scale <= 1.0:
             return forward(x, sigma, self.branch(cond))
-        v_uncond, v_cond = self.branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
+        v_uncond, v_cond = self.branches(forward, x, sigma, cond, uncond)
         return self.combine_guidance(v_uncond, v_cond, self.row_scales(sigma, scale))
 
 
 class ClassifierFreeGuidance(_TwoBranches):
     """ "cfg": v_u + s (v_c - v_u), the cond and `NEGATIVE` halves batched in one forward (or, with
-    `separate_uncond`, two; the uncond one without autograd when `detach_uncond`: a sampling step
+    `uncond.separate`, two; the uncond one without autograd when `uncond.detach`: a sampling step
     whose graph is kept then keeps only the cond half's activations). SD3, Wan."""
 
     guidance = "cfg"
 
     def branches(
-        self,
-        forward: Forward,
-        x: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: dict,
-        detach_uncond: bool,
-        separate_uncond: bool = False,
+        self, forward: Forward, x: torch.Tensor, sigma: torch.Tensor, cond: dict, uncond: Uncond
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(v_uncond, v_cond): the two branches' velocities, the `NEGATIVE` and the cond halves
-        batched in one forward (or, with `separate_uncond`, two: the uncond one first, without
-        autograd when `detach_uncond`); v_uncond detached when `detach_uncond`. A family whose
+        batched in one forward (or, with `uncond.separate`, two: the uncond one first, without
+        autograd when `uncond.detach`); v_uncond detached when `uncond.detach`. A family whose
         pipeline combines them its own way (LTX-2, in x0 form) calls this and combines."""
         positive, negative = self.branch(cond), self.branch(cond, negative=True)
-        if separate_uncond:
-            with self.uncond_context(detach_uncond):
+        if uncond.separate:
+            with uncond.context():
                 v_uncond = forward(x, sigma, negative)
             return v_uncond, forward(x, sigma, positive)
         both = {k: torch.cat([negative[k], positive[k]]) for k in positive}
         v_uncond, v_cond = forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
-        return (v_uncond.detach() if detach_uncond else v_uncond), v_cond
+        return (v_uncond.detach() if uncond.detach else v_uncond), v_cond
 
 
 class EmbeddedGuidance(_Branches):
@@ -133,37 +132,24 @@ class EmbeddedGuidance(_Branches):
         return guidance if embeds else None
 
     def guided_velocity(
-        self,
-        forward: Forward,
-        x: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: dict,
-        scale: float,
-        detach_uncond: bool,
-        separate_uncond: bool = False,
+        self, forward: Forward, x: torch.Tensor, sigma: torch.Tensor, cond: dict, scale: float, uncond: Uncond
     ) -> torch.Tensor:
         return forward(x, sigma, self.branch(cond), guidance=torch.full_like(sigma, scale))
 
 
 class TrueCFGGuidance(_TwoBranches):
     """ "true_cfg": the cond half, then the `NEGATIVE` half (without autograd when
-    `detach_uncond`), in forwards of their own (their conditioning may differ in length),
+    `uncond.detach`), in forwards of their own (their conditioning may differ in length),
     combined by the family's `combine_guidance(v_uncond, v_cond, s)`. Qwen-Image (its combine
     rescales to the norm of v_c)."""
 
     guidance = "true_cfg"
 
     def branches(
-        self,
-        forward: Forward,
-        x: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: dict,
-        detach_uncond: bool,
-        separate_uncond: bool = False,
+        self, forward: Forward, x: torch.Tensor, sigma: torch.Tensor, cond: dict, uncond: Uncond
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(v_uncond, v_cond): the cond forward, then the `NEGATIVE` one (always separate)."""
         v_cond = forward(x, sigma, self.branch(cond))
-        with self.uncond_context(detach_uncond):
+        with uncond.context():
             v_uncond = forward(x, sigma, self.branch(cond, negative=True))
         return v_uncond, v_cond

@@ -19,6 +19,7 @@ import torch
 from annotated_types import Ge
 
 from unirl.models.flow.family import FlowFamily
+from unirl.models.flow.guidance import Uncond
 from unirl.models.images import demonstration_pixels
 from unirl.models.stage import AUTOCAST_DTYPES as AUTOCAST_DTYPES
 from unirl.models.stage import GraphKeeper, autocast_dtype_of
@@ -161,9 +162,8 @@ class FlowMatchingStage:
         activations).
         """
         sigma = sigma.to(device=x.device, dtype=torch.float32)
-        return self.bundle.guided_velocity(
-            self._forward, x, sigma, cond, guidance_scale, self.detach_uncond, separate_uncond
-        )
+        uncond = Uncond(detach=self.detach_uncond, separate=separate_uncond)
+        return self.bundle.guided_velocity(self._forward, x, sigma, cond, guidance_scale, uncond)
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, **extra: Any) -> torch.Tensor:
         """The family's network call on `module`, under autocast when set; fp32 out. `extra` goes

@@ -81,10 +81,9 @@ class FluxModelConfig(FlowFamilyConfig):
     """
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="FLUX.1", modeling="unirl.models.flux.bundle", bundle="FluxBundle",
-        transformer="FluxTransformer2DModel", pipeline="FluxPipeline", directory="FLUX.1",
-    )
-    TINY: ClassVar[type] = TinyFluxConfig
+        name="FLUX.1", bundle="unirl.models.flux.bundle.FluxBundle", transformer="FluxTransformer2DModel",
+        pipeline="FluxPipeline",
+    )  # fmt: skip
 
     tiny: TinyFluxConfig | None = field(default_factory=TinyFluxConfig)
 

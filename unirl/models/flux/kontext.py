@@ -110,12 +110,9 @@ class FluxKontextModelConfig(ConditionedFamilyConfig, FluxModelConfig):
     a data source resolves that key's relative paths when it is in its `path_keys`)."""
 
     SPEC: ClassVar[FamilySpec] = replace(
-        FluxModelConfig.SPEC,
-        modeling="unirl.models.flux.kontext",
-        bundle="FluxKontextBundle",
+        FluxModelConfig.SPEC, name="FLUX.1-Kontext", bundle="unirl.models.flux.kontext.FluxKontextBundle",
         pipeline="FluxKontextPipeline",
-        directory="FLUX.1-Kontext",
-    )
+    )  # fmt: skip
     condition_key: str = CONDITION_KEY
 
     def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:

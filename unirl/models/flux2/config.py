@@ -129,10 +129,9 @@ class Flux2ModelConfig(FlowFamilyConfig):
     """
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="FLUX.2", modeling="unirl.models.flux2.bundle", bundle="Flux2Bundle",
-        transformer="Flux2Transformer2DModel", pipeline="Flux2Pipeline", directory="FLUX.2-dev",
+        name="FLUX.2-dev", bundle="unirl.models.flux2.bundle.Flux2Bundle",
+        transformer="Flux2Transformer2DModel", pipeline="Flux2Pipeline",
     )  # fmt: skip
-    TINY: ClassVar[type] = TinyFlux2Config
     ENCODER: ClassVar[str] = "mistral3"
 
     tiny: TinyFlux2Config | None = field(default_factory=TinyFlux2Config)
@@ -177,10 +176,9 @@ class Flux2KleinModelConfig(Flux2ModelConfig):
     step-distilled Klein (`is_distilled` in its `model_index.json`) takes no guidance."""
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="FLUX.2-Klein", modeling="unirl.models.flux2.bundle", bundle="Flux2KleinBundle",
-        transformer="Flux2Transformer2DModel", pipeline="Flux2KleinPipeline", directory="FLUX.2-Klein",
+        name="FLUX.2-Klein", bundle="unirl.models.flux2.bundle.Flux2KleinBundle",
+        transformer="Flux2Transformer2DModel", pipeline="Flux2KleinPipeline",
     )  # fmt: skip
-    TINY: ClassVar[type] = TinyFlux2KleinConfig
     ENCODER: ClassVar[str] = "qwen3"
 
     tiny: TinyFlux2KleinConfig | None = field(default_factory=TinyFlux2KleinConfig)
@@ -273,8 +271,8 @@ class Flux2EditModelConfig(ReferenceConditions, Flux2ModelConfig):
     names its references under `condition_key`."""
 
     SPEC: ClassVar[FamilySpec] = replace(
-        Flux2ModelConfig.SPEC, modeling="unirl.models.flux2.references", bundle="Flux2EditBundle"
-    )
+        Flux2ModelConfig.SPEC, bundle="unirl.models.flux2.references.Flux2EditBundle",
+    )  # fmt: skip
     condition_key: str = REFERENCE_KEY
 
 
@@ -283,8 +281,8 @@ class Flux2KleinEditModelConfig(ReferenceConditions, Flux2KleinModelConfig):
     """FLUX.2-Klein reading reference images (`Flux2KleinPipeline`'s `image`)."""
 
     SPEC: ClassVar[FamilySpec] = replace(
-        Flux2KleinModelConfig.SPEC, modeling="unirl.models.flux2.references", bundle="Flux2KleinEditBundle"
-    )
+        Flux2KleinModelConfig.SPEC, bundle="unirl.models.flux2.references.Flux2KleinEditBundle",
+    )  # fmt: skip
     condition_key: str = REFERENCE_KEY
 
     def load_checkpoint(self, path: str):

@@ -126,11 +126,9 @@ class HunyuanVideo15ModelConfig(FlowFamilyConfig):
     """
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="HunyuanVideo 1.5", modeling="unirl.models.hunyuanvideo.bundle", bundle="HunyuanVideo15Bundle",
+        name="HunyuanVideo 1.5 T2V", bundle="unirl.models.hunyuanvideo.bundle.HunyuanVideo15Bundle",
         transformer="HunyuanVideo15Transformer3DModel", pipeline="HunyuanVideo15Pipeline",
-        directory="HunyuanVideo 1.5 T2V",
     )  # fmt: skip
-    TINY: ClassVar[type] = TinyHunyuanVideo15Config
 
     tiny: TinyHunyuanVideo15Config | None = field(default_factory=TinyHunyuanVideo15Config)
     num_frames: AtLeastOne = 121
@@ -203,13 +201,10 @@ class HunyuanVideo15I2VModelConfig(ConditionedFamilyConfig, HunyuanVideo15ModelC
     it is in its `path_keys`); the frame is resized to the sampled size (`unirl.models.hunyuanvideo.i2v`)."""
 
     SPEC: ClassVar[FamilySpec] = replace(
-        HunyuanVideo15ModelConfig.SPEC,
-        name="HunyuanVideo 1.5 I2V",
-        modeling="unirl.models.hunyuanvideo.i2v",
-        bundle="HunyuanVideo15I2VBundle",
+        HunyuanVideo15ModelConfig.SPEC, name="HunyuanVideo 1.5 I2V",
+        bundle="unirl.models.hunyuanvideo.i2v.HunyuanVideo15I2VBundle",
         pipeline="HunyuanVideo15ImageToVideoPipeline",
-        directory="HunyuanVideo 1.5 I2V",
-    )
+    )  # fmt: skip
     condition_key: str = "images"
 
     def condition_problems(self, examples: list, where: str, sampling: Any = None) -> list[str]:

@@ -48,7 +48,7 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
 from unirl.models.flow.config import check_frames
 from unirl.models.flow.family import DiffusersBundle
-from unirl.models.flow.guidance import ClassifierFreeGuidance
+from unirl.models.flow.guidance import ClassifierFreeGuidance, Uncond
 from unirl.models.flow.loading import (
     check_scheduler_config,
     load_diffusers_checkpoint,
@@ -295,14 +295,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         return f, h, w
 
     def guided_velocity(
-        self,
-        forward,
-        x: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: dict,
-        scale: float,
-        detach_uncond: bool,
-        separate_uncond: bool = False,
+        self, forward, x: torch.Tensor, sigma: torch.Tensor, cond: dict, scale: float, uncond: Uncond
     ) -> torch.Tensor:
         """The pipeline's guidance in x0 form (module doc). Each branch's x0 = x - sigma v; the
         guided x0 = x0_c + CFG + STG + modality deltas, in that order: (s - 1)(x0_c - x0_u) with
@@ -311,7 +304,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
         (m - 1)(x0_c - x0_mod) with the `extra` scales of each stream; then, per stream, the
         guidance rescale toward x0_c's standard deviation; back to a velocity (x - x0) / sigma,
         as the pipeline does, so that sampling equals it bit for bit. The STG and modality
-        branches are cond-prompt forwards that follow `detach_uncond` as the uncond one does."""
+        branches are cond-prompt forwards that follow `uncond.detach` as the uncond one does."""
         s = sigma.view(-1, 1, 1)
         extra = self.extra
         if scale <= 1.0:
@@ -324,7 +317,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
                 return (x - (x - forward(x, sigma, self.branch(cond)) * s)) / s
         positive = self.branch(cond)
         if scale > 1.0:
-            v_uncond, v_cond = self.branches(forward, x, sigma, cond, detach_uncond, separate_uncond)
+            v_uncond, v_cond = self.branches(forward, x, sigma, cond, uncond)
         else:
             v_cond = forward(x, sigma, positive)
         x0_cond = x - v_cond * s
@@ -340,11 +333,11 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
             audio_scale = self.audio_guidance_scale or scale
             x0 = x0 + gains(scale - 1.0, audio_scale - 1.0) * (x0_cond - (x - v_uncond * s))
         if extra.stg:
-            with self.uncond_context(detach_uncond):
+            with uncond.context():
                 v_stg = forward(x, sigma, positive, stg_blocks=list(extra.stg_blocks))
             x0 = x0 + gains(extra.stg_scale, extra.audio("stg_scale")) * (x0_cond - (x - v_stg * s))
         if extra.modality:
-            with self.uncond_context(detach_uncond):
+            with uncond.context():
                 v_mod = forward(x, sigma, positive, isolate_modalities=True)
             mod = gains(extra.modality_scale - 1.0, extra.audio("modality_scale") - 1.0)
             x0 = x0 + mod * (x0_cond - (x - v_mod * s))

@@ -127,10 +127,9 @@ class LTX2ModelConfig(FlowFamilyConfig):
     """
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="LTX-2", modeling="unirl.models.ltx2.bundle", bundle="LTX2Bundle",
-        transformer="LTX2VideoTransformer3DModel", pipeline="LTX2Pipeline", directory="LTX-2",
+        name="LTX-2", bundle="unirl.models.ltx2.bundle.LTX2Bundle", transformer="LTX2VideoTransformer3DModel",
+        pipeline="LTX2Pipeline",
     )  # fmt: skip
-    TINY: ClassVar[type] = TinyLTX2Config
 
     tiny: TinyLTX2Config | None = field(default_factory=TinyLTX2Config)
     num_frames: AtLeastOne = 121

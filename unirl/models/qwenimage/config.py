@@ -83,14 +83,9 @@ class QwenImageModelConfig(FlowFamilyConfig):
     """
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="Qwen-Image",
-        modeling="unirl.models.qwenimage.bundle",
-        bundle="QwenImageBundle",
-        transformer="QwenImageTransformer2DModel",
-        pipeline="QwenImagePipeline",
-        directory="Qwen-Image",
-    )
-    TINY: ClassVar[type] = TinyQwenImageConfig
+        name="Qwen-Image", bundle="unirl.models.qwenimage.bundle.QwenImageBundle",
+        transformer="QwenImageTransformer2DModel", pipeline="QwenImagePipeline",
+    )  # fmt: skip
 
     tiny: TinyQwenImageConfig | None = field(default_factory=TinyQwenImageConfig)
     negative_prompt: str | None = " "
@@ -165,13 +160,9 @@ class QwenImageEditPlusModelConfig(ConditionedFamilyConfig, QwenImageModelConfig
     """
 
     SPEC: ClassVar[FamilySpec] = replace(
-        QwenImageModelConfig.SPEC,
-        modeling="unirl.models.qwenimage.edit",
-        bundle="QwenImageEditPlusBundle",
-        pipeline="QwenImageEditPlusPipeline",
-        directory="Qwen-Image-Edit-Plus",
-    )
-    TINY: ClassVar[type] = TinyQwenImageEditConfig
+        QwenImageModelConfig.SPEC, name="Qwen-Image-Edit-Plus",
+        bundle="unirl.models.qwenimage.edit.QwenImageEditPlusBundle", pipeline="QwenImageEditPlusPipeline",
+    )  # fmt: skip
 
     tiny: TinyQwenImageEditConfig | None = field(default_factory=TinyQwenImageEditConfig)
     condition_key: str = "images"

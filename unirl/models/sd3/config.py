@@ -86,10 +86,9 @@ class SD3ModelConfig(FlowFamilyConfig):
     """
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="SD3", modeling="unirl.models.sd3.bundle", bundle="SD3Bundle",
-        transformer="SD3Transformer2DModel", pipeline="StableDiffusion3Pipeline", directory="SD3 / SD3.5",
-    )
-    TINY: ClassVar[type] = TinySD3Config
+        name="SD3 / SD3.5", bundle="unirl.models.sd3.bundle.SD3Bundle", transformer="SD3Transformer2DModel",
+        pipeline="StableDiffusion3Pipeline",
+    )  # fmt: skip
 
     tiny: TinySD3Config | None = field(default_factory=TinySD3Config)
 

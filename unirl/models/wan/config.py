@@ -116,14 +116,9 @@ class WanModelConfig(FlowFamilyConfig):
     """
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="Wan 2.1",
-        modeling="unirl.models.wan.bundle",
-        bundle="WanBundle",
-        transformer="WanTransformer3DModel",
+        name="Wan 2.1 T2V", bundle="unirl.models.wan.bundle.WanBundle", transformer="WanTransformer3DModel",
         pipeline="WanPipeline",
-        directory="Wan 2.1 T2V",
-    )
-    TINY: ClassVar[type] = TinyWanConfig
+    )  # fmt: skip
 
     tiny: TinyWanConfig | None = field(default_factory=TinyWanConfig)
     num_frames: AtLeastOne = 81
@@ -236,13 +231,9 @@ class WanI2VModelConfig(ConditionedFamilyConfig, WanModelConfig):
     `path_keys`); the frame is resized to the sampled size."""
 
     SPEC: ClassVar[FamilySpec] = replace(
-        WanModelConfig.SPEC,
-        name="Wan 2.2 I2V",
-        modeling="unirl.models.wan.i2v",
-        bundle="WanI2VBundle",
+        WanModelConfig.SPEC, name="Wan 2.2 I2V", bundle="unirl.models.wan.i2v.WanI2VBundle",
         pipeline="WanImageToVideoPipeline",
-        directory="Wan 2.2 I2V",
-    )
+    )  # fmt: skip
     condition_key: str = "images"
 
     def __post_init__(self) -> None:

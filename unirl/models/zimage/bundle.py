@@ -140,16 +140,14 @@ class ZImageBundle(Packed2x2Bundle, ClassifierFreeGuidance):
             return scale
         return torch.where(self.truncated(sigma), 1.0, scale).to(torch.float32).view(-1, 1, 1, 1)
 
-    def guided_velocity(
-        self, forward, x, sigma, cond, scale, detach_uncond, separate_uncond=False
-    ) -> torch.Tensor:
+    def guided_velocity(self, forward, x, sigma, cond, scale, uncond) -> torch.Tensor:
         """Classifier-free guidance (`ClassifierFreeGuidance`), except that a call whose rows are
         all truncated (`cfg_truncation`: a sampling step past it) runs the cond branch alone, as
         the pipeline does; rows of several steps batched together (replay) guide the truncated
         ones with g = 0 in the same forward."""
         if self.cfg_truncation is not None and scale > 1.0 and bool(self.truncated(sigma).all()):
             return forward(x, sigma, self.branch(cond))
-        return super().guided_velocity(forward, x, sigma, cond, scale, detach_uncond, separate_uncond)
+        return super().guided_velocity(forward, x, sigma, cond, scale, uncond)
 
     def pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] fp32 RGB in about [-1, 1] (unclamped), differentiable: the VAE decode of

@@ -89,10 +89,9 @@ class ZImageModelConfig(FlowFamilyConfig):
     """
 
     SPEC: ClassVar[FamilySpec] = FamilySpec(
-        name="Z-Image", modeling="unirl.models.zimage.bundle", bundle="ZImageBundle",
-        transformer="ZImageTransformer2DModel", pipeline="ZImagePipeline", directory="Z-Image",
+        name="Z-Image", bundle="unirl.models.zimage.bundle.ZImageBundle",
+        transformer="ZImageTransformer2DModel", pipeline="ZImagePipeline",
     )  # fmt: skip
-    TINY: ClassVar[type] = TinyZImageConfig
 
     tiny: TinyZImageConfig | None = field(default_factory=TinyZImageConfig)
     cfg_normalization: NonNegative = 0.0
