@@ -23,6 +23,7 @@ from unirl.models.sd3 import SD3Stage
 from unirl.rollout.kept import KeptGraphs
 from unirl.rollout.trainside import TrainsideEngine
 from unirl.sde.schedules import sigmas_for
+from unirl.sde.strategies import StepOutput
 from unirl.train.backend import LoRAConfig, OptimConfig, TrainBackend
 from unirl.train.fsdp import FSDPConfig
 from unirl.train.stack import TrainStack, TrainStackConfig, keep_graph_problems
@@ -223,12 +224,12 @@ def test_kept_store_lookup_and_errors():
     w = torch.ones(3, requires_grad=True)
     lp = w * torch.tensor([1.0, 2.0, 3.0])
     mean = (w * 2).view(3, 1, 1, 1).expand(3, 2, 1, 1)
-    kept.add(5, ["a", "b", "c"], lp, mean, torch.tensor(0.5))
+    kept.add(5, ["a", "b", "c"], StepOutput(mean, mean, torch.tensor(0.5), lp))
     assert kept.room(1) and not kept.room(2)
     with pytest.raises(ValueError, match="already kept"):
-        kept.add(5, ["a"], lp[:1], mean[:1], torch.tensor(0.5))
+        kept.add(5, ["a"], StepOutput(mean[:1], mean[:1], torch.tensor(0.5), lp[:1]))
     with pytest.raises(ValueError, match="keep_graph_max_pairs=4"):
-        kept.add(6, ["a", "b"], lp[:2], mean[:2], torch.tensor(0.5))
+        kept.add(6, ["a", "b"], StepOutput(mean[:2], mean[:2], torch.tensor(0.5), lp[:2]))
     assert kept.lookup(["a"], [6]) is None
     logp, means, std = kept.lookup(["c", "a"], [5])
     assert logp.shape == (2, 1) and means.shape == (2, 1, 2, 1, 1) and std.tolist() == [0.5]
@@ -272,7 +273,7 @@ def test_stack_refuses_kept_graphs_for_several_updates():
         stage, backend, FlowGRPO(FlowGRPOConfig()), TrainStackConfig(4, num_updates_per_batch=2)
     )
     kept = KeptGraphs()
-    kept.add(0, ["s"], torch.zeros(1), torch.zeros(1, 1), torch.tensor(1.0))
+    kept.add(0, ["s"], StepOutput(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor(1.0), torch.zeros(1)))
     with pytest.raises(ValueError, match="num_updates_per_batch=2"):
         stack.train_track(None, 0.0, kept=kept)  # refused before the track is read
 

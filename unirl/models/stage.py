@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from unirl.sde.strategies import StepOutput
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.segments import LatentSegment, TokenSegment
 
@@ -30,13 +31,13 @@ def autocast_dtype_of(name: str | None, key: str = "stage.autocast_dtype") -> to
     return AUTOCAST_DTYPES[name]
 
 
-
 def module_device(module: torch.nn.Module) -> torch.device:
     """The device `module` computes on: the one FSDP2 parameter offload recorded
     (`compute_device`, set by `unirl.train.fsdp.shard_module`: the parameters' shards then live in
     host memory), else its parameters' device."""
     device = getattr(module, "compute_device", None)
     return device if device is not None else next(module.parameters()).device
+
 
 class ModuleDevice:
     """Mixin of a stage that calls one `module` (the train backend may replace it with its wrapped
@@ -47,6 +48,31 @@ class ModuleDevice:
     @property
     def device(self) -> torch.device:
         return module_device(self.module)
+
+
+class TokenModelStage(ModuleDevice):
+    """What a token stage (text, image tokens) starts with: the bundle, checked against its family
+    protocol when built (`problems`: a TypeError naming every missing member), the autocast dtype
+    of its forwards (`autocast_dtype_of`), and `module`, the bundle's model, which the train backend
+    may replace with its wrapped one. `model_info` begins with what every such stage reports."""
+
+    def __init__(self, bundle: Any, autocast_dtype: str | None, problems: list[str]) -> None:
+        if problems:
+            raise TypeError("; ".join(problems))
+        self.autocast_dtype = autocast_dtype_of(autocast_dtype)
+        self.bundle = bundle
+        self.module: torch.nn.Module = bundle.model
+
+    def model_info(self) -> dict[str, Any]:
+        """The model's class, parameter count, and the dtype and device of its parameters."""
+        params = list(self.module.parameters())
+        return {
+            "architecture": type(self.bundle.model).__name__,
+            "num_params": sum(p.numel() for p in params),
+            "num_trainable_params": sum(p.numel() for p in params if p.requires_grad),
+            "dtype": str(params[0].dtype).removeprefix("torch."),
+            "device": str(params[0].device),
+        }
 
 
 class ModuleOwner(ModuleDevice):
@@ -63,22 +89,15 @@ class GraphKeeper(Protocol):
     is the one the rollout engine builds): the stage writes into it, an on-policy loss reads it.
 
     - `room(n) -> bool`: whether a forward of `n` samples still fits.
-    - `add(step, sample_ids, log_prob [b], mean [b, ...], std_dev_t)`: keep one SDE step's
-      values with their graphs.
+    - `add(step, sample_ids, out)`: keep one SDE step's values (the strategy's `StepOutput`: log_prob
+      [b], mean [b, ...], std_dev_t) with their graphs.
     - `lookup(sample_ids, steps) -> (log_probs [b, k], means [b, k, ...], std_dev_t [k]) | None`:
       what `DiffusionStage.replay` would return for those steps, or None when any pair is missing.
     """
 
     def room(self, n: int) -> bool: ...
 
-    def add(
-        self,
-        step: int,
-        sample_ids: list[str],
-        log_prob: torch.Tensor,
-        mean: torch.Tensor,
-        std_dev_t: torch.Tensor,
-    ) -> None: ...
+    def add(self, step: int, sample_ids: list[str], out: StepOutput) -> None: ...
 
     def lookup(
         self, sample_ids: list[str], steps: list[int]

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from unirl.sde.strategies import StepOutput
+
 
 @dataclass
 class KeptStep:
@@ -65,15 +67,10 @@ class KeptGraphs:
         """Whether a forward of `n` samples at one step still fits the budget."""
         return self.max_pairs is None or len(self) + n <= self.max_pairs
 
-    def add(
-        self,
-        step: int,
-        sample_ids: list[str],
-        log_prob: torch.Tensor,
-        mean: torch.Tensor,
-        std_dev_t: torch.Tensor,
-    ) -> None:
-        """Keep one forward's step `step` ([b] log-probs and [b, ...] means, with graphs)."""
+    def add(self, step: int, sample_ids: list[str], out: StepOutput) -> None:
+        """Keep one forward's SDE step `step`: the strategy's output `out` ([b] log-probs, [b, ...]
+        means and the step's std_dev_t, with graphs)."""
+        log_prob, mean, std_dev_t = out.log_prob, out.mean, out.std_dev_t
         if log_prob.shape[0] != len(sample_ids) or mean.shape[0] != len(sample_ids):
             raise ValueError(
                 f"kept step {step}: {len(sample_ids)} sample ids but log_prob {list(log_prob.shape)} "

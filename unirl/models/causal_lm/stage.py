@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from unirl.models.causal_lm.family import TextFamily, text_family_problems
 from unirl.models.causal_lm.ulysses import group_of, ulysses_attention
 from unirl.models.stage import AUTOCAST_DTYPES as AUTOCAST_DTYPES
-from unirl.models.stage import ModuleDevice, autocast_dtype_of
+from unirl.models.stage import TokenModelStage
 from unirl.models.ulysses import gather_seq
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.sampling import TextSamplingParams
@@ -150,7 +150,7 @@ class Draft:
             g.set_state(st)
 
 
-class CausalLMStage(ModuleDevice):
+class CausalLMStage(TokenModelStage):
     """Sampling and replay of a causal LM.
 
     Args:
@@ -166,12 +166,7 @@ class CausalLMStage(ModuleDevice):
     """
 
     def __init__(self, bundle: TextFamily, autocast_dtype: str | None = None) -> None:
-        problems = text_family_problems(bundle)
-        if problems:
-            raise TypeError("; ".join(problems))
-        self.autocast_dtype = autocast_dtype_of(autocast_dtype)
-        self.bundle = bundle
-        self.module: torch.nn.Module = bundle.model
+        super().__init__(bundle, autocast_dtype, text_family_problems(bundle))
         self.tokenizer = bundle.tokenizer
         config = bundle.model.config.get_text_config()  # a VLM's decoder settings sit in text_config
         self.max_positions: int = config.max_position_embeddings
@@ -180,18 +175,13 @@ class CausalLMStage(ModuleDevice):
         self.unsampled_ids: list[int] = list(bundle.vision_token_ids)
 
     def model_info(self) -> dict[str, Any]:
-        params = list(self.module.parameters())
         return {
-            "architecture": type(self.bundle.model).__name__,
-            "num_params": sum(p.numel() for p in params),
-            "num_trainable_params": sum(p.numel() for p in params if p.requires_grad),
+            **super().model_info(),
             "vocab_size": len(self.tokenizer),
             "embedding_rows": self.vocab_rows,
             "max_position_embeddings": self.max_positions,
             "eos_token_id": self.tokenizer.eos_token_id,
             "pad_token_id": self.tokenizer.pad_token_id,
-            "dtype": str(params[0].dtype).removeprefix("torch."),
-            "device": str(params[0].device),
         }
 
     def _forward(self, **kwargs) -> Any:

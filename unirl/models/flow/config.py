@@ -71,6 +71,11 @@ class FlowFamilyConfig(ModelSource):
 
     def __post_init__(self) -> None:
         check_source(self, self.tiny_class(), self.SPEC.name)
+        if self.tiny is not None and not isinstance(self.tiny, self.tiny_class()):
+            raise ValueError(
+                f"model.tiny: {self.SPEC.name} builds a {self.tiny_class().__name__} (or a mapping of its keys), "
+                f"got a {type(self.tiny).__name__}"
+            )
 
     def modeling(self) -> ModuleType:
         """The family's modeling module (`SPEC.modeling`)."""

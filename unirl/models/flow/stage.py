@@ -236,7 +236,7 @@ class FlowMatchingStage:
                         if out.log_prob is None:
                             raise ValueError(strategy.noiseless_step_error(sigmas, i))
                         if keep:
-                            kept.add(i, req.sample_ids, out.log_prob, out.mean, out.std_dev_t)
+                            kept.add(i, req.sample_ids, out)
                         log_probs.append(out.log_prob.detach())
                     x = out.next_sample.detach()
                 else:

@@ -62,6 +62,8 @@ class TinyFlux2Config(TinyFlowConfig):
     whole tokens. Latent space only: the pipelines decode with their VAE.
     """
 
+    ENCODER: ClassVar[str] = "mistral3"  # the prompt encoder whose hidden states the pipeline stacks
+
     resolution: AtLeastOne = 32
     pixel_space: bool = False
     num_layers: AtLeastOne = 1
@@ -96,28 +98,36 @@ class TinyFlux2Config(TinyFlowConfig):
             raise ValueError(
                 f"model.tiny.text_hidden_size must be even (2 heads), got {self.text_hidden_size}"
             )
+        deepest = max(TEXT_LAYERS[self.ENCODER])
+        if self.text_layers < deepest:
+            raise ValueError(
+                f"model.tiny.text_layers={self.text_layers}: the pipeline stacks the prompt encoder's hidden "
+                f"states {TEXT_LAYERS[self.ENCODER]}, so the tiny encoder needs at least {deepest} layers"
+            )
 
     @property
     def vae_scale_factor(self) -> int:
         """Pixels per latent cell along a side."""
         return self.vae_downsample
 
-    def check_text_layers(self, encoder: str) -> None:
-        """`text_layers` reaches the deepest hidden state the `encoder`'s pipeline stacks."""
-        deepest = max(TEXT_LAYERS[encoder])
-        if self.text_layers < deepest:
-            raise ValueError(
-                f"model.tiny.text_layers={self.text_layers}: the pipeline stacks the prompt encoder's hidden "
-                f"states {TEXT_LAYERS[encoder]}, so the tiny encoder needs at least {deepest} layers"
-            )
-
 
 @dataclass
 class TinyFlux2KleinConfig(TinyFlux2Config):
-    """`TinyFlux2Config` with Klein's defaults: no guidance embedding, a 27-layer prompt encoder."""
+    """`TinyFlux2Config` with Klein's defaults: no guidance embedding (which Klein must not have),
+    a 27-layer Qwen3 prompt encoder."""
+
+    ENCODER: ClassVar[str] = "qwen3"
 
     guidance_embeds: bool = False
     text_layers: AtLeastOne = 27
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.guidance_embeds:
+            raise ValueError(
+                "model.tiny.guidance_embeds must be false for FLUX.2-Klein: Flux2KleinPipeline passes the "
+                "transformer no guidance (it guides by classifier-free guidance)"
+            )
 
 
 @dataclass
@@ -132,14 +142,8 @@ class Flux2ModelConfig(FlowFamilyConfig):
         name="FLUX.2-dev", bundle="unirl.models.flux2.bundle.Flux2Bundle",
         transformer="Flux2Transformer2DModel", pipeline="Flux2Pipeline",
     )  # fmt: skip
-    ENCODER: ClassVar[str] = "mistral3"
 
     tiny: TinyFlux2Config | None = field(default_factory=TinyFlux2Config)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.tiny is not None:
-            self.tiny.check_text_layers(self.ENCODER)
 
     def size_problems(self, height: int, width: int, key: str = "sampling") -> list[str]:
         """Sides must be multiples of 2 x the VAE's spatial scale (a token is a 2x2 patch of latent
@@ -179,17 +183,8 @@ class Flux2KleinModelConfig(Flux2ModelConfig):
         name="FLUX.2-Klein", bundle="unirl.models.flux2.bundle.Flux2KleinBundle",
         transformer="Flux2Transformer2DModel", pipeline="Flux2KleinPipeline",
     )  # fmt: skip
-    ENCODER: ClassVar[str] = "qwen3"
 
     tiny: TinyFlux2KleinConfig | None = field(default_factory=TinyFlux2KleinConfig)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.tiny is not None and self.tiny.guidance_embeds:
-            raise ValueError(
-                "model.tiny.guidance_embeds must be false for FLUX.2-Klein: Flux2KleinPipeline passes the "
-                "transformer no guidance (it guides by classifier-free guidance)"
-            )
 
     def load_checkpoint(self, path: str):
         """The bundle of a UniRL checkpoint of a Klein run, fp32."""

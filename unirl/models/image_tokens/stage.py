@@ -24,7 +24,7 @@ import torch
 
 from unirl.models.causal_lm.stage import draw, sampling_probs, token_log_probs_of
 from unirl.models.image_tokens.family import ImageTokenFamily, image_token_family_problems
-from unirl.models.stage import ModuleDevice, autocast_dtype_of
+from unirl.models.stage import TokenModelStage
 from unirl.types.sampling import ImageTokenSamplingParams
 from unirl.types.segments import TokenSegment, pad_right
 
@@ -35,7 +35,7 @@ def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
-class VQImageStage(ModuleDevice):
+class VQImageStage(TokenModelStage):
     """Sampling and replay of a unified model's image tokens.
 
     Args:
@@ -49,27 +49,18 @@ class VQImageStage(ModuleDevice):
     """
 
     def __init__(self, bundle: ImageTokenFamily, autocast_dtype: str | None = None) -> None:
-        problems = image_token_family_problems(bundle)
-        if problems:
-            raise TypeError("; ".join(problems))
-        self.autocast_dtype = autocast_dtype_of(autocast_dtype)
-        self.bundle = bundle
-        self.module: torch.nn.Module = bundle.model
+        super().__init__(bundle, autocast_dtype, image_token_family_problems(bundle))
         self.pad_id = int(bundle.tokenizer.pad_token_id)
         self.keep_ids = list(bundle.uncond_keep_ids)
         self.num_image_tokens = bundle.num_image_tokens
         self.codebook_size = bundle.codebook_size
 
     def model_info(self) -> dict[str, Any]:
-        params = list(self.module.parameters())
         return {
-            "architecture": type(self.bundle.model).__name__,
-            "num_params": sum(p.numel() for p in params),
+            **super().model_info(),
             "num_image_tokens": self.num_image_tokens,
             "codebook_size": self.codebook_size,
             "image_size": self.bundle.image_size,
-            "dtype": str(params[0].dtype).removeprefix("torch."),
-            "device": str(params[0].device),
         }
 
     # ---- contexts ---------------------------------------------------------------------------
