@@ -1,8 +1,11 @@
-"""The latent geometry of families that pack 2x2 latent patches into one transformer token
-(FLUX.1, Qwen-Image): shared by their bundles as a mixin, with the packing itself (`pack`,
-`unpack`)."""
+"""The latent geometry bundles share as mixins: of the families that pack 2x2 latent patches into
+one transformer token (FLUX.1, Qwen-Image; `Packed2x2Bundle`, with the packing itself, `pack` and
+`unpack`), and of the video families whose latent is a clip of latent frames (Wan, HunyuanVideo
+1.5; `VideoClipBundle`)."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 
@@ -57,3 +60,53 @@ class Packed2x2Bundle(DiffusersBundle):
     def model_info(self) -> dict:
         """`patch_size` is the 2x2 packing: vae_scale_factor x patch_size pixels per token side."""
         return {"pixel_space": self.vae is None, "vae_scale_factor": self.vae_scale_factor, "patch_size": 2}
+
+
+class VideoClipBundle(DiffusersBundle):
+    """Geometry of a video family's bundle whose latent is a clip [C, f, h, w] of latent frames
+    (and, from `DiffusersBundle`, its module plumbing).
+
+    The bundle provides `num_frames` (the clip length), `temporal` and `spatial` (its VAE's
+    compression; 1 and 1 in pixel space), `latent_channels` and `vae` (None in pixel space);
+    `patch` is the side of the square of latent cells a token takes (Wan 2, HunyuanVideo 1.5 1).
+    Sizes off that grid are a ValueError naming `sampling.height/width`.
+    """
+
+    patch: ClassVar[int] = 1
+    num_frames: int
+    temporal: int
+    spatial: int
+    latent_channels: int
+
+    def _cell(self, height: int, width: int) -> int:
+        cell = self.spatial * self.patch
+        if height % cell or width % cell:
+            raise ValueError(
+                f"sampling.height/width ({height}x{width}) must be multiples of {cell} "
+                f"(vae spatial scale {self.spatial} x the {self.patch}x{self.patch} patch of latent cells a token takes)"
+            )
+        return cell
+
+    @property
+    def latent_frames(self) -> int:
+        """Latent frames of a clip: the first frame alone, then one per `temporal` frames."""
+        return (self.num_frames - 1) // self.temporal + 1
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """(C, f, h, w): C latent channels (3 in pixel space), f latent frames, h = height / spatial."""
+        self._cell(height, width)
+        return self.latent_channels, self.latent_frames, height // self.spatial, width // self.spatial
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Transformer tokens per clip: f x (h / patch) x (w / patch)."""
+        cell = self._cell(height, width)
+        return self.latent_frames * (height // cell) * (width // cell)
+
+    def model_info(self) -> dict:
+        """`patch_size` is the token's square of latent cells; `num_frames` the clip length."""
+        return {
+            "pixel_space": self.vae is None,
+            "vae_scale_factor": self.spatial,
+            "patch_size": self.patch,
+            "num_frames": self.num_frames,
+        }

@@ -41,7 +41,6 @@ from diffusers import (
 from diffusers.loaders import HunyuanVideoLoraLoaderMixin
 
 from unirl.models.flow.config import check_frames
-from unirl.models.flow.family import DiffusersBundle
 from unirl.models.flow.guidance import TrueCFGGuidance
 from unirl.models.flow.loading import (
     check_scheduler_config,
@@ -49,13 +48,14 @@ from unirl.models.flow.loading import (
     pretrained_pipeline_options,
     tiny_qwen_tokenizer,
 )
+from unirl.models.flow.packing import VideoClipBundle
 from unirl.models.hunyuanvideo.config import TinyHunyuanVideo15Config
 
 CHAT_WORDS = "system\nuser\nassistant\n"
 """The chat template's words around the system message: whole tokens of the tiny tokenizer."""
 
 
-class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
+class HunyuanVideo15Bundle(VideoClipBundle, TrueCFGGuidance):
     """The modules of one HunyuanVideo 1.5 T2V model plus the `HunyuanVideo15Pipeline` that owns
     them.
 
@@ -94,38 +94,6 @@ class HunyuanVideo15Bundle(DiffusersBundle, TrueCFGGuidance):
         self.num_frames = num_frames
         self.sample_size = sample_size
         self.freeze_frozen_modules()
-
-    # ---- geometry ---------------------------------------------------------------------------
-    def _check(self, height: int, width: int) -> None:
-        if height % self.spatial or width % self.spatial:
-            raise ValueError(
-                f"sampling.height/width ({height}x{width}) must be multiples of {self.spatial} "
-                "(the VAE's spatial scale: one token per latent cell)"
-            )
-
-    @property
-    def latent_frames(self) -> int:
-        """Latent frames of a clip: the first frame alone, then one per `temporal` frames."""
-        return (self.num_frames - 1) // self.temporal + 1
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
-        """(C, f, h, w): C latent channels, f latent frames, h = height / spatial."""
-        self._check(height, width)
-        return self.latent_channels, self.latent_frames, height // self.spatial, width // self.spatial
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        """Transformer tokens per video: f x h x w latent cells."""
-        _, f, h, w = self.latent_shape(height, width)
-        return f * h * w
-
-    def model_info(self) -> dict:
-        """One token per latent cell (`patch_size` 1); `num_frames` the clip length."""
-        return {
-            "pixel_space": False,
-            "vae_scale_factor": self.spatial,
-            "patch_size": 1,
-            "num_frames": self.num_frames,
-        }
 
     # ---- network ----------------------------------------------------------------------------
     def encode_text(

@@ -29,7 +29,6 @@ import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
 from unirl.models.flow.config import check_frames
-from unirl.models.flow.family import DiffusersBundle
 from unirl.models.flow.guidance import ClassifierFreeGuidance
 from unirl.models.flow.loading import (
     latents_mean_std_decode,
@@ -40,13 +39,14 @@ from unirl.models.flow.loading import (
     tiny_t5_config,
     write_diffusers_weights,
 )
+from unirl.models.flow.packing import VideoClipBundle
 from unirl.models.source import read_checkpoint_meta
 from unirl.models.wan.config import PATCH, TinyWanConfig
 from unirl.models.wan.experts import EXPERTS, WanExperts, expert_states
 from unirl.sde.schedules import NUM_TRAIN_TIMESTEPS
 
 
-class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
+class WanBundle(VideoClipBundle, ClassifierFreeGuidance):
     """The modules of one Wan 2.1 or 2.2 T2V model plus the `WanPipeline` that owns them.
 
     Attributes:
@@ -71,6 +71,7 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
     LORA_PIPELINE: ClassVar[type] = WanPipeline  # reads write_weights' LoRA
     guidance_scale_2: float | None = None  # the low-noise expert's CFG scale (set by the config)
     PIPELINE: ClassVar[type] = WanPipeline  # the diffusers pipeline class this bundle owns
+    patch: ClassVar[int] = PATCH[1]  # the 2x2 spatial patch a token takes
 
     def __init__(
         self, pipeline: WanPipeline, num_frames: int, sample_size: int, any_size: bool = False
@@ -89,40 +90,6 @@ class WanBundle(DiffusersBundle, ClassifierFreeGuidance):
         self.num_frames = num_frames
         self.sample_size = sample_size
         self.freeze_frozen_modules()
-
-    # ---- geometry ---------------------------------------------------------------------------
-    def _cell(self, height: int, width: int) -> int:
-        cell = self.spatial * PATCH[1]
-        if height % cell or width % cell:
-            raise ValueError(
-                f"sampling.height/width ({height}x{width}) must be multiples of {cell} "
-                f"(vae spatial scale {self.spatial} x the 2x2 patch)"
-            )
-        return cell
-
-    @property
-    def latent_frames(self) -> int:
-        """Latent frames of a clip: the first frame alone, then one per `temporal` frames."""
-        return (self.num_frames - 1) // self.temporal + 1
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
-        """(C, f, h, w): C latent channels (3 in pixel space), f latent frames, h = height / spatial."""
-        self._cell(height, width)
-        return self.latent_channels, self.latent_frames, height // self.spatial, width // self.spatial
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        """Transformer tokens per video: f x (h / 2) x (w / 2)."""
-        cell = self._cell(height, width)
-        return self.latent_frames * (height // cell) * (width // cell)
-
-    def model_info(self) -> dict:
-        """`patch_size` is the 2x2 spatial patch; `num_frames` the clip length."""
-        return {
-            "pixel_space": self.vae is None,
-            "vae_scale_factor": self.spatial,
-            "patch_size": PATCH[1],
-            "num_frames": self.num_frames,
-        }
 
     # ---- network ----------------------------------------------------------------------------
     def encode_text(
