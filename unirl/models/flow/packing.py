@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import torch
 
+from unirl.models.flow.config import check_frames
 from unirl.models.flow.family import DiffusersBundle
 
 
@@ -77,6 +78,14 @@ class VideoClipBundle(DiffusersBundle):
     temporal: int
     spatial: int
     latent_channels: int
+
+    def set_clip(self, num_frames: int, sample_size: int, temporal: int, spatial: int, vae: str) -> None:
+        """The end of a video bundle's constructor: the clip's geometry (`num_frames` checked
+        against the `vae`'s `temporal` compression, `check_frames`) and the frozen modules frozen."""
+        check_frames(num_frames, temporal, vae)
+        self.num_frames, self.sample_size = num_frames, sample_size
+        self.temporal, self.spatial = temporal, spatial
+        self.freeze_frozen_modules()
 
     def _cell(self, height: int, width: int) -> int:
         cell = self.spatial * self.patch

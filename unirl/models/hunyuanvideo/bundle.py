@@ -40,7 +40,6 @@ from diffusers import (
 )
 from diffusers.loaders import HunyuanVideoLoraLoaderMixin
 
-from unirl.models.flow.config import check_frames
 from unirl.models.flow.guidance import TrueCFGGuidance
 from unirl.models.flow.loading import (
     check_scheduler_config,
@@ -88,12 +87,9 @@ class HunyuanVideo15Bundle(VideoClipBundle, TrueCFGGuidance):
         self.transformer: HunyuanVideo15Transformer3DModel = pipeline.transformer
         self.vae: AutoencoderKLHunyuanVideo15 = pipeline.vae
         self.latent_channels = self.transformer.config.out_channels
-        self.temporal = int(self.vae.config.temporal_compression_ratio)
-        self.spatial = int(self.vae.config.spatial_compression_ratio)
-        check_frames(num_frames, self.temporal, "this HunyuanVideo 1.5 VAE")
-        self.num_frames = num_frames
-        self.sample_size = sample_size
-        self.freeze_frozen_modules()
+        vae = self.vae.config
+        temporal, spatial = int(vae.temporal_compression_ratio), int(vae.spatial_compression_ratio)
+        self.set_clip(num_frames, sample_size, temporal, spatial, "this HunyuanVideo 1.5 VAE")
 
     # ---- network ----------------------------------------------------------------------------
     def encode_text(

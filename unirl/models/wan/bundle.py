@@ -28,7 +28,6 @@ from typing import ClassVar
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
-from unirl.models.flow.config import check_frames
 from unirl.models.flow.guidance import ClassifierFreeGuidance
 from unirl.models.flow.loading import (
     latents_mean_std_decode,
@@ -81,15 +80,12 @@ class WanBundle(VideoClipBundle, ClassifierFreeGuidance):
         self.transformer: WanTransformer3DModel | WanExperts = experts_of(pipeline)
         self.vae: AutoencoderKLWan | None = pipeline.vae
         self.latent_channels = pipeline.transformer.config.out_channels
-        if self.vae is None:
-            self.temporal, self.spatial = 1, 1
-        else:
-            self.temporal = int(self.vae.config.scale_factor_temporal)
-            self.spatial = int(self.vae.config.scale_factor_spatial)
-        check_frames(num_frames, self.temporal, "this Wan VAE")
-        self.num_frames = num_frames
-        self.sample_size = sample_size
-        self.freeze_frozen_modules()
+        temporal, spatial = (
+            (1, 1)
+            if self.vae is None
+            else (int(self.vae.config.scale_factor_temporal), int(self.vae.config.scale_factor_spatial))
+        )
+        self.set_clip(num_frames, sample_size, temporal, spatial, "this Wan VAE")
 
     # ---- network ----------------------------------------------------------------------------
     def encode_text(
