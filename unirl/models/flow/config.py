@@ -141,6 +141,18 @@ def check_vae_downsample(vae_downsample: int) -> None:
         raise ValueError(f"model.tiny.vae_downsample must be a power of 2 >= 2, got {vae_downsample}")
 
 
+def check_video_vae_scales(spatial: int, temporal: int) -> None:
+    """A tiny video VAE's compression (Wan, HunyuanVideo 1.5): `vae_spatial` a power of 2 >= 2,
+    `vae_temporal` a power of 2 in [1, vae_spatial] (ValueErrors naming `model.tiny.<key>`)."""
+    if spatial < 2 or spatial & (spatial - 1):
+        raise ValueError(f"model.tiny.vae_spatial must be a power of 2 >= 2, got {spatial}")
+    if temporal < 1 or temporal & (temporal - 1) or temporal > spatial:
+        raise ValueError(
+            f"model.tiny.vae_temporal must be a power of 2 in [1, model.tiny.vae_spatial={spatial}] "
+            f"(each temporal downsample rides on a spatial one), got {temporal}"
+        )
+
+
 def check_axes_dims_rope(axes_dims_rope: list[int], attention_head_dim: int) -> None:
     """A tiny model's rotary axes (FLUX.1, Qwen-Image) must be 3 even sizes summing to
     `attention_head_dim` (ValueError naming `model.tiny.axes_dims_rope`)."""

@@ -22,6 +22,7 @@ from unirl.models.flow.config import (
     FamilySpec,
     FlowFamilyConfig,
     TinyFlowConfig,
+    check_video_vae_scales,
     clip_size_problems,
     read_vae_config,
 )
@@ -31,10 +32,6 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", 
 """HunyuanVideo 1.5's attention projections, as peft name suffixes: the video and text streams of
 its dual-stream blocks (the text token refiner's attention is named alike and trains too; add
 "ff.net.0.proj" and "ff.net.2" for the feed-forwards)."""
-
-
-def _pow2(value: int) -> bool:
-    return value >= 1 and not value & (value - 1)
 
 
 @dataclass
@@ -94,13 +91,7 @@ class TinyHunyuanVideo15Config(TinyFlowConfig):
         for i, width in enumerate(self.vae_widths):
             if not isinstance(width, int) or width < 1:
                 raise ValueError(f"model.tiny.vae_widths[{i}] must be an integer >= 1, got {width!r}")
-        if not _pow2(self.vae_spatial) or self.vae_spatial < 2:
-            raise ValueError(f"model.tiny.vae_spatial must be a power of 2 >= 2, got {self.vae_spatial}")
-        if not _pow2(self.vae_temporal) or self.vae_temporal > self.vae_spatial:
-            raise ValueError(
-                f"model.tiny.vae_temporal must be a power of 2 in [1, model.tiny.vae_spatial={self.vae_spatial}], "
-                f"got {self.vae_temporal}"
-            )
+        check_video_vae_scales(self.vae_spatial, self.vae_temporal)
         downsamples = self.vae_spatial.bit_length() - 1
         if len(self.vae_widths) <= downsamples:
             raise ValueError(

@@ -25,6 +25,7 @@ from unirl.models.flow.config import (
     FlowFamilyConfig,
     TinyFlowConfig,
     cell_size_problems,
+    check_video_vae_scales,
     frames_problems,
     read_vae_config,
 )
@@ -37,10 +38,6 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 """Wan's attention projections, as peft name suffixes: self-attention (`attn1`) and the text
 cross-attention (`attn2`) of every block (flow_grpo's Wan LoRA targets; add "ffn.net.0.proj" and
 "ffn.net.2" to train the feed-forward too)."""
-
-
-def _pow2(value: int) -> bool:
-    return value >= 1 and not value & (value - 1)
 
 
 @dataclass
@@ -86,13 +83,7 @@ class TinyWanConfig(TinyFlowConfig):
             )
         if self.freq_dim % 2:
             raise ValueError(f"model.tiny.freq_dim must be even, got {self.freq_dim}")
-        if not _pow2(self.vae_spatial) or self.vae_spatial < 2:
-            raise ValueError(f"model.tiny.vae_spatial must be a power of 2 >= 2, got {self.vae_spatial}")
-        if not _pow2(self.vae_temporal) or self.vae_temporal > self.vae_spatial:
-            raise ValueError(
-                f"model.tiny.vae_temporal must be a power of 2 in [1, model.tiny.vae_spatial="
-                f"{self.vae_spatial}] (each temporal downsample rides on a spatial one), got {self.vae_temporal}"
-            )
+        check_video_vae_scales(self.vae_spatial, self.vae_temporal)
 
     @property
     def scales(self) -> tuple[int, int]:
