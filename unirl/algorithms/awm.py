@@ -135,8 +135,7 @@ class AWM(ForwardProcessAlgorithm):
     requires_ema_rollout: ClassVar[bool] = False
     prefix: ClassVar[str] = AWM_PREFIX
 
-    def __init__(self, config: AWMConfig | None = None) -> None:
-        self.config = config or AWMConfig()
+    Config: ClassVar[type] = AWMConfig
 
     @property
     def needs_reference_policy(self) -> bool:

@@ -25,6 +25,8 @@ class StageAlgorithm(ABC):
          (scaled by `ctx["loss_scale"]`) and returns float metrics.
 
     Class attributes:
+        Config: the loss's config dataclass (`algorithm.config`; None for a loss without
+            settings); `__init__(config=None)` keeps `config`, or `Config()` (its defaults).
         modality: "diffusion" or "text", the tracks the loss reads (validation
             refuses a recipe whose sampling, model and algorithm disagree).
         supports_multi_update: may run several optimizer updates per rollout.
@@ -54,6 +56,7 @@ class StageAlgorithm(ABC):
     `load_state_dict`.
     """
 
+    Config: ClassVar[type | None] = None
     modality: ClassVar[str | None] = None
     supports_multi_update: ClassVar[bool] = False
     requires_ema_rollout: ClassVar[bool] = False
@@ -63,6 +66,9 @@ class StageAlgorithm(ABC):
     uses_values: ClassVar[bool] = False
     uses_reward: ClassVar[bool] = True
     learns_from_demonstrations: ClassVar[bool] = False
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = self.Config() if config is None and self.Config is not None else config
 
     def dynamic_sampling_limit(self) -> int | None:
         """Dynamic sampling: None (the default) trains on every sampled group; an int n lets the

@@ -188,8 +188,7 @@ class CRD(ForwardProcessAlgorithm):
     guidance_keys: ClassVar[tuple[str, ...]] = ("train_guidance_scale", "kl_guidance_scale")
     prefix: ClassVar[str] = CRD_PREFIX
 
-    def __init__(self, config: CRDConfig | None = None) -> None:
-        self.config = config or CRDConfig()
+    Config: ClassVar[type] = CRDConfig
 
     @property
     def needs_reference_policy(self) -> bool:

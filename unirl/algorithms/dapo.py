@@ -15,6 +15,7 @@ L_cache tokens before L_max) is a reward component, not part of this loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -40,8 +41,7 @@ class DAPOConfig(GRPOConfig):
 class DAPO(GRPO):
     """DAPO on a text track; the loss, ctx and metrics are GRPO's."""
 
-    def __init__(self, config: DAPOConfig | None = None) -> None:
-        super().__init__(config or DAPOConfig())
+    Config: ClassVar[type] = DAPOConfig
 
     def dynamic_sampling_limit(self) -> int | None:
         """`max_num_gen_batches` with `dynamic_sampling`, else None (train on every group)."""

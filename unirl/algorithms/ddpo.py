@@ -29,5 +29,4 @@ class DDPO(FlowGRPO):
 
     adv_clipped_key: ClassVar[str] = "ddpo/adv_clipped_frac"
 
-    def __init__(self, config: DDPOConfig | None = None) -> None:
-        super().__init__(config or DDPOConfig())
+    Config: ClassVar[type] = DDPOConfig

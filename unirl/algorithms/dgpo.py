@@ -119,8 +119,7 @@ class DGPO(ForwardProcessAlgorithm):
     guidance_keys: ClassVar[tuple[str, ...]] = ("train_guidance_scale", "kl_guidance_scale")
     prefix: ClassVar[str] = DGPO_PREFIX
 
-    def __init__(self, config: DGPOConfig | None = None) -> None:
-        self.config = config or DGPOConfig()
+    Config: ClassVar[type] = DGPOConfig
 
     @property
     def needs_reference_policy(self) -> bool:

@@ -107,8 +107,7 @@ class DiffusionDPO(StageAlgorithm):
     requires_sde_logprobs: ClassVar[bool] = False
     compares_within_groups: ClassVar[bool] = True
 
-    def __init__(self, config: DiffusionDPOConfig | None = None) -> None:
-        self.config = config or DiffusionDPOConfig()
+    Config: ClassVar[type] = DiffusionDPOConfig
 
     @property
     def needs_reference_policy(self) -> bool:

@@ -86,8 +86,7 @@ class DiffusionNFT(ForwardProcessAlgorithm):
     requires_ema_rollout: ClassVar[bool] = False
     prefix: ClassVar[str] = NFT_PREFIX
 
-    def __init__(self, config: DiffusionNFTConfig | None = None) -> None:
-        self.config = config or DiffusionNFTConfig()
+    Config: ClassVar[type] = DiffusionNFTConfig
 
     @torch.no_grad()
     def prepare_segment(self, stage: DiffusionStage, track: RolloutTrack) -> RolloutTrack:

@@ -19,7 +19,7 @@ where DPOK's code regularises the squared noise-prediction difference without th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -64,8 +64,7 @@ def dpok_policy_loss(
 class DPOK(FlowGRPO):
     """DPOK on a diffusion track (`LatentSegment` with SDE log-probs); keeps the reference."""
 
-    def __init__(self, config: DPOKConfig | None = None) -> None:
-        super().__init__(config or DPOKConfig())
+    Config: ClassVar[type] = DPOKConfig
 
     def policy_loss(
         self, chunk: StepChunk, track: RolloutTrack, adv: torch.Tensor, ctx: dict[str, Any]

@@ -11,6 +11,7 @@ seq-mean-token-sum-norm`, `norm_constant: ${sampling.max_new_tokens}`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from unirl.algorithms.grpo import GRPO, GRPOConfig
 from unirl.algorithms.token_losses import LossAggMode
@@ -28,8 +29,7 @@ class DrGRPOConfig(GRPOConfig):
 class DrGRPO(GRPO):
     """Dr.GRPO on a text track; the loss, ctx and metrics are GRPO's."""
 
-    def __init__(self, config: DrGRPOConfig | None = None) -> None:
-        super().__init__(config or DrGRPOConfig())
+    Config: ClassVar[type] = DrGRPOConfig
 
     @staticmethod
     def check_advantage(cfg: AdvantageConfig) -> None:

@@ -17,6 +17,7 @@ turns corrective past r_t - 1 = sign(A) eps / mu_t. UniRL's default eps is 12.5
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -53,8 +54,7 @@ class DRPO(GRPO):
     the penalty term) and `drpo/outside_region` (share of tokens with |r_t - 1| >
     eps / mu_t) instead of clip fractions."""
 
-    def __init__(self, config: DRPOConfig | None = None) -> None:
-        super().__init__(config or DRPOConfig())
+    Config: ClassVar[type] = DRPOConfig
 
     def policy_loss(
         self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor

@@ -63,8 +63,7 @@ class FlowDPPO(FlowGRPO):
     frozen_keys: ClassVar[tuple[str, ...]] = (OLD_MEANS_KEY,)
     supports_kept_graph: ClassVar[bool] = False  # prepare_segment replays mu_old itself
 
-    def __init__(self, config: FlowDPPOConfig | None = None) -> None:
-        super().__init__(config or FlowDPPOConfig())
+    Config: ClassVar[type] = FlowDPPOConfig
 
     @torch.no_grad()
     def prepare_segment(self, stage: DiffusionStage, track: RolloutTrack) -> RolloutTrack:

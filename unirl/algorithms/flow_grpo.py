@@ -180,8 +180,10 @@ class FlowGRPO(StageAlgorithm):
     adv_clipped_key: ClassVar[str] = "adv_clipped_frac"
     """The metric of the share of advantages the clip changed (`FlowGRPOConfig.adv_clip_max`)."""
 
+    Config: ClassVar[type] = FlowGRPOConfig
+
     def __init__(self, config: StepLossConfig | None = None) -> None:
-        self.config = config or FlowGRPOConfig()
+        super().__init__(config)
         self.kl = self.config.kl_controller()
 
     @property

@@ -41,8 +41,7 @@ class FlowPPO(FlowGRPO):
 
     uses_values: ClassVar[bool] = True
 
-    def __init__(self, config: FlowPPOConfig | None = None) -> None:
-        super().__init__(config or FlowPPOConfig())
+    Config: ClassVar[type] = FlowPPOConfig
 
     @staticmethod
     def check_advantage(advantage: AdvantageConfig) -> None:

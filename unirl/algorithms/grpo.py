@@ -129,8 +129,7 @@ class GRPO(StageAlgorithm):
     modality: ClassVar[str] = "text"
     supports_multi_update: ClassVar[bool] = True
 
-    def __init__(self, config: GRPOConfig | None = None) -> None:
-        self.config = config or GRPOConfig()
+    Config: ClassVar[type] = GRPOConfig
 
     @property
     def needs_reference_policy(self) -> bool:

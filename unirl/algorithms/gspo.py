@@ -15,7 +15,7 @@ per-token geometric mean. No dual clip.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -52,8 +52,7 @@ class GSPO(GRPO):
     """GSPO on a text track; needs per-sample advantages ([B]). Metrics as GRPO's, the
     ratios being the sequence ratios s_i repeated over each response's tokens."""
 
-    def __init__(self, config: GSPOConfig | None = None) -> None:
-        super().__init__(config or GSPOConfig())
+    Config: ClassVar[type] = GSPOConfig
 
     @staticmethod
     def check_advantage(cfg: AdvantageConfig) -> None:

@@ -47,8 +47,7 @@ class PPO(GRPO):
 
     uses_values: ClassVar[bool] = True
 
-    def __init__(self, config: PPOConfig | None = None) -> None:
-        super().__init__(config or PPOConfig())
+    Config: ClassVar[type] = PPOConfig
 
     @staticmethod
     def check_advantage(advantage: AdvantageConfig) -> None:

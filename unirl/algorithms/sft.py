@@ -113,8 +113,7 @@ class FlowSFT(StageAlgorithm):
     uses_reward: ClassVar[bool] = False
     learns_from_demonstrations: ClassVar[bool] = True
 
-    def __init__(self, config: FlowSFTConfig | None = None) -> None:
-        self.config = config or FlowSFTConfig()
+    Config: ClassVar[type] = FlowSFTConfig
 
     def draws(
         self, sample_ids: list[str], shape: tuple[int, ...]
