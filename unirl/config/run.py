@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from unirl.models.source import DTYPES, DType
 from unirl.sync.config import WeightSyncConfig
 from unirl.train.fsdp import ParallelConfig
+from unirl.types.constraints import NonNegativeInt, check_fields
 
 LAUNCHERS = ("ray", "in_process")
 
@@ -172,22 +173,22 @@ class CheckpointConfig:
     real-size random model's base is tens of GB (a Qwen-Image-sized one 82 GB); its exports then
     load only onto the same seeded model built on the same kind of device."""
 
-    every_n_steps: int = 0
+    every_n_steps: NonNegativeInt = 0
     save_base_model: bool = True
 
     def __post_init__(self) -> None:
-        _at_least("checkpoint.", "every_n_steps", self.every_n_steps, 0)
+        check_fields(self, "checkpoint.")
 
 
 @dataclass
 class LoggingConfig:
     """`logging`: sample grids every `save_images_every` steps (0: only the last step); a progress bar."""
 
-    save_images_every: int = 10
+    save_images_every: NonNegativeInt = 10
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _at_least("logging.", "save_images_every", self.save_images_every, 0)
+        check_fields(self, "logging.")
 
 
 @dataclass
@@ -215,7 +216,7 @@ class EvalConfig:
     examples: Any
     scorer: Any
     sampling: Any
-    every_n_steps: int = 0
+    every_n_steps: NonNegativeInt = 0
     use_ema: bool = False
     text_sampling: Any = None
     intent_key: str = "canonical"
@@ -233,7 +234,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         self.group_by = list(self.group_by)
-        _at_least("eval.", "every_n_steps", self.every_n_steps, 0)
+        check_fields(self, "eval.")
         _components("eval.", self, ("examples", "scorer", "sampling"), ("text_sampling", "rewrite_scorer"))
 
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from unirl.dataplane import BatchMeta, make_transport, put_batch
 from unirl.distributed.cores import apply_thread_count, govern_threads
 from unirl.distributed.device import build_bundle, resolve_device
-from unirl.distributed.group import Dispatch, RankInfo, Worker, dispatch
+from unirl.distributed.group import Dispatch, RankInfo, dispatch
 from unirl.rollout.dedicated import EngineStateError
 from unirl.sync import (
     SyncPlan,
@@ -36,7 +36,7 @@ from unirl.sync import (
     make_receiver,
 )
 from unirl.train.backend import inject_lora
-from unirl.trainer.worker import build, quiet_library_logs
+from unirl.trainer.worker import TransportMember, build, quiet_library_logs
 from unirl.types.rollout_req import RolloutReq
 from unirl.types.rollout_resp import RolloutTrack
 
@@ -54,7 +54,7 @@ def engine_share(cfg: dict[str, Any]) -> int:
     return busy
 
 
-class EngineWorker(Worker):
+class EngineWorker(TransportMember):
     """A dedicated rollout engine: its own bundle, stage and transport client.
 
     Args:
@@ -278,11 +278,6 @@ class EngineWorker(Worker):
         if self.device.type == "cuda":
             out["device"] = torch.cuda.memory_allocated(self.device) / 2**20
         return out
-
-    @dispatch(Dispatch.BROADCAST)
-    def dataplane_stats(self) -> dict[str, float]:
-        """This engine's ``dataplane/...`` totals since the last call."""
-        return self.transport.stats.drain()
 
     reusable_process = True
 

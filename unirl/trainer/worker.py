@@ -72,7 +72,19 @@ def offloads_parameters(cfg: dict[str, Any]) -> bool:
     return any(bool(((t or {}).get("fsdp") or {}).get("offload_params", False)) for t in trains)
 
 
-class ProcessWorker(Worker):
+class TransportMember(Worker):
+    """A worker-group member that talks to the run's data plane through its own client
+    (`transport`, set by the subclass): a train worker or a dedicated engine."""
+
+    transport: Any
+
+    @dispatch(Dispatch.BROADCAST)
+    def dataplane_stats(self) -> dict[str, float]:
+        """This member's ``dataplane/...`` totals since the last call."""
+        return self.transport.stats.drain()
+
+
+class ProcessWorker(TransportMember):
     """What every train worker process answers, whatever it trains: where it runs, its peak
     memory, its data-plane counters, the weight sync that feeds dedicated engines, and an orderly
     teardown. Subclasses set `device` and `transport`; a worker that feeds dedicated engines
@@ -115,11 +127,6 @@ class ProcessWorker(Worker):
         if self.device.type == "cuda":
             peak["device"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         return peak
-
-    @dispatch(Dispatch.BROADCAST)
-    def dataplane_stats(self) -> dict[str, float]:
-        """This worker's ``dataplane/...`` totals since the last call."""
-        return self.transport.stats.drain()
 
     @dispatch(Dispatch.ALL_RANKS_RETURN_ZERO)
     def sync_setup(
