@@ -12,6 +12,7 @@ step instead of its activations, so K can be the whole chain.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,7 +24,6 @@ from unirl.algorithms.reward_backprop import (
 )
 from unirl.models.stage import DifferentiableDiffusionStage
 from unirl.types.constraints import AtLeastOne
-from unirl.types.reward import DifferentiableReward
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.sampling import DiffusionSamplingParams
 
@@ -52,8 +52,7 @@ class AlignPropConfig(RewardBackpropConfig):
 class AlignProp(RewardBackprop):
     """AlignProp on a diffusion track (see the module docstring)."""
 
-    def __init__(self, reward: DifferentiableReward, config: AlignPropConfig | None = None) -> None:
-        super().__init__(config or AlignPropConfig(), reward)
+    Config: ClassVar[type] = AlignPropConfig
 
     def check_sampling(self, sampling: DiffusionSamplingParams) -> None:
         """The truncation range must fit the schedule: a ValueError naming the keys otherwise."""

@@ -17,7 +17,7 @@ use K >= 2 there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import torch
 from annotated_types import Ge
@@ -30,7 +30,6 @@ from unirl.algorithms.reward_backprop import (
 )
 from unirl.models.stage import DifferentiableDiffusionStage
 from unirl.types.constraints import AtLeastOne
-from unirl.types.reward import DifferentiableReward
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.sampling import DiffusionSamplingParams
 
@@ -51,8 +50,7 @@ class DRaFTConfig(RewardBackpropConfig):
 class DRaFT(RewardBackprop):
     """DRaFT-K / DRaFT-LV on a diffusion track (see the module docstring)."""
 
-    def __init__(self, reward: DifferentiableReward, config: DRaFTConfig | None = None) -> None:
-        super().__init__(config or DRaFTConfig(), reward)
+    Config: ClassVar[type] = DRaFTConfig
 
     def check_sampling(self, sampling: DiffusionSamplingParams) -> None:
         """K must fit the schedule: a ValueError naming both keys otherwise."""

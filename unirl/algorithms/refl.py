@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from unirl.algorithms.reward_backprop import RewardBackprop, RewardBackpropConfig, sample_generator
 from unirl.models.stage import DifferentiableDiffusionStage
-from unirl.types.reward import DifferentiableReward
 from unirl.types.rollout_resp import RolloutTrack
 
 
@@ -44,8 +44,7 @@ class ReFLConfig(RewardBackpropConfig):
 class ReFL(RewardBackprop):
     """ReFL on a diffusion track (see the module docstring)."""
 
-    def __init__(self, reward: DifferentiableReward, config: ReFLConfig | None = None) -> None:
-        super().__init__(config or ReFLConfig(), reward)
+    Config: ClassVar[type] = ReFLConfig
 
     def step_range(self, num_steps: int) -> range:
         """The steps t is drawn from, for a schedule of `num_steps` steps."""

@@ -164,7 +164,7 @@ class RewardBackprop(StageAlgorithm):
     requires_trajectory: ClassVar[bool] = True
     requires_ode_rollout: ClassVar[bool] = True
 
-    def __init__(self, config: RewardBackpropConfig, reward: DifferentiableReward) -> None:
+    def __init__(self, reward: DifferentiableReward, config: RewardBackpropConfig | None = None) -> None:
         if not isinstance(reward, DifferentiableReward):
             raise TypeError(
                 f"algorithm.reward must be a differentiable reward (score_differentiable), got "
@@ -173,7 +173,7 @@ class RewardBackprop(StageAlgorithm):
         check = getattr(reward, "check_differentiable", None)
         if callable(check):  # a reward service: its weighted components, checked when the recipe is built
             check()
-        self.config = config
+        super().__init__(config)
         self.reward = reward
 
     @property
