@@ -132,7 +132,6 @@ def prediction_kl(v: torch.Tensor, v_other: torch.Tensor, sigma: torch.Tensor, s
 class AWM(ForwardProcessAlgorithm):
     """Advantage Weighted Matching on a diffusion track: final latents and advantages only."""
 
-    requires_ema_rollout: ClassVar[bool] = False
     prefix: ClassVar[str] = AWM_PREFIX
 
     Config: ClassVar[type] = AWMConfig

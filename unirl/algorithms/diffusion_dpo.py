@@ -103,8 +103,6 @@ class DiffusionDPO(StageAlgorithm):
 
     modality: ClassVar[str] = "diffusion"
     supports_multi_update: ClassVar[bool] = True
-    requires_ema_rollout: ClassVar[bool] = False
-    requires_sde_logprobs: ClassVar[bool] = False
     compares_within_groups: ClassVar[bool] = True
 
     Config: ClassVar[type] = DiffusionDPOConfig

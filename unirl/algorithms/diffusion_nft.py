@@ -83,7 +83,6 @@ def nft_loss(
 class DiffusionNFT(ForwardProcessAlgorithm):
     """DiffusionNFT on a diffusion track: uses only the final latents and the advantages."""
 
-    requires_ema_rollout: ClassVar[bool] = False
     prefix: ClassVar[str] = NFT_PREFIX
 
     Config: ClassVar[type] = DiffusionNFTConfig

@@ -217,7 +217,6 @@ class DiffusionOPD(StageAlgorithm):
 
     modality: ClassVar[str] = "diffusion"
     supports_multi_update: ClassVar[bool] = True
-    requires_sde_logprobs: ClassVar[bool] = False
     uses_reward: ClassVar[bool] = False
 
     def __init__(self, config: DiffusionOPDConfig) -> None:

@@ -172,7 +172,6 @@ class FlowGRPO(StageAlgorithm):
 
     modality: ClassVar[str] = "diffusion"
     supports_multi_update: ClassVar[bool] = True
-    requires_ema_rollout: ClassVar[bool] = False
     requires_sde_logprobs: ClassVar[bool] = True
     supports_kept_graph: ClassVar[bool] = True
     frozen_keys: ClassVar[tuple[str, ...]] = (GUARD_OLD_MEANS_KEY,)

@@ -140,7 +140,6 @@ class ForwardProcessAlgorithm(StageAlgorithm):
 
     modality: ClassVar[str] = "diffusion"
     supports_multi_update: ClassVar[bool] = True
-    requires_sde_logprobs: ClassVar[bool] = False
     prefix: ClassVar[str] = "fp/"
     guidance_keys: ClassVar[tuple[str, ...]] = ()
     """The config's loss-side guidance scales, held against the rollout's by `check_sampling`."""

@@ -158,9 +158,6 @@ class RewardBackprop(StageAlgorithm):
     """
 
     modality: ClassVar[str] = "diffusion"
-    supports_multi_update: ClassVar[bool] = False
-    requires_ema_rollout: ClassVar[bool] = False
-    requires_sde_logprobs: ClassVar[bool] = False
     requires_trajectory: ClassVar[bool] = True
     requires_ode_rollout: ClassVar[bool] = True
 
