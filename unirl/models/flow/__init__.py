@@ -1,7 +1,7 @@
 """The shared flow-matching stage and the contract a diffusion family implements for it."""
 
 from unirl.models.flow.family import NEGATIVE, FlowFamily, FlowModelConfig
-from unirl.models.flow.guidance import ClassifierFreeGuidance, EmbeddedGuidance, TrueCFGGuidance
+from unirl.models.flow.guidance import ClassifierFreeGuidance, EmbeddedGuidance, TrueCFGGuidance, Uncond
 from unirl.models.flow.stage import FlowMatchingStage
 
 __all__ = [
@@ -12,4 +12,5 @@ __all__ = [
     "FlowMatchingStage",
     "FlowModelConfig",
     "TrueCFGGuidance",
+    "Uncond",
 ]
