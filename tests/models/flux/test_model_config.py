@@ -10,7 +10,8 @@ import pytest
 from tests.recipes import recipe
 from unirl.config.tree import ConfigError
 from unirl.models.flow import FlowFamily, FlowMatchingStage, FlowModelConfig
-from unirl.models.flux import FluxModelConfig, FluxStage
+from unirl.models.flux import FluxKontextModelConfig, FluxModelConfig, FluxStage, TinyFluxConfig
+from unirl.models.sd3 import TinySD3Config
 
 from .conftest import tiny_flux_config
 
@@ -68,3 +69,14 @@ def test_bad_input_is_refused_naming_the_key(tmp_path, other_family_dir, overrid
     with pytest.raises(ConfigError) as err:
         recipe(RECIPE, tmp_path / "out", *overrides, expect="diffusion")
     assert expected in str(err.value), str(err.value)
+
+
+def test_a_tiny_config_of_another_family_is_refused_and_a_mapping_becomes_the_familys() -> None:
+    assert FluxModelConfig.tiny_class() is TinyFluxConfig
+    assert FluxKontextModelConfig.tiny_class() is TinyFluxConfig  # a variant keeps its family's
+    assert isinstance(FluxModelConfig(tiny={"num_layers": 2}).tiny, TinyFluxConfig)
+    with pytest.raises(
+        ValueError, match=r"model.tiny: FLUX.1 builds a TinyFluxConfig .* got a TinySD3Config"
+    ):
+        FluxModelConfig(tiny=TinySD3Config())
+    assert FluxModelConfig.SPEC.modeling == "unirl.models.flux.bundle"
