@@ -185,7 +185,6 @@ class CRD(ForwardProcessAlgorithm):
 
     compares_within_groups: ClassVar[bool] = True
     requires_ema_rollout: ClassVar[bool] = True
-    guidance_keys: ClassVar[tuple[str, ...]] = ("train_guidance_scale", "kl_guidance_scale")
     prefix: ClassVar[str] = CRD_PREFIX
 
     Config: ClassVar[type] = CRDConfig

@@ -116,7 +116,6 @@ class DGPO(ForwardProcessAlgorithm):
     """Direct Group Preference Optimization on a diffusion track: final latents and advantages."""
 
     compares_within_groups: ClassVar[bool] = True
-    guidance_keys: ClassVar[tuple[str, ...]] = ("train_guidance_scale", "kl_guidance_scale")
     prefix: ClassVar[str] = DGPO_PREFIX
 
     Config: ClassVar[type] = DGPOConfig

@@ -141,8 +141,6 @@ class ForwardProcessAlgorithm(StageAlgorithm):
     modality: ClassVar[str] = "diffusion"
     supports_multi_update: ClassVar[bool] = True
     prefix: ClassVar[str] = "fp/"
-    guidance_keys: ClassVar[tuple[str, ...]] = ()
-    """The config's loss-side guidance scales, held against the rollout's by `check_sampling`."""
     config: ForwardProcessConfig
 
     @property
@@ -155,13 +153,14 @@ class ForwardProcessAlgorithm(StageAlgorithm):
 
     def check_sampling(self, sampling) -> None:
         """Before Ray: a discrete distribution's range holds some sigma of the recipe's schedule
-        (computed at the schedule's base token count, as `check_sde` does); then the
-        `guidance_keys` scales (`check_guidance`)."""
+        (computed at the schedule's base token count, as `check_sde` does); then the config's
+        loss-side guidance scales, its `*_guidance_scale` fields (`check_guidance`)."""
         if self.config.timestep_distribution in DISCRETE:
             from unirl.sde.schedules import sigmas_for
 
             discrete_candidates(sigmas_for(sampling, sampling.base_seq_len), sampling.num_steps, self.config)
-        check_guidance(sampling, **{key: getattr(self.config, key) for key in self.guidance_keys})
+        scales = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        check_guidance(sampling, **{k: v for k, v in scales.items() if k.endswith("_guidance_scale")})
 
     @staticmethod
     def check_prepared(track: RolloutTrack, key: str) -> None:
