@@ -29,6 +29,7 @@ from unirl.algorithms.token_losses import aggregate
 from unirl.models.flow.stage import EMPTY
 from unirl.models.stage import TextStage
 from unirl.sde.schedules import check_sigma_sampling, sample_sigmas
+from unirl.types.constraints import check_fields
 from unirl.types.rollout_resp import RolloutTrack
 
 
@@ -83,13 +84,8 @@ class FlowSFTConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, "algorithm.config.")
         check_sigma_sampling(self.sigma_sampling, "algorithm.config.sigma_sampling")
-        if not self.shift > 0:
-            raise ValueError(f"algorithm.config.shift must be > 0, got {self.shift}")
-        if not 0 <= self.cond_dropout < 1:
-            raise ValueError(f"algorithm.config.cond_dropout must be in [0, 1), got {self.cond_dropout}")
-        if not self.guidance_scale > 0:
-            raise ValueError(f"algorithm.config.guidance_scale must be > 0, got {self.guidance_scale}")
 
 
 class FlowSFT(StageAlgorithm):

@@ -27,6 +27,7 @@ from unirl.train.fsdp import FSDPConfig
 from unirl.train.stack import TrainStack, TrainStackConfig
 from unirl.types.advantages import AdvantageConfig
 from unirl.types.batch import even_chunks
+from unirl.types.constraints import AtLeastOne, NonNegativeInt, Positive, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment
 
@@ -58,21 +59,16 @@ class CriticConfig:
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5, weight_decay=0.0))
     lora: LoRAConfig | None = None
     fsdp: FSDPConfig | None = None
-    warmup_steps: int = 0
-    cliprange_value: float = 0.5
+    warmup_steps: NonNegativeInt = 0
+    cliprange_value: Positive = 0.5
     loss_agg_mode: str = "token-mean"
-    epochs: int | None = None
+    epochs: AtLeastOne | None = None
     value_norm_beta: float | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self, "critic.")
         if self.value_norm_beta is not None:
             ValueNorm(self.value_norm_beta)  # range-checks it
-        if self.epochs is not None and self.epochs < 1:
-            raise ValueError(f"critic.epochs must be >= 1 or null, got {self.epochs}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"critic.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not self.cliprange_value > 0:
-            raise ValueError(f"critic.cliprange_value must be > 0, got {self.cliprange_value}")
 
 
 class Critic:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from annotated_types import Interval
 from torch.distributed.tensor import DTensor
 
 from unirl.models.weights import reshard_all, swapped_weights
+from unirl.types.constraints import NonNegative, OpenUnit, check_fields
 
 EMA_SCHEDULES = ("constant", "warmup", "linear")
 EMA_UPDATE_ON = ("optimizer_step", "rollout")
@@ -44,16 +47,15 @@ class EMAConfig:
             EMA does not check this; it only counts `update()` calls.
     """
 
-    decay: float = 0.999
+    decay: OpenUnit = 0.999
     schedule: str = "constant"
     warmup_steps: int = 0
-    decay_start: float = 0.0
-    decay_slope: float = 0.0
+    decay_start: Annotated[float, Interval(ge=0, lt=1)] = 0.0
+    decay_slope: NonNegative = 0.0
     update_on: str = "optimizer_step"
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.decay < 1.0:
-            raise ValueError(f"train.ema.decay must be in (0, 1), got {self.decay}")
+        check_fields(self, "train.ema.")
         if self.schedule not in EMA_SCHEDULES:
             raise ValueError(f"train.ema.schedule must be one of {EMA_SCHEDULES}, got {self.schedule!r}")
         if (
@@ -62,10 +64,6 @@ class EMAConfig:
             or self.warmup_steps < 0
         ):
             raise ValueError(f"train.ema.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if not 0.0 <= self.decay_start < 1.0:
-            raise ValueError(f"train.ema.decay_start must be in [0, 1), got {self.decay_start}")
-        if not self.decay_slope >= 0.0:
-            raise ValueError(f"train.ema.decay_slope must be >= 0, got {self.decay_slope}")
         if self.update_on not in EMA_UPDATE_ON:
             raise ValueError(f"train.ema.update_on must be one of {EMA_UPDATE_ON}, got {self.update_on!r}")
 

@@ -14,6 +14,7 @@ from unirl.models.stage import module_device
 from unirl.rollout.kept import KeptGraphs
 from unirl.train.backend import TrainBackend
 from unirl.types.batch import even_chunks
+from unirl.types.constraints import AtLeastOne, check_fields
 from unirl.types.rollout_resp import RolloutTrack
 from unirl.types.segments import TokenSegment
 
@@ -39,20 +40,13 @@ class TrainStackConfig:
             kept at sampling (`rollout.keep_graph`) are not offloaded.
     """
 
-    micro_batch_size: int = 4
-    num_updates_per_batch: int = 1
-    num_mini_batches: int = 1
+    micro_batch_size: AtLeastOne = 4
+    num_updates_per_batch: AtLeastOne = 1
+    num_mini_batches: AtLeastOne = 1
     offload_activations: bool = False
 
     def __post_init__(self) -> None:
-        if self.micro_batch_size < 1:
-            raise ValueError(f"train.stack.micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.num_updates_per_batch < 1:
-            raise ValueError(
-                f"train.stack.num_updates_per_batch must be >= 1, got {self.num_updates_per_batch}"
-            )
-        if self.num_mini_batches < 1:
-            raise ValueError(f"train.stack.num_mini_batches must be >= 1, got {self.num_mini_batches}")
+        check_fields(self, "train.stack.")
 
     @property
     def steps_per_rollout(self) -> int:

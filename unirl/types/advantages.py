@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from annotated_types import Interval
+
+from unirl.types.constraints import NonNegative, Positive, check_fields
 
 ADVANTAGE_SCOPES = ("group", "global")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
@@ -55,15 +59,16 @@ class AdvantageConfig:
     scope: str = "group"
     global_std: bool = False
     norm_by_std: bool = True
-    eps: float = 1e-4
-    clip: float | None = None
-    gamma: float = 1.0
+    eps: Positive = 1e-4
+    clip: Positive | None = None
+    gamma: Annotated[float, Interval(gt=0, le=1)] = 1.0
     lam: float = 1.0
-    kl_coef: float = 0.0
+    kl_coef: NonNegative = 0.0
     kl_estimator: str = "low_var_kl"
     multi_reward: str = "sum"
 
     def __post_init__(self) -> None:
+        check_fields(self, "advantage.")
         if self.multi_reward not in MULTI_REWARD:
             raise ValueError(f"advantage.multi_reward must be one of {MULTI_REWARD}, got {self.multi_reward!r}")
         if self.multi_reward == "gdpo" and (
@@ -86,14 +91,6 @@ class AdvantageConfig:
             raise ValueError(
                 f"advantage.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
             )
-        if self.clip is not None and self.clip <= 0:
-            raise ValueError(f"advantage.clip must be > 0 or null, got {self.clip}")
-        if not self.eps > 0:
-            raise ValueError(f"advantage.eps must be > 0, got {self.eps}")
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"advantage.gamma must be in (0, 1], got {self.gamma}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"advantage.kl_coef must be >= 0, got {self.kl_coef}")
         if self.estimator != "grpo" and (self.scope != "group" or self.global_std):
             raise ValueError(
                 f"advantage.scope and advantage.global_std apply to estimator grpo; estimator "

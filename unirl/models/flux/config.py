@@ -20,7 +20,7 @@ from unirl.models.flow.config import (
     cell_size_problems,
     read_vae_config,
 )
-from unirl.types.constraints import AtLeastOne, check_fields
+from unirl.types.constraints import AtLeastOne, NonNegativeInt, check_fields
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 """FLUX.1's attention projections, as peft name suffixes: the image and text streams of the
@@ -47,7 +47,7 @@ class TinyFluxConfig(PackedTinyConfig):
     resolution: AtLeastOne = 32
     pixel_space: bool = True
     num_layers: AtLeastOne = 1
-    num_single_layers: int = 1
+    num_single_layers: NonNegativeInt = 1
     attention_head_dim: AtLeastOne = 16
     num_attention_heads: AtLeastOne = 2
     axes_dims_rope: list[int] = field(default_factory=lambda: [4, 6, 6])
@@ -63,8 +63,6 @@ class TinyFluxConfig(PackedTinyConfig):
     def __post_init__(self) -> None:
         self.axes_dims_rope = list(self.axes_dims_rope)
         check_fields(self, "model.tiny.")
-        if self.num_single_layers < 0:
-            raise ValueError(f"model.tiny.num_single_layers must be >= 0, got {self.num_single_layers}")
         self.check_packed_geometry()
         if self.clip_hidden_size % 2:
             raise ValueError(

@@ -27,7 +27,7 @@ from unirl.models.flow.config import (
     check_vae_downsample,
     latent_patch_cell,
 )
-from unirl.types.constraints import AtLeastOne, check_fields
+from unirl.types.constraints import AtLeastOne, NonNegativeInt, check_fields
 
 LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -67,7 +67,7 @@ class TinyFlux2Config(TinyFlowConfig):
     resolution: AtLeastOne = 32
     pixel_space: bool = False
     num_layers: AtLeastOne = 1
-    num_single_layers: int = 1
+    num_single_layers: NonNegativeInt = 1
     attention_head_dim: AtLeastOne = 16
     num_attention_heads: AtLeastOne = 2
     axes_dims_rope: list[int] = field(default_factory=lambda: [4, 4, 4, 4])
@@ -84,8 +84,6 @@ class TinyFlux2Config(TinyFlowConfig):
             raise ValueError(
                 "model.tiny.pixel_space must be false: the FLUX.2 pipelines decode with their VAE"
             )
-        if self.num_single_layers < 0:
-            raise ValueError(f"model.tiny.num_single_layers must be >= 0, got {self.num_single_layers}")
         check_vae_downsample(self.vae_downsample)
         dims = self.axes_dims_rope
         if len(dims) != 4 or sum(dims) != self.attention_head_dim or any(d % 2 for d in dims):
