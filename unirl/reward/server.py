@@ -45,9 +45,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
+from annotated_types import Interval
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -56,6 +57,7 @@ from unirl.reward.base import LocalRewardBackend, RewardBackend
 from unirl.reward.batching import Batcher
 from unirl.reward.chat import ChatModel
 from unirl.reward.wire import SCHEMA, WireError, decode_request, encode_response
+from unirl.types.constraints import AtLeastOne, NonNegative, Positive, check_fields
 
 log = logging.getLogger("unirl.reward.server")
 
@@ -78,23 +80,14 @@ class ServerConfig:
     """
 
     host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    max_batch: int = 64
-    batch_window_ms: float = 0.0
-    max_body_mb: float = 64.0
-    max_image_pixels: int = 4096 * 4096
+    port: Annotated[int, Interval(ge=0, le=65535)] = DEFAULT_PORT
+    max_batch: AtLeastOne = 64
+    batch_window_ms: NonNegative = 0.0
+    max_body_mb: Positive = 64.0
+    max_image_pixels: AtLeastOne = 4096 * 4096
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.batch_window_ms < 0:
-            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
-        if self.max_body_mb <= 0:
-            raise ValueError(f"max_body_mb must be > 0, got {self.max_body_mb}")
-        if self.max_image_pixels < 1:
-            raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
+        check_fields(self)
 
     @property
     def max_body_bytes(self) -> int:
