@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from unirl.sync.plan import ALIGN, WIRE_DTYPES
-from unirl.types.constraints import Positive, check_fields
 
 BACKEND_NAMES = ("object_store", "broadcast", "cuda_ipc")
 
@@ -41,11 +40,10 @@ class WeightSyncConfig:
     bucket_mb: float = 64.0
     wire_dtype: str | None = None
     verify: bool = False
-    timeout_s: Positive = 600.0
+    timeout_s: float = 600.0
     rename: list[list[str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        check_fields(self, "weight_sync.")
         if isinstance(self.backend, (list, tuple)) or self.backend not in BACKEND_NAMES:
             raise ValueError(
                 f"weight_sync.backend must be exactly one of {list(BACKEND_NAMES)}, got {self.backend!r}"
@@ -58,6 +56,8 @@ class WeightSyncConfig:
             raise ValueError(
                 f"weight_sync.wire_dtype must be null or one of {sorted(WIRE_DTYPES)}, got {self.wire_dtype!r}"
             )
+        if not self.timeout_s > 0:
+            raise ValueError(f"weight_sync.timeout_s must be > 0, got {self.timeout_s}")
         for i, rule in enumerate(self.rename):
             if not (
                 isinstance(rule, (list, tuple)) and len(rule) == 2 and all(isinstance(s, str) for s in rule)
