@@ -1,7 +1,7 @@
 """What flow families' recipe nodes (`FlowModelConfig`s and their tiny configs) share: the body of
 a family's model config (`FlowFamilyConfig`: where the weights come from, the bundle and the meta
-module tree from the modeling module it names), the checks of a tiny model's VAE downsample and
-rotary axes, the pixels per latent cell of a 2x2-packing tiny
+module tree from the modeling module it names), the checks of a tiny model's VAE downsample,
+video VAE scales and rotary axes, the pixels per latent cell of a 2x2-packing tiny
 model (`PackedTinyConfig`), the validator's size message (`cell_size_problems`), the read of a
 directory's VAE config (`read_vae_config`) and `trainable_on_meta`'s module tree on the meta
 device (`transformer_on_meta`)."""
