@@ -51,6 +51,11 @@ class FamilySpec:
         """The modeling module: `bundle` without its class name."""
         return self.bundle.rpartition(".")[0]
 
+    @property
+    def bundle_class(self) -> str:
+        """The bundle class's name in `modeling`."""
+        return self.bundle.rpartition(".")[2]
+
 
 class FlowFamilyConfig(ModelSource):
     """The shared body of a flow family's model config, a dataclass that adds its `tiny` (default
@@ -70,10 +75,11 @@ class FlowFamilyConfig(ModelSource):
         return next(f.default_factory for f in dataclasses.fields(cls) if f.name == "tiny")
 
     def __post_init__(self) -> None:
-        check_source(self, self.tiny_class(), self.SPEC.name)
-        if self.tiny is not None and not isinstance(self.tiny, self.tiny_class()):
+        tiny_class = self.tiny_class()
+        check_source(self, tiny_class, self.SPEC.name)
+        if self.tiny is not None and not isinstance(self.tiny, tiny_class):
             raise ValueError(
-                f"model.tiny: {self.SPEC.name} builds a {self.tiny_class().__name__} (or a mapping of its keys), "
+                f"model.tiny: {self.SPEC.name} builds a {tiny_class.__name__} (or a mapping of its keys), "
                 f"got a {type(self.tiny).__name__}"
             )
 
@@ -86,7 +92,7 @@ class FlowFamilyConfig(ModelSource):
 
     def build(self) -> Any:
         """The bundle: from `pretrained_path`, else from the tiny config."""
-        bundle = getattr(self.modeling(), self.SPEC.bundle.rpartition(".")[2])
+        bundle = getattr(self.modeling(), self.SPEC.bundle_class)
         if self.pretrained_path:
             return bundle.from_pretrained(
                 self.pretrained_path, dtype=DTYPES[self.dtype], **self.bundle_options()
@@ -248,6 +254,12 @@ def frames_problems(num_frames: int, temporal: int, vae: str) -> list[str]:
         f"model.num_frames={num_frames}: {vae} (temporal compression {temporal}) takes 1 + {temporal}k frames "
         f"(1, {1 + temporal}, {1 + 2 * temporal}, ...), e.g. {below} or {below + temporal}"
     ]
+
+
+def latent_frames(num_frames: int, temporal: int) -> int:
+    """Latent frames of a clip of `num_frames` under a causal video VAE of temporal compression
+    `temporal`: the first frame alone, then one per `temporal` frames."""
+    return (num_frames - 1) // temporal + 1
 
 
 def check_frames(num_frames: int, temporal: int, vae: str) -> None:

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from unirl.models.flow.config import check_frames
+from unirl.models.flow.config import check_frames, latent_frames
 from unirl.models.flow.family import DiffusersBundle
 
 
@@ -99,7 +99,7 @@ class VideoClipBundle(DiffusersBundle):
     @property
     def latent_frames(self) -> int:
         """Latent frames of a clip: the first frame alone, then one per `temporal` frames."""
-        return (self.num_frames - 1) // self.temporal + 1
+        return latent_frames(self.num_frames, self.temporal)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
         """(C, f, h, w): C latent channels (3 in pixel space), f latent frames, h = height / spatial."""

@@ -46,7 +46,7 @@ from diffusers import (
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
-from unirl.models.flow.config import check_frames
+from unirl.models.flow.config import check_frames, latent_frames
 from unirl.models.flow.family import DiffusersBundle
 from unirl.models.flow.guidance import ClassifierFreeGuidance, Uncond
 from unirl.models.flow.loading import (
@@ -198,7 +198,7 @@ class LTX2Bundle(DiffusersBundle, ClassifierFreeGuidance):
     @property
     def latent_frames(self) -> int:
         """Latent frames of a clip: the first frame alone, then one per `temporal` frames."""
-        return (self.num_frames - 1) // self.temporal + 1
+        return latent_frames(self.num_frames, self.temporal)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int]:
         """(C, N_v + N_a): C channels, the video's f x h x w tokens then the audio's frames. The
