@@ -1,10 +1,12 @@
 """The editing world's recipes, in one process: the base's supervised pretraining
 (`diffusion/shapes_edit_sft`, a tiny FLUX.1-Kontext learning source + instruction -> target) and
-Flow-GRPO from the committed base (`diffusion/shapes_edit_flowgrpo`), each 2 steps; the run's
-evaluation hands the edit scorer its rows' sources."""
+Flow-GRPO and DiffusionNFT from the committed base (`diffusion/shapes_edit_flowgrpo`,
+`diffusion/shapes_edit_nft`), each 2 steps; the run's evaluation hands the edit scorer its rows'
+sources."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -75,6 +77,39 @@ def test_flow_grpo_trains_the_committed_edit_base(tmp_path) -> None:
     for r in rows:
         assert 0.0 < r["reward/mean"] <= 1.0 and math.isfinite(r["loss"])
     assert rows[0]["ratio/first_update_mean"] == 1.0
+
+
+def test_diffusion_nft_trains_the_committed_edit_base_on_its_pool_of_rows(tmp_path) -> None:
+    """The NFT recipe trains on a fixed pool of 32 train rows with ODE rollouts and evaluates the
+    pool itself: the last step's samples are prompts of the pool (32 of the split's 2520 rows)."""
+    rows = run(
+        "diffusion/shapes_edit_nft",
+        tmp_path,
+        *IN_PROCESS,
+        *QUIET,
+        "threads_per_worker=1",
+        "num_steps=2",
+        "prompts_per_rollout=2",
+        "sampling.samples_per_prompt=4",
+        "sampling.num_steps=4",
+        "sampling.sde_num_steps=2",
+        "train.stack.micro_batch_size=4",
+        "eval.every_n_steps=2",
+        "eval.sampling.num_steps=2",
+        "eval.sampling.samples_per_prompt=1",
+        "checkpoint.every_n_steps=0",
+        "logging.save_images_every=2",
+    )
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert 0.0 <= r["reward/mean"] <= 1.0 and math.isfinite(r["loss"])
+    assert train[0]["nft/v_drift_mse"] == 0.0  # the first update starts from the weights that sampled
+    evals = [r for r in rows if "eval/accuracy_strict" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    pool = {ex.prompt for ex in ShapesEditDataset("train", 0, rows=32).examples}
+    sampled = json.loads((tmp_path / "samples" / "step_0002.json").read_text())
+    assert sampled and {s["prompt"] for s in sampled} <= pool
 
 
 def test_the_evaluation_scores_each_image_against_its_own_rows_source() -> None:

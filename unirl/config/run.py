@@ -182,7 +182,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """`logging`: sample grids every `save_images_every` steps (0: only the last step); a progress bar."""
+    """`logging`: sample grids every `save_images_every` steps and at the last step (0: none); a progress bar."""
 
     save_images_every: NonNegativeInt = 10
     progress: bool = True

@@ -127,7 +127,7 @@ class Trainer:
     `eval.every_n_steps` steps and at the end), `samples/step_XXXX.png` (+ .json prompts and
     rewards; a text run writes only the .json, with the responses; a chain's leaf images are
     captioned "user prompt -> rewrite" beside `samples/lineage_step_XXXX.json`: user prompt ->
-    rewrites -> image rewards) every `logging.save_images_every` steps and at the last step,
+    rewrites -> image rewards) every `logging.save_images_every` steps and at the last step (0: none),
     `gallery.html` (self-contained: sample grids, prompts, reward and accuracy curves),
     what the trackers the recipe's `tracking` lists write (rows, samples and the resolved
     recipe; `unirl/tracking/README.md`), `base_model/` for a tiny model,
