@@ -32,6 +32,18 @@ SMALL = [  # the pretraining recipe at a test's size: 24 px rows (the world's sm
     "eval.sampling.num_steps=2",
 ]
 
+RL_STEPS = [  # an RL recipe of this world at a test's size: 2 steps of 2 rows x 4 samples, 4 denoising steps
+    *IN_PROCESS,
+    *QUIET,
+    "threads_per_worker=1",
+    "num_steps=2",
+    "prompts_per_rollout=2",
+    "sampling.samples_per_prompt=4",
+    "sampling.num_steps=4",
+    "sampling.sde_num_steps=2",
+    "train.stack.micro_batch_size=4",
+]
+
 
 def test_the_edit_base_pretrains_on_its_demonstrations_and_evaluates_held_out_edits(tmp_path) -> None:
     rows = run(
@@ -62,15 +74,7 @@ def test_flow_grpo_trains_the_committed_edit_base(tmp_path) -> None:
     rows = run(
         "diffusion/shapes_edit_flowgrpo",
         tmp_path,
-        *IN_PROCESS,
-        *QUIET,
-        "threads_per_worker=1",
-        "num_steps=2",
-        "prompts_per_rollout=2",
-        "sampling.samples_per_prompt=4",
-        "sampling.num_steps=4",
-        "sampling.sde_num_steps=2",
-        "train.stack.micro_batch_size=4",
+        *RL_STEPS,
         "eval.every_n_steps=0",
     )
     assert [r["step"] for r in rows] == [1, 2]
@@ -85,15 +89,7 @@ def test_diffusion_nft_trains_the_committed_edit_base_on_its_pool_of_rows(tmp_pa
     rows = run(
         "diffusion/shapes_edit_nft",
         tmp_path,
-        *IN_PROCESS,
-        *QUIET,
-        "threads_per_worker=1",
-        "num_steps=2",
-        "prompts_per_rollout=2",
-        "sampling.samples_per_prompt=4",
-        "sampling.num_steps=4",
-        "sampling.sde_num_steps=2",
-        "train.stack.micro_batch_size=4",
+        *RL_STEPS,
         "eval.every_n_steps=2",
         "eval.sampling.num_steps=2",
         "eval.sampling.samples_per_prompt=1",
