@@ -1,8 +1,8 @@
 """The editing world's recipes, in one process: the base's supervised pretraining
 (`diffusion/shapes_edit_sft`, a tiny FLUX.1-Kontext learning source + instruction -> target) and
-Flow-GRPO and DiffusionNFT from the committed base (`diffusion/shapes_edit_flowgrpo`,
-`diffusion/shapes_edit_nft`), each 2 steps; the run's evaluation hands the edit scorer its rows'
-sources."""
+Flow-GRPO and DiffusionNFT from the committed base on a fixed pool of train rows
+(`diffusion/shapes_edit_flowgrpo`, `diffusion/shapes_edit_nft`), each 2 steps; the run's
+evaluation hands the edit scorer its rows' sources."""
 
 from __future__ import annotations
 
@@ -70,17 +70,24 @@ def test_the_edit_base_pretrains_on_its_demonstrations_and_evaluates_held_out_ed
     assert type(base).__name__ == "FluxKontextBundle"
 
 
-def test_flow_grpo_trains_the_committed_edit_base(tmp_path) -> None:
+def test_flow_grpo_trains_the_committed_edit_base_on_its_pool_of_rows(tmp_path) -> None:
+    """The Flow-GRPO recipe trains on the same fixed pool of 32 train rows as the NFT recipe (the
+    last step's samples are prompts of the pool), with SDE rollouts whose first update is on-policy."""
     rows = run(
         "diffusion/shapes_edit_flowgrpo",
         tmp_path,
         *RL_STEPS,
         "eval.every_n_steps=0",
+        "checkpoint.every_n_steps=0",
+        "logging.save_images_every=2",
     )
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert 0.0 < r["reward/mean"] <= 1.0 and math.isfinite(r["loss"])
+        assert 0.0 <= r["reward/mean"] <= 1.0 and math.isfinite(r["loss"])
     assert rows[0]["ratio/first_update_mean"] == 1.0
+    pool = {ex.prompt for ex in ShapesEditDataset("train", 0, rows=32).examples}
+    sampled = json.loads((tmp_path / "samples" / "step_0002.json").read_text())
+    assert sampled and {s["prompt"] for s in sampled} <= pool
 
 
 def test_diffusion_nft_trains_the_committed_edit_base_on_its_pool_of_rows(tmp_path) -> None:
