@@ -1,10 +1,12 @@
 """The editing world's headroom: how often an edit model gets an edit right in one try and in k.
 
-Samples every row of a split `--samples` times as the RL recipe's rollouts sample (its
-`sampling`: 10 steps, 4 of them SDE steps at eta 0.7, one seed per sample; `--eta 0`: the ODE), scores each
-image with `ShapesEditScore`, and prints per kind: the mean graded reward, strict accuracy
-(pass@1) and pass@k (a row counts when any of its k samples is strictly right). pass@k over
-pass@1 is the room group-relative RL has: it can only reinforce what some sample already does.
+Samples every row of a split `--samples` times as an RL recipe's rollouts sample (10 steps,
+`--sde-steps` of them SDE steps at eta 0.7, one seed per sample: 4 as the figures of
+docs/results/shapes_edit.md were measured, 9 as `diffusion/shapes_edit_flowgrpo` now samples;
+`--eta 0`: the evaluation's ODE), scores each image with `ShapesEditScore`, and prints per kind:
+the mean graded reward, strict accuracy (pass@1) and pass@k (a row counts when any of its k
+samples is strictly right). pass@k over pass@1 is the room group-relative RL has: it can only
+reinforce what some sample already does.
 
     python scripts/shapes_edit_headroom.py [--model checkpoints/shapes_edit] [--split eval] [--samples 8]
     [--checkpoint outputs/shapes_edit_flowgrpo/checkpoints/final]
@@ -40,6 +42,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--rows", type=int, default=None, help="the recipe's data_source.rows pool (seed 0)")
     ap.add_argument("--eta", type=float, default=0.7, help="0: the evaluation's ODE")
+    ap.add_argument("--sde-steps", type=int, default=4, help="how many of the 10 steps are SDE steps")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -58,7 +61,7 @@ def main() -> None:
         max_sequence_length=10,
         seed=args.seed,
         sde_scheduler="random",
-        sde_num_steps=4,
+        sde_num_steps=args.sde_steps,
         sde_window=(0.0, 0.99),
     )
     stage = FluxStage(bundle)
