@@ -45,6 +45,13 @@ RL_STEPS = [  # an RL recipe of this world at a test's size: 2 steps of 2 rows x
 ]
 
 
+def assert_sampled_from_the_pool(samples_json) -> None:
+    """A step's saved samples are all prompts of the recipes' pool (32 of the train split's 2520 rows)."""
+    pool = {ex.prompt for ex in ShapesEditDataset("train", 0, rows=32).examples}
+    sampled = json.loads(samples_json.read_text())
+    assert sampled and {s["prompt"] for s in sampled} <= pool
+
+
 def test_the_edit_base_pretrains_on_its_demonstrations_and_evaluates_held_out_edits(tmp_path) -> None:
     rows = run(
         "diffusion/shapes_edit_sft",
@@ -85,9 +92,7 @@ def test_flow_grpo_trains_the_committed_edit_base_on_its_pool_of_rows(tmp_path) 
     for r in rows:
         assert 0.0 <= r["reward/mean"] <= 1.0 and math.isfinite(r["loss"])
     assert rows[0]["ratio/first_update_mean"] == 1.0
-    pool = {ex.prompt for ex in ShapesEditDataset("train", 0, rows=32).examples}
-    sampled = json.loads((tmp_path / "samples" / "step_0002.json").read_text())
-    assert sampled and {s["prompt"] for s in sampled} <= pool
+    assert_sampled_from_the_pool(tmp_path / "samples" / "step_0002.json")
 
 
 def test_diffusion_nft_trains_the_committed_edit_base_on_its_pool_of_rows(tmp_path) -> None:
@@ -110,9 +115,7 @@ def test_diffusion_nft_trains_the_committed_edit_base_on_its_pool_of_rows(tmp_pa
     assert train[0]["nft/v_drift_mse"] == 0.0  # the first update starts from the weights that sampled
     evals = [r for r in rows if "eval/accuracy_strict" in r]
     assert [r["step"] for r in evals] == [0, 2]
-    pool = {ex.prompt for ex in ShapesEditDataset("train", 0, rows=32).examples}
-    sampled = json.loads((tmp_path / "samples" / "step_0002.json").read_text())
-    assert sampled and {s["prompt"] for s in sampled} <= pool
+    assert_sampled_from_the_pool(tmp_path / "samples" / "step_0002.json")
 
 
 def test_the_evaluation_scores_each_image_against_its_own_rows_source() -> None:
