@@ -46,7 +46,7 @@ RL_STEPS = [  # an RL recipe of this world at a test's size: 2 steps of 2 rows x
 
 
 def assert_sampled_from_the_pool(samples_json) -> None:
-    """A step's saved samples are all prompts of the recipes' pool (32 of the train split's 2520 rows)."""
+    """A step's saved samples are all prompts of the recipes' pool (32 of the train split's 630 rows)."""
     pool = {ex.prompt for ex in ShapesEditDataset("train", 0, rows=32).examples}
     sampled = json.loads(samples_json.read_text())
     assert sampled and {s["prompt"] for s in sampled} <= pool
